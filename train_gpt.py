@@ -137,7 +137,7 @@ class Hyperparameters:
     save_checkpoint: bool = False          # write logs/<run_id>/state_step<step>.pt at the end
     nonfinite_check_every: int = 25        # check the loss for NaN/inf every this many steps (no per-step sync)
     pg_timeout_s: int = 600                # a rank stuck this long in a collective ends the run
-    max_steps: int = -1                    # stop after this many training steps (for smoke tests); -1: all
+    profile_steps: str = ""                # "a:b": profile steps a..b-1 with torch.profiler into the log dir
 
     # ---- derived ----
     @property
@@ -325,4 +325,488 @@ def schedule_at(step: int, hp: Hyperparameters) -> StepSchedule:
     )
 
 
-# <<MAIN SECTION>>
+# =====================================================================================================================
+# 8. Validation of the configuration, preflight checks, logging, checkpoints
+# =====================================================================================================================
+
+
+class ConfigError(ValueError):
+    """A bad option or an environment that cannot run it; the message names what to change."""
+
+
+def micro_batch_tokens(global_batch: int, batch_slices: int) -> int:
+    """Per-rank tokens per micro-step: the global batch cut into batch_slices, whatever the world size."""
+    return global_batch // batch_slices
+
+
+def validate_hyperparameters(hp: Hyperparameters, world_size: int) -> None:
+    """Check every derived quantity once, right after parsing; each error names the option (or GPU count) to change."""
+    def need(ok: bool, msg: str) -> None:
+        if not ok:
+            raise ConfigError(msg)
+
+    need(world_size >= 1 and hp.batch_slices % world_size == 0,
+         f"world size {world_size} does not divide --batch_slices={hp.batch_slices}: run on 1, 2, 4 or 8 GPUs "
+         f"(./run.sh picks the GPU count; set CUDA_VISIBLE_DEVICES or NPROC to choose)")
+    need(len(hp.train_bs_schedule) == 3 and len(hp.ws_long_schedule) == 3 and len(hp.lr_peaks) == 3,
+         "--train_bs_schedule, --ws_long_schedule and --lr_peaks need one value per third of the schedule (3 each)")
+    for bs in hp.train_bs_schedule:
+        need(bs % hp.batch_slices == 0 and micro_batch_tokens(bs, hp.batch_slices) % 16 == 0,
+             f"global batch {bs} in --train_bs_schedule must split into --batch_slices={hp.batch_slices} micro-batches "
+             f"of a multiple of 16 tokens: use a multiple of {16 * hp.batch_slices}")
+    need(hp.val_batch_size % (16 * hp.batch_slices) == 0,
+         f"--val_batch_size={hp.val_batch_size} must be a multiple of {16 * hp.batch_slices} (16 * --batch_slices)")
+    need(hp.val_tokens > 0 and hp.val_tokens % hp.val_batch_size == 0,
+         f"--val_tokens={hp.val_tokens} must be a positive multiple of --val_batch_size={hp.val_batch_size}")
+    need(hp.num_scheduled_iterations >= 3 and hp.num_extension_iterations >= 0,
+         "--num_scheduled_iterations must be >= 3 and --num_extension_iterations >= 0")
+    need(0 < hp.cooldown_frac <= 1, "--cooldown_frac must be in (0, 1]")
+    need(hp.split_step < hp.num_iterations, f"split step {hp.split_step} is past the last step: lower --split_frac")
+    need(hp.val_loss_every >= 0, "--val_loss_every must be >= 0 (0: validate only at the end)")
+    need(0 < hp.momentum_warmup_steps and 0 < hp.momentum_cooldown_steps,
+         "--momentum_warmup_steps and --momentum_cooldown_steps must be positive")
+    # model layout
+    L = hp.num_layers
+    need(len(hp.attn_layout) == L and set(hp.attn_layout) <= set("PN-"),
+         f"--attn_layout={hp.attn_layout!r} needs one of P (paired), N (normal), - (none) per layer ({L} layers)")
+    need(len(hp.ve_layout) == L and all(-1 <= v < hp.num_value_embeds for v in hp.ve_layout),
+         f"--ve_layout needs {L} entries, each -1 or a table index below --num_value_embeds={hp.num_value_embeds}")
+    need(all(v < 0 or hp.attn_layout[i] != "-" for i, v in enumerate(hp.ve_layout)),
+         "--ve_layout gives a value embedding to a layer without attention (check --attn_layout)")
+    need(all(0 <= i < L and hp.attn_layout[i] == "N" for i in hp.long_window_layers),
+         f"--long_window_layers={hp.long_window_layers} must name normal-attention layers (N in --attn_layout)")
+    need(0 <= hp.skip_source_layer < hp.skip_dest_layer < L and 0 <= hp.backout_layer < L,
+         "--skip_source_layer < --skip_dest_layer and --backout_layer must be layer indices")
+    need(hp.model_dim == hp.num_heads * hp.head_dim, "--model_dim must equal --num_heads * --head_dim")
+    need(hp.num_heads % 2 == 0 and hp.head_dim % 4 == 0 and hp.model_dim >= 12,
+         "paired heads need an even --num_heads, rotary needs --head_dim divisible by 4, gates read 12 channels")
+    need(hp.vocab_size > 50256 and hp.vocab_size % 16 == 0,
+         "--vocab_size must hold the BOS id 50256 and be a multiple of 16 (FP8 matmul)")
+    need(hp.attn_backend in ("auto", "flex", "varlen", "fa3", "sdpa"),
+         f"--attn_backend={hp.attn_backend} is not one of auto, flex, varlen, fa3, sdpa")
+    need(hp.device in ("auto", "cuda", "cpu"), f"--device={hp.device} is not one of auto, cuda, cpu")
+    table = hp.param_table
+    need(tuple(table["attn"]["matrix_shape"]) == (hp.model_dim, hp.model_dim)
+         and tuple(table["mlp"]["matrix_shape"]) == (hp.mlp_hidden, hp.model_dim),
+         "param_table matrix_shape of attn / mlp must be (model_dim, model_dim) / (mlp_hidden, model_dim)")
+    n_attn = sum(c != "-" for c in hp.attn_layout)
+    for label, count in (("attn", 4 * n_attn), ("mlp", 2 * (L + hp.mlp_bank_pad))):
+        need(count % world_size == 0,
+             f"the {label} bank has {count} matrices, not divisible by world size {world_size}: "
+             f"use a GPU count that divides it" + (" or change --mlp_bank_pad" if label == "mlp" else ""))
+    for label, rows in (("lm_head", hp.model_dim), ("embed", hp.vocab_size)):
+        need(rows % world_size == 0, f"{label} has {rows} rows, not divisible by world size {world_size}")
+    if hp.profile_steps:
+        a, _, b = hp.profile_steps.partition(":")
+        need(a.isdigit() and b.isdigit() and int(a) < int(b), f"--profile_steps={hp.profile_steps!r} must be 'a:b'")
+
+
+def train_tokens_needed(hp: Hyperparameters) -> int:
+    """Tokens that carry a loss over the whole run (467,927,040 for the record); reads are higher (see preflight)."""
+    return sum(global_batch_size(s, hp.num_scheduled_iterations, hp.train_bs_schedule) for s in range(hp.num_iterations))
+
+
+# Measured on FineWeb: the loader reads about 1.35x the trained tokens (documents cut at 2048, rank-boundary
+# remainders, +1 look-ahead per rank, abandoned shard tails); 1.45 leaves a margin.
+TRAIN_READ_FACTOR = 1.45
+
+
+def estimate_gpu_memory_gib(hp: Hyperparameters, world_size: int) -> float:
+    """A rough upper estimate of peak GPU memory per rank (weights, grads, optimizer state, activations, logits)."""
+    D, H, V, L = hp.model_dim, hp.mlp_hidden, hp.vocab_size, hp.num_layers
+    n_attn = sum(c != "-" for c in hp.attn_layout)
+    banks = 4 * n_attn * D * D + 2 * (L + hp.mlp_bank_pad) * H * D
+    tables = (2 + hp.num_value_embeds) * V * D
+    weights = 2 * (banks + tables)                       # bf16
+    grads = 2 * (banks + tables)
+    optim = (4 * 3 * banks + 8 * tables) / world_size    # fp32 momentum + master bits / Adam m, v (sharded)
+    n = max(micro_batch_tokens(bs, hp.batch_slices) for bs in hp.train_bs_schedule)
+    acts = n * L * (28 * D + 4 * H)                      # bf16 activations saved for backward, per token and layer
+    logits = n * V * 2 * 3                               # bf16 logits, their grad and FP8 copies
+    n_val = hp.val_batch_size // hp.batch_slices
+    rope = 2 * 2 * (2 * n_val) * hp.head_dim * 3         # cos/sin tables, normal and paired
+    return (weights + grads + optim + acts + logits + rope) / 2**30
+
+
+def preflight(hp: Hyperparameters, world_size: int, device: torch.device) -> list[str]:
+    """Check data, schedule and memory before anything compiles. Raises DataError / ConfigError; returns notes."""
+    notes = []
+    train_files = resolve_shards(hp.train_files, "train")
+    val_files = resolve_shards(hp.val_files, "val")
+    train_avail = sum(shard_num_tokens(f) for f in train_files)   # validates every header and size
+    val_sizes = [shard_num_tokens(f) for f in val_files]
+    needed = train_tokens_needed(hp)
+    shard = max(1, train_avail // len(train_files))
+    if train_avail < needed:
+        k = math.ceil(needed * TRAIN_READ_FACTOR / shard)
+        raise DataError(f"the schedule trains on {needed:,} tokens but the {len(train_files)} training shard(s) matching "
+                        f"{hp.train_files} hold {train_avail:,}: get more shards (python data/cached_fineweb10B.py {k}) "
+                        f"or shorten the run (--num_scheduled_iterations)")
+    if train_avail < needed * TRAIN_READ_FACTOR:
+        notes.append(f"warning: {train_avail:,} training tokens for {needed:,} trained; the loader reads about "
+                     f"{TRAIN_READ_FACTOR}x that, so the run may run out of data (the loader then stops with a message)")
+    # every validation reads the same first val_tokens tokens plus one look-ahead token, from the first val shard on
+    if val_sizes[0] < hp.val_tokens + 2 and sum(val_sizes) < hp.val_tokens + 2 * len(val_sizes):
+        raise DataError(f"validation reads {hp.val_tokens:,} tokens (+1 look-ahead) but {val_files[0]} holds "
+                        f"{val_sizes[0]:,}: lower --val_tokens to a multiple of --val_batch_size={hp.val_batch_size} "
+                        f"below that, or use the full FineWeb val shard")
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory / 2**30
+        est = estimate_gpu_memory_gib(hp, world_size)
+        if est > 0.95 * total:
+            raise ConfigError(f"this configuration needs about {est:.0f} GiB per GPU (an estimate) but the GPU has "
+                              f"{total:.0f} GiB: lower --train_bs_schedule and --val_batch_size, or use larger GPUs")
+        notes.append(f"memory estimate: about {est:.1f} GiB per GPU of {total:.0f} GiB")
+    notes.append(f"data: {len(train_files)} train shards ({train_avail:,} tokens) for {needed:,} trained tokens; "
+                 f"{len(val_files)} val shard(s), {hp.val_tokens:,} tokens per validation")
+    return notes
+
+
+def environment_report() -> str:
+    import subprocess
+    import triton
+    lines = [f"python {sys.version}", f"torch {torch.__version__} (cuda {torch.version.cuda})", f"triton {triton.__version__}"]
+    try:
+        smi = subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.SubprocessError):
+        smi = "nvidia-smi: not available"
+    return "\n".join(lines) + "\n" + smi
+
+
+class RunLogger:
+    """Rank 0 writes logs/<run_id>.txt (flushed every line, so a crash loses nothing) and echoes to the console."""
+
+    def __init__(self, path: Path | None):
+        self.path = path
+        self.file = None
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self.file = open(path, "w", buffering=1)
+
+    def __call__(self, msg: str, console: bool = True) -> None:
+        if self.file is None:
+            return
+        if console:
+            print(msg, flush=True)
+        self.file.write(msg + "\n")
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+
+
+def atomic_torch_save(obj: Any, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    try:
+        torch.save(obj, tmp)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def snapshot_state(model: nn.Module, opt: Any) -> dict[str, Any]:
+    """A detached copy of everything a step changes (used to undo warmup and as the last good state)."""
+    return {"model": {k: v.detach().clone() for k, v in model.state_dict().items()},
+            "optimizer": copy.deepcopy(opt.state_dict())}
+
+
+def states_equal(a: Any, b: Any) -> bool:
+    """Bitwise equality of nested state (tensors compared with torch.equal, which treats NaN as unequal)."""
+    if isinstance(a, Tensor) or isinstance(b, Tensor):
+        return isinstance(a, Tensor) and isinstance(b, Tensor) and a.dtype == b.dtype and a.shape == b.shape \
+            and bool(torch.equal(a, b))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(states_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(states_equal(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+# =====================================================================================================================
+# 9. Training: warmup, reset, the timed loop, main()
+# =====================================================================================================================
+
+
+def warmup_steps(hp: Hyperparameters) -> list[int]:
+    """Steps that exercise every compiled variant: the start, both sides of every window change, and the split."""
+    ws = [window_sizes(s, hp.num_scheduled_iterations, hp.ws_long_schedule, hp.ws_long_extension)[1]
+          for s in range(hp.num_iterations)]
+    transitions = [s for s in range(1, hp.num_iterations) if ws[s] != ws[s - 1]]
+    steps = {0, 1, 2, hp.split_step, hp.split_step - 1} | {t + d for t in transitions for d in (-1, 0, 1)}
+    return sorted(s for s in steps if 0 <= s < hp.num_iterations)
+
+
+class Trainer:
+    """The schedule state (windows, batch size) and the step/validation routines shared by warmup and the timed loop."""
+
+    def __init__(self, hp: Hyperparameters, model: nn.Module, compiled: Callable, opt: Any, device: torch.device,
+                 rank: int, world_size: int, train_files: list[str], val_files: list[str]):
+        self.hp, self.model, self.compiled, self.opt = hp, model, compiled, opt
+        self.device, self.rank, self.world_size = device, rank, world_size
+        self.train_files, self.val_files = train_files, val_files
+        self.grad_accum = hp.batch_slices // world_size
+        self.reset_schedule_state()
+
+    def reset_schedule_state(self) -> None:
+        s0 = schedule_at(0, self.hp)
+        self.ws_long = s0.ws_long
+        self.global_batch = s0.global_batch
+        self.loader = train_batches(self.train_files, s0.global_batch, self.grad_accum, self.rank, self.world_size,
+                                    self.device, self.hp.train_max_seq_len, self.hp.tokens_per_doc_bound)
+
+    def advance_schedule(self, sched: StepSchedule) -> tuple | None:
+        """Apply YaRN at a window change; return the batch-size message for this step's micro-batches, if any."""
+        if sched.ws_long != self.ws_long:
+            self.model.apply_yarn(self.ws_long, sched.ws_long)
+            self.ws_long = sched.ws_long
+        if sched.global_batch != self.global_batch:
+            self.global_batch = sched.global_batch
+            return (sched.global_batch, self.hp.train_max_seq_len, self.grad_accum)
+        return None
+
+    def train_step(self, sched: StepSchedule, message: tuple | None) -> Tensor:
+        """A micro-steps of forward/backward, then the optimizer step; returns this rank's summed loss (on device)."""
+        hp = self.hp
+        mtp = torch.tensor(sched.mtp_weights, dtype=torch.float32).to(self.device, non_blocking=True)
+        total = torch.zeros((), device=self.device)
+        for _ in range(self.grad_accum):
+            inputs, targets, cu_seqlens = self.loader.send(message)
+            loss = self.compiled(inputs, targets, cu_seqlens, sched.ws_short, sched.ws_long, mtp, hp.train_max_seq_len)
+            (loss / self.grad_accum).backward()
+            total += loss.detach()
+        self.opt.step(do_adam=sched.do_adam, lr_factor=sched.lr_factor, momentum=sched.momentum)
+        if sched.step == hp.split_step:
+            self.opt.untie()
+        return total
+
+    @torch.no_grad()
+    def validate(self, ws_short: int, ws_long: int, max_batches: int | None = None) -> float:
+        hp = self.hp
+        self.model.eval()
+        n_val = hp.val_batch_size // hp.batch_slices
+        batches = val_batches(self.val_files, hp.val_batch_size, hp.val_tokens, self.grad_accum, self.rank,
+                              self.world_size, self.device, hp.tokens_per_doc_bound)
+        mtp = torch.ones(1, device=self.device)
+        total, count = torch.zeros((), device=self.device), 0
+        for inputs, targets, cu_seqlens in batches:
+            total += self.compiled(inputs, targets, cu_seqlens, ws_short, ws_long, mtp, n_val)
+            count += 1
+            if max_batches is not None and count >= max_batches:
+                break
+        loss = total / count
+        if self.world_size > 1:
+            dist.all_reduce(loss, op=dist.ReduceOp.AVG)
+        self.model.train()
+        return loss.item()
+
+
+def setup_distributed(hp: Hyperparameters) -> tuple[int, int, int, torch.device]:
+    import datetime
+    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    want_cuda = hp.device == "cuda" or (hp.device == "auto" and torch.cuda.is_available())
+    if want_cuda and not torch.cuda.is_available():
+        raise ConfigError("--device=cuda but no CUDA GPU is visible: check nvidia-smi, or run with --device=cpu")
+    device = torch.device("cuda", local_rank) if want_cuda else torch.device("cpu")
+    if want_cuda:
+        torch.cuda.set_device(device)
+    if world_size > 1:
+        validate_world = hp.batch_slices % world_size == 0
+        if not validate_world:
+            raise ConfigError(f"world size {world_size} does not divide --batch_slices={hp.batch_slices}: "
+                              f"run on 1, 2, 4 or 8 GPUs")
+        # A bounded timeout: if one rank dies, the others leave their collective with an error instead of hanging.
+        timeout = datetime.timedelta(seconds=hp.pg_timeout_s)
+        if want_cuda:
+            dist.init_process_group("nccl", device_id=device, timeout=timeout)
+        else:
+            dist.init_process_group("gloo", timeout=timeout)
+    return rank, world_size, local_rank, device
+
+
+def build_model(hp: Hyperparameters, device: torch.device, attn_backend: str) -> nn.Module:
+    names = {f.name for f in dataclasses.fields(ModelConfig)}
+    n_train = max(micro_batch_tokens(bs, hp.batch_slices) for bs in hp.train_bs_schedule)
+    n_val = hp.val_batch_size // hp.batch_slices
+    extra = dict(attn_backend=attn_backend, rotary_max_len=max(n_train, n_val))
+    cfg = ModelConfig(**{n: getattr(hp, n) for n in names if hasattr(hp, n) and n not in extra}, **extra)
+    return GPT(cfg, device)
+
+
+def build_optimizer(hp: Hyperparameters, model: nn.Module, rank: int, world_size: int) -> Any:
+    return NorMuonAndAdam(model.labelled_params(), hp.param_table, hp.scatter_order, hp.work_order,
+                          adam_lr=hp.adam_lr, adam_eps=hp.adam_eps, adam_wd=hp.adam_wd, muon_lr=hp.muon_lr,
+                          muon_beta2=hp.muon_beta2, muon_wd=hp.muon_wd, rank=rank, world_size=world_size)
+
+
+def train(hp: Hyperparameters, argv_text: str) -> dict[str, Any]:
+    """The whole run. Returns a summary (final val loss, train time, ...) for tests and tools."""
+    t_process = time.perf_counter()
+    rank, world_size, _, device = setup_distributed(hp)
+    validate_hyperparameters(hp, world_size)
+    master = rank == 0
+    run_id = hp.run_id or str(uuid.uuid4())
+    log = RunLogger(Path(hp.log_dir) / f"{run_id}.txt" if master else None)
+    is_cuda = device.type == "cuda"
+
+    def sync() -> None:
+        if is_cuda:
+            torch.cuda.synchronize(device)
+
+    try:
+        if master:
+            print(f"logging to {log.path}", flush=True)
+            code = "\n".join(f"==== {name} ====\n" + Path(__file__).with_name(name).read_text()
+                             for name in ("train_gpt.py", "triton_kernels.py"))
+            log(code, console=False)
+            log("=" * 100 + "\n" + environment_report() + "=" * 100, console=False)
+            log(f"command: {argv_text}")
+            log("hyperparameters:\n" + "\n".join(f"  {f.name} = {getattr(hp, f.name)!r}"
+                                                  for f in dataclasses.fields(hp)), console=False)
+        for note in preflight(hp, world_size, device):
+            log(note)
+        train_files, val_files = resolve_shards(hp.train_files, "train"), resolve_shards(hp.val_files, "val")
+        attn_backend = resolve_attn_backend(hp.attn_backend, device)
+        log(f"world_size:{world_size} grad_accum:{hp.batch_slices // world_size} device:{device} "
+            f"attn_backend:{attn_backend} (asked: {hp.attn_backend}) compile:{hp.compile and is_cuda}")
+
+        if hp.seed >= 0:
+            torch.manual_seed(hp.seed)
+        model = build_model(hp, device, attn_backend)
+        if world_size > 1:
+            for p in model.parameters():
+                dist.broadcast(p.detach(), 0)
+        opt = build_optimizer(hp, model, rank, world_size)
+        compiled = model
+        if hp.compile and is_cuda:
+            import torch._dynamo
+            torch._dynamo.config.recompile_limit = 64
+            compiled = torch.compile(model, dynamic=False, fullgraph=True)
+        trainer = Trainer(hp, model, compiled, opt, device, rank, world_size, train_files, val_files)
+        sync()
+        log(f"phase:startup time:{1000 * (time.perf_counter() - t_process):.0f}ms")
+
+        # ---- warmup: compile every variant on real batches, then restore the exact initial state ----
+        if hp.warmup:
+            t0 = time.perf_counter()
+            initial = snapshot_state(model, opt)
+            steps = warmup_steps(hp)
+            log(f"warmup: compiling on steps {steps}")
+            for i, step in enumerate(steps):
+                sched = schedule_at(step, hp)
+                message = trainer.advance_schedule(sched)
+                trainer.validate(sched.ws_short, sched.ws_long, max_batches=1)
+                trainer.train_step(sched, message)
+                log(f"  warmup {i + 1}/{len(steps)} step {step} done at {time.perf_counter() - t0:.1f}s")
+            model.load_state_dict(initial["model"])
+            opt.load_state_dict(initial["optimizer"])
+            model.reset_rotary()
+            for p in model.parameters():
+                p.grad = None
+            if not states_equal(snapshot_state(model, opt), initial):
+                raise RuntimeError("the state after the warmup reset differs from the initial state (a bug: report it)")
+            trainer.reset_schedule_state()
+            sync()
+            log(f"phase:warmup time:{1000 * (time.perf_counter() - t0):.0f}ms (state reset and checked)")
+        import gc
+        gc.collect()
+
+        # ---- the timed loop ----
+        total_steps = hp.num_iterations
+        profile = [int(x) for x in hp.profile_steps.split(":")] if hp.profile_steps else None
+        profiler = None
+        first_bad = torch.full((), -1, dtype=torch.int64, device=device)   # first step whose loss was not finite
+        last_good = None
+        val_loss = float("nan")
+        train_ms = 0.0
+        sync()
+        t0 = time.perf_counter()
+        for step in range(total_steps + 1):
+            last = step == total_steps
+            sched = schedule_at(min(step, total_steps - 1), hp)
+            message = trainer.advance_schedule(sched) if not last else None
+            if last or (hp.val_loss_every > 0 and step % hp.val_loss_every == 0):
+                sync()
+                train_ms += 1000 * (time.perf_counter() - t0)
+                tv = time.perf_counter()
+                ws_long = hp.ws_long_final_val if last else sched.ws_long
+                val_loss = trainer.validate(sched.ws_short, ws_long)
+                log(f"step:{step}/{total_steps} val_loss:{val_loss:.4f} train_time:{train_ms:.0f}ms "
+                    f"step_avg:{train_ms / max(step, 1):.2f}ms")
+                log(f"phase:validation time:{1000 * (time.perf_counter() - tv):.0f}ms", console=False)
+                if not math.isfinite(val_loss):
+                    raise FloatingPointError(f"validation loss is {val_loss} at step {step}")
+                sync()
+                t0 = time.perf_counter()
+            if last:
+                break
+            if profile and step == profile[0]:
+                profiler = torch.profiler.profile(record_shapes=False, with_stack=False)
+                profiler.__enter__()
+            loss = trainer.train_step(sched, message)
+            # no sync here: remember the first bad step on the device and look at it every few steps
+            torch.where((first_bad < 0) & ~torch.isfinite(loss), step, first_bad, out=first_bad)
+            if profiler is not None and step + 1 == profile[1]:
+                sync()
+                profiler.__exit__(None, None, None)
+                trace = Path(hp.log_dir) / f"{run_id}_rank{rank}_trace.json"
+                profiler.export_chrome_trace(str(trace))
+                profiler = None
+                log(f"profile of steps {profile[0]}..{profile[1] - 1} written to {trace}")
+            if (step + 1) % hp.nonfinite_check_every == 0 or step + 1 == total_steps:
+                bad = int(first_bad.item())
+                if bad >= 0:
+                    if hp.save_checkpoint and last_good is not None:
+                        save_checkpoint(hp, run_id, last_good["step"], last_good["state"], rank, world_size, log)
+                    raise FloatingPointError(
+                        f"the training loss became NaN or infinite at step {bad}"
+                        + (f"; the last good state (step {last_good['step']}) was saved" if hp.save_checkpoint and last_good else "")
+                        + ": lower the learning rates (--adam_lr, --muon_lr) or check the data")
+                if hp.save_checkpoint:
+                    last_good = {"step": step + 1, "state": snapshot_state(model, opt)}
+            approx_ms = train_ms + 1000 * (time.perf_counter() - t0)
+            log(f"step:{step + 1}/{total_steps} train_time:{approx_ms:.0f}ms step_avg:{approx_ms / (step + 1):.2f}ms")
+
+        if hp.save_checkpoint:
+            save_checkpoint(hp, run_id, total_steps, snapshot_state(model, opt), rank, world_size, log)
+        if is_cuda:
+            log(f"peak memory allocated: {torch.cuda.max_memory_allocated(device) // 2**20} MiB "
+                f"reserved: {torch.cuda.max_memory_reserved(device) // 2**20} MiB")
+        return {"val_loss": val_loss, "train_time_ms": train_ms, "run_id": run_id, "log": str(log.path)}
+    finally:
+        log.close()
+
+
+def save_checkpoint(hp: Hyperparameters, run_id: str, step: int, state: dict, rank: int, world_size: int,
+                    log: Callable) -> None:
+    """logs/<run_id>/state_step<step>.pt (optimizer shards are per rank: one file per rank when world_size > 1)."""
+    suffix = f"_rank{rank}" if world_size > 1 else ""
+    path = Path(hp.log_dir) / run_id / f"state_step{step:06d}{suffix}.pt"
+    code = Path(__file__).read_text()
+    atomic_torch_save({"step": step, "code": code, "hyperparameters": dataclasses.asdict(hp), **state}, path)
+    log(f"checkpoint: {path}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    os.environ.setdefault("PYTORCH_ALLOC_CONF", "expandable_segments:True")
+    try:
+        hp = parse_args(argv)
+        train(hp, " ".join(argv))
+        return 0
+    except (ConfigError, DataError) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2 if isinstance(e, ConfigError) else 1
+    except FloatingPointError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 3
+    finally:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
