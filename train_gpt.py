@@ -614,10 +614,6 @@ def setup_distributed(hp: Hyperparameters) -> tuple[int, int, int, torch.device]
     if want_cuda:
         torch.cuda.set_device(device)
     if world_size > 1:
-        validate_world = hp.batch_slices % world_size == 0
-        if not validate_world:
-            raise ConfigError(f"world size {world_size} does not divide --batch_slices={hp.batch_slices}: "
-                              f"run on 1, 2, 4 or 8 GPUs")
         # A bounded timeout: if one rank dies, the others leave their collective with an error instead of hanging.
         timeout = datetime.timedelta(seconds=hp.pg_timeout_s)
         if want_cuda:
@@ -645,8 +641,8 @@ def build_optimizer(hp: Hyperparameters, model: nn.Module, rank: int, world_size
 def train(hp: Hyperparameters, argv_text: str) -> dict[str, Any]:
     """The whole run. Returns a summary (final val loss, train time, ...) for tests and tools."""
     t_process = time.perf_counter()
+    validate_hyperparameters(hp, int(os.environ.get("WORLD_SIZE", 1)))
     rank, world_size, _, device = setup_distributed(hp)
-    validate_hyperparameters(hp, world_size)
     master = rank == 0
     run_id = hp.run_id or str(uuid.uuid4())
     log = RunLogger(Path(hp.log_dir) / f"{run_id}.txt" if master else None)
@@ -748,7 +744,7 @@ def train(hp: Hyperparameters, argv_text: str) -> dict[str, Any]:
                 profiler.__enter__()
             loss = trainer.train_step(sched, message)
             # no sync here: remember the first bad step on the device and look at it every few steps
-            torch.where((first_bad < 0) & ~torch.isfinite(loss), step, first_bad, out=first_bad)
+            first_bad.copy_(torch.where((first_bad < 0) & ~torch.isfinite(loss), step, first_bad))
             if profiler is not None and step + 1 == profile[1]:
                 sync()
                 profiler.__exit__(None, None, None)
@@ -803,6 +799,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except FloatingPointError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 3
+    except (RuntimeError, dist.DistError) as e:
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            raise
+        # In a multi-process run the usual cause is another rank that died: say so instead of a bare traceback.
+        import traceback
+        traceback.print_exc()
+        print(f"error: rank {dist.get_rank()}: {type(e).__name__} in a distributed run. If another rank failed first, "
+              f"its message above is the cause; this rank stopped after at most --pg_timeout_s seconds.",
+              file=sys.stderr, flush=True)
+        return 4
     finally:
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
