@@ -1,0 +1,59 @@
+"""Hyperparameters: --name=value parsing, presets, and validation errors that name the fix."""
+import subprocess
+import sys
+
+import pytest
+
+import train_gpt as tg
+
+
+def test_parse_types_and_preset_order():
+    hp = tg.parse_args(["--num_layers=11", "--preset=tiny", "--muon_lr=0.05", "--compile=false",
+                        "--train_bs_schedule=4096,8192,8192"])
+    assert hp.preset == "tiny" and hp.model_dim == 128          # preset applied first, whatever its position
+    assert hp.num_layers == 11 and hp.muon_lr == 0.05 and hp.compile is False
+    assert hp.train_bs_schedule == (4096, 8192, 8192)
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--nosuch=1"], "unknown option --nosuch"),
+    (["--num_layers=abc"], "--num_layers='abc' is not a valid int"),
+    (["--preset=huge"], "unknown --preset=huge"),
+    (["num_layers=3"], "expected --name=value"),
+])
+def test_parse_errors(argv, needle):
+    with pytest.raises(SystemExit) as e:
+        tg.parse_args(argv)
+    assert needle in str(e.value)
+
+
+@pytest.mark.parametrize("world_size,argv,needle", [
+    (3, [], "world size 3 does not divide --batch_slices=8"),
+    (1, ["--train_bs_schedule=131072,262144,1000"], "global batch 1000"),
+    (1, ["--val_tokens=1000"], "--val_tokens=1000"),
+    (1, ["--attn_layout=PN"], "--attn_layout"),
+    (1, ["--attn_backend=magic"], "--attn_backend=magic"),
+    (1, ["--long_window_layers=0"], "--long_window_layers"),
+    (8, ["--mlp_bank_pad=0"], "mlp bank has 22 matrices"),
+    (1, ["--model_dim=512"], "--model_dim must equal"),
+])
+def test_validation_names_the_fix(world_size, argv, needle):
+    hp = tg.parse_args(argv)
+    with pytest.raises(tg.ConfigError) as e:
+        tg.validate_hyperparameters(hp, world_size)
+    assert needle in str(e.value)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4, 8])
+def test_defaults_valid_on_every_supported_world_size(world_size):
+    tg.validate_hyperparameters(tg.Hyperparameters(), world_size)
+
+
+def test_import_starts_nothing():
+    code = ("import sys, threading, torch; before = threading.active_count(); import train_gpt, triton_kernels; "
+            "import torch.distributed as d; assert not d.is_initialized(); "
+            "assert threading.active_count() == before, 'threads started at import'; "
+            "print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={"CUDA_VISIBLE_DEVICES": "", "PATH": "/usr/bin:/bin"}, cwd=tg.Path(tg.__file__).parent)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
