@@ -1,0 +1,57 @@
+"""Test helpers: write token shards in the FineWeb format and run the trainer in a subprocess."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+BOS = 50256
+
+
+def write_shard(path, tokens, magic=20240520, version=1, claimed=None):
+    tokens = np.asarray(tokens, dtype=np.uint16)
+    header = np.zeros(256, dtype=np.int32)
+    header[:3] = (magic, version, len(tokens) if claimed is None else claimed)
+    with open(path, "wb") as f:
+        f.write(header.tobytes())
+        f.write(tokens.tobytes())
+    return str(path)
+
+
+def structured_docs(n_tokens, seed, mean_len=200, vocab=300):
+    """BOS-started documents of a learnable toy language: each token mostly follows a fixed successor map."""
+    rng = np.random.default_rng(seed)
+    succ = rng.integers(0, vocab, size=vocab)
+    out = np.empty(n_tokens, dtype=np.int64)
+    i = 0
+    while i < n_tokens:
+        n = max(2, int(rng.exponential(mean_len)))
+        doc = np.empty(n, dtype=np.int64)
+        doc[0] = BOS
+        doc[1] = rng.integers(0, vocab)
+        noise = rng.random(n) < 0.15
+        rand = rng.integers(0, vocab, size=n)
+        for j in range(2, n):
+            doc[j] = rand[j] if noise[j] else succ[doc[j - 1]]
+        take = min(n, n_tokens - i)
+        out[i:i + take] = doc[:take]
+        i += take
+    return out
+
+
+def make_dataset(directory, train_tokens=400_000, val_tokens=20_000, seed=0, n_train_shards=1, doc_len=200):
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    per = train_tokens // n_train_shards
+    for k in range(n_train_shards):
+        write_shard(d / f"fineweb_train_{k + 1:06d}.bin", structured_docs(per, seed + 1 + k, doc_len))
+    write_shard(d / "fineweb_val_000000.bin", structured_docs(val_tokens, seed, doc_len))
+    return str(d / "fineweb_train_*.bin"), str(d / "fineweb_val_*.bin")
+
+
+def run_trainer(args, cwd, timeout=300, env=None):
+    full_env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1", **(env or {}))
+    return subprocess.run([sys.executable, str(ROOT / "train_gpt.py"), *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=timeout, env=full_env)
