@@ -450,6 +450,7 @@ def preflight(hp: Hyperparameters, world_size: int, device: torch.device) -> lis
         raise DataError(f"validation reads {hp.val_tokens:,} tokens (+1 look-ahead) but {val_files[0]} holds "
                         f"{val_sizes[0]:,}: lower --val_tokens to a multiple of --val_batch_size={hp.val_batch_size} "
                         f"below that, or use the full FineWeb val shard")
+    check_document_density(train_files[0], hp)
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory / 2**30
         est = estimate_gpu_memory_gib(hp, world_size)
@@ -460,6 +461,28 @@ def preflight(hp: Hyperparameters, world_size: int, device: torch.device) -> lis
     notes.append(f"data: {len(train_files)} train shards ({train_avail:,} tokens) for {needed:,} trained tokens; "
                  f"{len(val_files)} val shard(s), {hp.val_tokens:,} tokens per validation")
     return notes
+
+
+def check_document_density(path: str, hp: Hyperparameters, sample_tokens: int = 4_000_000) -> None:
+    """Fail before compiling if documents are so short that cu_seqlens (max_num_docs entries) would overflow.
+
+    Samples the first shard: a micro-batch of N tokens holds about N / mean(min(doc_len, max_seq_len)) segments.
+    """
+    tokens = np.memmap(path, dtype=np.uint16, mode="r", offset=SHARD_HEADER_BYTES)[:sample_tokens]
+    starts = np.flatnonzero(tokens == BOS_ID)
+    if len(starts) < 2:
+        return
+    lengths = np.minimum(np.diff(starts), hp.train_max_seq_len)
+    mean_len = float(lengths.mean())
+    for bs in sorted(set(hp.train_bs_schedule)):
+        n = micro_batch_tokens(bs, hp.batch_slices)
+        expected = 1.25 * n / mean_len + 2                # 25% margin for batches of shorter-than-average documents
+        room = max_num_docs(n, hp.tokens_per_doc_bound) - 1
+        if expected > room:
+            bound = max(1, int(mean_len / 1.25) - 1)
+            raise ConfigError(f"documents in {path} average {mean_len:.0f} tokens, much shorter than FineWeb's: a "
+                              f"{n}-token micro-batch holds about {expected:.0f} documents but cu_seqlens has room for "
+                              f"{room}. Rerun with --tokens_per_doc_bound={bound} (default 300)")
 
 
 def environment_report() -> str:
