@@ -742,6 +742,7 @@ def train(hp: Hyperparameters, argv_text: str) -> dict[str, Any]:
         val_loss = float("nan")
         train_ms = 0.0
         sync()
+        log(f"phase:process_start_to_timed_loop time:{1000 * (time.perf_counter() - t_process):.0f}ms")
         t0 = time.perf_counter()
         for step in range(total_steps + 1):
             last = step == total_steps
