@@ -245,7 +245,331 @@ def parse_args(argv: Sequence[str]) -> Hyperparameters:
 # =====================================================================================================================
 # 6. Data
 # =====================================================================================================================
-# <<DATA SECTION>>
+# The data pipeline of spec §2. Shards are FineWeb's GPT-2 token files. Training batches are BOS aligned (every
+# segment starts at a document start and is at most max_seq_len long); validation batches are a plain cut of the val
+# stream. Every rank builds the joint batch of all ranks and keeps its own part, so no communication is needed and
+# the tokens of an optimizer step do not depend on the world size (spec §2.3 note).
+
+BOS_ID = 50256                          # GPT-2 <|endoftext|>; every FineWeb document starts with it
+SHARD_MAGIC, SHARD_VERSION, SHARD_HEADER_BYTES = 20240520, 1, 1024  # header: 256 int32 words: magic, version, n
+_QUICK_SCAN_TOKENS = 4_000_000          # the first batches come from this prefix of shard 0 while the rest loads
+
+_GET_DATA_HINT = ("download FineWeb shards with `python data/cached_fineweb10B.py 9` (any N also fetches the val "
+                  "shard), or for a smoke test make synthetic ones with `python data/synthetic.py --out DIR` and pass "
+                  "--train_files='DIR/fineweb_train_*.bin' --val_files='DIR/fineweb_val_*.bin'")
+
+
+class DataError(RuntimeError):
+    """Missing or bad data, or options that do not fit the data; the message says what to run or change."""
+
+
+def resolve_shards(pattern: str, kind: str) -> list[str]:
+    """The shard files matching `pattern`, sorted; kind is "train" or "val" (for the error message)."""
+    files = sorted(glob.glob(pattern))
+    if files:
+        return files
+    option = "--train_files" if kind == "train" else "--val_files"
+    folder = os.path.dirname(pattern) or "."
+    problem = (f"the folder {folder!r} does not exist" if not glob.has_magic(folder) and not os.path.isdir(folder)
+               else f"no file matches {pattern!r}")
+    raise DataError(f"no {kind} shards: {problem} ({option}={pattern}); {_GET_DATA_HINT}")
+
+
+def _read_header(f, path: str) -> int:
+    """Check the header and the size of the open shard file `f`; return its token count n."""
+    header = np.frombuffer(f.read(SHARD_HEADER_BYTES), dtype="<i4")
+    size = os.fstat(f.fileno()).st_size
+    if header.size < 3:
+        raise DataError(f"shard {path} is truncated: {size} bytes, less than the {SHARD_HEADER_BYTES}-byte header; "
+                        f"delete it and download or generate it again")
+    magic, version, n = (int(w) for w in header[:3])
+    if magic != SHARD_MAGIC:
+        raise DataError(f"shard {path} has bad magic {magic} (expected {SHARD_MAGIC}), so it is not a token shard; "
+                        f"remove it or change --train_files/--val_files")
+    if version != SHARD_VERSION:
+        raise DataError(f"shard {path} has bad version {version} (expected {SHARD_VERSION}); make it again with "
+                        f"data/tokenize.py or download it again with data/cached_fineweb10B.py")
+    expected = SHARD_HEADER_BYTES + 2 * n
+    if size != expected:
+        raise DataError(f"shard {path} is truncated (or has trailing bytes): its header says {n} tokens, so expected "
+                        f"{expected} bytes, found {size}; delete it and download or generate it again")
+    return n
+
+
+def shard_num_tokens(path: str) -> int:
+    """The token count of a shard, after checking its magic, version and file size."""
+    with open(path, "rb") as f:
+        return _read_header(f, path)
+
+
+def _read_tokens(path: str, max_tokens: int | None = None, out: np.ndarray | None = None) -> tuple[np.ndarray, int]:
+    """(tokens uint16, n): all n tokens of a checked shard, or only its first max_tokens; read into `out` if given."""
+    with open(path, "rb") as f:
+        n = _read_header(f, path)
+        count = n if max_tokens is None else min(n, max_tokens)
+        tokens = np.empty(count, dtype=np.uint16) if out is None else out[:count]
+        got = f.readinto(memoryview(tokens).cast("B"))
+    if got != 2 * count:
+        raise DataError(f"shard {path}: read {got} of {2 * count} token bytes (did the file change while it was read?); "
+                        f"download or generate it again")
+    return tokens, n
+
+
+def load_shard(path: str, pin_memory: bool = False) -> Tensor:
+    """All tokens of a checked shard as a uint16 tensor (n,); page-locked if pin_memory (for fast copies to a GPU)."""
+    tokens = torch.empty(shard_num_tokens(path), dtype=torch.uint16, pin_memory=pin_memory)
+    _read_tokens(path, out=tokens.numpy())
+    return tokens
+
+
+def max_num_docs(num_tokens: int, tokens_per_doc_bound: int) -> int:
+    """Fixed length of cu_seqlens for a batch of num_tokens: floor(N / bound) rounded up to a multiple of 128, at
+    least 128. A fixed length keeps the compiled attention shapes static."""
+    return max(128, -(-(num_tokens // tokens_per_doc_bound) // 128) * 128)
+
+
+def _check_doc_capacity(num_seqs: int, num_tokens: int, tokens_per_doc_bound: int, what: str) -> None:
+    """num_seqs sequences need num_seqs + 1 boundaries in cu_seqlens; fail loudly rather than overflow."""
+    capacity = max_num_docs(num_tokens, tokens_per_doc_bound)
+    if num_seqs + 1 > capacity:
+        fits = num_tokens // (num_seqs + 1)
+        raise DataError(
+            f"{what} of {num_tokens} tokens holds {num_seqs} sequences, but cu_seqlens has room for {capacity - 1}: "
+            f"--tokens_per_doc_bound={tokens_per_doc_bound} assumes documents average more tokens than these do. "
+            f"Lower it: --tokens_per_doc_bound={fits} fits this batch, {max(1, fits // 2)} leaves headroom")
+
+
+class _Background:
+    """fn() in a daemon thread. result() joins and returns its value or re-raises its exception in the caller."""
+
+    def __init__(self, fn: Callable[[], Any]):
+        self._value, self._error = None, None
+        self._thread = threading.Thread(target=self._run, args=(fn,), daemon=True)
+        self._thread.start()
+
+    def _run(self, fn: Callable[[], Any]) -> None:
+        try:
+            self._value = fn()
+        except BaseException as e:  # noqa: BLE001 (handed to the consumer by result() and raise_if_failed())
+            self._error = e
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def raise_if_failed(self) -> None:
+        if self.done() and self._error is not None:
+            raise self._error
+
+    def result(self) -> Any:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+class _ShardIndex:
+    """A training shard's tokens (uint16) and its sorted BOS positions. For the quick index of a prefix
+    (complete=False) the last document's end is unknown, so that document is left out of doc_lens."""
+
+    def __init__(self, path: str, tokens: np.ndarray, complete: bool):
+        self.path, self.tokens, self.complete = path, tokens, complete
+        self.bos = np.flatnonzero(tokens == BOS_ID)                               # (num_docs,) int64
+        doc_lens = np.diff(self.bos, append=len(tokens))                          # (num_docs,)
+        self.doc_lens = doc_lens if complete else doc_lens[:-1]                   # (usable_docs,)
+        self._cum_by_cap: dict[int, np.ndarray] = {}
+
+    def cum_lens(self, cap: int) -> np.ndarray:
+        """(usable_docs + 1,) int64; entry j = tokens in the first j documents when each is cut to `cap`."""
+        if cap not in self._cum_by_cap:
+            self._cum_by_cap[cap] = np.concatenate(([0], np.cumsum(np.minimum(self.doc_lens, cap))))
+        return self._cum_by_cap[cap]
+
+
+class _TrainShards:
+    """The training shards in order. While one is in use, a background thread reads and indexes the next. The first
+    starts from a quick index of its first _QUICK_SCAN_TOKENS tokens while a thread indexes all of it; the quick
+    document list is a prefix of the full one, so which index built a batch does not change the batch."""
+
+    def __init__(self, files: list[str]):
+        self.files, self.shard = files, 0
+        tokens, n = _read_tokens(files[0], _QUICK_SCAN_TOKENS)
+        self.current = _ShardIndex(files[0], tokens, complete=len(tokens) == n)
+        self.tokens_done = 0                       # tokens in the shards used up so far
+        self._full_current = None if self.current.complete else _Background(lambda: self._load(0))
+        self._next = None
+        if self._full_current is None:
+            self._prefetch()
+
+    def _load(self, k: int) -> _ShardIndex:
+        return _ShardIndex(self.files[k], _read_tokens(self.files[k])[0], complete=True)
+
+    def _prefetch(self) -> None:
+        k = self.shard + 1
+        self._next = _Background(lambda: self._load(k)) if k < len(self.files) else None
+
+    def _take_full_current(self) -> None:
+        self.current, self._full_current = self._full_current.result(), None
+        self._prefetch()
+
+    def poll(self) -> None:
+        """Re-raise a failure of a background load now; switch to the full index of shard 0 once it is ready."""
+        for task in (self._full_current, self._next):
+            if task is not None:
+                task.raise_if_failed()
+        if self._full_current is not None and self._full_current.done():
+            self._take_full_current()
+
+    def extend(self) -> bool:
+        """The current index cannot supply a batch. Returns False after waiting for the full index of a shard that
+        was only partly indexed (keep the cursor), True after moving to the next shard (cursor back to 0)."""
+        if self._full_current is not None:
+            self._take_full_current()
+            return False
+        self.tokens_done += len(self.current.tokens)
+        if self._next is None:
+            raise DataError(
+                f"training data ran out after reading all {len(self.files)} shards ({self.tokens_done:,} tokens) "
+                f"matched by --train_files (first: {self.files[0]}); download more: python data/cached_fineweb10B.py "
+                f"{len(self.files) + 2} (or make more synthetic shards, or train fewer steps)")
+        self.current, self.shard = self._next.result(), self.shard + 1
+        self._prefetch()
+        return True
+
+
+def _plan_joint_batch(cum_lens: np.ndarray, cursor: int, tokens_per_rank: int, world_size: int) -> list[int] | None:
+    """Document cursors [c_0 = cursor, ..., c_W]: rank r takes documents c_r .. c_{r+1}-1; None if the shard runs out.
+    The loop of spec §2.3 keeps adding capped documents while collected <= N, so a rank takes the fewest documents
+    whose capped lengths sum past N (the last one is then cut to make exactly N + 1): one binary search per rank."""
+    cursors = [cursor]
+    for _ in range(world_size):
+        end = int(np.searchsorted(cum_lens, cum_lens[cursors[-1]] + tokens_per_rank, side="right"))
+        if end >= len(cum_lens):
+            return None
+        cursors.append(end)
+    return cursors
+
+
+def _micro_batch_tokens(global_batch: int, grad_accum: int, world_size: int) -> int:
+    """N = per-rank tokens of one micro-batch (spec §2.2)."""
+    if global_batch <= 0 or grad_accum <= 0 or global_batch % (grad_accum * world_size) != 0:
+        raise DataError(f"the global batch of {global_batch} tokens does not divide into world_size * grad_accum = "
+                        f"{world_size} * {grad_accum} micro-batches; change --train_bs_schedule or --batch_slices "
+                        f"(= processes * accumulation steps), or the number of processes")
+    return global_batch // (grad_accum * world_size)
+
+
+def _to_device(array: np.ndarray, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """Host array -> tensor of `dtype` on `device`. On CUDA it goes through a fresh pinned buffer with a non-blocking
+    copy; the caching host allocator does not reuse that buffer before the copy has run."""
+    if device.type != "cuda":
+        return torch.from_numpy(np.ascontiguousarray(array)).to(device=device, dtype=dtype)
+    host = torch.empty(array.shape, dtype=dtype, pin_memory=True)
+    host.numpy()[...] = array
+    return host.to(device, non_blocking=True)
+
+
+def train_batches(files: list[str], global_batch: int, grad_accum: int, rank: int, world_size: int,
+                  device: torch.device, max_seq_len: int, tokens_per_doc_bound: int,
+                  ) -> Generator[tuple[Tensor, Tensor, Tensor], tuple[int, int, int] | None, None]:
+    """BOS-aligned training micro-batches of `rank` (spec §2.3, §2.4). Each request yields
+    (inputs int32 (N,), targets int64 (N,), cu_seqlens int32 (max_num_docs(N),)) on device, N = global_batch/(A*W).
+    With each request send None or (global_batch, max_seq_len, grad_accum); a triple applies to the batch it gets.
+    The arguments are checked now; the first shard is read on the first request (inside the timed region, spec §1)."""
+    if not files:
+        raise DataError(f"no training shards given; {_GET_DATA_HINT}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside world size {world_size}")
+    _micro_batch_tokens(global_batch, grad_accum, world_size)
+    return _train_batch_stream(list(files), global_batch, grad_accum, rank, world_size, device, max_seq_len,
+                               tokens_per_doc_bound)
+
+
+def _train_batch_stream(files: list[str], global_batch: int, grad_accum: int, rank: int, world_size: int,
+                        device: torch.device, max_seq_len: int, tokens_per_doc_bound: int):
+    tokens_per_rank = _micro_batch_tokens(global_batch, grad_accum, world_size)
+    shards = _TrainShards(files)
+    cursor = 0                                   # index of the next unused document of the current shard
+    message = None
+    while True:
+        if message is not None:                  # applies to the batch answering it (spec §2.4)
+            global_batch, max_seq_len, grad_accum = message
+            tokens_per_rank = _micro_batch_tokens(global_batch, grad_accum, world_size)
+        shards.poll()
+        while (cursors := _plan_joint_batch(shards.current.cum_lens(max_seq_len), cursor, tokens_per_rank,
+                                            world_size)) is None:
+            if shards.extend():                  # abandon the partial batch; restart it from the next shard's start
+                cursor = 0
+        shard = shards.current
+        first, end = cursors[rank], cursors[rank + 1]
+        cursor = cursors[-1]                     # commit after all ranks are planned
+        # This rank's segments: documents first..end-1 cut to max_seq_len, the last one cut so that the segments
+        # hold exactly N + 1 tokens (its final token is only a target).
+        seg_lens = np.minimum(shard.doc_lens[first:end], max_seq_len)                    # (m,)
+        seg_lens[-1] = tokens_per_rank + 1 - (seg_lens.sum() - seg_lens[-1])
+        _check_doc_capacity(len(seg_lens), tokens_per_rank, tokens_per_doc_bound, "a training micro-batch")
+        seg_offsets = np.cumsum(seg_lens) - seg_lens                                     # (m,) starts in buf
+        positions = np.repeat(shard.bos[first:end] - seg_offsets, seg_lens) + np.arange(tokens_per_rank + 1)
+        buf = shard.tokens[positions]                                                    # (N+1,) uint16
+        # Boundaries [0, l1, l1+l2, ..., N] padded with N; the last segment lent its last token as the final target.
+        cu_seqlens = np.full(max_num_docs(tokens_per_rank, tokens_per_doc_bound), tokens_per_rank, dtype=np.int32)
+        cu_seqlens[1:len(seg_lens)] = np.cumsum(seg_lens[:-1])
+        message = yield (_to_device(buf[:-1], torch.int32, device), _to_device(buf[1:], torch.int64, device),
+                         _to_device(cu_seqlens, torch.int32, device))
+
+
+def val_batches(files: list[str], val_batch_size: int, val_tokens: int, grad_accum: int, rank: int, world_size: int,
+                device: torch.device, tokens_per_doc_bound: int) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
+    """The validation forwards of `rank` (spec §2.5): grad_accum * val_tokens / val_batch_size batches of
+    (inputs int32 (N_val,), targets int64 (N_val,), cu_seqlens int32 (max_num_docs(N_val),)), N_val =
+    val_batch_size / (A * W). Not BOS aligned: every call scores the same first val_tokens tokens of the val stream.
+    The arguments and the shard sizes are checked now, so a shortage fails before the first forward."""
+    if not files:
+        raise DataError(f"no validation shards given; {_GET_DATA_HINT}")
+    if val_batch_size <= 0 or val_batch_size % (grad_accum * world_size) != 0:
+        raise DataError(f"--val_batch_size={val_batch_size} does not divide into world_size * grad_accum = "
+                        f"{world_size} * {grad_accum} forwards; change --val_batch_size or --batch_slices")
+    if val_tokens <= 0 or val_tokens % val_batch_size != 0:
+        raise DataError(f"--val_tokens={val_tokens} is not a multiple of --val_batch_size={val_batch_size}; change "
+                        f"one of them")
+    tokens_per_rank = val_batch_size // (grad_accum * world_size)
+    step_tokens = world_size * tokens_per_rank     # the global cursor advances this much per forward
+    num_forwards = grad_accum * val_tokens // val_batch_size
+    # Place every forward now from the shard sizes: a forward that does not fit (with its look-ahead token) in the
+    # rest of a shard starts at the beginning of the next one.
+    sizes = [shard_num_tokens(path) for path in files]
+    placements, shard, pos = [], 0, 0                                     # (shard index, cursor) per forward
+    for _ in range(num_forwards):
+        while pos + step_tokens + 1 >= sizes[shard]:
+            shard, pos = shard + 1, 0
+            if shard == len(files):
+                raise DataError(
+                    f"the val shards ({len(files)} files, {sum(sizes):,} tokens; first {files[0]}) cannot hold "
+                    f"{num_forwards} forwards of {step_tokens:,} tokens: scoring --val_tokens={val_tokens:,} needs a "
+                    f"shard of at least {val_tokens + 2:,} tokens (each forward reads one look-ahead token, and one "
+                    f"that does not fit moves to the next shard). Lower --val_tokens (a multiple of "
+                    f"--val_batch_size={val_batch_size:,}) or add val shards")
+        placements.append((shard, pos))
+        pos += step_tokens
+    return _val_batch_stream(files, placements, tokens_per_rank, rank, device, tokens_per_doc_bound)
+
+
+def _val_batch_stream(files: list[str], placements: list[tuple[int, int]], tokens_per_rank: int, rank: int,
+                      device: torch.device, tokens_per_doc_bound: int):
+    for shard, pos in placements:
+        start = pos + rank * tokens_per_rank     # ranks overlap by one token: the look-ahead target
+        buf = np.fromfile(files[shard], dtype=np.uint16, count=tokens_per_rank + 1,
+                          offset=SHARD_HEADER_BYTES + 2 * start)                           # (N_val+1,) uint16
+        if len(buf) != tokens_per_rank + 1:
+            raise DataError(f"val shard {files[shard]} shrank while being read; download or generate it again")
+        inputs = buf[:-1]
+        bos = np.flatnonzero(inputs == BOS_ID)                                             # (m,) positions
+        # [0, b_1, b_2, ...] padded with N_val: the partial document before b_1 is its own sequence (empty if
+        # inputs[0] is a BOS), and val documents are not cut to a maximum length.
+        _check_doc_capacity(len(bos) + 1, tokens_per_rank, tokens_per_doc_bound, "a validation forward")
+        cu_seqlens = np.full(max_num_docs(tokens_per_rank, tokens_per_doc_bound), tokens_per_rank, dtype=np.int32)
+        cu_seqlens[1:len(bos) + 1] = bos
+        yield (_to_device(inputs, torch.int32, device), _to_device(buf[1:], torch.int64, device),
+               _to_device(cu_seqlens, torch.int32, device))
 
 
 # =====================================================================================================================

@@ -1,0 +1,192 @@
+"""Make FineWeb-shaped token shards without a download, for smoke tests, benchmarks and offline work.
+
+    python data/synthetic.py --out data/synthetic --train_shards 9 --shard_tokens 100000000
+
+writes DIR/fineweb_val_000000.bin and DIR/fineweb_train_000001.bin ... in the FineWeb shard format (1024-byte header:
+int32 magic 20240520, version 1, token count; then uint16 tokens), so train_gpt.py reads them with
+--train_files='DIR/fineweb_train_*.bin' --val_files='DIR/fineweb_val_*.bin'.
+
+What the data looks like:
+  * documents start with BOS (50256) and nowhere else; their lengths (BOS included) are lognormal with a median of
+    400 tokens, so about 5% are longer than the 2048-token training cap;
+  * the other tokens come from a Zipf-like distribution over the 50256 non-BOS ids (a fixed random permutation decides
+    which id gets which rank);
+  * learnable structure: with probability --follow_prob a token is the fixed random successor of the previous token
+    (a map drawn once from the seed) instead of a fresh draw, so a model's loss can fall well below the unigram
+    entropy (printed at the end: the entropy of the unigram distribution and a rough bound with the successor known).
+Everything is a function of --seed: shard k uses the seed sequence (seed, k), so shards can be built in parallel
+(--workers processes) and the output does not depend on the worker count.
+"""
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import sys
+import time
+
+import numpy as np
+
+BOS_ID = 50256
+NUM_IDS = 50256                    # non-BOS ids 0..50255
+SHARD_MAGIC, SHARD_VERSION, SHARD_HEADER_BYTES = 20240520, 1, 1024
+MEDIAN_DOC_TOKENS = 400            # lognormal document lengths: median ...
+DOC_LEN_SIGMA = 1.0                # ... and log-space spread (P(len > 2048) = P(z > ln(5.12)) ~ 5%)
+MAX_DOC_TOKENS = 200_000
+ZIPF_EXPONENT, ZIPF_OFFSET = 1.1, 2.7   # p(rank) ~ 1 / (rank + offset)^exponent
+SAMPLE_TABLE_BITS = 22             # token sampling by lookup in a 2^22-entry inverse-CDF table
+CHUNK_TOKENS = 1 << 23             # generate a shard in chunks to bound memory (int64 temporaries of this size)
+
+
+class Vocabulary:
+    """The fixed parts drawn from the base seed: the rank->id permutation, the sampling table and the successor map."""
+
+    def __init__(self, seed: int):
+        rng = np.random.default_rng(np.random.SeedSequence([seed, 0x5EED]))
+        probs = 1.0 / (np.arange(NUM_IDS) + ZIPF_OFFSET) ** ZIPF_EXPONENT
+        self.probs = probs / probs.sum()                                       # by rank
+        ids_by_rank = rng.permutation(NUM_IDS).astype(np.uint16)
+        # table[j] = id whose CDF interval holds (j + 0.5) / 2^bits: uniform integers index it (quantised inverse CDF)
+        cdf = np.cumsum(self.probs)
+        points = (np.arange(1 << SAMPLE_TABLE_BITS) + 0.5) / (1 << SAMPLE_TABLE_BITS)
+        self.table = ids_by_rank[np.minimum(np.searchsorted(cdf, points), NUM_IDS - 1)]  # (2^bits,) uint16
+        self.successor = rng.integers(0, NUM_IDS, NUM_IDS).astype(np.uint16)    # (NUM_IDS,) id -> next id
+
+
+def doc_lengths(rng: np.random.Generator, num_tokens: int) -> np.ndarray:
+    """Lognormal document lengths (BOS included) covering num_tokens; the last one is cut at the end."""
+    expected = int(num_tokens / (MEDIAN_DOC_TOKENS * np.exp(DOC_LEN_SIGMA ** 2 / 2))) + 16
+    lengths = np.empty(0, dtype=np.int64)
+    while lengths.sum() < num_tokens:
+        draw = rng.lognormal(np.log(MEDIAN_DOC_TOKENS), DOC_LEN_SIGMA, expected)
+        lengths = np.concatenate((lengths, np.clip(draw, 1, MAX_DOC_TOKENS).astype(np.int64)))
+    lengths = lengths[:np.searchsorted(np.cumsum(lengths), num_tokens) + 1]
+    lengths[-1] -= lengths.sum() - num_tokens
+    return lengths
+
+
+def _apply_successors(tokens: np.ndarray, fresh: np.ndarray, successor: np.ndarray) -> None:
+    """In place: a non-fresh token becomes successor[previous token]. A run of k followers after a fresh token t is
+    successor^1..k(t); apply the map in rounds, round d to the positions at least d steps after their fresh token."""
+    positions = np.arange(len(tokens))
+    last_fresh = np.maximum.accumulate(np.where(fresh, positions, 0))    # fresh[0] is True, so this is defined
+    depth = positions - last_fresh                                        # (n,) steps since the last fresh token
+    todo = np.flatnonzero(depth > 0)
+    d = 1
+    while len(todo):
+        tokens[todo] = successor[tokens[todo - 1]]                       # previous positions are final after d - 1
+        todo = todo[depth[todo] > d]
+        d += 1
+
+
+def make_tokens(vocab: Vocabulary, seed_words: list[int], num_tokens: int, follow_prob: float) -> np.ndarray:
+    """One shard's tokens (uint16, num_tokens), deterministic in (vocabulary seed, seed_words)."""
+    rng = np.random.default_rng(np.random.SeedSequence(seed_words))
+    lengths = doc_lengths(rng, num_tokens)
+    bos_positions = np.cumsum(lengths) - lengths                                        # (num_docs,) doc starts
+    out = np.empty(num_tokens, dtype=np.uint16)
+    for lo in range(0, num_tokens, CHUNK_TOKENS):
+        hi = min(lo + CHUNK_TOKENS, num_tokens)
+        chunk = vocab.table[rng.integers(0, 1 << SAMPLE_TABLE_BITS, hi - lo)]           # (c,) uint16 fresh draws
+        fresh = rng.random(hi - lo) >= follow_prob                                      # (c,) bool
+        starts = bos_positions[(bos_positions >= lo) & (bos_positions < hi)] - lo      # doc starts in the chunk
+        fresh[0] = True                              # successor chains restart at chunk starts,
+        fresh[np.minimum(starts + 1, hi - lo - 1)] = True   # and after every BOS (placed below) with a fresh draw
+        _apply_successors(chunk, fresh, vocab.successor)
+        chunk[starts] = BOS_ID
+        out[lo:hi] = chunk
+    return out
+
+
+def write_shard(path: str, tokens: np.ndarray) -> None:
+    """Header + uint16 tokens, written to a temporary name and renamed, so a reader never sees a partial shard."""
+    header = np.zeros(SHARD_HEADER_BYTES // 4, dtype="<i4")
+    header[:3] = SHARD_MAGIC, SHARD_VERSION, len(tokens)
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(header.tobytes())
+            f.write(tokens.astype("<u2", copy=False).tobytes())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def entropy_estimates(vocab: Vocabulary, follow_prob: float) -> tuple[float, float]:
+    """(unigram entropy, approximate entropy of a token given the previous one) in nats."""
+    p = vocab.probs
+    unigram = float(-(p * np.log(p)).sum())
+    f = follow_prob
+    binary = -(f * np.log(f) + (1 - f) * np.log(1 - f)) if 0 < f < 1 else 0.0
+    return unigram, float(binary + (1 - f) * unigram)
+
+
+_worker_vocab: Vocabulary | None = None
+
+
+def _init_worker(seed: int) -> None:
+    global _worker_vocab
+    _worker_vocab = Vocabulary(seed)
+
+
+def _make_shard(job: tuple[str, list[int], int, float]) -> str:
+    path, seed_words, num_tokens, follow_prob = job
+    write_shard(path, make_tokens(_worker_vocab, seed_words, num_tokens, follow_prob))
+    return path
+
+
+def shard_jobs(out_dir: str, train_shards: int, shard_tokens: int, val_tokens: int, seed: int,
+               follow_prob: float) -> list[tuple[str, list[int], int, float]]:
+    """(path, seed words, tokens, follow_prob) for the val shard and train shards 1..train_shards."""
+    jobs = [(os.path.join(out_dir, "fineweb_val_000000.bin"), [seed, 1, 0], val_tokens, follow_prob)]
+    for k in range(1, train_shards + 1):
+        jobs.append((os.path.join(out_dir, f"fineweb_train_{k:06d}.bin"), [seed, 1, k], shard_tokens, follow_prob))
+    return jobs
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, help="output folder (created if missing)")
+    parser.add_argument("--train_shards", type=int, default=9, help="number of train shards (default 9, like the "
+                        "FineWeb download for the full run)")
+    parser.add_argument("--shard_tokens", type=int, default=100_000_000, help="tokens per train shard (FineWeb: 1e8)")
+    parser.add_argument("--val_tokens", type=int, default=1 << 24, help="tokens in the val shard (default 2^24: "
+                        "the default validation scores 10,485,760 and needs at least that + 2)")
+    parser.add_argument("--seed", type=int, default=0, help="base seed; the output is a function of it")
+    parser.add_argument("--follow_prob", type=float, default=0.5, help="probability that a token is the fixed "
+                        "successor of the previous one (the learnable part)")
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="parallel processes (default: "
+                        "all cores); does not change the output")
+    args = parser.parse_args(argv)
+    if args.train_shards < 0 or args.shard_tokens < 1 or args.val_tokens < 1 or not 0 <= args.follow_prob < 1:
+        parser.error("need --train_shards >= 0, --shard_tokens >= 1, --val_tokens >= 1 and 0 <= --follow_prob < 1")
+    os.makedirs(args.out, exist_ok=True)
+    jobs = shard_jobs(args.out, args.train_shards, args.shard_tokens, args.val_tokens, args.seed, args.follow_prob)
+    total = sum(job[2] for job in jobs)
+    t0 = time.perf_counter()
+    done = 0
+    workers = max(1, min(args.workers, len(jobs)))
+    if workers == 1:
+        _init_worker(args.seed)
+        results = map(_make_shard, jobs)
+    else:
+        pool = multiprocessing.get_context("spawn" if sys.platform == "darwin" else "fork").Pool(
+            workers, initializer=_init_worker, initargs=(args.seed,))
+        results = pool.imap_unordered(_make_shard, jobs)
+    for path in results:
+        done += next(job[2] for job in jobs if job[0] == path)
+        rate = done / max(time.perf_counter() - t0, 1e-9)
+        print(f"wrote {path}  ({done:,}/{total:,} tokens, {rate / 1e6:.1f}M tokens/s)", flush=True)
+    if workers > 1:
+        pool.close()
+        pool.join()
+    unigram, conditional = entropy_estimates(Vocabulary(args.seed), args.follow_prob)
+    print(f"done in {time.perf_counter() - t0:.1f}s: {len(jobs)} shards in {args.out}; unigram entropy "
+          f"{unigram:.2f} nats, about {conditional:.2f} with the successor structure learned")
+    print(f"train with: --train_files='{args.out}/fineweb_train_*.bin' --val_files='{args.out}/fineweb_val_*.bin'")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

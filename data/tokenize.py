@@ -1,0 +1,233 @@
+"""Tokenize text into token shards in the FineWeb format that train_gpt.py reads.
+
+    python data/tokenize.py corpus/ --out data/mytext --encoding gpt2
+    python data/tokenize.py books/*.txt --txt_split blank_line --val_docs 50 --out data/books
+
+Inputs (files, or folders searched recursively for these):
+  * .txt   one document per file (--txt_split file, the default) or one per block of text between blank lines
+           (--txt_split blank_line);
+  * .jsonl one JSON object per line; the document is its --text_field (default "text").
+Every document becomes BOS (50256, <|endoftext|>) followed by its tokens. Documents are kept whole within a shard
+(a shard closes early when the next document does not fit); only a document longer than --shard_tokens is split.
+
+Outputs in --out: <prefix>_val_000000.bin (and _000001... if the val split is larger than a shard) and
+<prefix>_train_000001.bin, _000002.bin, ...: a 1024-byte header (int32 magic 20240520, version 1, token count) and
+uint16 tokens. Each file is written under a temporary name and renamed when complete. Train on them with
+--train_files='OUT/<prefix>_train_*.bin' --val_files='OUT/<prefix>_val_*.bin' (and --val_tokens no larger than the
+val shard's tokens minus 2, a multiple of --val_batch_size).
+
+Validation split: --val_docs K puts the first K documents in val; otherwise --val_fraction F (default 0.01) puts
+document i in val when floor((i+1)*F) > floor(i*F), i.e. every 1/F-th document, spread evenly and deterministic.
+
+Encodings: gpt2 (tiktoken; its BPE files are downloaded once into tiktoken's cache, so it needs the network or a
+filled TIKTOKEN_CACHE_DIR) or bytes (offline: ids 0..255 are the UTF-8 bytes, 50256 is <|endoftext|>).
+"""
+# This file is named like the standard library's `tokenize` module. Run as a script, its folder is sys.path[0], and
+# the import machinery (linecache, inspect, ...) would import this file in place of the real module. Drop the folder
+# from sys.path before anything else is imported.
+import os
+import sys
+
+_SCRIPT_DIR = os.path.dirname(os.path.realpath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.realpath(p or os.curdir) != _SCRIPT_DIR]
+
+import argparse  # noqa: E402
+import glob  # noqa: E402
+import json  # noqa: E402
+import re  # noqa: E402
+import time  # noqa: E402
+from typing import Iterable, Iterator  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+BOS_ID = 50256
+SHARD_MAGIC, SHARD_VERSION, SHARD_HEADER_BYTES = 20240520, 1, 1024
+ENCODE_BATCH_DOCS = 512           # documents handed to tiktoken per call (it encodes a batch on several threads)
+# GPT-2's pre-tokenizer pattern; with the bytes encoding it only groups bytes before they are mapped one by one.
+_GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+
+
+def get_encoding(name: str):
+    """A tiktoken Encoding: "gpt2" (needs its BPE files) or "bytes" (256 byte tokens + <|endoftext|> = 50256)."""
+    import tiktoken
+    if name == "bytes":
+        return tiktoken.Encoding(name="bytes", pat_str=_GPT2_PATTERN,
+                                 mergeable_ranks={bytes([i]): i for i in range(256)},
+                                 special_tokens={"<|endoftext|>": BOS_ID})
+    if name != "gpt2":
+        raise SystemExit(f"error: unknown --encoding={name}; use gpt2 or bytes")
+    try:
+        return tiktoken.get_encoding("gpt2")
+    except Exception as e:  # noqa: BLE001 (network errors come in many types)
+        raise SystemExit(f"error: could not load tiktoken's gpt2 encoding ({type(e).__name__}: {e}). It is "
+                         f"downloaded once into tiktoken's cache: connect to the network, or copy a filled cache and "
+                         f"set TIKTOKEN_CACHE_DIR, or use --encoding=bytes (offline, byte-level ids)") from None
+
+
+def input_files(paths: Iterable[str]) -> list[str]:
+    """Files named on the command line, and the .txt/.jsonl files under named folders (sorted)."""
+    files = []
+    for path in paths:
+        if os.path.isdir(path):
+            found = sorted(f for ext in ("txt", "jsonl") for f in glob.glob(os.path.join(path, "**", f"*.{ext}"),
+                                                                             recursive=True))
+            if not found:
+                raise SystemExit(f"error: no .txt or .jsonl files under {path}")
+            files.extend(found)
+        elif not os.path.isfile(path):
+            raise SystemExit(f"error: input {path} does not exist")
+        elif not path.endswith((".txt", ".jsonl")):
+            raise SystemExit(f"error: {path}: only .txt and .jsonl inputs are supported")
+        else:
+            files.append(path)
+    return files
+
+
+def iter_documents(files: list[str], txt_split: str, text_field: str) -> Iterator[str]:
+    """Document texts in input order (see the module docstring for what a document is)."""
+    for path in files:
+        if path.endswith(".jsonl"):
+            with open(path, encoding="utf-8") as f:
+                for line_no, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        text = json.loads(line)[text_field]
+                    except (json.JSONDecodeError, KeyError, TypeError) as e:
+                        raise SystemExit(f"error: {path}:{line_no}: expected a JSON object with a string "
+                                         f"{text_field!r} field ({type(e).__name__}); see --text_field") from None
+                    if not isinstance(text, str):
+                        raise SystemExit(f"error: {path}:{line_no}: field {text_field!r} is not a string")
+                    yield text
+        else:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+            if txt_split == "file":
+                yield text
+            else:
+                yield from (block for block in re.split(r"\n[ \t]*\n", text) if block.strip())
+
+
+class ShardWriter:
+    """Collects documents into shards of at most shard_tokens and writes each one atomically."""
+
+    def __init__(self, out_dir: str, prefix: str, split: str, first_index: int, shard_tokens: int):
+        self.out_dir, self.prefix, self.split = out_dir, prefix, split
+        self.next_index, self.shard_tokens = first_index, shard_tokens
+        self.pending: list[np.ndarray] = []
+        self.pending_tokens = 0
+        self.paths: list[str] = []
+        self.total_tokens = 0
+
+    def add(self, doc: np.ndarray) -> None:
+        if self.pending_tokens + len(doc) > self.shard_tokens and self.pending:
+            self.flush()
+        while len(doc) > self.shard_tokens:          # a document longer than a shard is split
+            self.pending.append(doc[:self.shard_tokens])
+            self.pending_tokens += self.shard_tokens
+            self.flush()
+            doc = doc[self.shard_tokens:]
+        self.pending.append(doc)
+        self.pending_tokens += len(doc)
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        tokens = np.concatenate(self.pending)
+        path = os.path.join(self.out_dir, f"{self.prefix}_{self.split}_{self.next_index:06d}.bin")
+        write_shard(path, tokens)
+        print(f"wrote {path} ({len(tokens):,} tokens)", flush=True)
+        self.paths.append(path)
+        self.total_tokens += len(tokens)
+        self.next_index += 1
+        self.pending, self.pending_tokens = [], 0
+
+
+def write_shard(path: str, tokens: np.ndarray) -> None:
+    """Header + uint16 tokens under a temporary name, then renamed: a reader never sees a partial shard."""
+    header = np.zeros(SHARD_HEADER_BYTES // 4, dtype="<i4")
+    header[:3] = SHARD_MAGIC, SHARD_VERSION, len(tokens)
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(header.tobytes())
+            f.write(np.asarray(tokens, dtype="<u2").tobytes())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def is_val_doc(index: int, val_docs: int | None, val_fraction: float) -> bool:
+    if val_docs is not None:
+        return index < val_docs
+    return int((index + 1) * val_fraction) > int(index * val_fraction)
+
+
+def tokenize_to_shards(paths: list[str], out_dir: str, encoding, *, shard_tokens: int = 100_000_000,
+                       val_docs: int | None = None, val_fraction: float = 0.01, prefix: str = "text",
+                       txt_split: str = "file", text_field: str = "text", threads: int = 4) -> dict:
+    """Tokenize the documents of `paths` into val and train shards in out_dir; returns
+    {"val": [paths], "train": [paths], "val_tokens": n, "train_tokens": n, "docs": n}."""
+    if txt_split not in ("file", "blank_line"):
+        raise SystemExit(f"error: --txt_split={txt_split}: use file or blank_line")
+    if shard_tokens < 2:
+        raise SystemExit("error: --shard_tokens must be at least 2")
+    os.makedirs(out_dir, exist_ok=True)
+    writers = {"val": ShardWriter(out_dir, prefix, "val", 0, shard_tokens),
+               "train": ShardWriter(out_dir, prefix, "train", 1, shard_tokens)}
+    docs = iter_documents(input_files(paths), txt_split, text_field)
+    num_docs, t0 = 0, time.perf_counter()
+    while batch := [text for _, text in zip(range(ENCODE_BATCH_DOCS), docs)]:
+        for ids in encoding.encode_ordinary_batch(batch, num_threads=threads):
+            doc = np.empty(len(ids) + 1, dtype=np.uint16)
+            doc[0] = BOS_ID
+            doc[1:] = ids
+            writers["val" if is_val_doc(num_docs, val_docs, val_fraction) else "train"].add(doc)
+            num_docs += 1
+        if num_docs % (ENCODE_BATCH_DOCS * 64) == 0:
+            done = sum(w.total_tokens + w.pending_tokens for w in writers.values())
+            print(f"{num_docs:,} documents, {done:,} tokens, {done / (time.perf_counter() - t0) / 1e6:.2f}M tokens/s",
+                  flush=True)
+    for writer in writers.values():
+        writer.flush()
+    if not writers["val"].paths:
+        raise SystemExit(f"error: no documents went to validation ({num_docs} documents in all); raise "
+                         f"--val_fraction or set --val_docs")
+    if not writers["train"].paths:
+        raise SystemExit(f"error: no documents left for training ({num_docs} documents in all); lower --val_docs "
+                         f"or --val_fraction")
+    return {"val": writers["val"].paths, "train": writers["train"].paths, "docs": num_docs,
+            "val_tokens": writers["val"].total_tokens, "train_tokens": writers["train"].total_tokens}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("inputs", nargs="+", help=".txt / .jsonl files, or folders holding them")
+    parser.add_argument("--out", required=True, help="output folder (created if missing)")
+    parser.add_argument("--encoding", default="gpt2", choices=("gpt2", "bytes"), help="tokenizer (default gpt2)")
+    parser.add_argument("--prefix", default="text", help="output name prefix (default text)")
+    parser.add_argument("--shard_tokens", type=int, default=100_000_000, help="max tokens per shard (default 1e8)")
+    split = parser.add_mutually_exclusive_group()
+    split.add_argument("--val_fraction", type=float, default=0.01, help="share of documents for val (default 0.01)")
+    split.add_argument("--val_docs", type=int, default=None, help="put the first K documents in val instead")
+    parser.add_argument("--txt_split", default="file", choices=("file", "blank_line"),
+                        help="a .txt file is one document (file) or one per blank-line-separated block")
+    parser.add_argument("--text_field", default="text", help="the JSON field holding a .jsonl document's text")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="tokenizer threads")
+    args = parser.parse_args(argv)
+    if not 0 < args.val_fraction < 1:
+        parser.error("--val_fraction must be between 0 and 1")
+    result = tokenize_to_shards(args.inputs, args.out, get_encoding(args.encoding), shard_tokens=args.shard_tokens,
+                                val_docs=args.val_docs, val_fraction=args.val_fraction, prefix=args.prefix,
+                                txt_split=args.txt_split, text_field=args.text_field, threads=args.threads)
+    print(f"{result['docs']:,} documents: {result['train_tokens']:,} train tokens in {len(result['train'])} shards, "
+          f"{result['val_tokens']:,} val tokens in {len(result['val'])}")
+    print(f"train with: --train_files='{args.out}/{args.prefix}_train_*.bin' "
+          f"--val_files='{args.out}/{args.prefix}_val_*.bin' (--val_tokens at most {result['val_tokens'] - 2:,}, "
+          f"a multiple of --val_batch_size)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
