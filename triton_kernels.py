@@ -2,17 +2,164 @@
 
 Each section has the kernel(s), a launcher that checks its inputs, a plain-PyTorch reference with the same contract,
 and the public op used by train_gpt.py. A public op runs the Triton kernel on CUDA tensors and the reference
-elsewhere, so the trainer runs unchanged on a CPU. Importing this file does nothing: no device queries, no compiles.
+elsewhere, so the trainer runs unchanged on a CPU. Importing this file does nothing: no device queries, no compiles;
+autotuning happens on a kernel's first call for each new key.
+
+How the ops reach torch.compile: every kernel launch sits inside a `torch.library.triton_op` (namespace
+`nanogpt_kernels`) and goes through `torch.library.wrap_triton`, so `torch.compile(fullgraph=True)` traces through it
+with no graph break; the two differentiable ops wrap those in a `torch.autograd.Function`. Float scalars (b, c of
+`ba_plus_cAA`) are plain fp32 kernel arguments, so Triton never recompiles when they change; torch.compile bakes them
+into the graph as constants, which is what Polar Express wants (its coefficient table is fixed).
+
+Testing: the launchers also accept float32 tensors on the CPU, where they run under Triton's interpreter
+(TRITON_INTERPRET=1, whose bf16 arithmetic is not faithful); float32 inputs give float32 outputs with the same
+rounding points (a bf16 rounding point becomes a no-op).
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 from torch import Tensor
+from torch.library import triton_op, wrap_triton
+
+_LIB = "nanogpt_kernels"  # torch.library namespace of the ops below: torch.ops.nanogpt_kernels.<name>
+_KERNEL_DTYPES = (torch.bfloat16, torch.float32)  # bf16 in training; float32 for interpreter tests
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+def _check_dtype(name: str, t: Tensor) -> None:
+    _check(t.dtype in _KERNEL_DTYPES, f"{name} has dtype {t.dtype}; pass bfloat16 (float32 only for interpreter tests)")
+
+
+@functools.lru_cache(maxsize=None)
+def _num_programs_persistent(device: torch.device) -> int:
+    """Programs of a persistent kernel: one per SM on a GPU; a few on the CPU so the interpreter walks several tiles
+    per program (the code path that matters)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 3
+
 
 # =====================================================================================================================
-# 1. Symmetric X @ X.T  (Polar Express, spec §8.1)
+# 1. Symmetric X @ X.T  (Polar Express, spec §8.1); its epilogue flag also serves section 2
 # =====================================================================================================================
+# Only tiles with at least one element on or below the diagonal are computed; each stores its lower-triangle elements
+# (row >= col) as themselves and the strictly-lower ones again at the mirrored position. Every output element is
+# therefore written exactly once, from one fp32 dot product, so the output is exactly symmetric whatever the tile
+# shapes (also when BM != BN and tiles straddle the diagonal) and whatever the summation order inside tl.dot.
+
+# Spec §8.2 tile ranges: BM in {64, 128}, BN in {64, 128, 256}, BK in {64, 128}. Six configs keep first-call tuning
+# to a few seconds; 128x128x64 is the usual Hopper winner for 768-wide outputs (36 tiles per matrix, 21 computed,
+# so 5 matrices fill most of 132 SMs).
+_SYM_CONFIGS = [
+    triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
+    for bm, bn, bk, w, s in [
+        (128, 128, 64, 8, 3),
+        (128, 128, 128, 8, 3),
+        (64, 128, 64, 4, 4),
+        (64, 64, 64, 4, 4),
+        (128, 64, 64, 4, 4),
+        (128, 256, 64, 8, 3),
+    ]
+]
+
+
+@triton.jit
+def _sym_aat_kernel(a_ptr, out_ptr, M, K, stride_ab, stride_am, stride_ak, stride_ob, stride_om, stride_on,
+                    b_coef, c_coef, ADD_BA: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[bi] = A[bi] @ A[bi].T (ADD_BA=False) or c*(A@A.T) + b*A (ADD_BA=True, A square); grid (tiles, batch)."""
+    pid = tl.program_id(0)
+    batch = tl.program_id(1).to(tl.int64)
+    num_pid_n = tl.cdiv(M, BLOCK_N)
+    pid_m = pid // num_pid_n
+    pid_n = pid % num_pid_n
+    row0 = pid_m * BLOCK_M
+    col0 = pid_n * BLOCK_N
+    # Skip tiles strictly above the diagonal: their smallest column exceeds their largest row.
+    if col0 > row0 + BLOCK_M - 1:
+        return
+    a_base = a_ptr + batch * stride_ab
+    rk = tl.arange(0, BLOCK_K)
+    # Rows past M wrap to valid rows (no load masks); their results are masked at the store.
+    rm = (row0 + tl.arange(0, BLOCK_M)) % M
+    rn = (col0 + tl.arange(0, BLOCK_N)) % M
+    a_ptrs = a_base + rm[:, None] * stride_am + rk[None, :] * stride_ak  # (BM, BK)
+    b_ptrs = a_base + rn[:, None] * stride_am + rk[None, :] * stride_ak  # (BN, BK)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # Full K tiles without masks (keeps the loop pipelined and loads vectorised), then one masked tail tile.
+    for _ in range(0, K // BLOCK_K):
+        a = tl.load(a_ptrs)
+        b = tl.load(b_ptrs)
+        acc = tl.dot(a, tl.trans(b), acc)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_ak
+    k_left = K % BLOCK_K
+    if k_left != 0:
+        a = tl.load(a_ptrs, mask=rk[None, :] < k_left, other=0.0)
+        b = tl.load(b_ptrs, mask=rk[None, :] < k_left, other=0.0)
+        acc = tl.dot(a, tl.trans(b), acc)
+
+    rows = row0 + tl.arange(0, BLOCK_M)
+    cols = col0 + tl.arange(0, BLOCK_N)
+    in_bounds = (rows[:, None] < M) & (cols[None, :] < M)
+    # Tiles wholly below the diagonal need no triangle mask (keeps their stores vectorised).
+    if row0 >= col0 + BLOCK_N - 1:
+        keep = in_bounds
+        keep_mirror = in_bounds
+    else:
+        keep = in_bounds & (rows[:, None] >= cols[None, :])
+        keep_mirror = in_bounds & (rows[:, None] > cols[None, :])
+    if ADD_BA:
+        a_tile = tl.load(a_base + rows[:, None] * stride_am + cols[None, :] * stride_ak, mask=keep, other=0.0)
+        acc = c_coef * acc + b_coef * a_tile.to(tl.float32)
+    out = acc.to(out_ptr.dtype.element_ty)
+    o_base = out_ptr + batch * stride_ob
+    tl.store(o_base + rows[:, None] * stride_om + cols[None, :] * stride_on, out, mask=keep)
+    tl.store(o_base + cols[:, None] * stride_om + rows[None, :] * stride_on, tl.trans(out), mask=tl.trans(keep_mirror))
+
+
+_sym_aat_kernel_tuned = triton.autotune(configs=_SYM_CONFIGS, key=["M", "K", "ADD_BA"])(_sym_aat_kernel)
+
+# Interpreter tiles (CPU tests): small, with BM != BN so straddling tiles and the K tail are exercised.
+_SYM_INTERPRETER_TILES = (16, 32, 16)
+
+
+def _launch_sym_aat(A: Tensor, b: float, c: float, add_ba: bool, tiles: tuple[int, int, int] | None) -> Tensor:
+    """Shared launcher of sections 1 and 2: A (M, K) or (B, M, K), any strides -> new contiguous (..., M, M).
+
+    tiles=(BM, BN, BK) fixes the tiles (tests); None autotunes on CUDA and uses _SYM_INTERPRETER_TILES elsewhere."""
+    _check(A.ndim in (2, 3), f"expected A of shape (M, K) or (B, M, K), got {tuple(A.shape)}")
+    _check_dtype("A", A)
+    A3 = A if A.ndim == 3 else A.unsqueeze(0)
+    n_batch, M, K = A3.shape
+    _check(M > 0 and K > 0 and n_batch > 0, f"A has an empty dimension: {tuple(A.shape)}")
+    if add_ba:
+        _check(M == K, f"ba_plus_cAA needs square (..., M, M) matrices, got {tuple(A.shape)}")
+    out = torch.empty((n_batch, M, M), dtype=A.dtype, device=A.device)
+    args = (A3, out, M, K, *A3.stride(), *out.stride(), float(b), float(c))
+    if tiles is None and A.is_cuda:
+        def grid(meta):
+            return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(M, meta["BLOCK_N"]), n_batch)
+        wrap_triton(_sym_aat_kernel_tuned)[grid](*args, ADD_BA=add_ba)
+    else:
+        bm, bn, bk = tiles or _SYM_INTERPRETER_TILES
+        grid = (triton.cdiv(M, bm) * triton.cdiv(M, bn), n_batch)
+        wrap_triton(_sym_aat_kernel)[grid](*args, ADD_BA=add_ba, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+    return out if A.ndim == 3 else out.squeeze(0)
+
+
+def xxt_triton(A: Tensor) -> Tensor:
+    """Triton A @ A.mT for A (M, K) or (B, M, K) (bf16; float32 for tests), any strides; exactly symmetric."""
+    return _launch_sym_aat(A, 0.0, 1.0, add_ba=False, tiles=None)
 
 
 def xxt_reference(A: Tensor) -> Tensor:
@@ -20,13 +167,26 @@ def xxt_reference(A: Tensor) -> Tensor:
     return (A.float() @ A.float().mT).to(A.dtype)
 
 
+@triton_op(f"{_LIB}::xxt", mutates_args=())
+def _xxt_op(A: Tensor) -> Tensor:
+    return xxt_triton(A)
+
+
 def xxt(A: Tensor) -> Tensor:
-    return xxt_reference(A)
+    """A @ A.mT (spec §8.1): the Triton kernel on CUDA, the reference elsewhere."""
+    return torch.ops.nanogpt_kernels.xxt(A) if A.is_cuda else xxt_reference(A)
 
 
 # =====================================================================================================================
 # 2. b*A + c*A@A for symmetric A  (Polar Express, spec §8.2)
 # =====================================================================================================================
+# Same kernel as section 1 with ADD_BA=True: the epilogue loads fp32(A) at the tile, forms c*acc + b*A in fp32 and
+# rounds once. For symmetric A, A @ A.T == A @ A.
+
+
+def ba_plus_cAA_triton(A: Tensor, b: float, c: float) -> Tensor:
+    """Triton c*(A @ A.mT) + b*A for square symmetric A (..., M, M); b, c are fp32 runtime scalars."""
+    return _launch_sym_aat(A, b, c, add_ba=True, tiles=None)
 
 
 def ba_plus_cAA_reference(A: Tensor, b: float, c: float) -> Tensor:
@@ -35,37 +195,347 @@ def ba_plus_cAA_reference(A: Tensor, b: float, c: float) -> Tensor:
     return (c * (Af @ Af.mT) + b * Af).to(A.dtype)
 
 
+@triton_op(f"{_LIB}::ba_plus_cAA", mutates_args=())
+def _ba_plus_cAA_op(A: Tensor, b: float, c: float) -> Tensor:
+    return ba_plus_cAA_triton(A, b, c)
+
+
 def ba_plus_cAA(A: Tensor, b: float, c: float) -> Tensor:
-    return ba_plus_cAA_reference(A, b, c)
+    """c*(A @ A.mT) + b*A (spec §8.2): the Triton kernel on CUDA, the reference elsewhere."""
+    return torch.ops.nanogpt_kernels.ba_plus_cAA(A, b, c) if A.is_cuda else ba_plus_cAA_reference(A, b, c)
 
 
 # =====================================================================================================================
 # 3. Fused linear + relu^2 MLP  (spec §8.3)
 # =====================================================================================================================
+# One persistent kernel computes acc = a @ b.T (a (M, K), b (N, K), both row-major) tile by tile and applies one of
+# two epilogues:
+#   forward  (BACKWARD=False): pre = bf16(acc) and post = bf16(relu(pre)^2), relu^2 taken from the bf16 pre;
+#   backward (BACKWARD=True):  d = bf16(2 * bf16(acc) * relu(pre)), pre read back from the forward.
+# The c_proj matmuls stay on cuBLAS.
+#
+# Tiles: 128x256 outputs with K-step 64, 8 warps. On H100 a 128x256 bf16 tile is the largest whose fp32 accumulator
+# fits in the registers of two warpgroups (128 regs/thread), giving the best operand reuse per byte of shared memory;
+# K-step 64 makes a 48 KiB pipeline stage, so 3-4 stages fit in the 227 KiB of shared memory. The grid is persistent
+# (one program per SM walking tiles in grouped order) so the ~400-1200 tiles of the training shapes run without wave
+# tails and consecutive tiles reuse the same b columns in L2. The autotuner only picks the stage count, with a
+# 128x128 fallback in case a Triton version needs more shared memory for the epilogue.
+
+_MLP_CONFIGS = [
+    triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8, num_stages=s)
+    for bm, bn, s in [(128, 256, 3), (128, 256, 4), (128, 128, 4)]
+]
+
+
+@triton.jit
+def _relu2_linear_kernel(a_ptr, b_ptr, pre_ptr, out_ptr, M, N, K, stride_am, stride_bn, stride_pm, stride_om,
+                         BACKWARD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """Persistent a @ b.T with the relu^2 epilogues above; K must be a multiple of BLOCK_K (checked by the launcher)."""
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_tiles = num_pid_m * num_pid_n
+    tiles_per_group = GROUP_M * num_pid_n
+    rk = tl.arange(0, BLOCK_K)
+    for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0)):
+        # Grouped order: GROUP_M row-blocks sweep the columns together, so their a rows stay in L2.
+        group = tile // tiles_per_group
+        first_m = group * GROUP_M
+        group_rows = min(num_pid_m - first_m, GROUP_M)
+        pid_m = first_m + (tile % tiles_per_group) % group_rows
+        pid_n = (tile % tiles_per_group) // group_rows
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        a_ptrs = a_ptr + (rows % M).to(tl.int64)[:, None] * stride_am + rk[None, :]  # (BM, BK), wrapped rows
+        b_ptrs = b_ptr + (cols % N).to(tl.int64)[:, None] * stride_bn + rk[None, :]  # (BN, BK)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for _ in range(0, K // BLOCK_K):
+            acc = tl.dot(tl.load(a_ptrs), tl.trans(tl.load(b_ptrs)), acc)
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K
+        mask = (rows[:, None] < M) & (cols[None, :] < N)
+        pre_ptrs = pre_ptr + rows.to(tl.int64)[:, None] * stride_pm + cols[None, :]
+        out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
+        h = acc.to(out_ptr.dtype.element_ty).to(tl.float32)  # bf16(acc), back in fp32 for the epilogue math
+        if BACKWARD:
+            pre = tl.load(pre_ptrs, mask=mask, other=0.0).to(tl.float32)
+            d = 2.0 * h * tl.maximum(pre, 0.0)
+            tl.store(out_ptrs, d.to(out_ptr.dtype.element_ty), mask=mask)
+        else:
+            tl.store(pre_ptrs, h.to(pre_ptr.dtype.element_ty), mask=mask)
+            r = tl.maximum(h, 0.0)
+            tl.store(out_ptrs, (r * r).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+_relu2_linear_kernel_tuned = triton.autotune(configs=_MLP_CONFIGS, key=["M", "N", "K", "BACKWARD"])(
+    _relu2_linear_kernel)
+
+# Interpreter tiles (BM, BN, BK, GROUP_M) for CPU tests: small, several tiles per persistent program.
+_MLP_INTERPRETER_TILES = (16, 32, 16, 2)
+
+
+def _launch_relu2_linear(a: Tensor, b: Tensor, pre: Tensor, out: Tensor, backward: bool,
+                         tiles: tuple[int, int, int, int] | None) -> None:
+    M, K = a.shape
+    N = b.shape[0]
+    args = (a, b, pre, out, M, N, K, a.stride(0), b.stride(0), pre.stride(0), out.stride(0))
+    n_programs = _num_programs_persistent(a.device)
+    if tiles is None and a.is_cuda:
+        _check(K % 64 == 0, f"relu2_mlp needs the model dim ({K}) to be a multiple of 64 on CUDA (K-step 64)")
+
+        def grid(meta):
+            return (min(n_programs, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),)
+        wrap_triton(_relu2_linear_kernel_tuned)[grid](*args, BACKWARD=backward)
+    else:
+        bm, bn, bk, group_m = tiles or _MLP_INTERPRETER_TILES
+        _check(K % bk == 0, f"relu2_mlp: model dim {K} must be a multiple of BLOCK_K={bk}")
+        grid = (min(n_programs, triton.cdiv(M, bm) * triton.cdiv(N, bn)),)
+        wrap_triton(_relu2_linear_kernel)[grid](*args, BACKWARD=backward, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                                                GROUP_M=group_m)
+
+
+def _check_mlp_operands(x: Tensor, w: Tensor, x_name: str, w_name: str) -> None:
+    _check(x.ndim == 2 and w.ndim == 2 and x.shape[1] == w.shape[1],
+           f"expected {x_name} (M, D) and {w_name} (H, D), got {tuple(x.shape)} and {tuple(w.shape)}")
+    _check_dtype(x_name, x)
+    _check(x.dtype == w.dtype, f"{x_name} is {x.dtype} but {w_name} is {w.dtype}; cast both to bfloat16")
+    _check(x.device == w.device, f"{x_name} is on {x.device} but {w_name} on {w.device}")
+    _check(x.stride(1) == 1 and w.is_contiguous(),
+           f"{x_name} needs unit stride along D and {w_name} must be contiguous; call .contiguous() first")
+
+
+def relu2_mlp_fwd_triton(x: Tensor, c_fc: Tensor, tiles: tuple[int, int, int, int] | None = None
+                         ) -> tuple[Tensor, Tensor]:
+    """x (M, D), c_fc (H, D) -> pre = bf16(x @ c_fc.T), post = bf16(relu(pre)^2), each (M, H).
+
+    tiles=(BM, BN, BK, GROUP_M) fixes the tiles (tests); None autotunes on CUDA."""
+    _check_mlp_operands(x, c_fc, "x", "c_fc")
+    pre = torch.empty((x.shape[0], c_fc.shape[0]), dtype=x.dtype, device=x.device)
+    post = torch.empty_like(pre)
+    _launch_relu2_linear(x, c_fc, pre, post, backward=False, tiles=tiles)
+    return pre, post
+
+
+def relu2_mlp_bwd_triton(g: Tensor, c_proj: Tensor, pre: Tensor, tiles: tuple[int, int, int, int] | None = None
+                         ) -> Tensor:
+    """g (M, D), c_proj (H, D), pre (M, H) from the forward -> dpre = bf16(2 * bf16(g @ c_proj.T) * relu(pre))."""
+    _check_mlp_operands(g, c_proj, "g", "c_proj")
+    _check(pre.shape == (g.shape[0], c_proj.shape[0]) and pre.dtype == g.dtype and pre.stride(1) == 1,
+           f"pre must be the forward's ({g.shape[0]}, {c_proj.shape[0]}) {g.dtype} output, got {tuple(pre.shape)} "
+           f"{pre.dtype}")
+    dpre = torch.empty_like(pre, memory_format=torch.contiguous_format)
+    _launch_relu2_linear(g, c_proj, pre, dpre, backward=True, tiles=tiles)
+    return dpre
+
+
+@triton_op(f"{_LIB}::relu2_mlp_fwd", mutates_args=())
+def _relu2_mlp_fwd_op(x: Tensor, c_fc: Tensor) -> tuple[Tensor, Tensor]:
+    return relu2_mlp_fwd_triton(x, c_fc)
+
+
+@triton_op(f"{_LIB}::relu2_mlp_bwd", mutates_args=())
+def _relu2_mlp_bwd_op(g: Tensor, c_proj: Tensor, pre: Tensor) -> Tensor:
+    return relu2_mlp_bwd_triton(g, c_proj, pre)
+
+
+class _Relu2MLPFunction(torch.autograd.Function):
+    """Autograd wrapper of spec §8.3: saves x, c_fc, c_proj, pre, post; backward as the spec lists it."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, c_fc: Tensor, c_proj: Tensor) -> Tensor:
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()  # (M, D)
+        pre, post = torch.ops.nanogpt_kernels.relu2_mlp_fwd(x2, c_fc)  # (M, H) each
+        out = post @ c_proj  # (M, D), cuBLAS
+        ctx.save_for_backward(x2, c_fc, c_proj, pre, post)
+        ctx.x_shape = x.shape
+        return out.view(*x.shape[:-1], c_proj.shape[1])
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        x2, c_fc, c_proj, pre, post = ctx.saved_tensors
+        g = grad_out.reshape(-1, grad_out.shape[-1]).contiguous()  # (M, D)
+        dc_proj = post.mT @ g  # (H, D)
+        dpre = torch.ops.nanogpt_kernels.relu2_mlp_bwd(g, c_proj, pre)  # (M, H)
+        dc_fc = dpre.mT @ x2  # (H, D)
+        dx = dpre @ c_fc  # (M, D)
+        return dx.view(ctx.x_shape), dc_fc, dc_proj
+
+
+def relu2_mlp_triton(x: Tensor, c_fc: Tensor, c_proj: Tensor) -> Tensor:
+    """Differentiable Triton path of relu2_mlp (any device the kernels can run on; CPU only under the interpreter)."""
+    return _Relu2MLPFunction.apply(x, c_fc, c_proj)
 
 
 def relu2_mlp_reference(x: Tensor, c_fc: Tensor, c_proj: Tensor) -> Tensor:
-    """relu(x @ c_fc.T)^2 @ c_proj with bf16 rounding of pre and post; x (M, D), c_fc and c_proj (H, D)."""
+    """relu(x @ c_fc.T)^2 @ c_proj with bf16 rounding of pre and post; x (M, D), c_fc and c_proj (H, D).
+
+    Autograd gives the spec's backward: the square's gradient is g_post * (2 * relu(pre)), one rounding."""
     pre = x @ c_fc.mT
     post = F.relu(pre).square()
     return post @ c_proj
 
 
 def relu2_mlp(x: Tensor, c_fc: Tensor, c_proj: Tensor) -> Tensor:
-    return relu2_mlp_reference(x, c_fc, c_proj)
+    """relu(x @ c_fc.T)^2 @ c_proj (spec §3.7, §8.3), x (..., D): Triton on CUDA, the reference elsewhere."""
+    return relu2_mlp_triton(x, c_fc, c_proj) if x.is_cuda else relu2_mlp_reference(x, c_fc, c_proj)
 
 
 # =====================================================================================================================
-# 4. Fused softcapped multi-token cross entropy  (spec §8.4)
+# 4. Fused softcapped multi-token cross entropy  (spec §3.9, §8.4)
 # =====================================================================================================================
+# One program per row streams its logits in blocks of 1024 columns (2 KiB of bf16, 8 per thread with 4 warps).
+# The softcap constants are tl.constexpr and every loop carry starts as an explicit fp32 tensor, so no Python float
+# can promote a carried value to fp64 (which happened to the original kernel under torch 2.11 + triton 3.6).
 
 SOFTCAP_A, SOFTCAP_B, SOFTCAP_C = 23.0, 5.0, 7.5
+_CE_BLOCK = 1024
+_CE_WARPS = 4
+
+
+@triton.jit
+def _ce_fwd_kernel(logits_ptr, targets_ptr, weights_ptr, losses_ptr, lse_ptr, n_rows, n_cols, stride_row,
+                   n_weights, A: tl.constexpr, B: tl.constexpr, C: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+    offs = tl.arange(0, BLOCK)
+    run_max = tl.full([], float("-inf"), tl.float32)
+    run_sum = tl.zeros([], dtype=tl.float32)
+    for start in range(0, n_cols, BLOCK):
+        cols = start + offs
+        logit = tl.load(row_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+        z = A * tl.sigmoid((logit + B) / C)
+        z = tl.where(cols < n_cols, z, float("-inf"))  # lanes past the last column
+        new_max = tl.maximum(run_max, tl.max(z, axis=0))
+        run_sum = run_sum * tl.exp(run_max - new_max) + tl.sum(tl.exp(z - new_max), axis=0)
+        run_max = new_max
+    lse = run_max + tl.log(run_sum)
+    tl.store(lse_ptr + row, lse)
+    loss = tl.zeros([], dtype=tl.float32)
+    for k in range(0, n_weights):
+        has_target = row + k < n_rows
+        target = tl.load(targets_ptr + row + k, mask=has_target, other=-1)
+        w = tl.load(weights_ptr + k)
+        ok = has_target & (w > 0) & (target >= 0) & (target < n_cols)
+        logit_t = tl.load(row_ptr + target, mask=ok, other=0.0).to(tl.float32)
+        z_t = A * tl.sigmoid((logit_t + B) / C)
+        loss += tl.where(ok, w * (lse - z_t), 0.0)
+    tl.store(losses_ptr + row, loss)
+
+
+@triton.jit
+def _ce_bwd_kernel(grad_ptr, stride_grad, logits_ptr, targets_ptr, weights_ptr, lse_ptr, dlogits_ptr, n_rows,
+                   n_cols, stride_row, stride_drow, n_weights, A: tl.constexpr, B: tl.constexpr, C: tl.constexpr,
+                   BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+    drow_ptr = dlogits_ptr + row.to(tl.int64) * stride_drow
+    g_row = tl.load(grad_ptr + row * stride_grad).to(tl.float32)
+    lse = tl.load(lse_ptr + row)
+    # S_w: sum of the weights whose target row exists (zero weights and target range not checked, as in the spec).
+    sum_w = tl.zeros([], dtype=tl.float32)
+    for k in range(0, n_weights):
+        sum_w += tl.where(row + k < n_rows, tl.load(weights_ptr + k), 0.0)
+    inv_c = tl.full([], 1.0, tl.float32) / C  # 1/C rounded in fp32
+    offs = tl.arange(0, BLOCK)
+    for start in range(0, n_cols, BLOCK):
+        cols = start + offs
+        in_row = cols < n_cols
+        logit = tl.load(row_ptr + cols, mask=in_row, other=0.0).to(tl.float32)
+        sig = tl.sigmoid((logit + B) / C)
+        z = A * sig
+        p = tl.exp(z - lse)
+        t_weight = tl.zeros([BLOCK], dtype=tl.float32)  # T_c: weight of every offset whose target is this column
+        for k in range(0, n_weights):
+            has_target = row + k < n_rows
+            target = tl.load(targets_ptr + row + k, mask=has_target, other=-1)
+            w = tl.load(weights_ptr + k)
+            t_weight += tl.where(has_target & (cols == target), w, 0.0)
+        dz = g_row * (sum_w * p - t_weight)
+        dlogit = dz * inv_c * z * (1.0 - sig)
+        tl.store(drow_ptr + cols, dlogit.to(dlogits_ptr.dtype.element_ty), mask=in_row)
+
+
+def _check_ce_inputs(logits: Tensor, targets: Tensor, mtp_weights: Tensor) -> None:
+    _check(logits.ndim == 2, f"logits must be (n_rows, n_cols), got {tuple(logits.shape)}; flatten the batch first")
+    _check_dtype("logits", logits)
+    _check(logits.stride(1) == 1, "logits rows must be contiguous (stride 1 along the vocabulary); call .contiguous()")
+    _check(targets.shape == (logits.shape[0],) and targets.dtype == torch.int64,
+           f"targets must be int64 of shape ({logits.shape[0]},), got {targets.dtype} {tuple(targets.shape)}")
+    _check(mtp_weights.ndim == 1 and mtp_weights.dtype == torch.float32 and mtp_weights.shape[0] >= 1,
+           f"mtp_weights must be a non-empty fp32 vector, got {mtp_weights.dtype} {tuple(mtp_weights.shape)}")
+    _check(targets.is_contiguous() and mtp_weights.is_contiguous(), "targets and mtp_weights must be contiguous")
+    _check(logits.device == targets.device == mtp_weights.device,
+           "logits, targets and mtp_weights must be on the same device; move mtp_weights to the logits' device")
+
+
+def softcapped_mtp_ce_fwd_triton(logits: Tensor, targets: Tensor, mtp_weights: Tensor) -> tuple[Tensor, Tensor]:
+    """logits (n, V) bf16 (fp32 for tests), targets (n,) int64, mtp_weights (K,) fp32 -> (losses (n,), lse (n,)) fp32."""
+    _check_ce_inputs(logits, targets, mtp_weights)
+    n_rows, n_cols = logits.shape
+    losses = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
+    lse = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
+    if n_rows > 0:
+        wrap_triton(_ce_fwd_kernel)[(n_rows,)](
+            logits, targets, mtp_weights, losses, lse, n_rows, n_cols, logits.stride(0), mtp_weights.shape[0],
+            A=SOFTCAP_A, B=SOFTCAP_B, C=SOFTCAP_C, BLOCK=_CE_BLOCK, num_warps=_CE_WARPS)
+    return losses, lse
+
+
+def softcapped_mtp_ce_bwd_triton(grad_losses: Tensor, logits: Tensor, targets: Tensor, mtp_weights: Tensor,
+                                 lse: Tensor) -> Tensor:
+    """grad_losses (n,) (any stride, e.g. an expanded 1/A), the forward's inputs and lse -> dlogits (n, V) in
+    logits' dtype (bf16)."""
+    _check_ce_inputs(logits, targets, mtp_weights)
+    n_rows, n_cols = logits.shape
+    _check(grad_losses.shape == (n_rows,) and lse.shape == (n_rows,) and lse.dtype == torch.float32
+           and lse.is_contiguous(), "grad_losses and lse must be (n_rows,), lse fp32 contiguous from the forward")
+    dlogits = torch.empty((n_rows, n_cols), dtype=logits.dtype, device=logits.device)
+    if n_rows > 0:
+        wrap_triton(_ce_bwd_kernel)[(n_rows,)](
+            grad_losses, grad_losses.stride(0), logits, targets, mtp_weights, lse, dlogits, n_rows, n_cols,
+            logits.stride(0), dlogits.stride(0), mtp_weights.shape[0],
+            A=SOFTCAP_A, B=SOFTCAP_B, C=SOFTCAP_C, BLOCK=_CE_BLOCK, num_warps=_CE_WARPS)
+    return dlogits
+
+
+@triton_op(f"{_LIB}::softcapped_mtp_ce_fwd", mutates_args=())
+def _softcapped_mtp_ce_fwd_op(logits: Tensor, targets: Tensor, mtp_weights: Tensor) -> tuple[Tensor, Tensor]:
+    return softcapped_mtp_ce_fwd_triton(logits, targets, mtp_weights)
+
+
+@triton_op(f"{_LIB}::softcapped_mtp_ce_bwd", mutates_args=())
+def _softcapped_mtp_ce_bwd_op(grad_losses: Tensor, logits: Tensor, targets: Tensor, mtp_weights: Tensor,
+                              lse: Tensor) -> Tensor:
+    return softcapped_mtp_ce_bwd_triton(grad_losses, logits, targets, mtp_weights, lse)
+
+
+class _SoftcappedMTPCEFunction(torch.autograd.Function):
+    """Autograd wrapper of spec §8.4: saves lse, logits, targets and weights; returns bf16 dlogits."""
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, targets: Tensor, mtp_weights: Tensor) -> Tensor:
+        losses, lse = torch.ops.nanogpt_kernels.softcapped_mtp_ce_fwd(logits, targets, mtp_weights)
+        ctx.save_for_backward(logits, targets, mtp_weights, lse)
+        return losses
+
+    @staticmethod
+    def backward(ctx, grad_losses: Tensor):
+        logits, targets, mtp_weights, lse = ctx.saved_tensors
+        dlogits = torch.ops.nanogpt_kernels.softcapped_mtp_ce_bwd(grad_losses, logits, targets, mtp_weights, lse)
+        return dlogits, None, None
+
+
+def softcapped_mtp_ce_triton(logits: Tensor, targets: Tensor, mtp_weights: Tensor) -> Tensor:
+    """Differentiable Triton path of softcapped_mtp_ce (CPU only under the interpreter)."""
+    return _SoftcappedMTPCEFunction.apply(logits, targets, mtp_weights)
 
 
 def softcapped_mtp_ce_reference(logits: Tensor, targets: Tensor, mtp_weights: Tensor) -> Tensor:
     """Per-row loss sum_k [row+k < n][w_k > 0] w_k (lse_row - z[row, targets[row+k]]), z = A*sigmoid((l+B)/C).
 
-    logits (n, V) bf16, targets (n,) int64, mtp_weights (K,) fp32 -> losses (n,) fp32.
+    logits (n, V) bf16, targets (n,) int64, mtp_weights (K,) fp32 -> losses (n,) fp32. Autograd gives the spec's
+    backward for non-negative weights (a zero weight contributes nothing either way); the gradient reaches the
+    logits in their dtype (bf16).
     """
     n = logits.shape[0]
     z = SOFTCAP_A * torch.sigmoid((logits.float() + SOFTCAP_B) / SOFTCAP_C)
@@ -82,4 +552,7 @@ def softcapped_mtp_ce_reference(logits: Tensor, targets: Tensor, mtp_weights: Te
 
 
 def softcapped_mtp_ce(logits: Tensor, targets: Tensor, mtp_weights: Tensor) -> Tensor:
+    """Per-row softcapped multi-token CE (spec §3.9, §8.4): Triton on CUDA, the reference elsewhere."""
+    if logits.is_cuda:
+        return softcapped_mtp_ce_triton(logits, targets, mtp_weights)
     return softcapped_mtp_ce_reference(logits, targets, mtp_weights)

@@ -1,0 +1,258 @@
+"""Interpreter checks of triton_kernels.py (run by tests/test_kernels.py in a subprocess with TRITON_INTERPRET=1).
+
+The interpreter's bf16 arithmetic is not faithful, so every kernel runs in its float32 test mode, where a bf16
+rounding point becomes a no-op and the kernels must agree with float64 formulas to float32 accuracy.
+
+Tolerances: an fp32 dot product of K terms, accumulated in any order, is within gamma_K * sum_i |x_i y_i| of the exact
+value, gamma_K = K*u/(1-K*u) with u = 2^-24 (Higham, Accuracy and Stability, §3.1). The checks below use that bound
+elementwise with a factor 2 of slack (plus one rounding of the result), so a wrong tile, mask or epilogue (errors of
+order |x||y|) fails while any legal summation order passes.
+"""
+import os
+
+import pytest
+import torch
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("run through tests/test_kernels.py, which sets TRITON_INTERPRET=1", allow_module_level=True)
+
+import triton_kernels as tk  # noqa: E402
+
+U32 = 2.0 ** -24
+
+
+def dot_error_bound(abs_products_sum: torch.Tensor, k: int) -> torch.Tensor:
+    """2 * gamma_k * sum|x y| plus one fp32 rounding of the result (abs_products_sum in float64)."""
+    return 2 * (k * U32 / (1 - k * U32)) * abs_products_sum + 2 * U32 * abs_products_sum + 1e-30
+
+
+def assert_within(actual: torch.Tensor, exact: torch.Tensor, bound: torch.Tensor, what: str) -> None:
+    err = (actual.double() - exact).abs()
+    worst = (err / bound).max().item()
+    assert torch.isfinite(actual).all(), f"{what}: non-finite values"
+    assert worst <= 1.0, f"{what}: error {worst:.3g}x the fp32 bound (max abs err {err.max().item():.3g})"
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Sections 1-2: symmetric kernels
+# ------------------------------------------------------------------------------------------------------------------
+
+SYM_TILES = [(16, 32, 16), (32, 16, 16), (16, 16, 32)]  # BM != BN both ways, and BK > K tail
+
+
+@pytest.mark.parametrize("tiles", SYM_TILES)
+@pytest.mark.parametrize("shape, transposed", [((37, 50), False), ((3, 40, 24), False), ((2, 33, 70), True)])
+def test_xxt_matches_float64_and_is_exactly_symmetric(shape, transposed, tiles):
+    g = torch.Generator().manual_seed(hash((shape, tiles)) % 2**31)
+    if transposed:  # arbitrary strides: A is a transposed view of a (B, K, M) buffer
+        A = torch.randn(shape[0], shape[2], shape[1], generator=g).mT
+    else:
+        A = torch.randn(*shape, generator=g)
+    out = tk._launch_sym_aat(A, 0.0, 1.0, add_ba=False, tiles=tiles)
+    A64 = A.double()
+    k = A.shape[-1]
+    assert out.shape == (*A.shape[:-1], A.shape[-2]) and out.dtype == A.dtype
+    assert_within(out, A64 @ A64.mT, dot_error_bound(A64.abs() @ A64.abs().mT, k), "xxt")
+    assert torch.equal(out, out.mT), "xxt output is not exactly symmetric"
+
+
+def test_xxt_public_launcher_and_op():
+    A = torch.randn(2, 20, 36)
+    ref = A.double() @ A.double().mT
+    bound = dot_error_bound(A.double().abs() @ A.double().abs().mT, 36)
+    assert_within(tk.xxt_triton(A), ref, bound, "xxt_triton")
+    assert_within(torch.ops.nanogpt_kernels.xxt(A), ref, bound, "torch.ops xxt")
+
+
+@pytest.mark.parametrize("tiles", SYM_TILES)
+@pytest.mark.parametrize("shape", [(45, 45), (2, 32, 32)])
+def test_ba_plus_cAA_matches_float64(shape, tiles):
+    g = torch.Generator().manual_seed(hash((shape, tiles, "ba")) % 2**31)
+    X = torch.randn(*shape, generator=g)
+    A = (X + X.mT) / 2  # symmetric, as in Polar Express
+    b, c = -2.808917465908714, 0.5000178451051316
+    out = tk._launch_sym_aat(A, b, c, add_ba=True, tiles=tiles)
+    A64 = A.double()
+    b32, c32 = float(torch.tensor(b)), float(torch.tensor(c))  # the kernel takes b, c as fp32
+    exact = c32 * (A64 @ A64.mT) + b32 * A64
+    bound = dot_error_bound(abs(c32) * (A64.abs() @ A64.abs().mT) + abs(b32) * A64.abs(), shape[-1] + 2)
+    assert_within(out, exact, bound, "ba_plus_cAA")
+    assert torch.equal(out, out.mT), "ba_plus_cAA output is not exactly symmetric"
+    # The public launcher and the registered op take the scalars as runtime values: a second pair gives its result.
+    out2 = torch.ops.nanogpt_kernels.ba_plus_cAA(A, 1.5, -0.25)
+    exact2 = -0.25 * (A64 @ A64.mT) + 1.5 * A64
+    assert_within(out2, exact2, dot_error_bound(0.25 * (A64.abs() @ A64.abs().mT) + 1.5 * A64.abs(), shape[-1] + 2),
+                  "ba_plus_cAA second scalars")
+
+
+def test_sym_launcher_rejects_bad_input():
+    with pytest.raises(ValueError, match="square"):
+        tk.ba_plus_cAA_triton(torch.randn(4, 6), 1.0, 1.0)
+    with pytest.raises(ValueError, match="bfloat16"):
+        tk.xxt_triton(torch.randn(4, 6, dtype=torch.float64))
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Section 3: relu^2 MLP
+# ------------------------------------------------------------------------------------------------------------------
+
+MLP_CASES = [  # (M, D, H, tiles=(BM, BN, BK, GROUP_M)); M and H not multiples of the tile, several tiles per program
+    (37, 32, 80, (16, 32, 16, 2)),
+    (64, 48, 64, (32, 32, 16, 1)),
+    (21, 16, 40, (16, 16, 16, 3)),
+]
+
+
+@pytest.mark.parametrize("M, D, H, tiles", MLP_CASES)
+def test_relu2_mlp_kernel_forward_and_backward_modes(M, D, H, tiles):
+    g = torch.Generator().manual_seed(M * 1000 + H)
+    x, c_fc, c_proj = (torch.randn(M, D, generator=g), torch.randn(H, D, generator=g) / D ** 0.5,
+                       torch.randn(H, D, generator=g) / D ** 0.5)
+    pre, post = tk.relu2_mlp_fwd_triton(x, c_fc, tiles=tiles)
+    x64, w64 = x.double(), c_fc.double()
+    assert_within(pre, x64 @ w64.T, dot_error_bound(x64.abs() @ w64.abs().T, D), "pre")
+    # post is one fp32 rounding of relu(pre)^2, taken from the stored pre: exact equality.
+    assert torch.equal(post, (pre.double().clamp_min(0) ** 2).float()), "post != round(relu(pre)^2)"
+
+    grad = torch.randn(M, D, generator=g)
+    dpre = tk.relu2_mlp_bwd_triton(grad, c_proj, pre, tiles=tiles)
+    g64, p64 = grad.double(), c_proj.double()
+    relu_pre = pre.double().clamp_min(0)
+    exact = 2 * (g64 @ p64.T) * relu_pre
+    bound = 2 * relu_pre * dot_error_bound(g64.abs() @ p64.abs().T, D) + 2 * U32 * exact.abs() + 1e-30
+    assert_within(dpre, exact, bound, "dpre")
+    assert (dpre[pre <= 0] == 0).all(), "dpre must vanish where pre <= 0"
+
+
+def test_relu2_mlp_autograd_matches_reference():
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(2, 19, 32, generator=g, requires_grad=True)  # (..., D): 38 rows
+    c_fc = (torch.randn(96, 32, generator=g) / 6).requires_grad_()
+    c_proj = (torch.randn(96, 32, generator=g) / 6).requires_grad_()
+    out = tk.relu2_mlp_triton(x, c_fc, c_proj)
+    ref = tk.relu2_mlp_reference(x, c_fc, c_proj)
+    grad_out = torch.randn(ref.shape, generator=g)
+    grads = torch.autograd.grad(out, (x, c_fc, c_proj), grad_out)
+    grads_ref = torch.autograd.grad(ref, (x, c_fc, c_proj), grad_out)
+    # Both sides are fp32 with different summation orders; 1e-5 of the largest value is ~100 ulp of slack over
+    # chains of two or three K<=96 dot products, while a wrong term would be off by O(1) of the scale.
+    for name, a, b in [("out", out, ref), *zip(("dx", "dc_fc", "dc_proj"), grads, grads_ref)]:
+        assert a.shape == b.shape, name
+        assert ((a - b).abs().max() / b.abs().max()).item() < 1e-5, name
+
+
+def test_relu2_mlp_launcher_rejects_bad_input():
+    with pytest.raises(ValueError, match="multiple of BLOCK_K"):
+        tk.relu2_mlp_fwd_triton(torch.randn(8, 24), torch.randn(16, 24), tiles=(16, 16, 16, 1))
+    with pytest.raises(ValueError, match="cast both"):
+        tk.relu2_mlp_fwd_triton(torch.randn(8, 32), torch.randn(16, 32, dtype=torch.bfloat16))
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Section 4: softcapped multi-token cross entropy
+# ------------------------------------------------------------------------------------------------------------------
+
+A_, B_, C_ = 23.0, 5.0, 7.5
+
+
+def ce_float64(logits, targets, weights):
+    """Spec §8.4 in float64, written as loops: (losses, lse, dz-free parts) for checking both kernels."""
+    n, V = logits.shape
+    z = A_ * torch.sigmoid((logits.double() + B_) / C_)
+    lse = torch.logsumexp(z, dim=1)
+    losses = torch.zeros(n, dtype=torch.float64)
+    for i in range(n):
+        for k, w in enumerate(weights.tolist()):
+            if i + k < n and w > 0 and 0 <= int(targets[i + k]) < V:
+                losses[i] += w * (lse[i] - z[i, int(targets[i + k])])
+    return losses, lse, z
+
+
+def ce_grad_float64(grad_rows, logits, targets, weights):
+    n, V = logits.shape
+    _, lse, z = ce_float64(logits, targets, weights)
+    sig = z / A_
+    p = torch.exp(z - lse[:, None])
+    dlogits = torch.zeros(n, V, dtype=torch.float64)
+    for i in range(n):
+        s_w, t = 0.0, torch.zeros(V, dtype=torch.float64)
+        for k, w in enumerate(weights.tolist()):
+            if i + k < n:
+                s_w += w
+                if 0 <= int(targets[i + k]) < V:
+                    t[int(targets[i + k])] += w
+        dz = float(grad_rows[i]) * (s_w * p[i] - t)
+        dlogits[i] = dz * z[i] * (1 - sig[i]) / C_
+    return dlogits
+
+
+CE_CASES = [  # (n_rows, n_cols, weights): n_cols not multiples of 1024; zero weight; fewer rows than weights
+    (7, 1500, [1.0]),
+    (6, 2500, [1.0, 0.5]),
+    (5, 1100, [1.0, 0.5, 0.25]),
+    (4, 300, [1.0, 0.0, 0.3]),
+    (2, 1030, [1.0, 0.5, 0.25]),
+]
+
+
+@pytest.mark.parametrize("n, V, weights", CE_CASES)
+def test_softcapped_mtp_ce_forward_and_backward(n, V, weights):
+    g = torch.Generator().manual_seed(n * 10000 + V)
+    logits = torch.randn(n, V, generator=g) * 8
+    targets = torch.randint(0, V, (n,), generator=g)
+    targets[0] = V - 1  # last column (in the final, partial block)
+    w = torch.tensor(weights)
+    losses, lse = tk.softcapped_mtp_ce_fwd_triton(logits, targets, w)
+    losses64, lse64, _ = ce_float64(logits, targets, w)
+    # fp32 exp/log over V <= 2500 terms of size <= e^23: relative error a few 1e-7; 1e-5 leaves slack for the
+    # online rescaling while any missing/extra term (>= 0.25 * O(1) nats) would fail.
+    torch.testing.assert_close(lse.double(), lse64, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(losses.double(), losses64, rtol=1e-5, atol=1e-4)
+
+    grad_rows = torch.rand(n, generator=g) + 0.5
+    dlogits = tk.softcapped_mtp_ce_bwd_triton(grad_rows, logits, targets, w, lse)
+    exact = ce_grad_float64(grad_rows, logits, targets, w)
+    assert dlogits.shape == (n, V) and dlogits.dtype == logits.dtype
+    # Per-element fp32 error is relative (~1e-6) except where S_w*p and T_c cancel (the target column); an absolute
+    # floor of 1e-6 of the largest gradient covers that.
+    torch.testing.assert_close(dlogits.double(), exact, rtol=1e-4, atol=1e-6 * exact.abs().max().item())
+
+
+def test_softcapped_mtp_ce_skips_out_of_range_targets_and_takes_strided_grad():
+    n, V = 5, 700
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(n, V, generator=g) * 5
+    targets = torch.randint(0, V, (n,), generator=g)
+    targets[2] = -100  # an ignore-style id: forward skips it, backward finds no column for it
+    w = torch.tensor([1.0, 0.5, 0.25])
+    losses, lse = tk.softcapped_mtp_ce_fwd_triton(logits, targets, w)
+    torch.testing.assert_close(losses.double(), ce_float64(logits, targets, w)[0], rtol=1e-5, atol=1e-4)
+    grad_rows = torch.full((1,), 0.125).expand(n)  # stride 0, like the gradient of a sum scaled by 1/A
+    dlogits = tk.softcapped_mtp_ce_bwd_triton(grad_rows, logits, targets, w, lse)
+    exact = ce_grad_float64(grad_rows, logits, targets, w)
+    torch.testing.assert_close(dlogits.double(), exact, rtol=1e-4, atol=1e-6 * exact.abs().max().item())
+
+
+def test_softcapped_mtp_ce_autograd_matches_reference():
+    n, V = 6, 1200
+    g = torch.Generator().manual_seed(11)
+    logits = (torch.randn(n, V, generator=g) * 6).requires_grad_()
+    targets = torch.randint(0, V, (n,), generator=g)
+    w = torch.tensor([1.0, 0.5, 0.125])
+    losses = tk.softcapped_mtp_ce_triton(logits, targets, w)
+    ref = tk.softcapped_mtp_ce_reference(logits, targets, w)
+    torch.testing.assert_close(losses, ref, rtol=1e-5, atol=1e-4)
+    grad_rows = torch.rand(n, generator=g)
+    (d,) = torch.autograd.grad(losses, logits, grad_rows)
+    (d_ref,) = torch.autograd.grad(ref, logits, grad_rows)
+    torch.testing.assert_close(d, d_ref, rtol=1e-4, atol=1e-6 * d_ref.abs().max().item())
+
+
+def test_ce_launcher_rejects_bad_input():
+    logits = torch.randn(4, 64)
+    with pytest.raises(ValueError, match="int64"):
+        tk.softcapped_mtp_ce_fwd_triton(logits, torch.zeros(4, dtype=torch.int32), torch.ones(1))
+    with pytest.raises(ValueError, match="fp32"):
+        tk.softcapped_mtp_ce_fwd_triton(logits, torch.zeros(4, dtype=torch.int64), torch.ones(1, dtype=torch.float64))
+    with pytest.raises(ValueError, match="contiguous"):
+        tk.softcapped_mtp_ce_fwd_triton(torch.randn(64, 4).T, torch.zeros(4, dtype=torch.int64), torch.ones(1))
