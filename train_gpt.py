@@ -227,7 +227,421 @@ def parse_args(argv: Sequence[str]) -> Hyperparameters:
 # =====================================================================================================================
 # 3. Optimizer: Polar Express, Adam and NorMuon updates, and NorMuonAndAdam
 # =====================================================================================================================
-# <<OPTIMIZER SECTION>>
+# Polar Express coefficients (a, b, c) for 5 iterations, designed with safety factor 2e-2 and cushion 2 (spec §5.5).
+POLAR_EXPRESS_COEFFS = (
+    (8.156554524902461, -22.48329292557795, 15.878769915207462),
+    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+)
+# Matrices stored with more rows than this (the 3072x768 MLP ones) round a*X + B@X twice, like the record (§5.5).
+POLAR_EXPRESS_SPLIT_ROWS = 1024
+NORMUON_EPS = 1e-10                    # floor of the second moment and of the renormalised norm (§5.6)
+
+
+def _fp32(x: float) -> float:
+    """Round a Python (double) float to the nearest fp32 value; optimizer scalars are computed in double, then this."""
+    return float(np.float32(x))
+
+
+def polar_express(G: Tensor, split_final_product: bool) -> Tensor:
+    """Approximate U·Vᵀ of G = U·S·Vᵀ for a batch (..., R, C) of matrices, in bf16 (spec §5.5).
+
+    Five odd-polynomial iterations X <- a·X + (b·A + c·A²)·X with A = X·Xᵀ, on the short side (transposed when R > C,
+    so A is the smaller Gram matrix). X is first scaled by its Frobenius norm (+2% safety) so every singular value
+    lies in (0, 1), where the coefficients push it towards 1. split_final_product: round B@X to bf16 before adding
+    a·X (two roundings, as the record does for the MLP matrices) instead of one fused GEMM with beta = a.
+    """
+    shape = G.shape
+    X = G.bfloat16().reshape(-1, shape[-2], shape[-1])           # (n, R, C)
+    if shape[-2] > shape[-1]:
+        X = X.mT                                                 # (n, C, R): Gram matrices are C x C
+    X = X / (X.norm(dim=(-2, -1), keepdim=True) * (1 + 2e-2) + 1e-6)
+    for a, b, c in POLAR_EXPRESS_COEFFS:
+        A = tk.xxt(X)                                            # (n, m, m) bf16, exactly symmetric
+        B = tk.ba_plus_cAA(A, b, c)                              # (n, m, m) bf16
+        if split_final_product:
+            X = (B @ X).float().add_(X, alpha=a).bfloat16()      # bf16(bf16(B@X) + a·X)
+        else:
+            X = torch.baddbmm(X, B, X, beta=a)                   # bf16(a·X + B@X), fp32 accumulation
+    if shape[-2] > shape[-1]:
+        X = X.mT
+    return X.reshape(shape)
+
+
+def adam_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, *, beta1: float, beta2: float,
+                eps: float, step_size: float | Tensor, decay: float | Tensor) -> None:
+    """One Adam update of a slice in place, all arithmetic in fp32 (spec §5.3).
+
+    step_size = fp32(lr·sqrt(1-beta2^t)/(1-beta1^t)) and decay = fp32(lr²·wd) come from adam_scalars(). eps is not
+    bias corrected. Cautious decay only where the update and the weight agree in sign (strict >). A bf16 param
+    takes the round-to-nearest of the fp32 result (no master copy).
+    """
+    g = grad.float()
+    exp_avg.mul_(beta1).add_(g, alpha=1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    p = param.float()
+    u = exp_avg / (exp_avg_sq.sqrt() + eps) * step_size
+    u = u + decay * p * (u * p > 0)
+    param.copy_(p - u)
+
+
+def adam_scalars(lr: float, t: int, beta1: float, beta2: float, wd: float) -> tuple[float, float]:
+    """(step_size, decay) for adam_update: computed in double, rounded to fp32. lr includes lr_mul; decay uses lr²."""
+    step_size = _fp32(lr * (math.sqrt(1 - beta2 ** t) / (1 - beta1 ** t)))
+    decay = _fp32(lr * lr * wd)
+    return step_size, decay
+
+
+def variance_normalize_(O: Tensor, second_moment: Tensor, beta2: float) -> Tensor:
+    """NorMuon's low-rank second moment (spec §5.6): O (n, R, C) bf16 -> O with each row (R >= C) or column scaled by
+    1/sqrt(running mean of its squares), then the matrix rescaled to its previous Frobenius norm.
+
+    second_moment is fp32 (n, R, 1) when R >= C, else (n, 1, C); updated in place. An all-zero O stays zero.
+    """
+    reduce_dim = -1 if O.size(-2) >= O.size(-1) else -2
+    n_red = O.size(reduce_dim)
+    r = O.float().square().mean(dim=reduce_dim, keepdim=True)                      # (n, R, 1) per-row mean square
+    norm = (n_red * r.sum(dim=(-2, -1), keepdim=True)).sqrt()                       # (n, 1, 1) = ||O||_F
+    second_moment.lerp_(r, 1 - beta2)
+    d = second_moment.clamp_min(NORMUON_EPS).rsqrt()                                # (n, R, 1)
+    norm_scaled = (n_red * r * d.square()).sum(dim=(-2, -1), keepdim=True).sqrt()  # ||diag(d) O||_F
+    scale = d * norm / norm_scaled.clamp_min(NORMUON_EPS)
+    return O * scale.bfloat16()
+
+
+def normuon_direction_(grad: Tensor, momentum_buffer: Tensor, second_moment: Tensor, *, momentum: float,
+                       beta2: float, split_final_product: bool) -> Tensor:
+    """Momentum (§5.4), Polar Express (§5.5) and variance normalisation (§5.6) of one chunk; updates both buffers.
+
+    grad (n, R, C) bf16, momentum_buffer (n, R, C) fp32 -> O (n, R, C) bf16.
+    """
+    G = grad.float()
+    momentum_buffer.lerp_(G, 1 - momentum)   # weight < 0.5: M + (1-mu)(G - M)
+    U = G.lerp(momentum_buffer, momentum)    # weight >= 0.5: torch evaluates M - (M - G)(1 - mu); Nesterov-style
+    O = polar_express(U, split_final_product)
+    return variance_normalize_(O, second_moment, beta2)
+
+
+def cautious_update_with_mantissa_(param: Tensor, mantissa: Tensor, O: Tensor, *, lr: float | Tensor,
+                                   wd: float | Tensor) -> None:
+    """P <- (P - ((P·mask)·wd)·lr) - O·lr on the fp32 master P = (bf16 bits << 16) | mantissa (spec §5.8).
+
+    param (n, R, C) bf16 and mantissa (n, R, C) uint16 are updated in place: the bf16 keeps the high 16 bits of the
+    new master (truncation toward zero), the mantissa the low 16. mask = [O·P >= 0] (non-strict: entries with zero
+    update are decayed too). lr is fp32, a scalar or (n, 1, 1) per matrix; wd is fp32.
+    """
+    high = param.view(torch.int16).to(torch.int32) << 16
+    low = mantissa.view(torch.int16).to(torch.int32) & 0xFFFF
+    P = (high | low).view(torch.float32)
+    Og = O.float()
+    mask = Og * P >= 0
+    P_new = (P - ((P * mask) * wd) * lr) - Og * lr
+    bits = P_new.view(torch.int32)
+    param.view(torch.int16).copy_((bits >> 16).to(torch.int16))
+    mantissa.view(torch.int16).copy_(((bits << 16) >> 16).to(torch.int16))   # low 16 bits, sign-extended to fit
+
+
+def normuon_update(param: Tensor, grad: Tensor, momentum_buffer: Tensor, second_moment: Tensor, mantissa: Tensor, *,
+                   momentum: float, beta2: float, lr: float | Tensor, wd: float | Tensor,
+                   split_final_product: bool) -> None:
+    """One NorMuon update of a chunk of matrices in place (spec §5.4-5.8). All tensors (n, R, C) except
+    second_moment ((n, R, 1) or (n, 1, C)); lr (fp32 scalar or (n, 1, 1)) and wd from normuon_scalars()."""
+    O = normuon_direction_(grad, momentum_buffer, second_moment, momentum=momentum, beta2=beta2,
+                           split_final_product=split_final_product)
+    cautious_update_with_mantissa_(param, mantissa, O, lr=lr, wd=wd)
+
+
+def normuon_matrix_lr_scales(matrix_shape: Sequence[int], lr_mul: float, matrix_lr_muls: Sequence[float],
+                             global_indices: Sequence[int]) -> list[float]:
+    """(shape_mult·lr_mul)·matrix_mult for each matrix (double); shape_mult = sqrt(max(1, R/C)) of the stored shape,
+    matrix_mult cycles over the GLOBAL matrix index of the bank (c_fc, c_proj alternate in the MLP bank, §5.7)."""
+    R, C = matrix_shape
+    shape_mult = math.sqrt(max(1.0, R / C))
+    return [(shape_mult * lr_mul) * matrix_lr_muls[i % len(matrix_lr_muls)] for i in global_indices]
+
+
+def normuon_scalars(muon_lr: float, lr_factor: float, wd: float, wd_mul: float) -> tuple[float, float]:
+    """(base lr = muon_lr·s in double, wd = fp32(wd_mul·wd·(muon_lr·s))): decay uses the UN-multiplied lr (§5.8)."""
+    lr = muon_lr * lr_factor
+    return lr, _fp32(wd_mul * wd * lr)
+
+
+class NorMuonAndAdam:
+    """One optimizer for every parameter, configured per label by a table (spec §5).
+
+    NorMuon (Polar Express + low-rank variance normalisation, fp32 master kept as bf16 + a 16-bit mantissa) updates
+    the matrix banks every step; Adam updates everything else on odd steps only, on the sum of two steps' gradients.
+    Communication per label is "replicated" (all-reduce the gradient, every rank updates the whole tensor),
+    "sharded" (reduce-scatter along dim 0 of the tensor, or of the bank's matrix view for NorMuon, update this rank's
+    slice, all-gather it back) or "none" (no communication at all).
+
+    Comm ordering. A step launches every reduction up front, asynchronously, in `scatter_order`, then walks
+    `work_order`: wait for a label's reduction, update its slice, launch its all-gather. The two orders differ because
+    the collectives run one after another on a single comm stream while the updates run on the compute stream: the
+    big NorMuon banks are reduced first, and their Polar Express work comes last in work order, so the cheap Adam
+    updates run (and their large embedding gathers start) while the bank reductions are still arriving, and the long
+    Polar Express compute hides every gather launched before it; only the last bank's gather is exposed. These
+    orders are performance choices (measured in the record), not math. Two orderings ARE correctness constraints
+    while embed and lm_head are tied: (1) the gradient fold lm_head.grad += embed.gradᵀ happens before lm_head's
+    reduction is launched (it is done right there, and embed itself is never reduced while tied); (2) the weight
+    copy embed <- lm_headᵀ happens after lm_head's all-gather has completed (step() waits for it first).
+
+    Use: after backward, step(do_adam=, lr_factor=, momentum=) (clears the gradients it consumed), and untie()
+    right after the step at which embed and lm_head separate. rank and world_size only do the sharding arithmetic;
+    the collectives use the default process group (none is needed when world_size is 1).
+    """
+
+    def __init__(self, named_params: dict[str, nn.Parameter], param_table: dict[str, dict], scatter_order: Sequence[str],
+                 work_order: Sequence[str], *, adam_lr: float, adam_eps: float, adam_wd: float, muon_lr: float,
+                 muon_beta2: float, muon_wd: float, rank: int, world_size: int,
+                 tied: tuple[str, str] | None = ("lm_head", "embed")):
+        self.params = dict(named_params)
+        self.table = {label: dict(row) for label, row in param_table.items()}
+        self.scatter_order, self.work_order = tuple(scatter_order), tuple(work_order)
+        self.adam_lr, self.adam_eps, self.adam_wd = adam_lr, adam_eps, adam_wd
+        self.muon_lr, self.muon_beta2, self.muon_wd = muon_lr, muon_beta2, muon_wd
+        self.rank, self.world_size = rank, world_size
+        self.tied = tuple(tied) if tied is not None else None
+        self._validate()
+        self._tied_now = self.tied is not None
+        self.adam_t = {label: 0 for label, row in self.table.items() if row["optim"] == "adam"}
+        self.buffers: dict[str, dict[str, Tensor]] = {}
+        self._lr_scales: dict[str, Tensor | float] = {}
+        for label, p in self.params.items():
+            row = self.table[label]
+            local = self._local(label, p.detach())
+            if row["optim"] == "adam":
+                self.buffers[label] = dict(exp_avg=torch.zeros_like(local, dtype=torch.float32),
+                                           exp_avg_sq=torch.zeros_like(local, dtype=torch.float32))
+                continue
+            n, R, C = local.shape
+            moment_shape = (n, R, 1) if R >= C else (n, 1, C)
+            self.buffers[label] = dict(
+                momentum=torch.zeros_like(local, dtype=torch.float32),
+                second_moment=torch.zeros(moment_shape, dtype=torch.float32, device=p.device),
+                mantissa=torch.zeros_like(local, dtype=torch.uint16))
+            first = self.rank * n if self._is_sharded(label) else 0
+            scales = normuon_matrix_lr_scales((R, C), row["lr_mul"], row.get("matrix_lr_muls", (1.0,)),
+                                              range(first, first + n))
+            # One scale for the whole chunk stays a Python float; mixed ones live on the device in double, so the
+            # per-step lr = fp32(scale·(muon_lr·s)) is the same IEEE double product as on the host, with no copy.
+            self._lr_scales[label] = (scales[0] if len(set(scales)) == 1 else
+                                      torch.tensor(scales, dtype=torch.float64, device=p.device).view(n, 1, 1))
+
+    # ---- validation -------------------------------------------------------------------------------------------
+    def _validate(self) -> None:
+        for label in self.params:
+            if label not in self.table:
+                raise ValueError(f"parameter {label!r} has no row in the optimizer table: add it to param_table "
+                                 f"(DEFAULT_PARAM_TABLE in train_gpt.py)")
+        for label in self.table:
+            if label not in self.params:
+                raise ValueError(f"param_table row {label!r} names no model parameter (parameters: "
+                                 f"{', '.join(self.params)}): remove the row or fix its name")
+        for name, order in (("scatter_order", self.scatter_order), ("work_order", self.work_order)):
+            for label in order:
+                if label not in self.table:
+                    raise ValueError(f"{name} names {label!r}, which is not a parameter label: remove it from "
+                                     f"--{name}")
+                if order.count(label) > 1:
+                    raise ValueError(f"{name} lists {label!r} {order.count(label)} times: list every label exactly "
+                                     f"once in --{name}")
+            missing = [label for label in self.table if label not in order]
+            if missing:
+                raise ValueError(f"{name} is missing {', '.join(map(repr, missing))}: list every label exactly once "
+                                 f"in --{name}")
+        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} / world_size {self.world_size} is not a valid process placement")
+        for label, row in self.table.items():
+            p = self.params[label]
+            if row.get("optim") not in ("adam", "normuon"):
+                raise ValueError(f"param_table[{label!r}] optim={row.get('optim')!r}: use 'adam' or 'normuon'")
+            if row.get("comms") not in ("none", "replicated", "sharded"):
+                raise ValueError(f"param_table[{label!r}] comms={row.get('comms')!r}: use 'none', 'replicated' or "
+                                 f"'sharded'")
+            for key in ("lr_mul", "wd_mul"):
+                if not isinstance(row.get(key), (int, float)):
+                    raise ValueError(f"param_table[{label!r}] needs a number {key}=")
+            if row["optim"] == "adam":
+                betas = row.get("betas")
+                if betas is None or len(betas) != 2 or not all(0 <= b < 1 for b in betas):
+                    raise ValueError(f"param_table[{label!r}] is an Adam row and needs betas=(beta1, beta2) in [0, 1)")
+                if row["comms"] == "sharded" and p.shape[0] % self.world_size:
+                    raise ValueError(f"{label} has {p.shape[0]} rows in dim 0 of {tuple(p.shape)}, not divisible by "
+                                     f"world_size {self.world_size}: set param_table[{label!r}] comms='replicated' "
+                                     f"or use a world size that divides {p.shape[0]}")
+                continue
+            shape = row.get("matrix_shape")
+            if shape is None or len(shape) != 2 or p.numel() % (shape[0] * shape[1]) or p.shape[-1] != shape[1]:
+                raise ValueError(f"{label} of shape {tuple(p.shape)} cannot be viewed as a stack of "
+                                 f"matrix_shape={shape} matrices: fix param_table[{label!r}]['matrix_shape'] "
+                                 f"(rows, cols) to match the bank")
+            if p.dtype != torch.bfloat16:
+                raise ValueError(f"NorMuon parameter {label} is {p.dtype}; its fp32 master is bf16 + a 16-bit "
+                                 f"mantissa, so store it in bf16 or make it an Adam row")
+            if not row.get("matrix_lr_muls", (1.0,)):
+                raise ValueError(f"param_table[{label!r}] matrix_lr_muls is empty: give at least one multiplier")
+            n_matrices = p.numel() // (shape[0] * shape[1])
+            if row["comms"] == "sharded" and n_matrices % self.world_size:
+                fix = ("add padding layers (--mlp_bank_pad)" if label == "mlp" else "change the layer count")
+                raise ValueError(f"{label} bank has {n_matrices} matrices, not divisible by world_size "
+                                 f"{self.world_size}: {fix} or use a world size that divides {n_matrices}")
+        if self.tied is not None:
+            head, embed = self.tied
+            for label in (head, embed):
+                if label not in self.table or self.table[label]["optim"] != "adam":
+                    raise ValueError(f"tied=({head!r}, {embed!r}): {label!r} must be an Adam parameter label; "
+                                     f"pass tied=None to train them separately")
+            if self.params[head].shape != self.params[embed].shape[::-1] or self.params[head].dim() != 2:
+                raise ValueError(f"tied {head} {tuple(self.params[head].shape)} is not the transpose of {embed} "
+                                 f"{tuple(self.params[embed].shape)}: store {head} as (model_dim, vocab)")
+
+    # ---- layout helpers ---------------------------------------------------------------------------------------
+    def _is_sharded(self, label: str) -> bool:
+        return self.table[label]["comms"] == "sharded" and self.world_size > 1
+
+    def _is_replicated(self, label: str) -> bool:
+        return self.table[label]["comms"] == "replicated" and self.world_size > 1
+
+    def _bank_view(self, label: str, t: Tensor) -> Tensor:
+        """NorMuon tensors as (n_matrices, R, C); Adam tensors unchanged."""
+        row = self.table[label]
+        return t.view(-1, *row["matrix_shape"]) if row["optim"] == "normuon" else t
+
+    def _local(self, label: str, t: Tensor) -> Tensor:
+        """This rank's slice along dim 0 of the bank view (the whole view unless sharded)."""
+        t = self._bank_view(label, t)
+        if not self._is_sharded(label):
+            return t
+        chunk = t.shape[0] // self.world_size
+        return t[self.rank * chunk:(self.rank + 1) * chunk]
+
+    def _steps_now(self, label: str) -> bool:
+        return not (self._tied_now and label == self.tied[1])
+
+    # ---- communication (overridable, e.g. to time the compute alone) -------------------------------------------
+    def _launch_reduce(self, label: str, grad: Tensor):
+        """Start averaging `grad` over ranks; returns (work or None, the tensor that will hold this rank's slice)."""
+        if self._is_replicated(label):
+            return dist.all_reduce(grad, op=dist.ReduceOp.AVG, async_op=True), self._bank_view(label, grad)
+        if self._is_sharded(label):
+            full = self._bank_view(label, grad)
+            chunk = full.new_empty((full.shape[0] // self.world_size, *full.shape[1:]))
+            return dist.reduce_scatter_tensor(chunk, full, op=dist.ReduceOp.AVG, async_op=True), chunk
+        return None, self._bank_view(label, grad)
+
+    def _launch_gather(self, label: str):
+        """Start all-gathering this rank's updated slice into the full parameter (in place); None if not sharded."""
+        if not self._is_sharded(label):
+            return None
+        full = self._bank_view(label, self.params[label].detach())
+        return dist.all_gather_into_tensor(full, self._local(label, full), async_op=True)
+
+    # ---- the step ---------------------------------------------------------------------------------------------
+    @property
+    def tied_now(self) -> bool:
+        return self._tied_now
+
+    @torch.no_grad()
+    def step(self, *, do_adam: bool, lr_factor: float, momentum: float) -> None:
+        """Reduce, update and gather every label due this step (NorMuon always, Adam when do_adam), spec §5.2.
+
+        lr_factor: the schedule's factor on every base lr; momentum: NorMuon's momentum for this step. Clears .grad
+        of what it consumed; Adam gradients are kept on the other steps so the next backward adds to them.
+        """
+        due = [label for label in self.scatter_order
+               if (do_adam or self.table[label]["optim"] == "normuon") and self._steps_now(label)]
+        pending = {}
+        for label in due:
+            p = self.params[label]
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            if self._tied_now and label == self.tied[0] and self.params[self.tied[1]].grad is not None:
+                p.grad.add_(self.params[self.tied[1]].grad.mT)       # tied fold, before lm_head's reduction
+            pending[label] = self._launch_reduce(label, p.grad)
+        gathers = {}
+        for label in self.work_order:
+            if label not in pending:
+                continue
+            work, grad = pending.pop(label)
+            if work is not None:
+                work.wait()
+            self._update(label, grad, lr_factor, momentum)
+            gathers[label] = self._launch_gather(label)
+        if self._tied_now and do_adam:
+            head, embed = self.tied
+            if gathers.get(head) is not None:
+                gathers.pop(head).wait()
+            self.params[embed].detach().copy_(self.params[head].detach().mT)
+        for work in gathers.values():
+            if work is not None:
+                work.wait()
+        for label, p in self.params.items():
+            if do_adam or self.table[label]["optim"] == "normuon":
+                p.grad = None
+
+    def _update(self, label: str, grad: Tensor, lr_factor: float, momentum: float) -> None:
+        row, buf = self.table[label], self.buffers[label]
+        param = self._local(label, self.params[label].detach())
+        if row["optim"] == "adam":
+            self.adam_t[label] += 1
+            beta1, beta2 = row["betas"]
+            step_size, decay = adam_scalars(self.adam_lr * lr_factor * row["lr_mul"], self.adam_t[label], beta1,
+                                            beta2, self.adam_wd * row["wd_mul"])
+            adam_update(param, grad, buf["exp_avg"], buf["exp_avg_sq"], beta1=beta1, beta2=beta2, eps=self.adam_eps,
+                        step_size=step_size, decay=decay)
+            return
+        lr, wd = normuon_scalars(self.muon_lr, lr_factor, self.muon_wd, row["wd_mul"])
+        scale = self._lr_scales[label]
+        lr_eff = _fp32(scale * lr) if isinstance(scale, float) else (scale * lr).float()
+        normuon_update(param, grad, buf["momentum"], buf["second_moment"], buf["mantissa"], momentum=momentum,
+                       beta2=self.muon_beta2, lr=lr_eff, wd=wd,
+                       split_final_product=row["matrix_shape"][0] > POLAR_EXPRESS_SPLIT_ROWS)
+
+    # ---- untying and state --------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def untie(self) -> None:
+        """Separate embed from lm_head after the split step (spec §5.11): embed takes lm_head's Adam t, and its
+        moments are lm_head's, gathered to the full (D, V), transposed to (V, D) and re-sliced to embed's shard."""
+        if not self._tied_now:
+            raise ValueError("untie() called twice: embed and lm_head are already separate")
+        head, embed = self.tied
+        self.adam_t[embed] = self.adam_t[head]
+        for name in ("exp_avg", "exp_avg_sq"):
+            src = self.buffers[head][name]                                         # (D/W or D, V)
+            if self._is_sharded(head):
+                full = src.new_empty((src.shape[0] * self.world_size, *src.shape[1:]))
+                dist.all_gather_into_tensor(full, src)
+            else:
+                full = src
+            self.buffers[embed][name].copy_(self._local(embed, full.mT))          # (V/W or V, D)
+        self._tied_now = False
+
+    def state_dict(self) -> dict:
+        """A snapshot (cloned tensors) of this rank's optimizer state: Adam t, every buffer, the tied flag."""
+        return dict(tied_now=self._tied_now, rank=self.rank, world_size=self.world_size, adam_t=dict(self.adam_t),
+                    buffers={label: {name: t.clone() for name, t in buf.items()}
+                             for label, buf in self.buffers.items()})
+
+    @torch.no_grad()
+    def load_state_dict(self, sd: dict) -> None:
+        if (sd["rank"], sd["world_size"]) != (self.rank, self.world_size):
+            raise ValueError(f"optimizer state was saved by rank {sd['rank']} of {sd['world_size']}, this is rank "
+                             f"{self.rank} of {self.world_size}: resume with the same --nproc_per_node")
+        if set(sd["buffers"]) != set(self.buffers):
+            raise ValueError(f"optimizer state labels {sorted(sd['buffers'])} differ from the table's "
+                             f"{sorted(self.buffers)}: load it with the param_table it was saved with")
+        for label, buf in self.buffers.items():
+            for name, t in buf.items():
+                src = sd["buffers"][label][name]
+                if src.shape != t.shape or src.dtype != t.dtype:
+                    raise ValueError(f"optimizer state {label}.{name} is {tuple(src.shape)} {src.dtype}, expected "
+                                     f"{tuple(t.shape)} {t.dtype}: load it with the model config it was saved with")
+                t.copy_(src)
+        self.adam_t = dict(sd["adam_t"])
+        self._tied_now = bool(sd["tied_now"])
 
 
 # =====================================================================================================================
