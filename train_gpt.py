@@ -647,7 +647,167 @@ class NorMuonAndAdam:
 # =====================================================================================================================
 # 4. Attention backends
 # =====================================================================================================================
-# <<ATTENTION SECTION>>
+# Every backend computes the same thing (spec §3.5 step 6): packed documents q, k, v (T, H, D) bf16 with boundaries
+# cu_seqlens = [0, c_1, ..., T, T, ...] (int32; trailing repeats are empty documents); query t of document
+# [c_j, c_{j+1}) sees keys t' with c_j <= t' <= t and t - window <= t' (window + 1 keys at most, itself included);
+# logits scale * <q_t, k_t'>, softmax in fp32, output (T, H, D) in q's dtype.
+#   fa3    FlashAttention-3 `flash_attn_varlen_func` (Hopper), when the module `flash_attn_interface` is installed.
+#   flex   torch flex_attention with a block mask built from cu_seqlens; it runs fused only under torch.compile.
+#   varlen torch.nn.attention.varlen.varlen_attn (FlashAttention-2 inside torch), CUDA only.
+#   sdpa   a dense-mask reference (O(T^2) memory) for CPUs and tests.
+ATTN_BACKENDS = ("flex", "varlen", "fa3", "sdpa")
+# "auto" on CUDA takes the first available of these. Order from bench/attention.py on 1xH100 (fwd+bwd, training
+# shapes): see the table in that script's docstring. Off CUDA "auto" means sdpa (the only fused CPU kernel).
+ATTN_AUTO_ORDER_CUDA = ("fa3", "flex", "varlen", "sdpa")
+FLEX_BLOCK_SIZE = 128  # tokens per flex sparse block (q and kv); flex's kernel tiles (64 or 128) divide it
+
+
+def _import_fa3() -> Any:
+    """The FlashAttention-3 module, or None when it is not installed (or its CUDA library does not load)."""
+    try:
+        import flash_attn_interface
+    except Exception:  # ImportError, or OSError from a .so built for another torch/CUDA
+        return None
+    return flash_attn_interface
+
+
+def _import_torch_varlen() -> Callable | None:
+    """torch's varlen_attn if this torch has it with sliding-window and scale arguments (torch >= 2.11), else None."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    import inspect
+    params = inspect.signature(varlen_attn).parameters
+    return varlen_attn if "window_size" in params and "scale" in params else None
+
+
+def _import_flex() -> Any:
+    try:
+        from torch.nn.attention import flex_attention
+    except ImportError:
+        return None
+    return flex_attention
+
+
+def available_attn_backends(device: torch.device) -> list[str]:
+    """Backends that can run on `device`, in ATTN_BACKENDS order."""
+    on_cuda = torch.device(device).type == "cuda"
+    usable = {
+        "flex": _import_flex() is not None,  # CPU: eager (unfused) or inductor's CPU template under compile
+        "varlen": on_cuda and _import_torch_varlen() is not None,
+        "fa3": on_cuda and _import_fa3() is not None,
+        "sdpa": True,
+    }
+    return [name for name in ATTN_BACKENDS if usable[name]]
+
+
+def resolve_attn_backend(name: str, device: torch.device) -> str:
+    """Turn --attn_backend into a backend that runs on `device`: "auto" picks the fastest available one."""
+    available = available_attn_backends(device)
+    if name == "auto":
+        if torch.device(device).type != "cuda":
+            return "sdpa"
+        return next(b for b in ATTN_AUTO_ORDER_CUDA if b in available)
+    if name not in ATTN_BACKENDS:
+        raise ValueError(f"unknown --attn_backend={name!r}; choose auto or one of {', '.join(ATTN_BACKENDS)}")
+    if name not in available:
+        raise ValueError(f"--attn_backend={name} cannot run on {device} here (fa3 needs the flash_attn_interface "
+                         f"module and CUDA; varlen needs torch >= 2.11 and CUDA); available: "
+                         f"{', '.join(available)}; pass one of these or --attn_backend=auto")
+    return name
+
+
+def document_ids(cu_seqlens: Tensor, num_tokens: int) -> Tensor:
+    """(num_tokens,) index j of the document [c_j, c_{j+1}) holding each packed position (cu_seqlens' dtype).
+    searchsorted(right=True) counts the boundaries <= t, so repeated boundaries (empty documents) are skipped."""
+    positions = torch.arange(num_tokens, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
+    return torch.searchsorted(cu_seqlens, positions, right=True) - 1
+
+
+def _blocks_to_ordered(blocks: Tensor) -> tuple[Tensor, Tensor]:
+    """(n_q, n_kv) bool block matrix -> flex's (1, 1, n_q) int32 counts and (1, 1, n_q, n_kv) int32 kv-block indices,
+    the selected blocks first in ascending order (the rest of each row is ignored by the kernel)."""
+    counts = blocks.sum(dim=-1, dtype=torch.int32)
+    indices = torch.sort(blocks.to(torch.int8), dim=-1, descending=True, stable=True).indices.to(torch.int32)
+    return counts[None, None], indices[None, None]
+
+
+def flex_document_block_mask(cu_seqlens: Tensor, num_tokens: int, window: int, block_size: int) -> Any:
+    """BlockMask for same-document & causal & sliding-window attention over `num_tokens` packed positions.
+
+    Built from two numbers per q block instead of evaluating the mask on all T^2 pairs (create_block_mask's way).
+    Query q may see the key interval [lo(q), q], lo(q) = max(document start of q, q - window); lo is nondecreasing
+    in q and lo(q) <= q, so the keys seen by a q block [first, last] are exactly [lo(first), last] and the keys seen by
+    every query of the block are [lo(last), first]. Hence kv block j is
+        used by q block i  iff  j <= i and j's last key >= lo(first),
+        full (all pairs allowed, mask_mod skipped) iff j < i and j's first key >= lo(last).
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+    doc_id = document_ids(cu_seqlens, num_tokens)                                 # (T,)
+    doc_start = cu_seqlens[doc_id]                                                # (T,) first position of t's document
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (doc_id[q_idx] == doc_id[kv_idx]) & (kv_idx <= q_idx) & (q_idx - kv_idx <= window)
+
+    num_blocks = -(-num_tokens // block_size)
+    block = torch.arange(num_blocks, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
+    first_q = block * block_size
+    last_q = torch.clamp(first_q + block_size - 1, max=num_tokens - 1)
+    lo_first = torch.maximum(doc_start[first_q], first_q - window)               # (n,) lowest key any query sees
+    lo_last = torch.maximum(doc_start[last_q], last_q - window)                  # (n,) lowest key all queries see
+    q_blk, kv_blk = block[:, None], block[None, :]
+    used = (kv_blk <= q_blk) & ((kv_blk + 1) * block_size - 1 >= lo_first[:, None])   # (n, n)
+    full = (kv_blk < q_blk) & (kv_blk * block_size >= lo_last[:, None])               # (n, n), a subset of used
+    kv_num, kv_idx = _blocks_to_ordered(used & ~full)
+    full_num, full_idx = _blocks_to_ordered(full)
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block_size, mask_mod=mask_mod,
+                                    seq_lengths=(num_tokens, num_tokens))
+
+
+def _flex_varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, window: int, scale: float) -> Tensor:
+    from torch.nn.attention.flex_attention import flex_attention
+    if q.is_cuda and not torch.compiler.is_compiling():
+        # Outside torch.compile flex falls back to an unfused path that materialises (H, T, T) scores.
+        raise ValueError("--attn_backend=flex runs fused only inside torch.compile; use --compile=True, or "
+                         "--attn_backend=varlen/fa3 for eager CUDA runs")
+    block_mask = flex_document_block_mask(cu_seqlens, q.size(0), window, FLEX_BLOCK_SIZE)
+    # (T, H, D) -> (1, H, T, D) views; flex reads strides, and its output keeps q's stride order, so the transpose
+    # back is a free view onto a (T, H, D)-contiguous buffer.
+    out = flex_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                         block_mask=block_mask, scale=scale)
+    return out[0].transpose(0, 1)
+
+
+def _sdpa_varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, window: int, scale: float) -> Tensor:
+    num_tokens = q.size(0)
+    doc_id = document_ids(cu_seqlens, num_tokens)
+    pos = torch.arange(num_tokens, device=q.device)
+    allowed = ((doc_id[:, None] == doc_id[None, :]) & (pos[None, :] <= pos[:, None])
+               & (pos[:, None] - pos[None, :] <= window))                          # (T_q, T_k) bool
+    # fp32 inputs make the softmax fp32 whatever kernel SDPA picks; (H, T, D) layout
+    out = F.scaled_dot_product_attention(q.transpose(0, 1).float(), k.transpose(0, 1).float(),
+                                         v.transpose(0, 1).float(), attn_mask=allowed, scale=scale)
+    return out.transpose(0, 1).to(q.dtype)
+
+
+def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, window: int, scale: float,
+                     backend: str) -> Tensor:
+    """Causal sliding-window attention within packed documents (see the top of this section), (T, H, D) -> (T, H, D).
+    max_seqlen is a launch hint for fa3/varlen and must be >= the longest document; window >= 0 in positions."""
+    if backend == "fa3":
+        out = _import_fa3().flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                                                  softmax_scale=scale, causal=True, window_size=(window, 0))
+        return out[0] if isinstance(out, tuple) else out  # some FA3 builds also return the log-sum-exp
+    if backend == "varlen":
+        # window_size=(left, right): keys t - left .. t + right; right = 0 makes it causal
+        return _import_torch_varlen()(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=scale,
+                                      window_size=(window, 0))
+    if backend == "flex":
+        return _flex_varlen_attention(q, k, v, cu_seqlens, window, scale)
+    if backend == "sdpa":
+        return _sdpa_varlen_attention(q, k, v, cu_seqlens, window, scale)
+    raise ValueError(f"unknown attention backend {backend!r}; resolve --attn_backend with resolve_attn_backend()")
 
 
 # =====================================================================================================================

@@ -1,0 +1,237 @@
+"""Attention backends (train_gpt.py section 4) against an independent float64 reference.
+
+The reference loops over documents (taken directly from consecutive cu_seqlens entries) and heads, builds each
+document's causal sliding-window mask from explicit index comparisons, and runs softmax attention in float64.
+"""
+import pytest
+import torch
+
+import train_gpt as tg
+
+H, D = 3, 32
+
+
+def reference_attention(q, k, v, cu_seqlens, window, scale):
+    """Float64 (T, H, D) output and P @ |V| (the error scale of each output element, see bf16 test)."""
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    abs_out = torch.zeros(q.shape, dtype=torch.float64)
+    bounds = cu_seqlens.tolist()
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        if end == start:
+            continue
+        i = torch.arange(end - start)[:, None]                 # query offset inside the document
+        j = torch.arange(end - start)[None, :]                 # key offset
+        allowed = (j <= i) & (i - j <= window)
+        for h in range(q.size(1)):
+            qd, kd, vd = (x[start:end, h].double() for x in (q, k, v))
+            logits = scale * qd @ kd.T
+            p = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1)
+            out[start:end, h] = p @ vd
+            abs_out[start:end, h] = p @ vd.abs()
+    return out, abs_out
+
+
+def packed_cu_seqlens(doc_lens, num_pad):
+    """[0, c_1, ..., T] followed by num_pad repeats of T (empty documents), int32."""
+    cu = torch.tensor([0] + doc_lens, dtype=torch.int64).cumsum(0)
+    return torch.cat([cu, cu[-1:].repeat(num_pad)]).to(torch.int32)
+
+
+def random_doc_lens(gen, total, long_doc):
+    """Random lengths summing to `total`: length-1 documents, short ones, and one of length `long_doc`."""
+    lens = [1, long_doc, 1, 1]
+    while sum(lens) < total:
+        lens.append(int(torch.randint(1, 120, (1,), generator=gen)))
+    lens[-1] -= sum(lens) - total
+    if lens[-1] <= 0:
+        lens.pop()
+        lens[-1] += total - sum(lens)
+    perm = torch.randperm(len(lens), generator=gen).tolist()
+    return [lens[p] for p in perm]
+
+
+# (T, window, long document length): windows smaller than the long document and larger than every document;
+# T = 1040 is not a multiple of flex's 128-token block.
+CASES = [(1024, 100, 700), (1040, 37, 300), (768, 2000, 500), (512, 0, 400)]
+
+
+def make_case(T, window, long_doc, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    cu = packed_cu_seqlens(random_doc_lens(gen, T, long_doc), num_pad=3)
+    q, k, v = (torch.randn(T, H, D, generator=gen).to(dtype) for _ in range(3))
+    return q, k, v, cu
+
+
+def cpu_backends():
+    return tg.available_attn_backends(torch.device("cpu"))
+
+
+def test_cpu_backends_include_sdpa_and_flex():
+    assert cpu_backends()[-1] == "sdpa"
+    assert "varlen" not in cpu_backends() and "fa3" not in cpu_backends()  # both need CUDA
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "flex"])
+@pytest.mark.parametrize("T,window,long_doc", CASES)
+def test_float32_matches_reference(backend, T, window, long_doc):
+    # float32 in and out: the only errors are fp32 roundings, so a wrong mask (even one key) shows far above 1e-4.
+    # Eager flex (CPU) applies mask_mod densely and ignores the block structure; that is tested separately below.
+    if backend not in cpu_backends():
+        pytest.skip(f"{backend} is not available on this CPU")
+    q, k, v, cu = make_case(T, window, long_doc, torch.float32)
+    ref, _ = reference_attention(q, k, v, cu, window, 0.12)
+    out = tg.varlen_attention(q, k, v, cu, 2048, window, 0.12, backend)
+    assert out.shape == q.shape and out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "flex"])
+def test_bfloat16_matches_reference(backend):
+    # Inputs are exact bf16 values shared with the reference. Error sources: logits rounded to bf16 by a bf16 matmul
+    # (|logit| <= ~3 here: abs error <= 2^-7, so each weight moves by <= ~2^-6 relative), probabilities rounded
+    # to bf16 before P @ V in flash-style kernels (2^-9 relative), and the output rounding (2^-9 relative). All are
+    # bounded by a fraction of sum_i p_i |v_i| (= P @ |V|, not |out|, which can cancel to ~0), hence the band
+    # |out - ref| <= 2^-5 * (P @ |V|). The RMS check is tighter: independent roundings average out.
+    if backend not in cpu_backends():
+        pytest.skip(f"{backend} is not available on this CPU")
+    q, k, v, cu = make_case(1040, 50, 600, torch.bfloat16, seed=1)
+    scale = 0.3
+    ref, abs_ref = reference_attention(q, k, v, cu, 50, scale)
+    out = tg.varlen_attention(q, k, v, cu, 2048, 50, scale, backend)
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape
+    err = (out.double() - ref).abs()
+    assert (err <= 2**-5 * abs_ref).all(), f"max err / (P|V|) = {(err / abs_ref).max():.4f}"
+    assert err.square().mean().sqrt() <= 2**-8 * ref.square().mean().sqrt()
+
+
+def test_reference_sees_window_plus_one_keys():
+    # Hand check of the reference itself: one document, v = one-hot positions, uniform logits (q = 0):
+    # query t averages keys max(0, t - window) .. t.
+    T, window = 6, 2
+    q = torch.zeros(T, 1, T)
+    k = torch.randn(T, 1, T)
+    v = torch.eye(T)[:, None, :]
+    out, _ = reference_attention(q, k, v, torch.tensor([0, T], dtype=torch.int32), window, 1.0)
+    assert torch.allclose(out[4, 0], torch.tensor([0, 0, 1, 1, 1, 0], dtype=torch.float64) / 3)
+    assert torch.allclose(out[1, 0], torch.tensor([1, 1, 0, 0, 0, 0], dtype=torch.float64) / 2)
+
+
+def test_document_ids_skip_empty_documents():
+    cu = torch.tensor([0, 2, 2, 5, 6, 6, 6], dtype=torch.int32)  # documents 0: [0,2), 1: empty, 2: [2,5), 3: [5,6)
+    assert tg.document_ids(cu, 6).tolist() == [0, 0, 2, 2, 2, 3]
+
+
+def dense_from_ordered(counts, indices, num_blocks):
+    dense = torch.zeros(num_blocks, num_blocks, dtype=torch.bool)
+    for row in range(num_blocks):
+        dense[row, indices[0, 0, row, : counts[0, 0, row]].long()] = True
+    return dense
+
+
+@pytest.mark.parametrize("T,window,block_size", [(1024, 100, 128), (1040, 37, 128), (1040, 0, 16), (200, 50, 16),
+                                                  (768, 2000, 64), (1000, 130, 16)])
+def test_flex_block_mask_structure(T, window, block_size):
+    """The block lists that fused flex kernels read: a used block must hold an allowed pair (else wasted work) and
+    every allowed pair must lie in a used block; a block marked full (mask_mod skipped) must allow every real pair
+    and sit below the diagonal, and every such block must be marked full. Reference: the dense explicit mask."""
+    gen = torch.Generator().manual_seed(T + window)
+    cu = packed_cu_seqlens(random_doc_lens(gen, T, min(T - 10, 400)), num_pad=2)
+    allowed = torch.zeros(T, T, dtype=torch.bool)
+    bounds = cu.tolist()
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        i = torch.arange(start, end)[:, None]
+        j = torch.arange(start, end)[None, :]
+        allowed[start:end, start:end] = (j <= i) & (i - j <= window)
+    n = -(-T // block_size)
+    pad = n * block_size - T
+    # padded query rows/key columns do not exist: "any" ignores them (False), "all" ignores them (True)
+    any_pair = torch.nn.functional.pad(allowed, (0, pad, 0, pad), value=False).view(n, block_size, n, block_size)
+    all_pair = torch.nn.functional.pad(allowed, (0, pad, 0, pad), value=True).view(n, block_size, n, block_size)
+    below_diag = torch.ones(n, n, dtype=torch.bool).tril(-1)
+    want_used = any_pair.any(dim=3).any(dim=1)
+    want_full = all_pair.all(dim=3).all(dim=1) & below_diag
+
+    bm = tg.flex_document_block_mask(cu, T, window, block_size)
+    partial = dense_from_ordered(bm.kv_num_blocks, bm.kv_indices, n)
+    full = dense_from_ordered(bm.full_kv_num_blocks, bm.full_kv_indices, n)
+    assert not (partial & full).any()
+    assert torch.equal(full, want_full)
+    assert torch.equal(partial | full, want_used)
+    assert bm.seq_lengths == (T, T)
+    # the kernel's mask_mod agrees with the dense mask on every pair
+    qi, ki = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    assert torch.equal(bm.mask_mod(0, 0, qi, ki), allowed)
+
+
+def test_resolve_auto_and_explicit():
+    cpu = torch.device("cpu")
+    assert tg.resolve_attn_backend("auto", cpu) == "sdpa"
+    assert tg.resolve_attn_backend("sdpa", cpu) == "sdpa"
+    assert tg.resolve_attn_backend("flex", cpu) == "flex"
+
+
+@pytest.mark.parametrize("name", ["varlen", "fa3"])
+def test_resolve_unavailable_names_option_and_choices(name):
+    with pytest.raises(ValueError, match=rf"--attn_backend={name}.*available: flex, sdpa"):
+        tg.resolve_attn_backend(name, torch.device("cpu"))
+
+
+def test_resolve_unknown_name():
+    with pytest.raises(ValueError, match="unknown --attn_backend='flash'"):
+        tg.resolve_attn_backend("flash", torch.device("cpu"))
+
+
+def test_varlen_attention_rejects_unknown_backend():
+    q, k, v, cu = make_case(64, 8, 30, torch.float32)
+    with pytest.raises(ValueError, match="resolve_attn_backend"):
+        tg.varlen_attention(q, k, v, cu, 64, 8, 0.1, "auto")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# GPU: every fused backend (flex compiled, as in the model) against the float64 reference, outputs and gradients,
+# at record-like shapes (H=6, D=128, 128-token window blocks) and in the paired layout (2T, 3 heads, cu*2).
+# ---------------------------------------------------------------------------------------------------------------------
+
+def dense_reference_autograd(q, k, v, cu_seqlens, window, scale):
+    """float64 autograd reference on the GPU: dense (T, T) mask from explicit per-document blocks."""
+    T = q.size(0)
+    allowed = torch.zeros(T, T, dtype=torch.bool, device=q.device)
+    bounds = cu_seqlens.tolist()
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        i = torch.arange(start, end, device=q.device)[:, None]
+        j = torch.arange(start, end, device=q.device)[None, :]
+        allowed[start:end, start:end] = (j <= i) & (i - j <= window)
+    logits = scale * torch.einsum("qhd,khd->hqk", q.double(), k.double())
+    p = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1)
+    return torch.einsum("hqk,khd->qhd", p, v.double())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("paired", [False, True])
+@pytest.mark.parametrize("window_blocks", [1, 6])
+def test_gpu_backends_match_reference(paired, window_blocks):
+    device = torch.device("cuda")
+    gen = torch.Generator().manual_seed(window_blocks)
+    T, heads, dim = 4096, 6, 128
+    cu = packed_cu_seqlens(random_doc_lens(gen, T, 1500), num_pad=5)
+    window = 128 * window_blocks
+    if paired:  # (T, 6, D) viewed as (2T, 3, D); boundaries and window in doubled positions
+        T, heads, cu, window = 2 * T, 3, cu * 2, window * 2
+    cu = cu.to(device)
+    qkv = [(torch.randn(T, heads, dim, generator=gen) / 3).to(device, torch.bfloat16).requires_grad_()
+           for _ in range(3)]
+    grad_out = torch.randn(T, heads, dim, generator=gen).to(device, torch.bfloat16)
+    ref = dense_reference_autograd(*qkv, cu, window, 0.12)
+    ref_grads = torch.autograd.grad(ref, qkv, grad_out.double())
+    for backend in tg.available_attn_backends(device):
+        if backend == "sdpa":
+            continue
+        fn = lambda q, k, v: tg.varlen_attention(q, k, v, cu, 2 * 4096, window, 0.12, backend)
+        if backend == "flex":
+            fn = torch.compile(fn, fullgraph=True)
+        out = fn(*qkv)
+        grads = torch.autograd.grad(out, qkv, grad_out)
+        assert out.dtype == torch.bfloat16
+        for name, got, want in [("out", out, ref), *zip(("dq", "dk", "dv"), grads, ref_grads)]:
+            rel = (got.double() - want).norm() / want.norm()
+            assert rel < 2**-7, f"{backend} {name}: relative L2 error {rel:.2e}"
