@@ -277,12 +277,12 @@ def resolve_shards(pattern: str, kind: str) -> list[str]:
 
 def _read_header(f, path: str) -> int:
     """Check the header and the size of the open shard file `f`; return its token count n."""
-    header = np.frombuffer(f.read(SHARD_HEADER_BYTES), dtype="<i4")
+    raw = f.read(SHARD_HEADER_BYTES)
     size = os.fstat(f.fileno()).st_size
-    if header.size < 3:
+    if len(raw) < SHARD_HEADER_BYTES:
         raise DataError(f"shard {path} is truncated: {size} bytes, less than the {SHARD_HEADER_BYTES}-byte header; "
                         f"delete it and download or generate it again")
-    magic, version, n = (int(w) for w in header[:3])
+    magic, version, n = (int(w) for w in np.frombuffer(raw, dtype="<i4", count=3))
     if magic != SHARD_MAGIC:
         raise DataError(f"shard {path} has bad magic {magic} (expected {SHARD_MAGIC}), so it is not a token shard; "
                         f"remove it or change --train_files/--val_files")
@@ -512,6 +512,7 @@ def _train_batch_stream(files: list[str], global_batch: int, grad_accum: int, ra
         buf = shard.tokens[positions]                                                    # (N+1,) uint16
         # Boundaries [0, l1, l1+l2, ..., N] padded with N; the last segment lent its last token as the final target.
         cu_seqlens = np.full(max_num_docs(tokens_per_rank, tokens_per_doc_bound), tokens_per_rank, dtype=np.int32)
+        cu_seqlens[0] = 0
         cu_seqlens[1:len(seg_lens)] = np.cumsum(seg_lens[:-1])
         message = yield (_to_device(buf[:-1], torch.int32, device), _to_device(buf[1:], torch.int64, device),
                          _to_device(cu_seqlens, torch.int32, device))
@@ -534,13 +535,16 @@ def val_batches(files: list[str], val_batch_size: int, val_tokens: int, grad_acc
     tokens_per_rank = val_batch_size // (grad_accum * world_size)
     step_tokens = world_size * tokens_per_rank     # the global cursor advances this much per forward
     num_forwards = grad_accum * val_tokens // val_batch_size
-    # Place every forward now from the shard sizes: a forward that does not fit (with its look-ahead token) in the
-    # rest of a shard starts at the beginning of the next one.
+    # Place every forward now from the shard sizes. As in the record, a forward moves to the start of the next shard
+    # when pos + W*N_val + 1 >= shard length (so a forward ending exactly at the shard end moves too); shards too
+    # short for one forward are skipped (the record would fail on them).
     sizes = [shard_num_tokens(path) for path in files]
     placements, shard, pos = [], 0, 0                                     # (shard index, cursor) per forward
     for _ in range(num_forwards):
-        while pos + step_tokens + 1 >= sizes[shard]:
+        if pos + step_tokens + 1 >= sizes[shard]:
             shard, pos = shard + 1, 0
+            while shard < len(files) and step_tokens + 1 > sizes[shard]:
+                shard += 1
             if shard == len(files):
                 raise DataError(
                     f"the val shards ({len(files)} files, {sum(sizes):,} tokens; first {files[0]}) cannot hold "
@@ -567,6 +571,7 @@ def _val_batch_stream(files: list[str], placements: list[tuple[int, int]], token
         # inputs[0] is a BOS), and val documents are not cut to a maximum length.
         _check_doc_capacity(len(bos) + 1, tokens_per_rank, tokens_per_doc_bound, "a validation forward")
         cu_seqlens = np.full(max_num_docs(tokens_per_rank, tokens_per_doc_bound), tokens_per_rank, dtype=np.int32)
+        cu_seqlens[0] = 0
         cu_seqlens[1:len(bos) + 1] = bos
         yield (_to_device(inputs, torch.int32, device), _to_device(buf[1:], torch.int64, device),
                _to_device(cu_seqlens, torch.int32, device))

@@ -22,13 +22,19 @@ hand, or make synthetic shards for a smoke test with data/synthetic.py.
 """
 from __future__ import annotations
 
-import argparse
-import math
 import os
-import shutil
 import sys
-import tempfile
-import time
+
+# data/tokenize.py shares its name with the standard library's `tokenize`; a script run from this folder has the
+# folder as sys.path[0], so numpy's `import inspect -> linecache -> tokenize` would load that file. Drop the folder.
+_SCRIPT_DIR = os.path.dirname(os.path.realpath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.realpath(p or os.curdir) != _SCRIPT_DIR]
+
+import argparse  # noqa: E402
+import math  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
 from typing import Callable
 
 REPO_ID = "kjj0/fineweb10B-gpt2"
