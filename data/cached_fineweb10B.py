@@ -140,8 +140,10 @@ def fetch_shard(name: str, out_dir: str, fetch: Callable[[str, str], str], attem
 
 
 def download(num_train: int, out_dir: str, fetch: Callable[[str, str], str] = hf_fetch, attempts: int = 3,
-             sleep: Callable[[float], None] = time.sleep, log: Callable[[str], None] = print) -> list[str]:
-    """Make out_dir hold valid copies of the val shard and train shards 1..num_train; returns their paths."""
+             sleep: Callable[[float], None] | None = None, log: Callable[[str], None] = print) -> list[str]:
+    """Make out_dir hold valid copies of the val shard and train shards 1..num_train; returns their paths.
+    fetch, sleep and log are injectable for tests (no network)."""
+    sleep = sleep or time.sleep
     os.makedirs(out_dir, exist_ok=True)
     for entry in os.listdir(out_dir):                    # temp folders left by a killed run
         if entry.startswith(TEMP_PREFIX):
