@@ -458,12 +458,13 @@ def _micro_batch_tokens(global_batch: int, grad_accum: int, world_size: int) -> 
     return global_batch // (grad_accum * world_size)
 
 
-def _to_device(array: np.ndarray, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """Host array -> tensor of `dtype` on `device`. On CUDA it goes through a fresh pinned buffer with a non-blocking
-    copy; the caching host allocator does not reuse that buffer before the copy has run."""
+def _to_device(array: np.ndarray, dtype: type, device: torch.device) -> Tensor:
+    """Host array -> tensor of numpy `dtype` (np.int32 / np.int64) on `device`; numpy does the cast (torch's uint16
+    casts are slow). On CUDA the data goes through a fresh pinned buffer and a non-blocking copy; the caching host
+    allocator does not reuse that buffer before the copy has run."""
     if device.type != "cuda":
-        return torch.from_numpy(np.ascontiguousarray(array)).to(device=device, dtype=dtype)
-    host = torch.empty(array.shape, dtype=dtype, pin_memory=True)
+        return torch.from_numpy(array.astype(dtype))
+    host = torch.empty(array.shape, dtype=torch.from_numpy(np.empty(0, dtype)).dtype, pin_memory=True)
     host.numpy()[...] = array
     return host.to(device, non_blocking=True)
 
@@ -507,15 +508,14 @@ def _train_batch_stream(files: list[str], global_batch: int, grad_accum: int, ra
         seg_lens = np.minimum(shard.doc_lens[first:end], max_seq_len)                    # (m,)
         seg_lens[-1] = tokens_per_rank + 1 - (seg_lens.sum() - seg_lens[-1])
         _check_doc_capacity(len(seg_lens), tokens_per_rank, tokens_per_doc_bound, "a training micro-batch")
-        seg_offsets = np.cumsum(seg_lens) - seg_lens                                     # (m,) starts in buf
-        positions = np.repeat(shard.bos[first:end] - seg_offsets, seg_lens) + np.arange(tokens_per_rank + 1)
-        buf = shard.tokens[positions]                                                    # (N+1,) uint16
+        buf = np.concatenate([shard.tokens[s:s + n] for s, n in zip(shard.bos[first:end].tolist(),
+                                                                     seg_lens.tolist())])  # (N+1,) uint16
         # Boundaries [0, l1, l1+l2, ..., N] padded with N; the last segment lent its last token as the final target.
         cu_seqlens = np.full(max_num_docs(tokens_per_rank, tokens_per_doc_bound), tokens_per_rank, dtype=np.int32)
         cu_seqlens[0] = 0
         cu_seqlens[1:len(seg_lens)] = np.cumsum(seg_lens[:-1])
-        message = yield (_to_device(buf[:-1], torch.int32, device), _to_device(buf[1:], torch.int64, device),
-                         _to_device(cu_seqlens, torch.int32, device))
+        message = yield (_to_device(buf[:-1], np.int32, device), _to_device(buf[1:], np.int64, device),
+                         _to_device(cu_seqlens, np.int32, device))
 
 
 def val_batches(files: list[str], val_batch_size: int, val_tokens: int, grad_accum: int, rank: int, world_size: int,
@@ -573,8 +573,8 @@ def _val_batch_stream(files: list[str], placements: list[tuple[int, int]], token
         cu_seqlens = np.full(max_num_docs(tokens_per_rank, tokens_per_doc_bound), tokens_per_rank, dtype=np.int32)
         cu_seqlens[0] = 0
         cu_seqlens[1:len(bos) + 1] = bos
-        yield (_to_device(inputs, torch.int32, device), _to_device(buf[1:], torch.int64, device),
-               _to_device(cu_seqlens, torch.int32, device))
+        yield (_to_device(inputs, np.int32, device), _to_device(buf[1:], np.int64, device),
+               _to_device(cu_seqlens, np.int32, device))
 
 
 # =====================================================================================================================
