@@ -310,8 +310,8 @@ def _read_tokens(path: str, max_tokens: int | None = None, out: np.ndarray | Non
         tokens = np.empty(count, dtype=np.uint16) if out is None else out[:count]
         got = f.readinto(memoryview(tokens).cast("B"))
     if got != 2 * count:
-        raise DataError(f"shard {path}: read {got} of {2 * count} token bytes (did the file change while it was read?); "
-                        f"download or generate it again")
+        raise DataError(f"shard {path}: read {got} of {2 * count} token bytes (did the file change while it was "
+                        f"read?); download or generate it again")
     return tokens, n
 
 

@@ -1,6 +1,6 @@
 """Download the GPT-2-tokenized FineWeb 10B shards that train_gpt.py reads by default.
 
-    python data/cached_fineweb10B.py        # the val shard and the first {default} train shards (enough for the record run)
+    python data/cached_fineweb10B.py        # val + the first {default} train shards (enough for the record run)
     python data/cached_fineweb10B.py 103    # all of them (10.3B tokens)
 
 Fetches fineweb_val_000000.bin and fineweb_train_000001.bin .. fineweb_train_<N>.bin from the Hugging Face dataset

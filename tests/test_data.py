@@ -395,8 +395,8 @@ def real_size_val(tmp_path_factory):
 def test_val_batches_cover_the_first_val_tokens(real_size_val, world_size, grad_accum):
     path, tokens = real_size_val
     val_batch, val_tokens, n_val = 2_097_152, 10_485_760, 262_144 * 8 // (world_size * grad_accum)
-    all_batches = [[as_np(b) for b in tg.val_batches([path], val_batch, val_tokens, grad_accum, r, world_size, CPU, 300)]
-                   for r in range(world_size)]
+    all_batches = [[as_np(b) for b in tg.val_batches([path], val_batch, val_tokens, grad_accum, r, world_size, CPU,
+                                                       300)] for r in range(world_size)]
     assert all(len(b) == 5 * grad_accum for b in all_batches)
     # order of the stream: forward f, then rank r
     ordered = [all_batches[r][f] for f in range(5 * grad_accum) for r in range(world_size)]

@@ -41,7 +41,7 @@ def test_default_shard_count_covers_the_record_run():
     assert fineweb.TRAINED_TOKENS == 467_927_040
     assert fineweb.DEFAULT_TRAIN_SHARDS >= 9
     assert fineweb.DEFAULT_TRAIN_SHARDS * 100_000_000 >= 1.5 * 467_927_040
-    assert f"first {fineweb.DEFAULT_TRAIN_SHARDS} train shards" in run_script("cached_fineweb10B", "--help").stdout
+    assert f"the first {fineweb.DEFAULT_TRAIN_SHARDS} train shards" in run_script("cached_fineweb10B", "--help").stdout
 
 
 # ------------------------------------------------------------------------------------------------------------------
