@@ -1291,12 +1291,12 @@ def resolve_shards(pattern: str, kind: str) -> list[str]:
 
 def _read_header(f, path: str) -> int:
     """Check the header and the size of the open shard file `f`; return its token count n."""
-    header = np.frombuffer(f.read(SHARD_HEADER_BYTES), dtype="<i4")
+    raw = f.read(SHARD_HEADER_BYTES)
     size = os.fstat(f.fileno()).st_size
-    if header.size < 3:
+    if len(raw) < SHARD_HEADER_BYTES:
         raise DataError(f"shard {path} is truncated: {size} bytes, less than the {SHARD_HEADER_BYTES}-byte header; "
                         f"delete it and download or generate it again")
-    magic, version, n = (int(w) for w in header[:3])
+    magic, version, n = (int(w) for w in np.frombuffer(raw, dtype="<i4", count=3))
     if magic != SHARD_MAGIC:
         raise DataError(f"shard {path} has bad magic {magic} (expected {SHARD_MAGIC}), so it is not a token shard; "
                         f"remove it or change --train_files/--val_files")
@@ -1324,8 +1324,8 @@ def _read_tokens(path: str, max_tokens: int | None = None, out: np.ndarray | Non
         tokens = np.empty(count, dtype=np.uint16) if out is None else out[:count]
         got = f.readinto(memoryview(tokens).cast("B"))
     if got != 2 * count:
-        raise DataError(f"shard {path}: read {got} of {2 * count} token bytes (did the file change while it was read?); "
-                        f"download or generate it again")
+        raise DataError(f"shard {path}: read {got} of {2 * count} token bytes (did the file change while it was "
+                        f"read?); download or generate it again")
     return tokens, n
 
 
@@ -1472,12 +1472,13 @@ def _micro_batch_tokens(global_batch: int, grad_accum: int, world_size: int) -> 
     return global_batch // (grad_accum * world_size)
 
 
-def _to_device(array: np.ndarray, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """Host array -> tensor of `dtype` on `device`. On CUDA it goes through a fresh pinned buffer with a non-blocking
-    copy; the caching host allocator does not reuse that buffer before the copy has run."""
+def _to_device(array: np.ndarray, dtype: type, device: torch.device) -> Tensor:
+    """Host array -> tensor of numpy `dtype` (np.int32 / np.int64) on `device`; numpy does the cast (torch's uint16
+    casts are slow). On CUDA the data goes through a fresh pinned buffer and a non-blocking copy; the caching host
+    allocator does not reuse that buffer before the copy has run."""
     if device.type != "cuda":
-        return torch.from_numpy(np.ascontiguousarray(array)).to(device=device, dtype=dtype)
-    host = torch.empty(array.shape, dtype=dtype, pin_memory=True)
+        return torch.from_numpy(array.astype(dtype))
+    host = torch.empty(array.shape, dtype=torch.from_numpy(np.empty(0, dtype)).dtype, pin_memory=True)
     host.numpy()[...] = array
     return host.to(device, non_blocking=True)
 
@@ -1521,14 +1522,14 @@ def _train_batch_stream(files: list[str], global_batch: int, grad_accum: int, ra
         seg_lens = np.minimum(shard.doc_lens[first:end], max_seq_len)                    # (m,)
         seg_lens[-1] = tokens_per_rank + 1 - (seg_lens.sum() - seg_lens[-1])
         _check_doc_capacity(len(seg_lens), tokens_per_rank, tokens_per_doc_bound, "a training micro-batch")
-        seg_offsets = np.cumsum(seg_lens) - seg_lens                                     # (m,) starts in buf
-        positions = np.repeat(shard.bos[first:end] - seg_offsets, seg_lens) + np.arange(tokens_per_rank + 1)
-        buf = shard.tokens[positions]                                                    # (N+1,) uint16
+        buf = np.concatenate([shard.tokens[s:s + n] for s, n in zip(shard.bos[first:end].tolist(),
+                                                                     seg_lens.tolist())])  # (N+1,) uint16
         # Boundaries [0, l1, l1+l2, ..., N] padded with N; the last segment lent its last token as the final target.
         cu_seqlens = np.full(max_num_docs(tokens_per_rank, tokens_per_doc_bound), tokens_per_rank, dtype=np.int32)
+        cu_seqlens[0] = 0
         cu_seqlens[1:len(seg_lens)] = np.cumsum(seg_lens[:-1])
-        message = yield (_to_device(buf[:-1], torch.int32, device), _to_device(buf[1:], torch.int64, device),
-                         _to_device(cu_seqlens, torch.int32, device))
+        message = yield (_to_device(buf[:-1], np.int32, device), _to_device(buf[1:], np.int64, device),
+                         _to_device(cu_seqlens, np.int32, device))
 
 
 def val_batches(files: list[str], val_batch_size: int, val_tokens: int, grad_accum: int, rank: int, world_size: int,
@@ -1548,13 +1549,16 @@ def val_batches(files: list[str], val_batch_size: int, val_tokens: int, grad_acc
     tokens_per_rank = val_batch_size // (grad_accum * world_size)
     step_tokens = world_size * tokens_per_rank     # the global cursor advances this much per forward
     num_forwards = grad_accum * val_tokens // val_batch_size
-    # Place every forward now from the shard sizes: a forward that does not fit (with its look-ahead token) in the
-    # rest of a shard starts at the beginning of the next one.
+    # Place every forward now from the shard sizes. As in the record, a forward moves to the start of the next shard
+    # when pos + W*N_val + 1 >= shard length (so a forward ending exactly at the shard end moves too); shards too
+    # short for one forward are skipped (the record would fail on them).
     sizes = [shard_num_tokens(path) for path in files]
     placements, shard, pos = [], 0, 0                                     # (shard index, cursor) per forward
     for _ in range(num_forwards):
-        while pos + step_tokens + 1 >= sizes[shard]:
+        if pos + step_tokens + 1 >= sizes[shard]:
             shard, pos = shard + 1, 0
+            while shard < len(files) and step_tokens + 1 > sizes[shard]:
+                shard += 1
             if shard == len(files):
                 raise DataError(
                     f"the val shards ({len(files)} files, {sum(sizes):,} tokens; first {files[0]}) cannot hold "
@@ -1581,9 +1585,10 @@ def _val_batch_stream(files: list[str], placements: list[tuple[int, int]], token
         # inputs[0] is a BOS), and val documents are not cut to a maximum length.
         _check_doc_capacity(len(bos) + 1, tokens_per_rank, tokens_per_doc_bound, "a validation forward")
         cu_seqlens = np.full(max_num_docs(tokens_per_rank, tokens_per_doc_bound), tokens_per_rank, dtype=np.int32)
+        cu_seqlens[0] = 0
         cu_seqlens[1:len(bos) + 1] = bos
-        yield (_to_device(inputs, torch.int32, device), _to_device(buf[1:], torch.int64, device),
-               _to_device(cu_seqlens, torch.int32, device))
+        yield (_to_device(inputs, np.int32, device), _to_device(buf[1:], np.int64, device),
+               _to_device(cu_seqlens, np.int32, device))
 
 
 # =====================================================================================================================

@@ -1,6 +1,6 @@
 """Download the GPT-2-tokenized FineWeb 10B shards that train_gpt.py reads by default.
 
-    python data/cached_fineweb10B.py        # the val shard and the first {default} train shards (enough for the record run)
+    python data/cached_fineweb10B.py        # val + the first {default} train shards (enough for the record run)
     python data/cached_fineweb10B.py 103    # all of them (10.3B tokens)
 
 Fetches fineweb_val_000000.bin and fineweb_train_000001.bin .. fineweb_train_<N>.bin from the Hugging Face dataset
@@ -22,13 +22,19 @@ hand, or make synthetic shards for a smoke test with data/synthetic.py.
 """
 from __future__ import annotations
 
-import argparse
-import math
 import os
-import shutil
 import sys
-import tempfile
-import time
+
+# data/tokenize.py shares its name with the standard library's `tokenize`; a script run from this folder has the
+# folder as sys.path[0], so numpy's `import inspect -> linecache -> tokenize` would load that file. Drop the folder.
+_SCRIPT_DIR = os.path.dirname(os.path.realpath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.realpath(p or os.curdir) != _SCRIPT_DIR]
+
+import argparse  # noqa: E402
+import math  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
 from typing import Callable
 
 REPO_ID = "kjj0/fineweb10B-gpt2"
@@ -134,8 +140,10 @@ def fetch_shard(name: str, out_dir: str, fetch: Callable[[str, str], str], attem
 
 
 def download(num_train: int, out_dir: str, fetch: Callable[[str, str], str] = hf_fetch, attempts: int = 3,
-             sleep: Callable[[float], None] = time.sleep, log: Callable[[str], None] = print) -> list[str]:
-    """Make out_dir hold valid copies of the val shard and train shards 1..num_train; returns their paths."""
+             sleep: Callable[[float], None] | None = None, log: Callable[[str], None] = print) -> list[str]:
+    """Make out_dir hold valid copies of the val shard and train shards 1..num_train; returns their paths.
+    fetch, sleep and log are injectable for tests (no network)."""
+    sleep = sleep or time.sleep
     os.makedirs(out_dir, exist_ok=True)
     for entry in os.listdir(out_dir):                    # temp folders left by a killed run
         if entry.startswith(TEMP_PREFIX):

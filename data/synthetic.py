@@ -19,13 +19,19 @@ Everything is a function of --seed: shard k uses the seed sequence (seed, k), so
 """
 from __future__ import annotations
 
-import argparse
-import multiprocessing
 import os
 import sys
-import time
 
-import numpy as np
+# data/tokenize.py shares its name with the standard library's `tokenize`; a script run from this folder has the
+# folder as sys.path[0], so numpy's `import inspect -> linecache -> tokenize` would load that file. Drop the folder.
+_SCRIPT_DIR = os.path.dirname(os.path.realpath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.realpath(p or os.curdir) != _SCRIPT_DIR]
+
+import argparse  # noqa: E402
+import multiprocessing  # noqa: E402
+import time  # noqa: E402
+
+import numpy as np  # noqa: E402
 
 BOS_ID = 50256
 NUM_IDS = 50256                    # non-BOS ids 0..50255

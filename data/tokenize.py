@@ -105,7 +105,8 @@ def iter_documents(files: list[str], txt_split: str, text_field: str) -> Iterato
             if txt_split == "file":
                 yield text
             else:
-                yield from (block for block in re.split(r"\n[ \t]*\n", text) if block.strip())
+                # blocks separated by one or more blank lines (lines holding only whitespace)
+                yield from (block.strip("\n") for block in re.split(r"\n\s*\n", text) if block.strip())
 
 
 class ShardWriter:

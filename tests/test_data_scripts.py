@@ -1,0 +1,340 @@
+"""Tests of the scripts under data/: cached_fineweb10B.py (with a fake hub: no network), tokenize.py and synthetic.py,
+including running each one as a script."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from _data_helpers import BOS, ROOT, load_script, read_shard, write_shard
+
+fineweb = load_script("cached_fineweb10B")
+tok = load_script("tokenize")
+syn = load_script("synthetic")
+
+
+def run_script(name, *args, timeout=60, cwd=None):
+    return subprocess.run([sys.executable, os.path.join(ROOT, "data", f"{name}.py"), *args], capture_output=True,
+                          text=True, timeout=timeout, cwd=cwd or ROOT)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# --help of every script (run as scripts: this also checks that data/tokenize.py does not shadow the stdlib module)
+# ------------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name,expected", [
+    ("cached_fineweb10B", ["467,927,040", "HF_ENDPOINT", "kjj0/fineweb10B-gpt2"]),
+    ("tokenize", ["--encoding", "--val_fraction", "--shard_tokens", ".jsonl", "blank_line"]),
+    ("synthetic", ["--train_shards", "--shard_tokens", "--val_tokens", "--seed", "median"]),
+])
+def test_help(name, expected):
+    result = run_script(name, "--help")
+    assert result.returncode == 0, result.stderr
+    for text in ["usage:"] + expected:
+        assert text in result.stdout
+
+
+def test_default_shard_count_covers_the_record_run():
+    # spec §10.3: 467,927,040 trained tokens; the record reads about 6-7 shards and asks for at least 9
+    assert fineweb.TRAINED_TOKENS == 467_927_040
+    assert fineweb.DEFAULT_TRAIN_SHARDS >= 9
+    assert fineweb.DEFAULT_TRAIN_SHARDS * 100_000_000 >= 1.5 * 467_927_040
+    assert f"the first {fineweb.DEFAULT_TRAIN_SHARDS} train shards" in run_script("cached_fineweb10B", "--help").stdout
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# cached_fineweb10B.py with a fake hub
+# ------------------------------------------------------------------------------------------------------------------
+
+def shard_bytes(n, seed=0):
+    tokens = np.random.default_rng(seed).integers(0, 50257, n).astype("<u2")
+    header = np.zeros(256, dtype="<i4")
+    header[:3] = 20240520, 1, n
+    return header.tobytes() + tokens.tobytes()
+
+
+class FakeHub:
+    """fetch(name, dest_dir) like hf_fetch; `script[name]` is a list of actions, one per call (the last repeats):
+    "ok", "truncated", "interrupt" (writes half the file, then KeyboardInterrupt), "offline", "missing",
+    "flaky" (ConnectionError)."""
+
+    def __init__(self, script=None):
+        self.script = script or {}
+        self.calls = []
+
+    def __call__(self, name, dest_dir):
+        actions = self.script.get(name, ["ok"])
+        action = actions[min(sum(c == name for c in self.calls), len(actions) - 1)]
+        self.calls.append(name)
+        data = shard_bytes(100, seed=len(name))
+        path = os.path.join(dest_dir, name)
+        if action == "offline":
+            raise fineweb.Offline("cannot reach the hub")
+        if action == "missing":
+            raise fineweb.MissingUpstream("404")
+        if action == "flaky":
+            raise ConnectionError("reset by peer")
+        with open(path, "wb") as f:
+            if action == "interrupt":
+                f.write(data[:600])
+                raise KeyboardInterrupt
+            f.write(data[:-2] if action == "truncated" else data)
+        return path
+
+
+def listing(folder):
+    return sorted(os.listdir(folder))
+
+
+def test_download_all(tmp_path):
+    hub, sleeps = FakeHub(), []
+    paths = fineweb.download(2, str(tmp_path), fetch=hub, sleep=sleeps.append, log=lambda s: None)
+    names = ["fineweb_val_000000.bin", "fineweb_train_000001.bin", "fineweb_train_000002.bin"]
+    assert hub.calls == names and [os.path.basename(p) for p in paths] == names
+    assert listing(tmp_path) == sorted(names)                      # no temporary folders left
+    for name in names:
+        assert (tmp_path / name).read_bytes() == shard_bytes(100, seed=len(name))
+    assert sleeps == []
+
+
+def test_skip_valid_and_replace_invalid(tmp_path):
+    write_shard(str(tmp_path / "fineweb_val_000000.bin"), [1, 2, 3])               # valid: kept
+    write_shard(str(tmp_path / "fineweb_train_000001.bin"), [1, 2, 3], header_count=4)  # truncated: replaced
+    write_shard(str(tmp_path / "fineweb_train_000002.bin"), [1, 2, 3], magic=5)    # wrong magic: replaced
+    hub = FakeHub()
+    fineweb.download(2, str(tmp_path), fetch=hub, sleep=lambda s: None, log=lambda s: None)
+    assert hub.calls == ["fineweb_train_000001.bin", "fineweb_train_000002.bin"]
+    assert read_shard(str(tmp_path / "fineweb_val_000000.bin")) == [1, 2, 3]
+    assert (tmp_path / "fineweb_train_000001.bin").read_bytes() == shard_bytes(100, seed=24)
+
+
+def test_partial_download_is_retried_then_rejected(tmp_path):
+    hub, sleeps = FakeHub({"fineweb_train_000001.bin": ["truncated", "ok"]}), []
+    fineweb.download(1, str(tmp_path), fetch=hub, sleep=sleeps.append, log=lambda s: None)
+    assert hub.calls.count("fineweb_train_000001.bin") == 2 and sleeps == [2.0]
+    assert fineweb.check_shard(str(tmp_path / "fineweb_train_000001.bin")) is None
+    hub = FakeHub({"fineweb_train_000002.bin": ["truncated"]})
+    with pytest.raises(fineweb.DownloadError, match="invalid: truncated"):
+        fineweb.download(2, str(tmp_path), fetch=hub, attempts=3, sleep=lambda s: None, log=lambda s: None)
+    assert hub.calls == ["fineweb_train_000002.bin"] * 3
+    assert "fineweb_train_000002.bin" not in listing(tmp_path)     # never under the final name
+    assert not [e for e in listing(tmp_path) if e.startswith(".")]
+
+
+def test_interrupted_download_leaves_no_partial_file(tmp_path, capsys):
+    hub = FakeHub({"fineweb_train_000001.bin": ["interrupt"]})
+    with pytest.raises(KeyboardInterrupt):
+        fineweb.download(2, str(tmp_path), fetch=hub, sleep=lambda s: None, log=lambda s: None)
+    assert listing(tmp_path) == ["fineweb_val_000000.bin"]        # the complete one stays; nothing partial
+    assert fineweb.main(["2", "--dir", str(tmp_path)], fetch=hub) == 130
+    assert "interrupted" in capsys.readouterr().err
+    assert listing(tmp_path) == ["fineweb_val_000000.bin"]
+    # a folder left by a killed run is cleaned up by the next run, which completes
+    os.makedirs(tmp_path / (fineweb.TEMP_PREFIX + "killed"))
+    (tmp_path / (fineweb.TEMP_PREFIX + "killed") / "fineweb_train_000001.bin").write_bytes(b"partial")
+    assert fineweb.main(["2", "--dir", str(tmp_path)], fetch=FakeHub()) == 0
+    assert listing(tmp_path) == ["fineweb_train_000001.bin", "fineweb_train_000002.bin", "fineweb_val_000000.bin"]
+
+
+def test_missing_upstream_is_not_retried(tmp_path, capsys):
+    hub = FakeHub({"fineweb_train_000104.bin": ["missing"]})
+    for k in range(1, 104):
+        hub.script[f"fineweb_train_{k:06d}.bin"] = ["ok"]
+    os.makedirs(tmp_path, exist_ok=True)
+    for name in fineweb.shard_names(103):                           # pretend the first 103 are already here
+        (tmp_path / name).write_bytes(shard_bytes(3))
+    assert fineweb.main(["104", "--dir", str(tmp_path)], fetch=hub) == 1
+    assert hub.calls == ["fineweb_train_000104.bin"]
+    err = capsys.readouterr().err
+    assert "fineweb_train_000104.bin is not available" in err and "103 train shards" in err
+
+
+def test_offline_gives_up_with_advice(tmp_path, capsys, monkeypatch):
+    hub = FakeHub({"fineweb_val_000000.bin": ["offline"]})
+    sleeps = []
+    monkeypatch.setattr(fineweb.time, "sleep", sleeps.append)
+    assert fineweb.main(["1", "--dir", str(tmp_path), "--attempts", "3"], fetch=hub) == 1
+    assert hub.calls == ["fineweb_val_000000.bin"] * 3 and sleeps == [2.0, 4.0]
+    err = capsys.readouterr().err
+    assert "HF_ENDPOINT" in err and "data/synthetic.py" in err and "copy" in err
+    assert listing(tmp_path) == []
+
+
+def test_transient_error_is_retried(tmp_path):
+    hub = FakeHub({"fineweb_val_000000.bin": ["flaky", "flaky", "ok"]})
+    fineweb.download(0, str(tmp_path), fetch=hub, attempts=3, sleep=lambda s: None, log=lambda s: None)
+    assert listing(tmp_path) == ["fineweb_val_000000.bin"]
+
+
+def test_hub_errors_are_classified(monkeypatch, tmp_path):
+    import huggingface_hub
+    from huggingface_hub import errors
+
+    def raiser(exc):
+        def fake(**kwargs):
+            raise exc
+        return fake
+
+    # LocalEntryNotFoundError (cannot reach the hub) is a subclass of EntryNotFoundError: it must count as offline
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", raiser(errors.LocalEntryNotFoundError("no connection")))
+    with pytest.raises(fineweb.Offline):
+        fineweb.hf_fetch("fineweb_val_000000.bin", str(tmp_path))
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", raiser(errors.EntryNotFoundError("404")))
+    with pytest.raises(fineweb.MissingUpstream):
+        fineweb.hf_fetch("fineweb_train_999999.bin", str(tmp_path))
+    seen = {}
+
+    def fake_ok(**kwargs):
+        seen.update(kwargs)
+        return "somewhere"
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", fake_ok)
+    assert fineweb.hf_fetch("fineweb_val_000000.bin", str(tmp_path)) == "somewhere"
+    assert seen == dict(repo_id="kjj0/fineweb10B-gpt2", filename="fineweb_val_000000.bin", repo_type="dataset",
+                        local_dir=str(tmp_path))
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# tokenize.py
+# ------------------------------------------------------------------------------------------------------------------
+
+def decode_docs(paths):
+    """Documents (as str) in the shards, in order, decoded with the byte encoding (ids 0..255 are bytes)."""
+    tokens = [t for p in paths for t in read_shard(p)]
+    docs, current = [], None
+    for t in tokens:
+        if t == BOS:
+            if current is not None:
+                docs.append(bytes(current).decode("utf-8"))
+            current = []
+        else:
+            current.append(t)
+    docs.append(bytes(current).decode("utf-8"))
+    return docs
+
+
+def test_tokenize_script_round_trip(tmp_path):
+    docs = [f"document {i}: caf\u00e9 \u2014 {'word ' * (i * 3)}end." for i in range(12)]
+    (tmp_path / "a.txt").write_text(docs[0], encoding="utf-8")
+    (tmp_path / "b.txt").write_text(docs[1], encoding="utf-8")
+    with open(tmp_path / "c.jsonl", "w", encoding="utf-8") as f:
+        for d in docs[2:]:
+            f.write(json.dumps({"text": d, "id": 1}) + "\n\n")          # blank lines are skipped
+    out = tmp_path / "out"
+    result = run_script("tokenize", str(tmp_path / "a.txt"), str(tmp_path / "b.txt"), str(tmp_path / "c.jsonl"),
+                        "--out", str(out), "--encoding=bytes", "--val_docs=2", "--shard_tokens=300", "--prefix=demo",
+                        cwd=str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    val = sorted(str(p) for p in out.glob("demo_val_*.bin"))
+    train = sorted(str(p) for p in out.glob("demo_train_*.bin"))
+    assert [os.path.basename(p) for p in val] == ["demo_val_000000.bin"]
+    assert os.path.basename(train[0]) == "demo_train_000001.bin" and len(train) > 2
+    assert decode_docs(val) == docs[:2] and decode_docs(train) == docs[2:]
+    for p in train:
+        tokens = read_shard(p)
+        assert tokens[0] == BOS and len(tokens) <= 300                   # documents kept whole, shards capped
+    assert "--train_files=" in result.stdout
+
+
+def test_tokenize_splits_and_val_fraction(tmp_path):
+    blocks = [f"block {i} " + "x" * i for i in range(8)]
+    (tmp_path / "t.txt").write_text("\n\n".join(blocks[:4]) + "\n \n" + "\n\n\n".join(blocks[4:]), encoding="utf-8")
+    enc = tok.get_encoding("bytes")
+    res = tok.tokenize_to_shards([str(tmp_path / "t.txt")], str(tmp_path / "o"), enc, val_fraction=0.25,
+                                 txt_split="blank_line", threads=1)
+    # document i goes to val when floor((i+1)/4) > floor(i/4): i = 3 and 7
+    assert decode_docs(res["val"]) == [blocks[3], blocks[7]]
+    assert decode_docs(res["train"]) == [b for i, b in enumerate(blocks) if i not in (3, 7)]
+    with pytest.raises(SystemExit, match="no documents went to validation"):
+        tok.tokenize_to_shards([str(tmp_path / "t.txt")], str(tmp_path / "q"), enc, val_docs=0, threads=1)
+
+
+def test_tokenize_long_document_is_split(tmp_path):
+    (tmp_path / "long.txt").write_text("a" * 999, encoding="utf-8")
+    (tmp_path / "short.txt").write_text("b", encoding="utf-8")
+    res = tok.tokenize_to_shards([str(tmp_path / "short.txt"), str(tmp_path / "long.txt")], str(tmp_path / "o"),
+                                 tok.get_encoding("bytes"), shard_tokens=400, val_docs=1, threads=1)
+    sizes = [len(read_shard(p)) for p in res["train"]]
+    assert sizes == [400, 400, 200] and res["train_tokens"] == 1000
+    assert read_shard(res["val"][0]) == [BOS, ord("b")]
+
+
+def test_tokenize_bad_inputs(tmp_path, monkeypatch):
+    (tmp_path / "bad.jsonl").write_text('{"body": "x"}\n', encoding="utf-8")
+    with pytest.raises(SystemExit, match=r"bad.jsonl:1: .*--text_field"):
+        tok.tokenize_to_shards([str(tmp_path / "bad.jsonl")], str(tmp_path / "o"), tok.get_encoding("bytes"))
+    with pytest.raises(SystemExit, match="does not exist"):
+        tok.tokenize_to_shards([str(tmp_path / "nope.txt")], str(tmp_path / "o"), tok.get_encoding("bytes"))
+    import tiktoken
+
+    def offline(name):
+        raise ConnectionError("no network")
+    monkeypatch.setattr(tiktoken, "get_encoding", offline)
+    with pytest.raises(SystemExit, match="--encoding=bytes"):
+        tok.get_encoding("gpt2")
+
+
+def test_bytes_encoding():
+    enc = tok.get_encoding("bytes")
+    text = "h\u00e9llo <|endoftext|>"
+    assert enc.encode_ordinary(text) == list(text.encode("utf-8"))
+    assert enc.eot_token == BOS
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# synthetic.py
+# ------------------------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def vocab():
+    return syn.Vocabulary(seed=3)
+
+
+def test_synthetic_statistics(vocab):
+    tokens = syn.make_tokens(vocab, [3, 1, 1], 2_000_000, 0.5)
+    assert tokens.dtype == np.uint16 and len(tokens) == 2_000_000 and tokens[0] == BOS and tokens.max() <= BOS
+    bos = np.flatnonzero(tokens == BOS)
+    lengths = np.diff(bos, append=len(tokens))
+    assert 330 <= np.median(lengths) <= 480                    # median ~400 tokens
+    assert 0.02 <= (lengths > 2048).mean() <= 0.10             # a tail past the 2048 cap
+    words = tokens[tokens != BOS]
+    counts = np.sort(np.bincount(words, minlength=50256))[::-1]
+    slope = np.log(counts[999] / counts[9]) / np.log(1000 / 10)
+    assert -1.6 < slope < -0.6                                  # Zipf-like rank/frequency
+    # learnable: the most frequent successor of each token (fit on the first half) predicts the second half far
+    # better than the most frequent token overall
+    prev, nxt = tokens[:-1].astype(np.int64), tokens[1:].astype(np.int64)
+    keep = (prev != BOS) & (nxt != BOS)
+    prev, nxt = prev[keep], nxt[keep]
+    half = len(prev) // 2
+    pairs = prev[:half] * 65536 + nxt[:half]
+    uniq, cnt = np.unique(pairs, return_counts=True)
+    order = np.lexsort((-cnt, uniq // 65536))
+    first = np.unique(uniq[order] // 65536, return_index=True)[1]
+    best_next = dict(zip((uniq[order][first] // 65536).tolist(), (uniq[order][first] % 65536).tolist()))
+    guesses = np.array([best_next.get(p, -1) for p in prev[half:].tolist()])
+    bigram_accuracy = (guesses == nxt[half:]).mean()
+    unigram_accuracy = (nxt[half:] == np.bincount(nxt[:half]).argmax()).mean()
+    assert bigram_accuracy > 0.35 and unigram_accuracy < 0.1
+
+
+def test_synthetic_determinism(vocab):
+    a = syn.make_tokens(vocab, [3, 1, 2], 300_000, 0.5)
+    assert np.array_equal(a, syn.make_tokens(syn.Vocabulary(seed=3), [3, 1, 2], 300_000, 0.5))
+    assert not np.array_equal(a, syn.make_tokens(vocab, [3, 1, 3], 300_000, 0.5))
+
+
+@pytest.mark.slow
+def test_synthetic_script_is_worker_count_independent(tmp_path):
+    args = ["--train_shards", "3", "--shard_tokens", "200000", "--val_tokens", "50000", "--seed", "9"]
+    result = run_script("synthetic", "--out", str(tmp_path / "two"), "--workers", "2", *args, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert syn.main(["--out", str(tmp_path / "one"), "--workers", "1", *args]) == 0
+    names = ["fineweb_train_000001.bin", "fineweb_train_000002.bin", "fineweb_train_000003.bin",
+             "fineweb_val_000000.bin"]
+    assert listing(tmp_path / "two") == names == listing(tmp_path / "one")
+    for name in names:
+        assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes()
+    assert len(read_shard(str(tmp_path / "one" / "fineweb_val_000000.bin"))) == 50_000
+    assert len(read_shard(str(tmp_path / "one" / "fineweb_train_000002.bin"))) == 200_000
