@@ -219,11 +219,12 @@ def test_softcapped_mtp_ce_forward_and_backward(n, V, weights):
 
 
 def test_softcapped_mtp_ce_skips_out_of_range_targets_and_takes_strided_grad():
-    n, V = 5, 700
+    n, V = 6, 700
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(n, V, generator=g) * 5
     targets = torch.randint(0, V, (n,), generator=g)
     targets[2] = -100  # an ignore-style id: forward skips it, backward finds no column for it
+    targets[3] = V  # one past the last column: skipped the same way
     w = torch.tensor([1.0, 0.5, 0.25])
     losses, lse = tk.softcapped_mtp_ce_fwd_triton(logits, targets, w)
     torch.testing.assert_close(losses.double(), ce_float64(logits, targets, w)[0], rtol=1e-5, atol=1e-4)

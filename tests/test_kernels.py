@@ -1,0 +1,209 @@
+"""CPU tests of triton_kernels.py: the kernels under Triton's interpreter (in a subprocess), the references against
+float64 formulas written from the spec, and an sm_90 compile of every kernel (no fp64 anywhere, shared memory that
+fits an H100)."""
+import inspect
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import triton_kernels as tk
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+A_, B_, C_ = 23.0, 5.0, 7.5
+
+
+def test_kernels_under_triton_interpreter():
+    """Runs tests/_kernels_interp.py with TRITON_INTERPRET=1 (chosen at import, so it needs its own process)."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.join("tests", "_kernels_interp.py")]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, f"interpreter tests failed:\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
+    assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1], proc.stdout[-2000:]
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# References against float64 formulas
+# ------------------------------------------------------------------------------------------------------------------
+
+def test_sym_references_match_float64():
+    A = torch.randn(3, 12, 20, dtype=torch.bfloat16)
+    A64 = A.double()
+    torch.testing.assert_close(tk.xxt_reference(A).double(), (A64 @ A64.mT).bfloat16().double(), rtol=1e-2, atol=1e-2)
+    S = tk.xxt_reference(A[:, :, :12] / 4)
+    S64 = S.double()
+    out = tk.ba_plus_cAA_reference(S, -2.5, 1.25)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), (1.25 * S64 @ S64 - 2.5 * S64).bfloat16().double(), rtol=1e-2, atol=1e-2)
+
+
+def test_relu2_mlp_reference_rounding_points_and_backward():
+    """Forward: pre and post rounded to bf16 (spec §3.7); backward: the closed forms of spec §8.3."""
+    g = torch.Generator().manual_seed(0)
+    M, D, H = 24, 16, 40
+    x = torch.randn(M, D, generator=g).bfloat16().requires_grad_()
+    c_fc = (torch.randn(H, D, generator=g) / 4).bfloat16().requires_grad_()
+    c_proj = (torch.randn(H, D, generator=g) / 4).bfloat16().requires_grad_()
+    out = tk.relu2_mlp_reference(x, c_fc, c_proj)
+    pre = (x.double() @ c_fc.double().T).bfloat16()
+    post = (pre.double().clamp_min(0) ** 2).bfloat16()
+    # bf16 output of a fp32-accumulated matmul of exactly the float64 post: one bf16 rounding (2^-8 relative) plus
+    # rare one-ulp flips of pre; 2e-2 of the largest output separates them from a missing square or relu.
+    exact = post.double() @ c_proj.double()
+    assert ((out.double() - exact).abs().max() / exact.abs().max()).item() < 2e-2
+    grad = torch.randn(M, D, generator=g).bfloat16()
+    dx, dc_fc, dc_proj = torch.autograd.grad(out, (x, c_fc, c_proj), grad)
+    dpost = (grad.double() @ c_proj.double().T).bfloat16()
+    dpre = (2 * dpost.double() * pre.double().clamp_min(0)).bfloat16().double()
+    for name, got, want in [("dc_proj", dc_proj, post.double().T @ grad.double()), ("dc_fc", dc_fc, dpre.T @ x.double()),
+                            ("dx", dx, dpre @ c_fc.double())]:
+        assert got.dtype == torch.bfloat16, name
+        assert ((got.double() - want).abs().max() / want.abs().max()).item() < 2e-2, name
+
+
+def ce_loop_float64(logits, targets, weights):
+    n, V = logits.shape
+    losses = []
+    for i in range(n):
+        z = [A_ / (1 + torch.exp(torch.tensor(-(float(logits[i, c]) + B_) / C_, dtype=torch.float64)).item())
+             for c in range(V)]
+        lse = torch.logsumexp(torch.tensor(z, dtype=torch.float64), 0).item()
+        loss = 0.0
+        for k, w in enumerate(weights):
+            if i + k < n and w > 0:
+                loss += w * (lse - z[int(targets[i + k])])
+        losses.append(loss)
+    return torch.tensor(losses, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("weights", [[1.0], [1.0, 0.5], [1.0, 0.5, 0.25], [1.0, 0.0, 0.5]])
+def test_ce_reference_matches_double_loop(weights):
+    """MTP terms past the buffer end are dropped (not renormalised); zero weights contribute nothing."""
+    g = torch.Generator().manual_seed(len(weights))
+    n, V = 5, 11
+    logits = (torch.randn(n, V, generator=g) * 6).bfloat16()
+    targets = torch.randint(0, V, (n,), generator=g)
+    got = tk.softcapped_mtp_ce_reference(logits, targets, torch.tensor(weights))
+    assert got.dtype == torch.float32 and got.shape == (n,)
+    # fp32 math on 11 columns: ~1e-6 relative; 1e-5 is tight enough to catch any extra or missing term.
+    torch.testing.assert_close(got.double(), ce_loop_float64(logits, targets, weights), rtol=1e-5, atol=1e-5)
+
+
+def test_ce_reference_with_fewer_rows_than_weights():
+    logits = torch.randn(2, 7).bfloat16()
+    targets = torch.tensor([3, 5])
+    got = tk.softcapped_mtp_ce_reference(logits, targets, torch.tensor([1.0, 0.5, 0.25]))
+    torch.testing.assert_close(got.double(), ce_loop_float64(logits, targets, [1.0, 0.5, 0.25]), rtol=1e-5, atol=1e-5)
+
+
+def test_ce_reference_gradient_matches_spec_closed_form():
+    """dl_c = g_row (S_w p_c - T_c) z_c (1 - sigma_c) / C (spec §8.4), through the reference's autograd."""
+    g = torch.Generator().manual_seed(5)
+    n, V = 6, 13
+    weights = [1.0, 0.5, 0.25]
+    logits = (torch.randn(n, V, generator=g) * 6).requires_grad_()
+    targets = torch.randint(0, V, (n,), generator=g)
+    targets[4] = targets[3]  # two offsets of one row hitting the same column: T_c sums both weights
+    grad_rows = torch.rand(n, generator=g) + 0.5
+    (got,) = torch.autograd.grad(tk.softcapped_mtp_ce_reference(logits, targets, torch.tensor(weights)), logits,
+                                 grad_rows)
+    l64 = logits.detach().double()
+    sig = torch.sigmoid((l64 + B_) / C_)
+    z = A_ * sig
+    p = torch.softmax(z, dim=1)
+    want = torch.zeros(n, V, dtype=torch.float64)
+    for i in range(n):
+        s_w = sum(w for k, w in enumerate(weights) if i + k < n)
+        t = torch.zeros(V, dtype=torch.float64)
+        for k, w in enumerate(weights):
+            if i + k < n:
+                t[targets[i + k]] += w
+        want[i] = grad_rows[i].item() * (s_w * p[i] - t) * z[i] * (1 - sig[i]) / C_
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-6)
+
+
+def test_public_ops_use_references_on_cpu():
+    """On CPU tensors the public ops are the references (the trainer runs unchanged without a GPU)."""
+    A = torch.randn(2, 8, 12, dtype=torch.bfloat16)
+    assert torch.equal(tk.xxt(A), tk.xxt_reference(A))
+    S = tk.xxt(A[:, :, :8])
+    assert torch.equal(tk.ba_plus_cAA(S, 0.5, -1.0), tk.ba_plus_cAA_reference(S, 0.5, -1.0))
+    x, w1, w2 = torch.randn(4, 8).bfloat16(), torch.randn(16, 8).bfloat16(), torch.randn(16, 8).bfloat16()
+    assert torch.equal(tk.relu2_mlp(x, w1, w2), tk.relu2_mlp_reference(x, w1, w2))
+    logits, targets, w = torch.randn(4, 9).bfloat16(), torch.randint(0, 9, (4,)), torch.tensor([1.0, 0.5])
+    assert torch.equal(tk.softcapped_mtp_ce(logits, targets, w), tk.softcapped_mtp_ce_reference(logits, targets, w))
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# sm_90 compile of the real kernels (ptxas ships with triton; no GPU needed)
+# ------------------------------------------------------------------------------------------------------------------
+
+H100_MAX_SHARED = 232448  # bytes of dynamic shared memory per block on sm_90
+
+
+def compile_for_h100(kernel, signature, constexprs, options, contiguous=(), aligned=()):
+    """Compile `kernel` for sm_90 the way a launch would specialise it: `contiguous` int args equal 1 (Triton makes them
+    constants), `aligned` pointers/ints divisible by 16."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    import triton
+    names = list(inspect.signature(kernel.fn).parameters)
+    constexprs = {**constexprs, **{name: 1 for name in contiguous}}
+    sig = {name: ("constexpr" if name in constexprs else signature[name]) for name in names}
+    attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+    return triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def _sm90_cases():
+    sym_sig = {"a_ptr": "*bf16", "out_ptr": "*bf16", "M": "i32", "K": "i32", "stride_ab": "i32", "stride_am": "i32",
+               "stride_ak": "i32", "stride_ob": "i32", "stride_om": "i32", "stride_on": "i32", "b_coef": "fp32",
+               "c_coef": "fp32"}
+    mlp_sig = {"a_ptr": "*bf16", "b_ptr": "*bf16", "pre_ptr": "*bf16", "out_ptr": "*bf16", "M": "i32", "N": "i32",
+               "K": "i32", "stride_am": "i32", "stride_bn": "i32", "stride_pm": "i32", "stride_om": "i32"}
+    ce_consts = {"A": tk.SOFTCAP_A, "B": tk.SOFTCAP_B, "C": tk.SOFTCAP_C, "BLOCK": tk._CE_BLOCK}
+    cases = []
+    for cfg in tk._SYM_CONFIGS:  # the largest-tile configs are the ones at risk of running out of shared memory
+        if cfg.kwargs["BLOCK_M"] * cfg.kwargs["BLOCK_N"] >= 128 * 128:
+            opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+            cases.append(("sym", tk._sym_aat_kernel, sym_sig, {"ADD_BA": True, **cfg.kwargs}, opts,
+                          ("stride_ak", "stride_on"), ("a_ptr", "out_ptr", "M", "K", "stride_ab", "stride_am", "stride_ob", "stride_om")))
+    for cfg in tk._MLP_CONFIGS:
+        opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+        for backward in (False, True):
+            cases.append(("mlp", tk._relu2_linear_kernel, mlp_sig, {"BACKWARD": backward, **cfg.kwargs}, opts, (),
+                          tuple(mlp_sig)))
+    cases.append(("ce_fwd", tk._ce_fwd_kernel,
+                  {"logits_ptr": "*bf16", "targets_ptr": "*i64", "weights_ptr": "*fp32", "losses_ptr": "*fp32",
+                   "lse_ptr": "*fp32", "n_rows": "i32", "n_cols": "i32", "stride_row": "i32", "n_weights": "i32"},
+                  ce_consts, {"num_warps": tk._CE_WARPS}, (), ("logits_ptr", "n_cols", "stride_row")))
+    cases.append(("ce_bwd", tk._ce_bwd_kernel,
+                  {"grad_ptr": "*fp32", "stride_grad": "i32", "logits_ptr": "*bf16", "targets_ptr": "*i64",
+                   "weights_ptr": "*fp32", "lse_ptr": "*fp32", "dlogits_ptr": "*bf16", "n_rows": "i32",
+                   "n_cols": "i32", "stride_row": "i32", "stride_drow": "i32", "n_weights": "i32"},
+                  ce_consts, {"num_warps": tk._CE_WARPS}, ("stride_grad",), ("logits_ptr", "dlogits_ptr", "n_cols")))
+    return cases
+
+
+@pytest.mark.parametrize("case", _sm90_cases(), ids=lambda c: f"{c[0]}-{'-'.join(str(v) for v in c[3].values())}")
+def test_kernels_compile_for_h100_without_fp64(case):
+    """The original CE kernel turned a loop carry into fp64 under torch.compile; no kernel here may contain fp64,
+    the matmul kernels must use Hopper's wgmma with a pipelined K loop, and shared memory must fit an H100."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("the interpreter replaces triton.jit; run without TRITON_INTERPRET")
+    name, kernel, sig, consts, opts, contiguous, aligned = case
+    try:
+        compiled = compile_for_h100(kernel, sig, consts, opts, contiguous, aligned)
+    except (ImportError, FileNotFoundError, RuntimeError) as e:  # no CUDA backend / ptxas in this triton install
+        if "ptxas" in str(e) or isinstance(e, (ImportError, FileNotFoundError)):
+            pytest.skip(f"cannot compile for sm_90 here: {e}")
+        raise
+    assert "f64" not in compiled.asm["ttir"], f"{name}: fp64 in the Triton IR"
+    assert compiled.metadata.shared <= H100_MAX_SHARED, f"{name}: {compiled.metadata.shared} bytes of shared memory"
+    if name in ("sym", "mlp"):
+        assert "wgmma" in compiled.asm["ptx"], f"{name}: no wgmma in the PTX"
+        stages = opts["num_stages"]
+        tile_bytes = 2 * consts["BLOCK_K"] * (consts["BLOCK_M"] + consts["BLOCK_N"])
+        assert compiled.metadata.shared >= (stages - 1) * tile_bytes, f"{name}: K loop not pipelined"
