@@ -383,14 +383,18 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_se
                      backend: str) -> Tensor:
     """Causal sliding-window attention within packed documents (see the top of this section), (T, H, D) -> (T, H, D).
     max_seqlen is a launch hint for fa3/varlen and must be >= the longest document; window >= 0 in positions."""
+    # Plain imports here (the probing with try/inspect lives in available_attn_backends): this runs inside the
+    # compiled model, where dynamo traces import statements but not inspect.signature.
     if backend == "fa3":
-        out = _import_fa3().flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
-                                                  softmax_scale=scale, causal=True, window_size=(window, 0))
+        import flash_attn_interface
+        out = flash_attn_interface.flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                                                          softmax_scale=scale, causal=True, window_size=(window, 0))
         return out[0] if isinstance(out, tuple) else out  # some FA3 builds also return the log-sum-exp
     if backend == "varlen":
+        from torch.nn.attention.varlen import varlen_attn
         # window_size=(left, right): keys t - left .. t + right; right = 0 makes it causal
-        return _import_torch_varlen()(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=scale,
-                                      window_size=(window, 0))
+        return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=scale,
+                           window_size=(window, 0))
     if backend == "flex":
         return _flex_varlen_attention(q, k, v, cu_seqlens, window, scale)
     if backend == "sdpa":

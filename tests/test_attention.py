@@ -97,6 +97,17 @@ def test_bfloat16_matches_reference(backend):
     assert err.square().mean().sqrt() <= 2**-8 * ref.square().mean().sqrt()
 
 
+@pytest.mark.parametrize("backend", ["sdpa", "flex"])
+def test_traces_as_one_graph(backend):
+    # The model is compiled with fullgraph=True, so building the block mask (searchsorted, sort, BlockMask) and the
+    # call must trace without graph breaks. aot_eager traces like inductor but runs the ops eagerly (no CPU codegen).
+    q, k, v, cu = make_case(1040, 37, 300, torch.float32)
+    ref, _ = reference_attention(q, k, v, cu, 37, 0.12)
+    compiled = torch.compile(tg.varlen_attention, fullgraph=True, backend="aot_eager")
+    out = compiled(q, k, v, cu, 2048, 37, 0.12, backend)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-5)
+
+
 def test_reference_sees_window_plus_one_keys():
     # Hand check of the reference itself: one document, v = one-hot positions, uniform logits (q = 0):
     # query t averages keys max(0, t - window) .. t.
