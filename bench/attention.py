@@ -132,6 +132,7 @@ def main() -> None:
         print("\nrecord-weighted attention fwd+bwd per GPU over the run: "
               + ", ".join(f"{b} {s:.2f} s" for b, s in sorted(totals.items(), key=lambda kv: kv[1])))
         order = sorted(totals, key=totals.get)
+        order += [b for b in tg.ATTN_AUTO_ORDER_CUDA if b not in order]  # untimed at some T (sdpa) or unavailable
         print(f"recommended ATTN_AUTO_ORDER_CUDA = {tuple(order)}")
     else:
         print("\n(record-weighted totals need all three T; run without --seq_lens)")
