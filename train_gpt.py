@@ -652,12 +652,14 @@ class NorMuonAndAdam:
 # [c_j, c_{j+1}) sees keys t' with c_j <= t' <= t and t - window <= t' (window + 1 keys at most, itself included);
 # logits scale * <q_t, k_t'>, softmax in fp32, output (T, H, D) in q's dtype.
 #   fa3    FlashAttention-3 `flash_attn_varlen_func` (Hopper), when the module `flash_attn_interface` is installed.
-#   flex   torch flex_attention with a block mask built from cu_seqlens; it runs fused only under torch.compile.
+#   flex   torch flex_attention with a block mask built from cu_seqlens; fused only under torch.compile, CUDA only
+#          for training (its CPU path has no backward; the CPU tests call it forward-only).
 #   varlen torch.nn.attention.varlen.varlen_attn (FlashAttention-2 inside torch), CUDA only.
 #   sdpa   a dense-mask reference (O(T^2) memory) for CPUs and tests.
 ATTN_BACKENDS = ("flex", "varlen", "fa3", "sdpa")
-# "auto" on CUDA takes the first available of these. Order from bench/attention.py on 1xH100 (fwd+bwd, training
-# shapes): see the table in that script's docstring. Off CUDA "auto" means sdpa (the only fused CPU kernel).
+# "auto" on CUDA takes the first available of these: FA3 (Hopper-native, the record's kernel), then flex and torch's
+# FA2-based varlen, whose order is to be confirmed by `python3 bench/attention.py` on 1xH100 (it prints the order
+# weighted by the record's use). Off CUDA "auto" means sdpa (the only backend with a CPU backward).
 ATTN_AUTO_ORDER_CUDA = ("fa3", "flex", "varlen", "sdpa")
 FLEX_BLOCK_SIZE = 128  # tokens per flex sparse block (q and kv); flex's kernel tiles (64 or 128) divide it
 
@@ -694,7 +696,7 @@ def available_attn_backends(device: torch.device) -> list[str]:
     """Backends that can run on `device`, in ATTN_BACKENDS order."""
     on_cuda = torch.device(device).type == "cuda"
     usable = {
-        "flex": _import_flex() is not None,  # CPU: eager (unfused) or inductor's CPU template under compile
+        "flex": on_cuda and _import_flex() is not None,  # on CPU flex runs forward only (no backward in torch 2.13)
         "varlen": on_cuda and _import_torch_varlen() is not None,
         "fa3": on_cuda and _import_fa3() is not None,
         "sdpa": True,
@@ -713,7 +715,7 @@ def resolve_attn_backend(name: str, device: torch.device) -> str:
         raise ValueError(f"unknown --attn_backend={name!r}; choose auto or one of {', '.join(ATTN_BACKENDS)}")
     if name not in available:
         raise ValueError(f"--attn_backend={name} cannot run on {device} here (fa3 needs the flash_attn_interface "
-                         f"module and CUDA; varlen needs torch >= 2.11 and CUDA); available: "
+                         f"module and CUDA; varlen needs torch >= 2.11 and CUDA; flex needs CUDA); available: "
                          f"{', '.join(available)}; pass one of these or --attn_backend=auto")
     return name
 
@@ -795,14 +797,18 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_se
                      backend: str) -> Tensor:
     """Causal sliding-window attention within packed documents (see the top of this section), (T, H, D) -> (T, H, D).
     max_seqlen is a launch hint for fa3/varlen and must be >= the longest document; window >= 0 in positions."""
+    # Plain imports here (the probing with try/inspect lives in available_attn_backends): this runs inside the
+    # compiled model, where dynamo traces import statements but not inspect.signature.
     if backend == "fa3":
-        out = _import_fa3().flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
-                                                  softmax_scale=scale, causal=True, window_size=(window, 0))
+        import flash_attn_interface
+        out = flash_attn_interface.flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                                                          softmax_scale=scale, causal=True, window_size=(window, 0))
         return out[0] if isinstance(out, tuple) else out  # some FA3 builds also return the log-sum-exp
     if backend == "varlen":
+        from torch.nn.attention.varlen import varlen_attn
         # window_size=(left, right): keys t - left .. t + right; right = 0 makes it causal
-        return _import_torch_varlen()(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=scale,
-                                      window_size=(window, 0))
+        return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=scale,
+                           window_size=(window, 0))
     if backend == "flex":
         return _flex_varlen_attention(q, k, v, cu_seqlens, window, scale)
     if backend == "sdpa":

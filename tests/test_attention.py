@@ -62,22 +62,17 @@ def make_case(T, window, long_doc, dtype, seed=0):
     return q, k, v, cu
 
 
-def cpu_backends():
-    return tg.available_attn_backends(torch.device("cpu"))
-
-
-def test_cpu_backends_include_sdpa_and_flex():
-    assert cpu_backends()[-1] == "sdpa"
-    assert "varlen" not in cpu_backends() and "fa3" not in cpu_backends()  # both need CUDA
+def test_cpu_offers_only_sdpa():
+    # varlen and fa3 need CUDA; flex runs on CPU forward-only (no backward), so training there cannot use it
+    assert tg.available_attn_backends(torch.device("cpu")) == ["sdpa"]
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "flex"])
 @pytest.mark.parametrize("T,window,long_doc", CASES)
 def test_float32_matches_reference(backend, T, window, long_doc):
     # float32 in and out: the only errors are fp32 roundings, so a wrong mask (even one key) shows far above 1e-4.
-    # Eager flex (CPU) applies mask_mod densely and ignores the block structure; that is tested separately below.
-    if backend not in cpu_backends():
-        pytest.skip(f"{backend} is not available on this CPU")
+    # flex runs eagerly here (forward only): it applies mask_mod densely and ignores the block structure, which is
+    # tested separately below.
     q, k, v, cu = make_case(T, window, long_doc, torch.float32)
     ref, _ = reference_attention(q, k, v, cu, window, 0.12)
     out = tg.varlen_attention(q, k, v, cu, 2048, window, 0.12, backend)
@@ -92,8 +87,6 @@ def test_bfloat16_matches_reference(backend):
     # to bf16 before P @ V in flash-style kernels (2^-9 relative), and the output rounding (2^-9 relative). All are
     # bounded by a fraction of sum_i p_i |v_i| (= P @ |V|, not |out|, which can cancel to ~0), hence the band
     # |out - ref| <= 2^-5 * (P @ |V|). The RMS check is tighter: independent roundings average out.
-    if backend not in cpu_backends():
-        pytest.skip(f"{backend} is not available on this CPU")
     q, k, v, cu = make_case(1040, 50, 600, torch.bfloat16, seed=1)
     scale = 0.3
     ref, abs_ref = reference_attention(q, k, v, cu, 50, scale)
@@ -102,6 +95,17 @@ def test_bfloat16_matches_reference(backend):
     err = (out.double() - ref).abs()
     assert (err <= 2**-5 * abs_ref).all(), f"max err / (P|V|) = {(err / abs_ref).max():.4f}"
     assert err.square().mean().sqrt() <= 2**-8 * ref.square().mean().sqrt()
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "flex"])
+def test_traces_as_one_graph(backend):
+    # The model is compiled with fullgraph=True, so building the block mask (searchsorted, sort, BlockMask) and the
+    # call must trace without graph breaks. aot_eager traces like inductor but runs the ops eagerly (no CPU codegen).
+    q, k, v, cu = make_case(1040, 37, 300, torch.float32)
+    ref, _ = reference_attention(q, k, v, cu, 37, 0.12)
+    compiled = torch.compile(tg.varlen_attention, fullgraph=True, backend="aot_eager")
+    out = compiled(q, k, v, cu, 2048, 37, 0.12, backend)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-5)
 
 
 def test_reference_sees_window_plus_one_keys():
@@ -129,9 +133,12 @@ def dense_from_ordered(counts, indices, num_blocks):
 
 
 @pytest.mark.parametrize("T,window,block_size", [(1024, 100, 128), (1040, 37, 128), (1040, 0, 16), (200, 50, 16),
-                                                  (768, 2000, 64), (1000, 130, 16)])
+                                                  (768, 2000, 64), (1000, 129, 16), (1024, 126, 128),
+                                                  (1000, 30, 16)])
 def test_flex_block_mask_structure(T, window, block_size):
-    """The block lists that fused flex kernels read: a used block must hold an allowed pair (else wasted work) and
+    """(Windows 126, 30 put lo(last) one past a block start and 129 puts lo(first) one before a block start, so
+    off-by-ones in the used/full tests show.)
+    The block lists that fused flex kernels read: a used block must hold an allowed pair (else wasted work) and
     every allowed pair must lie in a used block; a block marked full (mask_mod skipped) must allow every real pair
     and sit below the diagonal, and every such block must be marked full. Reference: the dense explicit mask."""
     gen = torch.Generator().manual_seed(T + window)
@@ -167,12 +174,11 @@ def test_resolve_auto_and_explicit():
     cpu = torch.device("cpu")
     assert tg.resolve_attn_backend("auto", cpu) == "sdpa"
     assert tg.resolve_attn_backend("sdpa", cpu) == "sdpa"
-    assert tg.resolve_attn_backend("flex", cpu) == "flex"
 
 
-@pytest.mark.parametrize("name", ["varlen", "fa3"])
+@pytest.mark.parametrize("name", ["varlen", "fa3", "flex"])
 def test_resolve_unavailable_names_option_and_choices(name):
-    with pytest.raises(ValueError, match=rf"--attn_backend={name}.*available: flex, sdpa"):
+    with pytest.raises(ValueError, match=rf"--attn_backend={name} cannot run on cpu.*available: sdpa;"):
         tg.resolve_attn_backend(name, torch.device("cpu"))
 
 
@@ -232,6 +238,10 @@ def test_gpu_backends_match_reference(paired, window_blocks):
         out = fn(*qkv)
         grads = torch.autograd.grad(out, qkv, grad_out)
         assert out.dtype == torch.bfloat16
-        for name, got, want in [("out", out, ref), *zip(("dq", "dk", "dv"), grads, ref_grads)]:
+        # bf16 output rounding gives ~2^-9 relative L2; gradients also pass bf16 P and dS through the backward
+        # matmuls (~2^-8). One key too many or too few per query moves the output by ~0.08 * sqrt(50 / window)
+        # (measured on CPU at window 50), >= 2^-6 at these windows.
+        for name, got, want, band in [("out", out, ref, 2**-7), *zip(("dq", "dk", "dv"), grads, ref_grads,
+                                                                     [2**-6] * 3)]:
             rel = (got.double() - want).norm() / want.norm()
-            assert rel < 2**-7, f"{backend} {name}: relative L2 error {rel:.2e}"
+            assert rel < band, f"{backend} {name}: relative L2 error {rel:.2e}"

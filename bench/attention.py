@@ -1,0 +1,142 @@
+"""Time the attention backends of train_gpt.py at the record's training shapes (one GPU).
+
+    python3 bench/attention.py                          # full grid (T in 16384, 32768, 49152)
+    python3 bench/attention.py --seq_lens=16384         # one T (each T compiles flex ~11 times: split if slow)
+
+For each available backend: forward (training mode, inputs require grad) and forward+backward, do_bench medians,
+on packed FineWeb-like documents (lognormal lengths, median ~400 tokens, cut at 2048). Layouts per window stage
+(short, long) in 128-token blocks: normal heads (T, 6, 128) with the short and the long window, and the paired
+layout (2T, 3, 128) with cu_seqlens * 2 and the short window measured in doubled positions (spec §3.6).
+flex runs under torch.compile(fullgraph=True), as inside the model. "vs ref" is the relative L2 distance of the
+output from the first fused backend's (a sanity check; bf16 noise is ~1e-3).
+
+The last lines weigh fwd+bwd by how the record uses attention: per layer stack 4 paired + 4 short + 2 long layers,
+stage (1,3) at T=16384 for 575 steps, (3,7) at 32768 for 575, (5,11) at 49152 for 575, (6,13) at 49152 for 40;
+the recommended "auto" order sorts backends by that total.
+"""
+import argparse
+import math
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import train_gpt as tg  # noqa: E402
+
+STAGES = ((1, 3), (3, 7), (5, 11), (6, 13))      # (short, long) windows in blocks
+BLOCK = 128                                      # tokens per window block
+RECORD_STAGE_USE = {(1, 3): (16384, 575), (3, 7): (32768, 575), (5, 11): (49152, 575), (6, 13): (49152, 40)}
+LAYERS_PER_KIND = {"paired": 4, "short": 4, "long": 2}   # spec §3.2 layer layout
+SDPA_MAX_T = 16384                               # the dense-mask reference is only timed up to here
+
+
+def fineweb_like_cu_seqlens(num_tokens: int, gen: torch.Generator, max_doc: int = 2048) -> tuple[torch.Tensor, list]:
+    """int32 cu_seqlens padded with repeats of T to a multiple of 128 entries (as the loader pads), and the lengths."""
+    lens = []
+    while sum(lens) < num_tokens:
+        length = math.exp(math.log(400.0) + torch.randn((), generator=gen).item())  # median 400, sigma 1
+        lens.append(max(1, min(max_doc, int(length))))
+    lens[-1] -= sum(lens) - num_tokens
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    cu += [num_tokens] * (-len(cu) % 128)
+    return torch.tensor(cu, dtype=torch.int32), lens
+
+
+def attended_pairs(doc_lens: list, window: int) -> int:
+    """Number of (query, key) pairs computed: a query at offset p in its document sees min(p, window) + 1 keys."""
+    total = 0
+    for n in doc_lens:
+        m = min(n, window + 1)
+        total += m * (m + 1) // 2 + (n - m) * (window + 1)
+    return total
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seq_lens", default="16384,32768,49152", help="comma-separated T per GPU")
+    parser.add_argument("--backends", default="", help="comma-separated subset (default: all available)")
+    args = parser.parse_args()
+    from triton.testing import do_bench
+
+    device = torch.device("cuda")
+    torch._dynamo.config.recompile_limit = 256  # flex recompiles per (T, window); keep them all compiled
+    backends = [b for b in tg.available_attn_backends(device) if not args.backends or b in args.backends.split(",")]
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name(device)}, backends: {backends}", flush=True)
+    scale, head_dim = 0.12, 128
+    flex_compiled = torch.compile(tg.varlen_attention, fullgraph=True, dynamic=False)
+    rows = []  # (T, layout, window, backend, fwd_ms, fwdbwd_ms, tflops, rel_diff)
+    for T in [int(t) for t in args.seq_lens.split(",")]:
+        gen = torch.Generator().manual_seed(T)
+        cu, doc_lens = fineweb_like_cu_seqlens(T, gen)
+        print(f"T={T}: {len(doc_lens)} documents, mean length {T / len(doc_lens):.0f}", flush=True)
+        configs = {}  # (layout, window) -> (seq, heads, cu, max_seqlen, doc lens); deduplicated across stages
+        for short, long in STAGES:
+            configs[("normal", short * BLOCK)] = (T, 6, cu, 2048, doc_lens)
+            configs[("normal", long * BLOCK)] = (T, 6, cu, 2048, doc_lens)
+            configs[("paired", short * BLOCK)] = (2 * T, 3, cu * 2, 4096, [2 * n for n in doc_lens])
+        for (layout, window), (seq, heads, cu_l, max_seqlen, lens) in sorted(configs.items()):
+            cu_dev = cu_l.to(device)
+            q, k, v, grad = (torch.randn(seq, heads, head_dim, generator=gen).to(device, torch.bfloat16)
+                             for _ in range(4))
+            q, k, v = (x.requires_grad_() for x in (q, k, v))
+            flops_fwd = 4 * attended_pairs(lens, window) * heads * head_dim   # QK^T and PV, 2 FLOPs per MAC
+            ref_out = None
+            for backend in backends:
+                if backend == "sdpa" and seq > SDPA_MAX_T:
+                    continue
+                fn = flex_compiled if backend == "flex" else tg.varlen_attention
+                attn = lambda: fn(q, k, v, cu_dev, max_seqlen, window, scale, backend)
+                t0 = time.time()
+                out = attn()
+                out.backward(grad)  # first call compiles (flex)
+                torch.cuda.synchronize()
+                first_s = time.time() - t0
+                out = out.detach().float()
+                rel = 0.0 if ref_out is None else ((out - ref_out).norm() / ref_out.norm()).item()
+                if ref_out is None and backend != "sdpa":
+                    ref_out = out
+                fwd_ms = do_bench(attn, grad_to_none=[q, k, v], return_mode="median")
+                fwdbwd_ms = do_bench(lambda: attn().backward(grad), grad_to_none=[q, k, v], return_mode="median")
+                tflops = 3.5 * flops_fwd / (fwdbwd_ms * 1e-3) / 1e12  # backward ~2.5x forward
+                rows.append((T, layout, window, backend, fwd_ms, fwdbwd_ms, tflops, rel))
+                print(f"  {layout:6s} window {window:5d} {backend:6s} fwd {fwd_ms:7.3f} ms  fwd+bwd {fwdbwd_ms:7.3f} ms"
+                      f"  {tflops:6.1f} TFLOP/s  vs ref {rel:.1e}  (first call {first_s:.1f} s)", flush=True)
+            del q, k, v, grad, out, ref_out
+        torch.cuda.empty_cache()
+
+    print("\n| T | layout | window | backend | fwd ms | fwd+bwd ms | TFLOP/s | vs ref |")
+    print("|---|---|---|---|---|---|---|---|")
+    for T, layout, window, backend, fwd_ms, fwdbwd_ms, tflops, rel in rows:
+        print(f"| {T} | {layout} | {window} | {backend} | {fwd_ms:.3f} | {fwdbwd_ms:.3f} | {tflops:.1f} | {rel:.1e} |")
+
+    # Record-weighted attention time (fwd+bwd, seconds over the run, one GPU's share) per backend.
+    timing = {(T, layout, window, backend): fb for T, layout, window, backend, _, fb, _, _ in rows}
+    totals = {}
+    for backend in backends:
+        total, complete = 0.0, True
+        for (short, long), (T, steps) in RECORD_STAGE_USE.items():
+            for kind, window, layout in (("paired", short, "paired"), ("short", short, "normal"),
+                                         ("long", long, "normal")):
+                ms = timing.get((T, layout, window * BLOCK, backend))
+                if ms is None:
+                    complete = False
+                    continue
+                total += steps * LAYERS_PER_KIND[kind] * ms / 1e3
+        if complete:
+            totals[backend] = total
+    if totals:
+        print("\nrecord-weighted attention fwd+bwd per GPU over the run: "
+              + ", ".join(f"{b} {s:.2f} s" for b, s in sorted(totals.items(), key=lambda kv: kv[1])))
+        order = sorted(totals, key=totals.get)
+        order += [b for b in tg.ATTN_AUTO_ORDER_CUDA if b not in order]  # untimed at some T (sdpa) or unavailable
+        print(f"recommended ATTN_AUTO_ORDER_CUDA = {tuple(order)}")
+    else:
+        print("\n(record-weighted totals need all three T; run without --seq_lens)")
+
+
+if __name__ == "__main__":
+    main()
