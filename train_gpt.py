@@ -297,7 +297,7 @@ class ModelConfig:
             raise ValueError("need 0 <= --skip_source_layer < --skip_dest_layer < num_layers and "
                              "0 <= --backout_layer < num_layers")
         if tuple(self.softcap) != (tk.SOFTCAP_A, tk.SOFTCAP_B, tk.SOFTCAP_C):
-            raise ValueError(f"--softcap={self.softcap} differs from the fused training loss's constants in "
+            raise ValueError(f"--softcap={self.softcap} differs from the fused loss kernel's constants in "
                              "triton_kernels.py (SOFTCAP_A/B/C); change both together")
         if self.rotary_max_len < 1:
             raise ValueError("rotary_max_len must be the largest micro-batch in tokens (train or val)")
@@ -603,9 +603,11 @@ class GPT(nn.Module):
             else:
                 logits = h @ self.lm_head
             return tk.softcapped_mtp_ce(logits, targets, mtp_weights).sum()
-        A, B, C = self.cfg.softcap
-        z = A * torch.sigmoid((h @ self.lm_head + B) / C)  # (T, V) bf16 softcapped logits
-        return F.cross_entropy(z.float(), targets)
+        # Mean next-token CE of the softcapped bf16-head logits (spec §3.10), through the fused kernel with the single
+        # weight 1: it softcaps in fp32 (as the reference's compiled eval does) and never materialises fp32 (T, V)
+        # tensors, which at 262,144 val tokens per rank would not fit next to the 26 GB of bf16 logits.
+        next_token_only = torch.ones(1, dtype=torch.float32, device=h.device)
+        return tk.softcapped_mtp_ce(h @ self.lm_head, targets, next_token_only).mean()
 
     def final_hidden(self, inputs: Tensor, cu_seqlens: Tensor, ws_short: int, ws_long: int,
                      max_seqlen: int) -> Tensor:

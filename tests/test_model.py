@@ -424,7 +424,7 @@ def test_full_forward_matches_direct_train_and_eval():
         eval_loss = model(inputs, targets, cu, 1, 2, weights, 64)
         z = softcap(h @ model.lm_head)
         mean_ce = (torch.logsumexp(z, -1) - z.gather(1, targets[:, None])[:, 0]).mean()
-        assert eval_loss.item() == pytest.approx(mean_ce.item(), rel=1e-2)
+        assert eval_loss.item() == pytest.approx(mean_ce.item(), rel=1e-5)  # softcap in fp32 (compiled semantics)
         z_ref = softcap(ref_logits)
         assert eval_loss.item() == pytest.approx(
             (torch.logsumexp(z_ref, -1) - z_ref.gather(1, targets[:, None])[:, 0]).mean().item(), rel=0.01)

@@ -80,7 +80,6 @@ def compiled_model():
     torch.manual_seed(0)
     dev = torch.device("cuda")
     model = tg.GPT(real_cfg(), dev)
-    torch._dynamo.config.recompile_limit = 64
     compiled = torch.compile(model, fullgraph=True, dynamic=False)
     yield model, compiled
     del model, compiled
