@@ -37,7 +37,8 @@ def masked_sdpa(q, k, v, cu_seqlens, max_seqlen, window, scale, backend):
     """Stand-in for varlen_attention: dense mask (same document, causal, key >= query - window), fp32 softmax."""
     assert backend == "test-sdpa" and q.dtype == torch.bfloat16 and q.shape == k.shape == v.shape
     T = q.shape[0]
-    assert torch.compiler.is_compiling() or int(cu_seqlens[-1]) == T and max_seqlen >= int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    if not torch.compiler.is_compiling():
+        assert int(cu_seqlens[-1]) == T and max_seqlen >= int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
     pos = torch.arange(T)
     doc = torch.searchsorted(cu_seqlens.long(), pos, right=True)
     mask = (doc[:, None] == doc[None, :]) & (pos[None, :] <= pos[:, None]) & (pos[None, :] >= pos[:, None] - window)
@@ -243,7 +244,8 @@ def test_real_config_parameter_counts():
                             "smear_gate", "skip_gate", "x0_lambdas", "scalars"]
     assert counts["attn"] == 23_592_960 and counts["mlp"] == 56_623_104
     assert counts["lm_head"] == counts["embed"] == counts["ve0"] == 38_633_472
-    assert (counts["attn_gate_bank"], counts["ve_gate_bank"], counts["smear_gate"], counts["skip_gate"]) == (720, 360, 12, 12)
+    gates = ("attn_gate_bank", "ve_gate_bank", "smear_gate", "skip_gate")
+    assert [counts[k] for k in gates] == [720, 360, 12, 12]
     assert counts["x0_lambdas"] == 11 and counts["scalars"] == 36
     # spec §10.1: 273,384,579 with the 4 vestigial scalar pads, which this model drops
     assert sum(counts.values()) == 273_384_579 - 4
@@ -422,7 +424,7 @@ def test_full_forward_matches_direct_train_and_eval():
         eval_loss = model(inputs, targets, cu, 1, 2, weights, 64)
         z = softcap(h @ model.lm_head)
         mean_ce = (torch.logsumexp(z, -1) - z.gather(1, targets[:, None])[:, 0]).mean()
-        assert eval_loss.item() == pytest.approx(mean_ce.item(), rel=1e-2)
+        assert eval_loss.item() == pytest.approx(mean_ce.item(), rel=1e-5)  # softcap in fp32 (compiled semantics)
         z_ref = softcap(ref_logits)
         assert eval_loss.item() == pytest.approx(
             (torch.logsumexp(z_ref, -1) - z_ref.gather(1, targets[:, None])[:, 0]).mean().item(), rel=0.01)
@@ -499,3 +501,36 @@ def test_fp8_emulation_forward_backward_vs_manual():
     assert h.grad.dtype == torch.bfloat16 and w.grad.dtype == torch.bfloat16
     assert torch.allclose(h.grad.double(), dh, rtol=8e-3, atol=1e-9)
     assert torch.allclose(w.grad.double(), dw, rtol=8e-3, atol=1e-9)
+
+
+def test_fp8_custom_op_registration_and_autograd_on_cpu():
+    """The custom op (eager quantisers off CUDA) against the emulation, its fake kernel and autograd registration,
+    and through an AOT-autograd compile. Skipped where torch._scaled_mm has no CPU kernel."""
+    tg.register_fp8_head_op()
+    tg.register_fp8_head_op()  # idempotent
+    scales = (100 / 448, 1.6 / 448, 0.75 / 448)
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(32, 64, generator=g).bfloat16().requires_grad_(True)
+    w = (0.005 * torch.randn(64, 48, generator=g)).bfloat16().requires_grad_(True)
+    G = 1e-3 * torch.randn(32, 48, generator=g)
+    try:
+        out, x8_t, w8 = torch.ops.nanogpt.fp8_head(h, w, *scales)
+    except (RuntimeError, NotImplementedError) as err:
+        pytest.skip(f"torch._scaled_mm unavailable on CPU here: {err}")
+    assert out.dtype == torch.bfloat16 and x8_t.shape == (64, 32) and w8.shape == (64, 48)
+    for check in ("test_autograd_registration", "test_faketensor"):
+        result = torch.library.opcheck(torch.ops.nanogpt.fp8_head.default, (h, w, *scales), test_utils=(check,))
+        assert result[check] == "SUCCESS"
+
+    def loss(fn, h, w):
+        return (fn(h, w).float() * G).sum()
+
+    ref = loss(lambda h, w: tg.FP8HeadEmulated.apply(h, w, *scales), h, w)
+    ref_grads = torch.autograd.grad(ref, (h, w))
+    op = torch.compile(lambda h, w: loss(lambda a, b: torch.ops.nanogpt.fp8_head(a, b, *scales)[0], h, w),
+                       backend="aot_eager", fullgraph=True)
+    got = op(h, w)
+    got_grads = torch.autograd.grad(got, (h, w))
+    assert got.item() == pytest.approx(ref.item(), rel=1e-4)
+    for a, b in zip(got_grads, ref_grads):
+        assert a.dtype == torch.bfloat16 and torch.allclose(a.float(), b.float(), rtol=1e-2, atol=1e-8)
