@@ -219,7 +219,8 @@ def test_adam_update_matches_float64_transcription(dtype):
     m_rel = 2 ** -24 * (beta1 * m0.abs() + (1 - beta1) * grad.to(F64).abs()) / m_ref.abs().clamp_min(1e-30)
     tol = torch.finfo(dtype).eps * p_ref.abs() + u * (8 * 2 ** -24 + m_rel)
     assert ((p.to(F64) - p_ref).abs() <= tol).all()
-    assert (p.to(F64) == p_ref.to(dtype).to(F64)).float().mean() > 0.99
+    if dtype == torch.bfloat16:                          # fp32 noise is far below a bf16 ulp: nearly all exact
+        assert (p.to(F64) == p_ref.to(dtype).to(F64)).float().mean() > 0.99
     assert (p[:8] == p_ref[:8].to(dtype)).all()           # undecayed rows kept their exact value
 
 
