@@ -3,6 +3,7 @@ result on the averaged gradients, for every parameter and every state buffer (sp
 import datetime
 import os
 import tempfile
+import time
 import traceback
 
 import pytest
@@ -89,8 +90,11 @@ def test_sharded_and_replicated_paths_match_world_size_one(world_size):
         init_file = os.path.join(tmp, "pg_init")
         ctx = mp.start_processes(worker, args=(world_size, init_file, tmp), nprocs=world_size, join=False,
                                  start_method="spawn")
+        deadline = time.monotonic() + 150
         try:
-            finished = ctx.join(timeout=150)
+            finished = False        # join() returns False whenever one process exits while others still run
+            while not finished and time.monotonic() < deadline:
+                finished = ctx.join(timeout=max(1.0, deadline - time.monotonic()))
         except Exception:
             errors = [open(os.path.join(tmp, f)).read() for f in sorted(os.listdir(tmp)) if f.startswith("rank")]
             pytest.fail("\n".join(errors) or "a worker failed")
