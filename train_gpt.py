@@ -2055,8 +2055,8 @@ def train(hp: Hyperparameters, argv_text: str) -> dict[str, Any]:
         opt = build_optimizer(hp, model, rank, world_size)
         compiled = model
         if hp.compile and is_cuda:
-            import torch._dynamo
-            torch._dynamo.config.recompile_limit = 64
+            from torch import _dynamo
+            _dynamo.config.recompile_limit = 64   # every window / batch-size / YaRN variant is its own graph
             compiled = torch.compile(model, dynamic=False, fullgraph=True)
         trainer = Trainer(hp, model, compiled, opt, device, rank, world_size, train_files, val_files)
         sync()
