@@ -776,8 +776,10 @@ def _flex_varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, 
     block_mask = flex_document_block_mask(cu_seqlens, q.size(0), window, FLEX_BLOCK_SIZE)
     # (T, H, D) -> (1, H, T, D) views; flex reads strides, and its output keeps q's stride order, so the transpose
     # back is a free view onto a (T, H, D)-contiguous buffer.
-    out = flex_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                         block_mask=block_mask, scale=scale)
+    # (T, H, D) -> (1, H, T, D). Contiguous copies: inductor's flex lowering (torch 2.11) asserts on inputs whose
+    # layout is still flexible (views of fused pointwise outputs), and the copies are small next to the attention.
+    qh, kh, vh = (t.transpose(0, 1).contiguous()[None] for t in (q, k, v))
+    out = flex_attention(qh, kh, vh, block_mask=block_mask, scale=scale)
     return out[0].transpose(0, 1)
 
 

@@ -18,6 +18,8 @@ def main(path: str) -> None:
     for name, ms in re.findall(r"^phase:(\w+) time:(\d+)ms", text, re.M):
         print(f"  untimed {name:<11} {int(ms) / 1000:8.1f} s")
     print("  phase  steps        global_batch  ms/step   tokens/s")
+    if not steps:
+        print("  no training steps in this log"); return
     bounds = [(0, ns // 3), (ns // 3, 2 * ns // 3), (2 * ns // 3, max(steps))]
     for i, (a, b) in enumerate(bounds):
         # train_time is cumulative and excludes validation: the per-step time is the difference of successive lines;
