@@ -8,6 +8,10 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 BOS = 50256
+# glibc returns large freed blocks to the OS and page-faults them back on the next step; keeping them cuts the CPU
+# tiny preset's step time about 2.5x (measured on the 2-core CI machine).
+CPU_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "4294967296", "MALLOC_TRIM_THRESHOLD_": "68719476736",
+                  "MALLOC_TOP_PAD_": "1073741824"}
 
 
 def write_shard(path, tokens, magic=20240520, version=1, claimed=None):
@@ -52,6 +56,6 @@ def make_dataset(directory, train_tokens=400_000, val_tokens=20_000, seed=0, n_t
 
 
 def run_trainer(args, cwd, timeout=300, env=None):
-    full_env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1", **(env or {}))
+    full_env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1", **CPU_MALLOC_ENV, **(env or {}))
     return subprocess.run([sys.executable, str(ROOT / "train_gpt.py"), *args], cwd=cwd, capture_output=True,
                           text=True, timeout=timeout, env=full_env)

@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from _shards import BOS, ROOT, make_dataset, run_trainer, structured_docs, write_shard
+from _shards import BOS, CPU_MALLOC_ENV, ROOT, make_dataset, run_trainer, structured_docs, write_shard
 
 SHORT = ["--preset=tiny", "--num_scheduled_iterations=6", "--num_extension_iterations=0", "--warmup=false",
          "--val_loss_every=0", "--seed=0"]
@@ -124,7 +124,7 @@ def test_killed_rank_ends_the_others_with_a_message(tmp_path):
     procs = []
     for rank in range(2):
         env = dict(os.environ, CUDA_VISIBLE_DEVICES="", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONUNBUFFERED="1")
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONUNBUFFERED="1", **CPU_MALLOC_ENV)
         procs.append(subprocess.Popen([sys.executable, str(ROOT / "train_gpt.py"), *args], cwd=tmp_path, env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     try:
