@@ -36,7 +36,7 @@ def test_missing_data_names_the_download(tmp_path):
 @pytest.mark.timeout(120)
 def test_short_val_shard(tmp_path):
     train, _ = make_dataset(tmp_path, train_tokens=300_000, val_tokens=20_000)
-    write_shard(tmp_path / "fineweb_val_000000.bin", structured_docs(10_000, 1))    # < 16384 + look-ahead
+    write_shard(tmp_path / "fineweb_val_000000.bin", structured_docs(3_000, 1))     # < 4096 + look-ahead
     p = run_trainer([*SHORT, *data_args(train, tmp_path / "fineweb_val_*.bin")], tmp_path)
     assert_clean_failure(p, 1, "--val_tokens", "fineweb_val_000000.bin")
 
