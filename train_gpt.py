@@ -2094,7 +2094,10 @@ def train(hp: Hyperparameters, argv_text: str) -> dict[str, Any]:
         profile = [int(x) for x in hp.profile_steps.split(":")] if hp.profile_steps else None
         profiler = None
         first_bad = torch.full((), -1, dtype=torch.int64, device=device)   # first step whose loss was not finite
+        # With --save_checkpoint: `pending` is the state at the last check; it is known good once the steps after it
+        # have produced finite losses, and only then becomes `last_good` (the state saved if training blows up).
         last_good = None
+        pending = {"step": 0, "state": snapshot_state(model, opt)} if hp.save_checkpoint else None
         val_loss = float("nan")
         train_ms = 0.0
         sync()
@@ -2142,7 +2145,7 @@ def train(hp: Hyperparameters, argv_text: str) -> dict[str, Any]:
                         + (f"; the last good state (step {last_good['step']}) was saved" if hp.save_checkpoint and last_good else "")
                         + ": lower the learning rates (--adam_lr, --muon_lr) or check the data")
                 if hp.save_checkpoint:
-                    last_good = {"step": step + 1, "state": snapshot_state(model, opt)}
+                    last_good, pending = pending, {"step": step + 1, "state": snapshot_state(model, opt)}
             approx_ms = train_ms + 1000 * (time.perf_counter() - t0)
             log(f"step:{step + 1}/{total_steps} train_time:{approx_ms:.0f}ms step_avg:{approx_ms / (step + 1):.2f}ms")
 

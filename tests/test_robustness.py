@@ -68,7 +68,7 @@ def test_too_little_training_data_for_the_schedule(tmp_path):
 @pytest.mark.timeout(180)
 def test_training_data_running_out_mid_run(tmp_path):
     # enough tokens to pass the preflight (>= the trained tokens) but not the ~1.4x the loader reads
-    train, val = make_dataset(tmp_path, train_tokens=17_000, val_tokens=20_000)
+    train, val = make_dataset(tmp_path, train_tokens=9_300, val_tokens=20_000)
     p = run_trainer([*SHORT, *data_args(train, val)], tmp_path)
     assert_clean_failure(p, 1, "ran out")
 
