@@ -2,8 +2,9 @@
 
 Each section has the kernel(s), a launcher that checks its inputs, a plain-PyTorch reference with the same contract,
 and the public op used by train_gpt.py. A public op runs the Triton kernel on CUDA tensors and the reference
-elsewhere, so the trainer runs unchanged on a CPU. Importing this file does nothing: no device queries, no compiles;
-autotuning happens on a kernel's first call for each new key.
+elsewhere (for the cross entropy, a chunked form of it, for speed), so the trainer runs unchanged on a CPU.
+Importing this file does nothing: no device queries, no compiles; autotuning happens on a kernel's first call for
+each new key.
 
 How the ops reach torch.compile: every kernel launch sits inside a `torch.library.triton_op` (namespace
 `nanogpt_kernels`) and goes through `torch.library.wrap_triton`, so `torch.compile(fullgraph=True)` traces through it
@@ -551,8 +552,59 @@ def softcapped_mtp_ce_reference(logits: Tensor, targets: Tensor, mtp_weights: Te
     return losses
 
 
+# ---- CPU path: the kernel's math in row chunks ----------------------------------------------------------------------
+# On a CPU the reference's autograd keeps several fp32 (n, V) temporaries; at V = 50,304 they fall out of cache and
+# were 70% of a tiny-preset step. This computes the same losses and gradient (the kernel's closed form, spec §8.4)
+# a few rows at a time, so each temporary is a cache-sized (rows, V) block; tests hold it to the reference.
+_CE_CPU_ROWS = 32
+
+
+def _mtp_targets_and_weights(targets: Tensor, mtp_weights: Tensor) -> tuple[Tensor, Tensor]:
+    """(n, K) target ids targets[row + k] and weights W[row, k] = [row + k < n][w_k > 0] w_k (0 past the end)."""
+    n, K = targets.shape[0], mtp_weights.shape[0]
+    idx = torch.arange(n, device=targets.device)[:, None] + torch.arange(K, device=targets.device)
+    w = torch.where(mtp_weights > 0, mtp_weights, torch.zeros_like(mtp_weights)).float()
+    W = torch.where(idx < n, w, torch.zeros_like(w))
+    return targets[idx.clamp(max=max(n - 1, 0))], W
+
+
+class _SoftcappedMTPCEChunked(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits: Tensor, targets: Tensor, mtp_weights: Tensor) -> Tensor:
+        tgt, W = _mtp_targets_and_weights(targets, mtp_weights)
+        n = logits.shape[0]
+        losses = torch.empty(n, dtype=torch.float32, device=logits.device)
+        lse = torch.empty(n, dtype=torch.float32, device=logits.device)
+        for r in range(0, n, _CE_CPU_ROWS):
+            rows = slice(r, r + _CE_CPU_ROWS)
+            z = torch.sigmoid((logits[rows].float() + SOFTCAP_B) / SOFTCAP_C).mul_(SOFTCAP_A)
+            lse[rows] = torch.logsumexp(z, dim=-1)
+            losses[rows] = (W[rows] * (lse[rows, None] - z.gather(1, tgt[rows]))).sum(1)
+        ctx.save_for_backward(logits, tgt, W, lse)
+        return losses
+
+    @staticmethod
+    def backward(ctx, grad_losses: Tensor):
+        logits, tgt, W, lse = ctx.saved_tensors
+        dlogits = torch.empty_like(logits)
+        for r in range(0, logits.shape[0], _CE_CPU_ROWS):
+            rows = slice(r, r + _CE_CPU_ROWS)
+            sig = torch.sigmoid((logits[rows].float() + SOFTCAP_B) / SOFTCAP_C)
+            gW = grad_losses[rows, None].float() * W[rows]                        # (rows, K)
+            # dL/dz = g (S_w softmax(z) - T), with T the weights scattered onto the target columns
+            dz = torch.exp(sig * SOFTCAP_A - lse[rows, None]).mul_(gW.sum(1, keepdim=True))
+            dz.scatter_add_(1, tgt[rows], -gW)
+            dlogits[rows] = dz.mul_(sig * (1 - sig) * (SOFTCAP_A / SOFTCAP_C))   # dz/dl = A s (1 - s) / C
+        return dlogits, None, None
+
+
+def softcapped_mtp_ce_cpu(logits: Tensor, targets: Tensor, mtp_weights: Tensor) -> Tensor:
+    """softcapped_mtp_ce in plain PyTorch, chunked over rows: the reference's numbers at a fraction of its memory."""
+    return _SoftcappedMTPCEChunked.apply(logits, targets, mtp_weights)
+
+
 def softcapped_mtp_ce(logits: Tensor, targets: Tensor, mtp_weights: Tensor) -> Tensor:
-    """Per-row softcapped multi-token CE (spec §3.9, §8.4): Triton on CUDA, the reference elsewhere."""
+    """Per-row softcapped multi-token CE (spec §3.9, §8.4): Triton on CUDA, the chunked PyTorch path elsewhere."""
     if logits.is_cuda:
         return softcapped_mtp_ce_triton(logits, targets, mtp_weights)
-    return softcapped_mtp_ce_reference(logits, targets, mtp_weights)
+    return softcapped_mtp_ce_cpu(logits, targets, mtp_weights)

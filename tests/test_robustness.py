@@ -19,6 +19,11 @@ def data_args(train, val):
     return [f"--train_files={train}", f"--val_files={val}"]
 
 
+def tokens_trained(args):
+    import train_gpt as tg
+    return tg.train_tokens_needed(tg.parse_args(args))
+
+
 def assert_clean_failure(proc, code, *needles):
     err = proc.stderr + proc.stdout
     assert proc.returncode == code, err[-3000:]
@@ -60,7 +65,7 @@ def test_corrupt_train_shard(tmp_path, kind, needle):
 
 @pytest.mark.timeout(120)
 def test_too_little_training_data_for_the_schedule(tmp_path):
-    train, val = make_dataset(tmp_path, train_tokens=10_000, val_tokens=20_000)
+    train, val = make_dataset(tmp_path, train_tokens=tokens_trained(SHORT) * 9 // 10, val_tokens=20_000)
     p = run_trainer([*SHORT, *data_args(train, val)], tmp_path)
     assert_clean_failure(p, 1, "cached_fineweb10B.py", "--num_scheduled_iterations")
 
@@ -68,18 +73,18 @@ def test_too_little_training_data_for_the_schedule(tmp_path):
 @pytest.mark.timeout(180)
 def test_training_data_running_out_mid_run(tmp_path):
     # enough tokens to pass the preflight (>= the trained tokens) but not the ~1.4x the loader reads
-    train, val = make_dataset(tmp_path, train_tokens=9_300, val_tokens=20_000)
+    train, val = make_dataset(tmp_path, train_tokens=tokens_trained(SHORT) + 100, val_tokens=20_000)
     p = run_trainer([*SHORT, *data_args(train, val)], tmp_path)
     assert_clean_failure(p, 1, "ran out")
 
 
 @pytest.mark.timeout(120)
 def test_short_documents_overflow_cu_seqlens_is_caught_early(tmp_path):
-    # documents of ~6 tokens: a 1024-token micro-batch holds ~170 segments but cu_seqlens has room for 127
+    # documents of 3 tokens: a 512-token micro-batch holds ~170 segments but cu_seqlens has room for 127
     d = tmp_path
     rng = np.random.default_rng(0)
     toks = rng.integers(0, 300, size=300_000)
-    toks[::6] = BOS
+    toks[::3] = BOS
     write_shard(d / "fineweb_train_000001.bin", toks)
     write_shard(d / "fineweb_val_000000.bin", structured_docs(20_000, 1))
     p = run_trainer([*SHORT, *data_args(d / "fineweb_train_*.bin", d / "fineweb_val_*.bin")], tmp_path)
