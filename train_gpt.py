@@ -135,7 +135,7 @@ class Hyperparameters:
     run_id: str = ""                       # log name under logs/; empty: a random UUID
     log_dir: str = "logs"
     save_checkpoint: bool = False          # write logs/<run_id>/state_step<step>.pt at the end
-    nonfinite_check_every: int = 25        # check the loss for NaN/inf every this many steps (no per-step sync)
+    nonfinite_check_every: int = 25        # check the loss for NaN/inf every this many steps (no per-step sync); 0: off
     pg_timeout_s: int = 600                # a rank stuck this long in a collective ends the run
     profile_steps: str = ""                # "a:b": profile steps a..b-1 with torch.profiler into the log dir
 
@@ -743,8 +743,9 @@ def _blocks_to_ordered(blocks: Tensor) -> tuple[Tensor, Tensor]:
     return counts[None, None], indices[None, None]
 
 
-def flex_document_block_mask(cu_seqlens: Tensor, num_tokens: int, window: int, block_size: int) -> Any:
-    """BlockMask for same-document & causal & sliding-window attention over `num_tokens` packed positions.
+def _flex_block_tables_impl(cu_seqlens: Tensor, num_tokens: int, window: int, block_size: int
+                            ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The tensors of flex_document_block_mask: doc_id (T,) and the partial / full kv-block counts and indices.
 
     Built from two numbers per q block instead of evaluating the mask on all T^2 pairs (create_block_mask's way).
     Query q may see the key interval [lo(q), q], lo(q) = max(document start of q, q - window); lo is nondecreasing
@@ -753,13 +754,8 @@ def flex_document_block_mask(cu_seqlens: Tensor, num_tokens: int, window: int, b
         used by q block i  iff  j <= i and j's last key >= lo(first),
         full (all pairs allowed, mask_mod skipped) iff j < i and j's first key >= lo(last).
     """
-    from torch.nn.attention.flex_attention import BlockMask
     doc_id = document_ids(cu_seqlens, num_tokens)                                 # (T,)
     doc_start = cu_seqlens[doc_id]                                                # (T,) first position of t's document
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        return (doc_id[q_idx] == doc_id[kv_idx]) & (kv_idx <= q_idx) & (q_idx - kv_idx <= window)
-
     num_blocks = -(-num_tokens // block_size)
     block = torch.arange(num_blocks, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
     first_q = block * block_size
@@ -769,8 +765,35 @@ def flex_document_block_mask(cu_seqlens: Tensor, num_tokens: int, window: int, b
     q_blk, kv_blk = block[:, None], block[None, :]
     used = (kv_blk <= q_blk) & ((kv_blk + 1) * block_size - 1 >= lo_first[:, None])   # (n, n)
     full = (kv_blk < q_blk) & (kv_blk * block_size >= lo_last[:, None])               # (n, n), a subset of used
-    kv_num, kv_idx = _blocks_to_ordered(used & ~full)
-    full_num, full_idx = _blocks_to_ordered(full)
+    return (doc_id, *_blocks_to_ordered(used & ~full), *_blocks_to_ordered(full))
+
+
+def register_flex_block_tables_op() -> None:
+    """torch.ops.nanogpt.flex_block_tables: _flex_block_tables_impl as an opaque op. Inside torch.compile, inductor's
+    flex lowering (torch 2.11) rejects block-mask tensors computed by fused in-graph kernels ("convert FlexibleLayout
+    to FixedLayout first"); a custom op's outputs are fixed buffers. Registered once per process."""
+    if hasattr(torch.ops.nanogpt, "flex_block_tables"):
+        return
+    op = torch.library.custom_op("nanogpt::flex_block_tables", mutates_args=())(_flex_block_tables_impl)
+
+    @op.register_fake
+    def _(cu_seqlens, num_tokens, window, block_size):
+        n = -(-num_tokens // block_size)
+        counts, indices = cu_seqlens.new_empty(1, 1, n), cu_seqlens.new_empty(1, 1, n, n)
+        return cu_seqlens.new_empty(num_tokens), counts, indices, counts.clone(), indices.clone()
+
+
+def flex_document_block_mask(cu_seqlens: Tensor, num_tokens: int, window: int, block_size: int) -> Any:
+    """BlockMask for same-document & causal & sliding-window attention over `num_tokens` packed positions."""
+    from torch.nn.attention.flex_attention import BlockMask
+    if not torch.compiler.is_compiling():  # (dynamo cannot trace the registration; GPT() registers it up front)
+        register_flex_block_tables_op()
+    doc_id, kv_num, kv_idx, full_num, full_idx = torch.ops.nanogpt.flex_block_tables(cu_seqlens, num_tokens, window,
+                                                                                     block_size)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (doc_id[q_idx] == doc_id[kv_idx]) & (kv_idx <= q_idx) & (q_idx - kv_idx <= window)
+
     return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block_size, mask_mod=mask_mod,
                                     seq_lengths=(num_tokens, num_tokens))
 
@@ -784,8 +807,6 @@ def _flex_varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, 
     block_mask = flex_document_block_mask(cu_seqlens, q.size(0), window, FLEX_BLOCK_SIZE)
     # (T, H, D) -> (1, H, T, D) views; flex reads strides, and its output keeps q's stride order, so the transpose
     # back is a free view onto a (T, H, D)-contiguous buffer.
-    # (T, H, D) -> (1, H, T, D). Contiguous copies: inductor's flex lowering (torch 2.11) asserts on inputs whose
-    # layout is still flexible (views of fused pointwise outputs), and the copies are small next to the attention.
     qh, kh, vh = (t.transpose(0, 1).contiguous()[None] for t in (q, k, v))
     out = flex_attention(qh, kh, vh, block_mask=block_mask, scale=scale)
     return out[0].transpose(0, 1)
@@ -1136,6 +1157,8 @@ class GPT(nn.Module):
         self.reset_rotary()
         if cfg.use_fp8:
             register_fp8_head_op()
+        if cfg.attn_backend == "flex":
+            register_flex_block_tables_op()
 
     @staticmethod
     def _layer_plan(cfg: ModelConfig) -> tuple[LayerPlan, ...]:
@@ -1727,6 +1750,7 @@ def validate_hyperparameters(hp: Hyperparameters, world_size: int) -> None:
     need(0 < hp.cooldown_frac <= 1, "--cooldown_frac must be in (0, 1]")
     need(hp.split_step < hp.num_iterations, f"split step {hp.split_step} is past the last step: lower --split_frac")
     need(hp.val_loss_every >= 0, "--val_loss_every must be >= 0 (0: validate only at the end)")
+    need(hp.nonfinite_check_every >= 0, "--nonfinite_check_every must be >= 0 (0: no NaN check)")
     need(0 < hp.momentum_warmup_steps and 0 < hp.momentum_cooldown_steps,
          "--momentum_warmup_steps and --momentum_cooldown_steps must be positive")
     # model layout
@@ -2134,8 +2158,9 @@ def train(hp: Hyperparameters, argv_text: str) -> dict[str, Any]:
                 profiler = torch.profiler.profile(record_shapes=False, with_stack=False)
                 profiler.__enter__()
             loss = trainer.train_step(sched, message)
-            # no sync here: remember the first bad step on the device and look at it every few steps
-            first_bad.copy_(torch.where((first_bad < 0) & ~torch.isfinite(loss), step, first_bad))
+            check = hp.nonfinite_check_every > 0
+            if check:  # no sync here: remember the first bad step on the device and look at it every few steps
+                first_bad.copy_(torch.where((first_bad < 0) & ~torch.isfinite(loss), step, first_bad))
             if profiler is not None and step + 1 == profile[1]:
                 sync()
                 profiler.__exit__(None, None, None)
@@ -2143,7 +2168,7 @@ def train(hp: Hyperparameters, argv_text: str) -> dict[str, Any]:
                 profiler.export_chrome_trace(str(trace))
                 profiler = None
                 log(f"profile of steps {profile[0]}..{profile[1] - 1} written to {trace}")
-            if (step + 1) % hp.nonfinite_check_every == 0 or step + 1 == total_steps:
+            if check and ((step + 1) % hp.nonfinite_check_every == 0 or step + 1 == total_steps):
                 bad = int(first_bad.item())
                 if bad >= 0:
                     if hp.save_checkpoint and last_good is not None:

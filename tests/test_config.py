@@ -36,6 +36,7 @@ def test_parse_errors(argv, needle):
     (1, ["--long_window_layers=0"], "--long_window_layers"),
     (8, ["--mlp_bank_pad=0"], "mlp bank has 22 matrices"),
     (1, ["--model_dim=512"], "--model_dim must equal"),
+    (1, ["--nonfinite_check_every=-1"], "--nonfinite_check_every must be >= 0"),
 ])
 def test_validation_names_the_fix(world_size, argv, needle):
     hp = tg.parse_args(argv)

@@ -2,8 +2,7 @@
 torch.compile(fullgraph=True) on a 16,384-token training batch and a 262,144-token eval batch.
 
 Run on the device (one H100 is enough):  python3 -m pytest -q -s tests/test_model_gpu.py
-The full-model tests use train_gpt.varlen_attention (the ATTENTION section) with the backend named by
-MODEL_GPU_ATTN_BACKEND (default "flex"); they skip when that section is not merged yet.
+The full-model tests use the attention backend named by MODEL_GPU_ATTN_BACKEND (default "auto", as the trainer).
 """
 import gc
 import math
@@ -24,7 +23,8 @@ SCALES = (100 / 448, 1.6 / 448, 0.75 / 448)
 def real_cfg(**overrides) -> tg.ModelConfig:
     hp = tg.Hyperparameters()
     fields = {f: getattr(hp, f) for f in tg.ModelConfig.__dataclass_fields__ if hasattr(hp, f)}
-    fields.update(attn_backend=os.environ.get("MODEL_GPU_ATTN_BACKEND", "flex"), rotary_max_len=262_144)
+    backend = tg.resolve_attn_backend(os.environ.get("MODEL_GPU_ATTN_BACKEND", "auto"), torch.device("cuda"))
+    fields.update(attn_backend=backend, rotary_max_len=262_144)
     return replace(tg.ModelConfig(**fields), **overrides)
 
 
@@ -55,11 +55,6 @@ def test_fp8_custom_op_matches_emulation():
     assert errs["logits"] < 1e-2 and errs["dh"] < 1e-2 and errs["dW"] < 1e-2
 
 
-def _needs_attention():
-    if not hasattr(tg, "varlen_attention"):
-        pytest.skip("train_gpt.varlen_attention is missing: merge the ATTENTION section first")
-
-
 def _packed_batch(T, V, max_doc, n_cu, device, seed):
     """Random ids/targets and cu_seqlens of documents <= max_doc, padded with T to n_cu entries (empty docs)."""
     g = torch.Generator().manual_seed(seed)
@@ -76,7 +71,6 @@ def _packed_batch(T, V, max_doc, n_cu, device, seed):
 
 @pytest.fixture(scope="module")
 def compiled_model():
-    _needs_attention()
     torch.manual_seed(0)
     dev = torch.device("cuda")
     model = tg.GPT(real_cfg(), dev)
