@@ -693,10 +693,12 @@ def _import_torch_varlen() -> Callable | None:
 
 
 def _import_flex() -> Any:
+    """torch's flex_attention module, with the block-table op it needs registered; None on a torch without flex."""
     try:
         from torch.nn.attention import flex_attention
     except ImportError:
         return None
+    register_flex_block_tables_op()
     return flex_attention
 
 
@@ -786,8 +788,8 @@ def register_flex_block_tables_op() -> None:
 def flex_document_block_mask(cu_seqlens: Tensor, num_tokens: int, window: int, block_size: int) -> Any:
     """BlockMask for same-document & causal & sliding-window attention over `num_tokens` packed positions."""
     from torch.nn.attention.flex_attention import BlockMask
-    if not torch.compiler.is_compiling():  # (dynamo cannot trace the registration; GPT() registers it up front)
-        register_flex_block_tables_op()
+    if not torch.compiler.is_compiling():  # (dynamo cannot trace the registration: compiled callers resolve the
+        register_flex_block_tables_op()    # backend first, which registers it through _import_flex)
     doc_id, kv_num, kv_idx, full_num, full_idx = torch.ops.nanogpt.flex_block_tables(cu_seqlens, num_tokens, window,
                                                                                      block_size)
 
@@ -1158,7 +1160,7 @@ class GPT(nn.Module):
         if cfg.use_fp8:
             register_fp8_head_op()
         if cfg.attn_backend == "flex":
-            register_flex_block_tables_op()
+            _import_flex()
 
     @staticmethod
     def _layer_plan(cfg: ModelConfig) -> tuple[LayerPlan, ...]:
