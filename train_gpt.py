@@ -731,7 +731,7 @@ def resolve_attn_backend(name: str, device: torch.device) -> str:
 
 
 def document_ids(cu_seqlens: Tensor, num_tokens: int) -> Tensor:
-    """(num_tokens,) index j of the document [c_j, c_{j+1}) holding each packed position (cu_seqlens' dtype).
+    """(num_tokens,) int64 index j of the document [c_j, c_{j+1}) holding each packed position.
     searchsorted(right=True) counts the boundaries <= t, so repeated boundaries (empty documents) are skipped."""
     positions = torch.arange(num_tokens, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
     return torch.searchsorted(cu_seqlens, positions, right=True) - 1
@@ -782,7 +782,7 @@ def register_flex_block_tables_op() -> None:
     def _(cu_seqlens, num_tokens, window, block_size):
         n = -(-num_tokens // block_size)
         counts, indices = cu_seqlens.new_empty(1, 1, n), cu_seqlens.new_empty(1, 1, n, n)
-        return cu_seqlens.new_empty(num_tokens), counts, indices, counts.clone(), indices.clone()
+        return cu_seqlens.new_empty(num_tokens, dtype=torch.int64), counts, indices, counts.clone(), indices.clone()
 
 
 def flex_document_block_mask(cu_seqlens: Tensor, num_tokens: int, window: int, block_size: int) -> Any:

@@ -170,6 +170,17 @@ def test_flex_block_mask_structure(T, window, block_size):
     assert torch.equal(bm.mask_mod(0, 0, qi, ki), allowed)
 
 
+@pytest.mark.parametrize("T,window,block_size", [(1040, 37, 128), (200, 50, 16)])
+def test_flex_block_tables_op_fake_matches_real(T, window, block_size):
+    """Inside torch.compile only the op's fake (shapes, dtypes, strides) is seen: a mismatch with the real outputs
+    makes compiled flex read garbage (an int32 fake for the int64 doc ids did exactly that on the GPU)."""
+    tg.register_flex_block_tables_op()
+    gen = torch.Generator().manual_seed(T)
+    cu = packed_cu_seqlens(random_doc_lens(gen, T, min(T - 10, 400)), num_pad=2)
+    torch.library.opcheck(torch.ops.nanogpt.flex_block_tables.default, (cu, T, window, block_size),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
 def test_resolve_auto_and_explicit():
     cpu = torch.device("cpu")
     assert tg.resolve_attn_backend("auto", cpu) == "sdpa"
