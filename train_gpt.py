@@ -665,10 +665,11 @@ class NorMuonAndAdam:
 #   varlen torch.nn.attention.varlen.varlen_attn (FlashAttention-2 inside torch), CUDA only.
 #   sdpa   a dense-mask reference (O(T^2) memory) for CPUs and tests.
 ATTN_BACKENDS = ("flex", "varlen", "fa3", "sdpa")
-# "auto" on CUDA takes the first available of these: FA3 (Hopper-native, the record's kernel), then flex and torch's
-# FA2-based varlen, whose order is to be confirmed by `python3 bench/attention.py` on 1xH100 (it prints the order
-# weighted by the record's use). Off CUDA "auto" means sdpa (the only backend with a CPU backward).
-ATTN_AUTO_ORDER_CUDA = ("fa3", "varlen", "flex", "sdpa")   # measured: flex fails to compile in this model on torch 2.11 (inductor "FlexibleLayout" assertion); varlen trains
+# "auto" on CUDA takes the first available of these: FA3 (Hopper-native, the record's kernel), then torch's FA2-based
+# varlen and flex (`python3 bench/attention.py` ranks them alone at the training shapes). Off CUDA "auto" means sdpa
+# (the only backend with a CPU backward). Measured in the full model: varlen 274 / 507 / 745 ms/step on an H100, flex 250 / 469 / 686 on an H200 (not the
+# same machine: records/2026-11-21_synthetic_smoke). Until both run on one machine, varlen stays ahead of flex.
+ATTN_AUTO_ORDER_CUDA = ("fa3", "varlen", "flex", "sdpa")
 FLEX_BLOCK_SIZE = 128  # tokens per flex sparse block (q and kv); flex's kernel tiles (64 or 128) divide it
 
 
