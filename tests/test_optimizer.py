@@ -224,6 +224,24 @@ def test_adam_update_matches_float64_transcription(dtype):
     assert (p[:8] == p_ref[:8].to(dtype)).all()           # undecayed rows kept their exact value
 
 
+def test_adam_update_in_cpu_blocks_is_bitwise_the_whole_tensor_update(monkeypatch):
+    """On a CPU, tensors above CPU_CHUNK_ELEMENTS are updated in row blocks (cache-sized): element-wise math, so the
+    same bits as one whole-tensor update, including on a strided view like a rank's slice of an embedding table."""
+    g = torch.Generator().manual_seed(3)
+    table = (torch.randn(700, 192, generator=g) * 0.1).bfloat16()
+    grad = (torch.randn(700, 192, generator=g) * 1e-2).bfloat16()
+    m, v = torch.randn(700, 192, generator=g) * 1e-3, torch.rand(700, 192, generator=g) * 1e-4
+    kw = dict(beta1=0.75, beta2=0.95, eps=1e-10, step_size=0.01, decay=0.3)
+    whole = [t.clone() for t in (table, grad, m, v)]
+    monkeypatch.setattr(tg, "CPU_CHUNK_ELEMENTS", 10 ** 9)
+    tg.adam_update(whole[0][:, 64:], whole[1][:, 64:], whole[2][:, 64:], whole[3][:, 64:], **kw)
+    monkeypatch.setattr(tg, "CPU_CHUNK_ELEMENTS", 5000)   # blocks of 39 rows: 18 blocks, the last one short
+    tg.adam_update(table[:, 64:], grad[:, 64:], m[:, 64:], v[:, 64:], **kw)
+    for got, want in zip((table, m, v), (whole[0], whole[2], whole[3])):
+        assert torch.equal(got, want)
+    assert not torch.equal(table, (torch.randn(700, 192, generator=torch.Generator().manual_seed(3)) * 0.1).bfloat16())
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # NorMuon
 # ---------------------------------------------------------------------------------------------------------------------
