@@ -808,8 +808,8 @@ def _flex_varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, 
         raise ValueError("--attn_backend=flex runs fused only inside torch.compile; use --compile=True, or "
                          "--attn_backend=varlen/fa3 for eager CUDA runs")
     block_mask = flex_document_block_mask(cu_seqlens, q.size(0), window, FLEX_BLOCK_SIZE)
-    # (T, H, D) -> (1, H, T, D) views; flex reads strides, and its output keeps q's stride order, so the transpose
-    # back is a free view onto a (T, H, D)-contiguous buffer.
+    # (T, H, D) -> (1, H, T, D) head-major copies: the layout that compiled and trained on torch 2.11 (plain views
+    # were not tried again after the block-table fix); the output goes back to (T, H, D) as a view.
     qh, kh, vh = (t.transpose(0, 1).contiguous()[None] for t in (q, k, v))
     out = flex_attention(qh, kh, vh, block_mask=block_mask, scale=scale)
     return out[0].transpose(0, 1)
