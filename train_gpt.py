@@ -667,8 +667,9 @@ class NorMuonAndAdam:
 ATTN_BACKENDS = ("flex", "varlen", "fa3", "sdpa")
 # "auto" on CUDA takes the first available of these: FA3 (Hopper-native, the record's kernel), then torch's FA2-based
 # varlen and flex (`python3 bench/attention.py` ranks them alone at the training shapes). Off CUDA "auto" means sdpa
-# (the only backend with a CPU backward). Measured in the full model: varlen 274 / 507 / 745 ms/step on an H100, flex 250 / 469 / 686 on an H200 (not the
-# same machine: records/2026-11-21_synthetic_smoke). Until both run on one machine, varlen stays ahead of flex.
+# (the only backend with a CPU backward). Measured in the full model: varlen 274 / 507 / 745 ms/step on an H100,
+# flex 250 / 469 / 686 on an H200 (records/2026-11-21_synthetic_smoke). Different machines, so until both run on one,
+# varlen stays ahead of flex.
 ATTN_AUTO_ORDER_CUDA = ("fa3", "varlen", "flex", "sdpa")
 FLEX_BLOCK_SIZE = 128  # tokens per flex sparse block (q and kv); flex's kernel tiles (64 or 128) divide it
 
@@ -2128,6 +2129,7 @@ def train(hp: Hyperparameters, argv_text: str) -> dict[str, Any]:
         total_steps = hp.num_iterations
         profile = [int(x) for x in hp.profile_steps.split(":")] if hp.profile_steps else None
         profiler = None
+        check_nonfinite = hp.nonfinite_check_every > 0
         first_bad = torch.full((), -1, dtype=torch.int64, device=device)   # first step whose loss was not finite
         # With --save_checkpoint: `pending` is the state at the last check; it is known good once the steps after it
         # have produced finite losses, and only then becomes `last_good` (the state saved if training blows up).
@@ -2161,8 +2163,7 @@ def train(hp: Hyperparameters, argv_text: str) -> dict[str, Any]:
                 profiler = torch.profiler.profile(record_shapes=False, with_stack=False)
                 profiler.__enter__()
             loss = trainer.train_step(sched, message)
-            check = hp.nonfinite_check_every > 0
-            if check:  # no sync here: remember the first bad step on the device and look at it every few steps
+            if check_nonfinite:  # no sync here: remember the first bad step on the device and look at it every few steps
                 first_bad.copy_(torch.where((first_bad < 0) & ~torch.isfinite(loss), step, first_bad))
             if profiler is not None and step + 1 == profile[1]:
                 sync()
@@ -2171,7 +2172,7 @@ def train(hp: Hyperparameters, argv_text: str) -> dict[str, Any]:
                 profiler.export_chrome_trace(str(trace))
                 profiler = None
                 log(f"profile of steps {profile[0]}..{profile[1] - 1} written to {trace}")
-            if check and ((step + 1) % hp.nonfinite_check_every == 0 or step + 1 == total_steps):
+            if check_nonfinite and ((step + 1) % hp.nonfinite_check_every == 0 or step + 1 == total_steps):
                 bad = int(first_bad.item())
                 if bad >= 0:
                     if hp.save_checkpoint and last_good is not None:
