@@ -14,6 +14,7 @@ import glob
 import math
 import os
 import sys
+import textwrap
 import threading
 import time
 import uuid
@@ -93,38 +94,40 @@ class Hyperparameters:
     ws_long_final_val: int = 20            # long window for the final validation (no YaRN update)
     # ---- model ----
     vocab_size: int = 50304                # 50257 GPT-2 ids padded to a multiple of 128
-    model_dim: int = 768
-    num_heads: int = 6
-    head_dim: int = 128
-    mlp_hidden: int = 3072
-    num_layers: int = 11
-    num_value_embeds: int = 3
+    model_dim: int = 768                   # residual width = num_heads * head_dim
+    num_heads: int = 6                     # attention heads per layer (paired layers need an even count)
+    head_dim: int = 128                    # channels per head (a multiple of 4: rotary pairs on its first half)
+    mlp_hidden: int = 3072                 # MLP hidden width
+    num_layers: int = 11                   # transformer layers (the layouts below have one entry per layer)
+    num_value_embeds: int = 3              # value-embedding tables (vocab x model_dim each)
     # layer layout, as data: per-layer attention kind (P paired heads, N normal, - none), which layers use the long
     # window (these also get the key offset), which value-embedding table each layer adds (-1 none)
     attn_layout: str = "PNPNNP-NNPN"
     long_window_layers: tuple = (3, 10)
     ve_layout: tuple = (1, 2, -1, -1, -1, -1, -1, -1, 0, 1, 2)
     skip_source_layer: int = 3             # its output is added (gated) to the input of skip_dest_layer
-    skip_dest_layer: int = 6
+    skip_dest_layer: int = 6               # the layer whose input receives the skip
     backout_layer: int = 7                 # backout_lambda * its output is subtracted after the last layer
     mlp_bank_pad: int = 1                  # unused MLP slices so the bank divides by 8 ranks (11 + 1 = 12)
     rope_base: float = 1024.0              # frequencies (1/base)^(j/(n-1)) on the rotated half of each head
     attn_scale: float = 0.1                # softmax scale at the start (YaRN grows it at window changes)
-    yarn_alpha: float = 1.0
-    yarn_beta: float = 32.0
+    yarn_alpha: float = 1.0                # YaRN: frequencies turning fewer than alpha times over the old window
+    yarn_beta: float = 32.0                # are stretched fully, beta+ times not at all, a linear ramp between
     softcap: tuple = (23.0, 5.0, 7.5)      # z = A * sigmoid((logit + B) / C)
     fp8_scales: tuple = (100 / 448, 1.6 / 448, 0.75 / 448)  # x, w, grad scales of the FP8 LM head
     use_fp8: bool = True                   # FP8 LM head in training (CUDA only; the CPU emulates it)
+    dtype: str = "bfloat16"                # weights and activations; float32 / float64 (CPU, --use_fp8=false) run the
+                                           # same math without bf16 rounding, for exact cross-checks of code paths
     # ---- optimizer ----
-    adam_lr: float = 0.008
-    adam_eps: float = 1e-10
-    adam_wd: float = 0.005
-    muon_lr: float = 0.023
-    muon_beta2: float = 0.95
-    muon_wd: float = 1.2
-    param_table: dict = field(default_factory=lambda: copy.deepcopy(DEFAULT_PARAM_TABLE))
-    scatter_order: tuple = DEFAULT_SCATTER_ORDER
-    work_order: tuple = DEFAULT_WORK_ORDER
+    adam_lr: float = 0.008                 # Adam base lr (times the table's lr_mul and the schedule's factor)
+    adam_eps: float = 1e-10                # Adam epsilon (not bias corrected)
+    adam_wd: float = 0.005                 # Adam cautious weight decay (times the table's wd_mul), decay = lr^2 * wd
+    muon_lr: float = 0.023                 # NorMuon base lr for the matrix banks
+    muon_beta2: float = 0.95               # NorMuon second-moment decay of the variance normalisation
+    muon_wd: float = 1.2                   # NorMuon cautious weight decay (times the table's wd_mul)
+    param_table: dict = field(default_factory=lambda: copy.deepcopy(DEFAULT_PARAM_TABLE))  # optimizer row per label
+    scatter_order: tuple = DEFAULT_SCATTER_ORDER   # order of the gradient reductions (every label once)
+    work_order: tuple = DEFAULT_WORK_ORDER         # order of the updates (every label once)
     # ---- system ----
     preset: str = ""                       # "tiny": a few narrow layers for CPU tests and newcomers
     attn_backend: str = "auto"             # auto | flex | varlen | fa3 | sdpa
@@ -133,11 +136,12 @@ class Hyperparameters:
     device: str = "auto"                   # auto | cuda | cpu
     seed: int = -1                         # -1: unseeded init, like the record; else torch.manual_seed(seed)
     run_id: str = ""                       # log name under logs/; empty: a random UUID
-    log_dir: str = "logs"
-    save_checkpoint: bool = False          # write logs/<run_id>/state_step<step>.pt at the end
+    log_dir: str = "logs"                  # folder of the log (<run_id>.txt) and checkpoints (<run_id>/)
+    save_checkpoint: bool = False          # write logs/<run_id>/state_step<step>.pt at the end (or when stopped)
     nonfinite_check_every: int = 25        # check the loss for NaN/inf every this many steps (no per-step sync); 0: off
     pg_timeout_s: int = 600                # a rank stuck this long in a collective ends the run
     profile_steps: str = ""                # "a:b": profile steps a..b-1 with torch.profiler into the log dir
+    debug: bool = False                    # on an error, print the Python traceback too (the log always has it)
 
     # ---- derived ----
     @property
@@ -168,6 +172,10 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+class ConfigError(ValueError):
+    """A bad option or an environment that cannot run it; the message names what to change."""
+
+
 def _parse_value(text: str, like: Any, name: str) -> Any:
     """Parse a command-line value into the type of the field's default."""
     try:
@@ -188,28 +196,90 @@ def _parse_value(text: str, like: Any, name: str) -> Any:
         if isinstance(like, str):
             return text
     except ValueError:
-        raise SystemExit(f"error: --{name}={text!r} is not a valid {type(like).__name__}") from None
-    raise SystemExit(f"error: --{name} cannot be set from the command line")
+        kind = "true or false" if isinstance(like, bool) else (
+            f"comma-separated {type(like[0]).__name__}s" if isinstance(like, tuple) and like
+            else f"a{'n' if type(like).__name__[0] in 'aeiou' else ''} {type(like).__name__}")
+        raise ConfigError(f"--{name}={text!r} is not {kind} (default: {_show(like)})") from None
+    raise ConfigError(f"--{name} cannot be set from the command line; edit Hyperparameters in train_gpt.py")
+
+
+def _show(value: Any) -> str:
+    """A default as it is typed on the command line."""
+    if isinstance(value, tuple):
+        return ",".join(str(v) for v in value)
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def did_you_mean(name: str, names: Sequence[str]) -> list[str]:
+    """Near misses (difflib) and names that contain `name` as a word or a substring: --lr finds --muon_lr, --adam_lr."""
+    import difflib
+    close = difflib.get_close_matches(name, names, n=3, cutoff=0.6)
+    related = [n for n in names if name in n.split("_") or (len(name) >= 3 and name in n)]
+    related.sort(key=lambda n: n.split("_")[-1] != name)   # --lr: the learning rates before --lr_peaks, --lr_min
+    return list(dict.fromkeys(close + related))[:6]
+
+
+def help_text() -> str:
+    """Usage and every Hyperparameters field with its type, default and comment, read from the class's source (so
+    the help cannot drift from the code): `# ---- group ----` lines start a group, comment-only lines continue the
+    comment of the field above."""
+    import inspect
+    defaults = Hyperparameters()
+    lines = ["usage: python3 train_gpt.py [--name=value ...]        (on GPUs: ./run.sh [--name=value ...])",
+             "",
+             "Trains the speedrun GPT. Every option is a Hyperparameters field in train_gpt.py, set as --name=value;",
+             "booleans take true/false (a bare --name means true), tuples take comma-separated values.",
+             "--preset=NAME applies a preset first, whatever its position; the other options then override it.",
+             "presets (--preset=NAME sets these fields):"]
+    for name, preset in PRESETS.items():
+        sets = " ".join(f"--{k}={_show(v)}" for k, v in preset.items() if not isinstance(v, dict))
+        lines += textwrap.wrap(sets, 116, initial_indent=f"  {name}: ", subsequent_indent="    ")
+    lines += ["",
+             "exit codes: 0 done, 1 data, 2 options or environment, 3 loss not finite, 4 another rank failed, "
+             "130 interrupted (README: When something is wrong)."]
+    for src in inspect.getsource(Hyperparameters).splitlines()[1:]:
+        text, indent = src.strip(), len(src) - len(src.lstrip())
+        if text.startswith("# ----") and text.endswith("----"):
+            if "derived" in text:
+                break
+            lines += ["", text.strip("# -") + ":"]
+        elif text.startswith("#"):       # aligned with the trailing comments: continues the field above
+            lines.append(("      " if indent > 4 else "  ") + text.lstrip("# "))
+        elif ":" in text and hasattr(defaults, text.split(":")[0]):
+            name = text.split(":")[0]
+            value = getattr(defaults, name)
+            comment = text.split("#", 1)[1].strip() if "#" in text else ""
+            shown = "a table: edit DEFAULT_PARAM_TABLE" if isinstance(value, dict) else f"default {_show(value)}"
+            lines.append(f"  --{name}  [{type(value).__name__}, {shown}]  {comment}".rstrip())
+    return "\n".join(lines)
 
 
 def parse_args(argv: Sequence[str]) -> Hyperparameters:
-    """`--name=value` for any Hyperparameters field; `--preset=NAME` first applies a preset, then the rest."""
+    """`--name=value` for any Hyperparameters field; `--preset=NAME` first applies a preset, then the rest.
+    A bare `--name` sets a boolean field to true. Raises ConfigError naming the option."""
     fields = {f.name: f for f in dataclasses.fields(Hyperparameters)}
+    defaults = Hyperparameters()
     pairs = []
     for arg in argv:
-        if not arg.startswith("--") or "=" not in arg:
-            raise SystemExit(f"error: expected --name=value, got {arg!r} (see the Hyperparameters class for names)")
-        name, value = arg[2:].split("=", 1)
+        if not arg.startswith("--"):
+            raise ConfigError(f"expected --name=value, got {arg!r}; python3 train_gpt.py --help lists the options")
+        name, eq, value = arg[2:].partition("=")
         name = name.replace("-", "_")
         if name not in fields:
-            close = [n for n in fields if n.startswith(name[:4])]
-            raise SystemExit(f"error: unknown option --{name}" + (f"; did you mean {', '.join('--' + c for c in close)}?" if close else ""))
+            close = did_you_mean(name, list(fields))
+            raise ConfigError(f"unknown option --{name}" + (f"; did you mean {', '.join('--' + c for c in close)}?"
+                                                            if close else "; python3 train_gpt.py --help lists them"))
+        if not eq:
+            if not isinstance(getattr(defaults, name), bool):
+                raise ConfigError(f"--{name} needs a value: write --{name}=VALUE (no space; default "
+                                  f"{_show(getattr(defaults, name))})")
+            value = "true"
         pairs.append((name, value))
-    hp = Hyperparameters()
+    hp = defaults
     for name, value in pairs:
         if name == "preset":
             if value not in PRESETS and value != "":
-                raise SystemExit(f"error: unknown --preset={value}; known presets: {', '.join(PRESETS)}")
+                raise ConfigError(f"unknown --preset={value}; known presets: {', '.join(PRESETS)}")
             hp = dataclasses.replace(hp, preset=value, **copy.deepcopy(PRESETS.get(value, {})))
     for name, value in pairs:
         if name != "preset":
@@ -246,16 +316,17 @@ def _fp32(x: float) -> float:
     return float(np.float32(x))
 
 
-def polar_express(G: Tensor, split_final_product: bool) -> Tensor:
+def polar_express(G: Tensor, split_final_product: bool, dtype: torch.dtype = torch.bfloat16) -> Tensor:
     """Approximate U·Vᵀ of G = U·S·Vᵀ for a batch (..., R, C) of matrices, in bf16 (spec §5.5).
 
     Five odd-polynomial iterations X <- a·X + (b·A + c·A²)·X with A = X·Xᵀ, on the short side (transposed when R > C,
     so A is the smaller Gram matrix). X is first scaled by its Frobenius norm (+2% safety) so every singular value
     lies in (0, 1), where the coefficients push it towards 1. split_final_product: round B@X to bf16 before adding
     a·X (two roundings, as the record does for the MLP matrices) instead of one fused GEMM with beta = a.
+    dtype: the precision of the iteration; bf16 in training, float32/float64 for parameters stored in that (--dtype).
     """
-    shape = G.shape
-    X = G.bfloat16().reshape(-1, shape[-2], shape[-1])           # (n, R, C)
+    shape, acc = G.shape, tk.acc_dtype(dtype)
+    X = G.to(dtype).reshape(-1, shape[-2], shape[-1])            # (n, R, C)
     if shape[-2] > shape[-1]:
         X = X.mT                                                 # (n, C, R): Gram matrices are C x C
     X = X / (X.norm(dim=(-2, -1), keepdim=True) * (1 + 2e-2) + 1e-6)
@@ -263,7 +334,7 @@ def polar_express(G: Tensor, split_final_product: bool) -> Tensor:
         A = tk.xxt(X)                                            # (n, m, m) bf16, exactly symmetric
         B = tk.ba_plus_cAA(A, b, c)                              # (n, m, m) bf16
         if split_final_product:
-            X = (B @ X).float().add_(X, alpha=a).bfloat16()      # bf16(bf16(B@X) + a·X)
+            X = (B @ X).to(acc).add_(X, alpha=a).to(dtype)      # bf16(bf16(B@X) + a·X)
         else:
             X = torch.baddbmm(X, B, X, beta=a)                   # bf16(a·X + B@X), fp32 accumulation
     if shape[-2] > shape[-1]:
@@ -277,7 +348,8 @@ def adam_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor
 
     step_size = fp32(lr·sqrt(1-beta2^t)/(1-beta1^t)) and decay = fp32(lr²·wd) come from adam_scalars(). eps is not
     bias corrected. Cautious decay only where the update and the weight agree in sign (strict >). A bf16 param
-    takes the round-to-nearest of the fp32 result (no master copy).
+    takes the round-to-nearest of the fp32 result (no master copy). The moments' dtype sets the precision: fp32, or
+    float64 for a float64 parameter (--dtype=float64).
     """
     if param.device.type == "cpu" and param.dim() > 0 and param.numel() > CPU_CHUNK_ELEMENTS:
         # Element-wise math, so row blocks give the same bits; each block's temporaries stay in the CPU's cache (the
@@ -286,10 +358,10 @@ def adam_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor
         for p, g, m, v in zip(*(t.split(rows) for t in (param, grad, exp_avg, exp_avg_sq))):
             adam_update(p, g, m, v, beta1=beta1, beta2=beta2, eps=eps, step_size=step_size, decay=decay)
         return
-    g = grad.float()
+    g = grad.to(exp_avg.dtype)
     exp_avg.mul_(beta1).add_(g, alpha=1 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-    p = param.float()
+    p = param.to(exp_avg.dtype)
     u = exp_avg / (exp_avg_sq.sqrt() + eps) * step_size
     u = u + decay * p * (u * p > 0)
     param.copy_(p - u)
@@ -306,29 +378,30 @@ def variance_normalize_(O: Tensor, second_moment: Tensor, beta2: float) -> Tenso
     """NorMuon's low-rank second moment (spec §5.6): O (n, R, C) bf16 -> O with each row (R >= C) or column scaled by
     1/sqrt(running mean of its squares), then the matrix rescaled to its previous Frobenius norm.
 
-    second_moment is fp32 (n, R, 1) when R >= C, else (n, 1, C); updated in place. An all-zero O stays zero.
+    second_moment is fp32 (n, R, 1) when R >= C, else (n, 1, C); updated in place. An all-zero O stays zero. The
+    statistics are computed in second_moment's dtype (float64 with --dtype=float64).
     """
     reduce_dim = -1 if O.size(-2) >= O.size(-1) else -2
     n_red = O.size(reduce_dim)
-    r = O.float().square().mean(dim=reduce_dim, keepdim=True)                      # (n, R, 1) per-row mean square
+    r = O.to(second_moment.dtype).square().mean(dim=reduce_dim, keepdim=True)      # (n, R, 1) per-row mean square
     norm = (n_red * r.sum(dim=(-2, -1), keepdim=True)).sqrt()                       # (n, 1, 1) = ||O||_F
     second_moment.lerp_(r, 1 - beta2)
     d = second_moment.clamp_min(NORMUON_EPS).rsqrt()                                # (n, R, 1)
     norm_scaled = (n_red * r * d.square()).sum(dim=(-2, -1), keepdim=True).sqrt()  # ||diag(d) O||_F
     scale = d * norm / norm_scaled.clamp_min(NORMUON_EPS)
-    return O * scale.bfloat16()
+    return O * scale.to(O.dtype)
 
 
 def normuon_direction_(grad: Tensor, momentum_buffer: Tensor, second_moment: Tensor, *, momentum: float,
                        beta2: float, split_final_product: bool) -> Tensor:
     """Momentum (§5.4), Polar Express (§5.5) and variance normalisation (§5.6) of one chunk; updates both buffers.
 
-    grad (n, R, C) bf16, momentum_buffer (n, R, C) fp32 -> O (n, R, C) bf16.
+    grad (n, R, C) bf16, momentum_buffer (n, R, C) fp32 -> O (n, R, C) bf16 (float32/64 grads: all in their dtype).
     """
-    G = grad.float()
+    G = grad.to(momentum_buffer.dtype)
     momentum_buffer.lerp_(G, 1 - momentum)   # weight < 0.5: M + (1-mu)(G - M)
     U = G.lerp(momentum_buffer, momentum)    # weight >= 0.5: torch evaluates M - (M - G)(1 - mu); Nesterov-style
-    O = polar_express(U, split_final_product)
+    O = polar_express(U, split_final_product, dtype=grad.dtype)
     return variance_normalize_(O, second_moment, beta2)
 
 
@@ -343,22 +416,29 @@ def cautious_update_with_mantissa_(param: Tensor, mantissa: Tensor, O: Tensor, *
     high = param.view(torch.int16).to(torch.int32) << 16
     low = mantissa.view(torch.int16).to(torch.int32) & 0xFFFF
     P = (high | low).view(torch.float32)
-    Og = O.float()
-    mask = Og * P >= 0
-    P_new = (P - ((P * mask) * wd) * lr) - Og * lr
-    bits = P_new.view(torch.int32)
+    bits = _cautious_step(P, O.float(), lr, wd).view(torch.int32)
     param.view(torch.int16).copy_((bits >> 16).to(torch.int16))
     mantissa.view(torch.int16).copy_(((bits << 16) >> 16).to(torch.int16))   # low 16 bits, sign-extended to fit
 
 
-def normuon_update(param: Tensor, grad: Tensor, momentum_buffer: Tensor, second_moment: Tensor, mantissa: Tensor, *,
-                   momentum: float, beta2: float, lr: float | Tensor, wd: float | Tensor,
+def _cautious_step(P: Tensor, O: Tensor, lr: float | Tensor, wd: float | Tensor) -> Tensor:
+    """(P - ((P·mask)·wd)·lr) - O·lr with mask = [O·P >= 0]: cautious weight decay, then the step."""
+    mask = O * P >= 0
+    return (P - ((P * mask) * wd) * lr) - O * lr
+
+
+def normuon_update(param: Tensor, grad: Tensor, momentum_buffer: Tensor, second_moment: Tensor,
+                   mantissa: Tensor | None, *, momentum: float, beta2: float, lr: float | Tensor, wd: float | Tensor,
                    split_final_product: bool) -> None:
     """One NorMuon update of a chunk of matrices in place (spec §5.4-5.8). All tensors (n, R, C) except
-    second_moment ((n, R, 1) or (n, 1, C)); lr (fp32 scalar or (n, 1, 1)) and wd from normuon_scalars()."""
+    second_moment ((n, R, 1) or (n, 1, C)); lr (fp32 scalar or (n, 1, 1)) and wd from normuon_scalars().
+    mantissa is None for a float32/float64 parameter (--dtype), which is its own master."""
     O = normuon_direction_(grad, momentum_buffer, second_moment, momentum=momentum, beta2=beta2,
                            split_final_product=split_final_product)
-    cautious_update_with_mantissa_(param, mantissa, O, lr=lr, wd=wd)
+    if mantissa is None:
+        param.copy_(_cautious_step(param, O, lr, wd))
+    else:
+        cautious_update_with_mantissa_(param, mantissa, O, lr=lr, wd=wd)
 
 
 def normuon_matrix_lr_scales(matrix_shape: Sequence[int], lr_mul: float, matrix_lr_muls: Sequence[float],
@@ -420,16 +500,17 @@ class NorMuonAndAdam:
         for label, p in self.params.items():
             row = self.table[label]
             local = self._local(label, p.detach())
+            acc = tk.acc_dtype(p.dtype)     # fp32 state; float64 for a float64 parameter (--dtype=float64)
             if row["optim"] == "adam":
-                self.buffers[label] = dict(exp_avg=torch.zeros_like(local, dtype=torch.float32),
-                                           exp_avg_sq=torch.zeros_like(local, dtype=torch.float32))
+                self.buffers[label] = dict(exp_avg=torch.zeros_like(local, dtype=acc),
+                                           exp_avg_sq=torch.zeros_like(local, dtype=acc))
                 continue
             n, R, C = local.shape
             moment_shape = (n, R, 1) if R >= C else (n, 1, C)
-            self.buffers[label] = dict(
-                momentum=torch.zeros_like(local, dtype=torch.float32),
-                second_moment=torch.zeros(moment_shape, dtype=torch.float32, device=p.device),
-                mantissa=torch.zeros_like(local, dtype=torch.uint16))
+            self.buffers[label] = dict(momentum=torch.zeros_like(local, dtype=acc),
+                                       second_moment=torch.zeros(moment_shape, dtype=acc, device=p.device))
+            if p.dtype == torch.bfloat16:   # the low 16 bits of the fp32 master (wider dtypes are their own master)
+                self.buffers[label]["mantissa"] = torch.zeros_like(local, dtype=torch.uint16)
             first = self.rank * n if self._is_sharded(label) else 0
             scales = normuon_matrix_lr_scales((R, C), row["lr_mul"], row.get("matrix_lr_muls", (1.0,)),
                                               range(first, first + n))
@@ -486,9 +567,9 @@ class NorMuonAndAdam:
                 raise ValueError(f"{label} of shape {tuple(p.shape)} cannot be viewed as a stack of "
                                  f"matrix_shape={shape} matrices: fix param_table[{label!r}]['matrix_shape'] "
                                  f"(rows, cols) to match the bank")
-            if p.dtype != torch.bfloat16:
-                raise ValueError(f"NorMuon parameter {label} is {p.dtype}; its fp32 master is bf16 + a 16-bit "
-                                 f"mantissa, so store it in bf16 or make it an Adam row")
+            if p.dtype not in (torch.bfloat16, torch.float32, torch.float64):
+                raise ValueError(f"NorMuon parameter {label} is {p.dtype}; store it in bf16 (its fp32 master is bf16 + "
+                                 f"a 16-bit mantissa), float32 or float64, or make it an Adam row")
             if not row.get("matrix_lr_muls", (1.0,)):
                 raise ValueError(f"param_table[{label!r}] matrix_lr_muls is empty: give at least one multiplier")
             n_matrices = p.numel() // (shape[0] * shape[1])
@@ -604,7 +685,7 @@ class NorMuonAndAdam:
         lr, wd = normuon_scalars(self.muon_lr, lr_factor, self.muon_wd, row["wd_mul"])
         scale = self._lr_scales[label]
         lr_eff = _fp32(scale * lr) if isinstance(scale, float) else (scale * lr).float()
-        normuon_update(param, grad, buf["momentum"], buf["second_moment"], buf["mantissa"], momentum=momentum,
+        normuon_update(param, grad, buf["momentum"], buf["second_moment"], buf.get("mantissa"), momentum=momentum,
                        beta2=self.muon_beta2, lr=lr_eff, wd=wd,
                        split_final_product=row["matrix_shape"][0] > POLAR_EXPRESS_SPLIT_ROWS)
 
@@ -822,9 +903,9 @@ def _sdpa_varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, 
     pos = torch.arange(num_tokens, device=q.device)
     allowed = ((doc_id[:, None] == doc_id[None, :]) & (pos[None, :] <= pos[:, None])
                & (pos[:, None] - pos[None, :] <= window))                          # (T_q, T_k) bool
-    # fp32 inputs make the softmax fp32 whatever kernel SDPA picks; (H, T, D) layout
-    out = F.scaled_dot_product_attention(q.transpose(0, 1).float(), k.transpose(0, 1).float(),
-                                         v.transpose(0, 1).float(), attn_mask=allowed, scale=scale)
+    # fp32 inputs (float64 ones stay float64) make the softmax fp32 whatever kernel SDPA picks; (H, T, D) layout
+    qh, kh, vh = (t.transpose(0, 1).to(tk.acc_dtype(q.dtype)) for t in (q, k, v))
+    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=allowed, scale=scale)
     return out.transpose(0, 1).to(q.dtype)
 
 
@@ -886,6 +967,7 @@ class ModelConfig:
     use_fp8: bool                 # FP8 LM head in training (CUDA: the custom op; CPU: its plain-PyTorch emulation)
     attn_backend: str             # resolved backend name, passed through to varlen_attention
     rotary_max_len: int           # packed positions the rotary tables cover: max(train, val) micro-batch tokens
+    dtype: str = "bfloat16"       # weights and activations: bf16 (the record), or float32 / float64 on a CPU
 
     def validate(self) -> None:
         """Raise ValueError naming the option to change for layouts the model cannot build."""
@@ -914,6 +996,10 @@ class ModelConfig:
         if tuple(self.softcap) != (tk.SOFTCAP_A, tk.SOFTCAP_B, tk.SOFTCAP_C):
             raise ValueError(f"--softcap={self.softcap} differs from the fused loss kernel's constants in "
                              "triton_kernels.py (SOFTCAP_A/B/C); change both together")
+        if self.dtype not in ("bfloat16", "float32", "float64"):
+            raise ValueError(f"--dtype={self.dtype}: use bfloat16 (training), float32 or float64 (CPU checks)")
+        if self.use_fp8 and self.dtype != "bfloat16":
+            raise ValueError(f"the FP8 LM head reads bf16 weights: use --use_fp8=false with --dtype={self.dtype}")
         if self.rotary_max_len < 1:
             raise ValueError("rotary_max_len must be the largest micro-batch in tokens (train or val)")
 
@@ -945,15 +1031,16 @@ def rotary_base_omega(head_dim: int, base: float, device: torch.device) -> Tenso
     return torch.cat([freqs.repeat_interleave(2), freqs.new_zeros(head_dim // 2)])
 
 
-def rotary_tables(omega: Tensor, num_positions: int) -> tuple[Tensor, Tensor]:
-    """bf16 (num_positions, head_dim/2) cos and sign-flipped sin of theta = p * omega (fp32) for the rotating half.
+def rotary_tables(omega: Tensor, num_positions: int, dtype: torch.dtype = torch.bfloat16) -> tuple[Tensor, Tensor]:
+    """(num_positions, head_dim/2) cos and sign-flipped sin of theta = p * omega (fp32) for the rotating half, in
+    `dtype` (the model's: bf16).
 
     The odd columns of sin are negated so that apply_rotary is x*cos + pairswap(x)*sin (clockwise rotation).
     The stationary half (omega = 0: cos 1, sin 0) is left out; apply_rotary passes it through unchanged.
     """
     half = omega.shape[0] // 2
     theta = torch.outer(torch.arange(num_positions, dtype=torch.float32, device=omega.device), omega[:half])
-    cos, sin = theta.cos().bfloat16(), theta.sin().bfloat16()
+    cos, sin = theta.cos().to(dtype), theta.sin().to(dtype)
     sin[:, 1::2] *= -1
     return cos, sin
 
@@ -1128,6 +1215,9 @@ class GPT(nn.Module):
 
         # Banks: attn slice i = [W_q; W_k; W_v; W_o] (4D, D) of the i-th attention layer; mlp slice j = [c_fc, c_proj]
         # (2, hidden, D) of layer j (pad slices unused). Built in fp32 on `device`, then cast to bf16 (spec §3.1).
+        # With --dtype=float32/float64 the bf16 tensors are that dtype instead and the fp32 ones at least fp32.
+        wdt = getattr(torch, cfg.dtype)
+        fdt = tk.acc_dtype(wdt)
         attn = torch.zeros(n_attn, 4 * D, D, device=device)
         bound = math.sqrt(3) * D ** -0.5
         attn[:, : 3 * D].uniform_(-bound, bound)                     # QKV; the O rows stay zero
@@ -1138,10 +1228,11 @@ class GPT(nn.Module):
             torch.full((L,), 1.1),                                   # residual lambdas r_i
             torch.tensor([0.5, 1.0]).repeat(L),                      # SA lambdas (qkv, o) per layer
             torch.tensor([0.0, 0.5, -1.5]),                          # smear, backout, skip lambdas
-        ]).to(device)
-        gate = dict(dtype=torch.bfloat16, device=device)
-        self.attn = param(attn.bfloat16())
-        self.mlp = param(mlp.bfloat16())
+        ]).to(device, fdt)
+        gate = dict(dtype=wdt, device=device)
+        self.attn = param(attn.to(wdt))
+        self.mlp = param(mlp.to(wdt))
+        lm_head = lm_head.to(wdt)
         self.lm_head = param(lm_head)                                # (D, V): stored transposed, logits = h @ lm_head
         self.embed = param(lm_head.T.contiguous())                   # tied copy until the optimizer splits them
         self.ve_names = tuple(f"ve{j}" for j in range(cfg.num_value_embeds))
@@ -1151,7 +1242,7 @@ class GPT(nn.Module):
         self.ve_gate_bank = param(torch.zeros(n_ve, H, GATE_INPUT_DIM, **gate))
         self.smear_gate = param(torch.zeros(1, GATE_INPUT_DIM, **gate))
         self.skip_gate = param(torch.zeros(1, GATE_INPUT_DIM, **gate))
-        self.x0_lambdas = param(torch.zeros(L, device=device))
+        self.x0_lambdas = param(torch.zeros(L, device=device, dtype=fdt))
         self.scalars = param(scalars)  # (3L+3,) fp32; the reference's sharding padding is dropped (vestigial)
 
         self.register_buffer("rotary_omega", torch.zeros(hd, device=device), persistent=False)
@@ -1204,7 +1295,7 @@ class GPT(nn.Module):
         self.attn_scale *= 1 + YARN_ATTN_SCALE_SLOPE * math.log(new_ws_long / old_ws_long)
 
     def _rebuild_rotary_tables(self) -> None:
-        cos, sin = rotary_tables(self.rotary_omega, self.rotary_cos.shape[0])
+        cos, sin = rotary_tables(self.rotary_omega, self.rotary_cos.shape[0], self.rotary_cos.dtype)
         self.rotary_cos.copy_(cos)  # in place: compiled graphs keep reading the same buffers
         self.rotary_sin.copy_(sin)
 
@@ -1721,10 +1812,6 @@ def schedule_at(step: int, hp: Hyperparameters) -> StepSchedule:
 # =====================================================================================================================
 
 
-class ConfigError(ValueError):
-    """A bad option or an environment that cannot run it; the message names what to change."""
-
-
 def micro_batch_tokens(global_batch: int, batch_slices: int) -> int:
     """Per-rank tokens per micro-step: the global batch cut into batch_slices, whatever the world size."""
     return global_batch // batch_slices
@@ -2208,6 +2295,9 @@ def save_checkpoint(hp: Hyperparameters, run_id: str, step: int, state: dict, ra
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help", "help") for a in argv):
+        print(help_text())
+        return 0
     os.environ.setdefault("PYTORCH_ALLOC_CONF", "expandable_segments:True")
     try:
         hp = parse_args(argv)

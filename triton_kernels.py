@@ -31,6 +31,12 @@ _LIB = "nanogpt_kernels"  # torch.library namespace of the ops below: torch.ops.
 _KERNEL_DTYPES = (torch.bfloat16, torch.float32)  # bf16 in training; float32 for interpreter tests
 
 
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the plain-PyTorch paths compute in: fp32 for bf16 and fp32 tensors (the kernels' accumulator), float64
+    for float64 ones (the trainer's --dtype=float64 CPU mode, whose point is that no step rounds to fp32)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def _check(cond: bool, msg: str) -> None:
     if not cond:
         raise ValueError(msg)
@@ -164,8 +170,9 @@ def xxt_triton(A: Tensor) -> Tensor:
 
 
 def xxt_reference(A: Tensor) -> Tensor:
-    """A @ A.mT for (M, K) or (B, M, K), fp32 accumulation, one cast to A's dtype."""
-    return (A.float() @ A.float().mT).to(A.dtype)
+    """A @ A.mT for (M, K) or (B, M, K), fp32 accumulation (float64 for float64 A), one cast to A's dtype."""
+    Af = A.to(acc_dtype(A.dtype))
+    return (Af @ Af.mT).to(A.dtype)
 
 
 @triton_op(f"{_LIB}::xxt", mutates_args=())
@@ -191,8 +198,8 @@ def ba_plus_cAA_triton(A: Tensor, b: float, c: float) -> Tensor:
 
 
 def ba_plus_cAA_reference(A: Tensor, b: float, c: float) -> Tensor:
-    """c * (A @ A.mT) + b * A for square symmetric A, fp32 math, one cast to A's dtype."""
-    Af = A.float()
+    """c * (A @ A.mT) + b * A for square symmetric A, fp32 math (float64 for float64 A), one cast to A's dtype."""
+    Af = A.to(acc_dtype(A.dtype))
     return (c * (Af @ Af.mT) + b * Af).to(A.dtype)
 
 
@@ -534,14 +541,16 @@ def softcapped_mtp_ce_triton(logits: Tensor, targets: Tensor, mtp_weights: Tenso
 def softcapped_mtp_ce_reference(logits: Tensor, targets: Tensor, mtp_weights: Tensor) -> Tensor:
     """Per-row loss sum_k [row+k < n][w_k > 0] w_k (lse_row - z[row, targets[row+k]]), z = A*sigmoid((l+B)/C).
 
-    logits (n, V) bf16, targets (n,) int64, mtp_weights (K,) fp32 -> losses (n,) fp32. Autograd gives the spec's
+    logits (n, V) bf16, targets (n,) int64, mtp_weights (K,) fp32 -> losses (n,) fp32 (float64 for float64 logits).
+    Autograd gives the spec's
     backward for non-negative weights (a zero weight contributes nothing either way); the gradient reaches the
     logits in their dtype (bf16).
     """
     n = logits.shape[0]
-    z = SOFTCAP_A * torch.sigmoid((logits.float() + SOFTCAP_B) / SOFTCAP_C)
+    acc = acc_dtype(logits.dtype)
+    z = SOFTCAP_A * torch.sigmoid((logits.to(acc) + SOFTCAP_B) / SOFTCAP_C)
     lse = torch.logsumexp(z, dim=-1)
-    losses = torch.zeros(n, dtype=torch.float32, device=logits.device)
+    losses = torch.zeros(n, dtype=acc, device=logits.device)
     for k in range(mtp_weights.shape[0]):
         if n - k <= 0:
             break
@@ -572,12 +581,12 @@ class _SoftcappedMTPCEChunked(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: Tensor, targets: Tensor, mtp_weights: Tensor) -> Tensor:
         tgt, W = _mtp_targets_and_weights(targets, mtp_weights)
-        n = logits.shape[0]
-        losses = torch.empty(n, dtype=torch.float32, device=logits.device)
-        lse = torch.empty(n, dtype=torch.float32, device=logits.device)
+        n, acc = logits.shape[0], acc_dtype(logits.dtype)
+        losses = torch.empty(n, dtype=acc, device=logits.device)
+        lse = torch.empty(n, dtype=acc, device=logits.device)
         for r in range(0, n, _CE_CPU_ROWS):
             rows = slice(r, r + _CE_CPU_ROWS)
-            z = torch.sigmoid((logits[rows].float() + SOFTCAP_B) / SOFTCAP_C).mul_(SOFTCAP_A)
+            z = torch.sigmoid((logits[rows].to(acc) + SOFTCAP_B) / SOFTCAP_C).mul_(SOFTCAP_A)
             lse[rows] = torch.logsumexp(z, dim=-1)
             losses[rows] = (W[rows] * (lse[rows, None] - z.gather(1, tgt[rows]))).sum(1)
         ctx.save_for_backward(logits, tgt, W, lse)
@@ -586,11 +595,11 @@ class _SoftcappedMTPCEChunked(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_losses: Tensor):
         logits, tgt, W, lse = ctx.saved_tensors
-        dlogits = torch.empty_like(logits)
+        dlogits, acc = torch.empty_like(logits), lse.dtype
         for r in range(0, logits.shape[0], _CE_CPU_ROWS):
             rows = slice(r, r + _CE_CPU_ROWS)
-            sig = torch.sigmoid((logits[rows].float() + SOFTCAP_B) / SOFTCAP_C)
-            gW = grad_losses[rows, None].float() * W[rows]                        # (rows, K)
+            sig = torch.sigmoid((logits[rows].to(acc) + SOFTCAP_B) / SOFTCAP_C)
+            gW = grad_losses[rows, None].to(acc) * W[rows]                        # (rows, K)
             # dL/dz = g (S_w softmax(z) - T), with T the weights scattered onto the target columns
             dz = torch.exp(sig * SOFTCAP_A - lse[rows, None]).mul_(gW.sum(1, keepdim=True))
             dz.scatter_add_(1, tgt[rows], -gW)

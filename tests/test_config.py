@@ -17,12 +17,16 @@ def test_parse_types_and_preset_order():
 
 @pytest.mark.parametrize("argv,needle", [
     (["--nosuch=1"], "unknown option --nosuch"),
-    (["--num_layers=abc"], "--num_layers='abc' is not a valid int"),
+    (["--num_layers=abc"], "--num_layers='abc' is not an int"),
     (["--preset=huge"], "unknown --preset=huge"),
     (["num_layers=3"], "expected --name=value"),
+    (["--lr=0.1"], "did you mean --adam_lr, --muon_lr, --lr_peaks, --lr_min?"),
+    (["--muon_lrr=0.1"], "did you mean --muon_lr"),
+    (["--num_layers", "3"], "--num_layers needs a value: write --num_layers=VALUE"),
+    (["--compile=maybe"], "--compile='maybe' is not true or false"),
 ])
 def test_parse_errors(argv, needle):
-    with pytest.raises(SystemExit) as e:
+    with pytest.raises(tg.ConfigError) as e:
         tg.parse_args(argv)
     assert needle in str(e.value)
 
