@@ -36,12 +36,12 @@ import triton_kernels as tk
 # =====================================================================================================================
 
 # The per-parameter optimizer table (spec §5.1). optim: "adam" | "normuon"; comms: "none" | "replicated" | "sharded".
-# betas are Adam's (beta1, beta2); matrix_shape views a NorMuon bank as a stack of matrices; matrix_lr_muls cycles
-# over the global matrix index of that stack (c_fc, c_proj alternate in the MLP bank, so c_proj gets 2x).
+# betas are Adam's (beta1, beta2); a NorMuon bank is viewed as a stack of matrices of the shape the model gives
+# (GPT.bank_matrix_shapes); matrix_lr_muls cycles over the global matrix index of that stack (c_fc, c_proj alternate
+# in the MLP bank, so c_proj gets 2x).
 DEFAULT_PARAM_TABLE: dict[str, dict[str, Any]] = {
-    "attn":           dict(optim="normuon", comms="sharded",    lr_mul=1.0,  wd_mul=1.0,   matrix_shape=(768, 768)),
-    "mlp":            dict(optim="normuon", comms="sharded",    lr_mul=1.0,  wd_mul=1.0,   matrix_shape=(3072, 768),
-                           matrix_lr_muls=(1.0, 2.0)),
+    "attn":           dict(optim="normuon", comms="sharded",    lr_mul=1.0,  wd_mul=1.0),
+    "mlp":            dict(optim="normuon", comms="sharded",    lr_mul=1.0,  wd_mul=1.0,   matrix_lr_muls=(1.0, 2.0)),
     "scalars":        dict(optim="adam",    comms="replicated", lr_mul=5.0,  wd_mul=0.0,   betas=(0.9, 0.99)),
     "ve0":            dict(optim="adam",    comms="sharded",    lr_mul=75.0, wd_mul=5.0,   betas=(0.75, 0.95)),
     "ve1":            dict(optim="adam",    comms="sharded",    lr_mul=75.0, wd_mul=5.0,   betas=(0.75, 0.95)),
@@ -165,9 +165,6 @@ PRESETS: dict[str, dict[str, Any]] = {
         val_batch_size=2048, val_tokens=4096, num_scheduled_iterations=60, num_extension_iterations=4,
         momentum_warmup_steps=10, momentum_cooldown_steps=4, val_loss_every=20, train_max_seq_len=256,
         tokens_per_doc_bound=100, compile=False, use_fp8=False, attn_backend="sdpa",
-        param_table=dict(copy.deepcopy(DEFAULT_PARAM_TABLE),
-                         attn=dict(DEFAULT_PARAM_TABLE["attn"], matrix_shape=(128, 128)),
-                         mlp=dict(DEFAULT_PARAM_TABLE["mlp"], matrix_shape=(512, 128))),
     ),
 }
 
@@ -1268,6 +1265,11 @@ class GPT(nn.Module):
             ve_slot += has_ve
         return tuple(plan)
 
+    @property
+    def bank_matrix_shapes(self) -> dict[str, tuple[int, int]]:
+        """The matrices the optimizer orthogonalises: attn's W_q, W_k, W_v, W_o (D, D); mlp's c_fc, c_proj (H, D)."""
+        return {"attn": (self.cfg.model_dim, self.cfg.model_dim), "mlp": (self.cfg.mlp_hidden, self.cfg.model_dim)}
+
     def labelled_params(self) -> dict[str, nn.Parameter]:
         names = ("attn", "mlp", "lm_head", "embed", *self.ve_names, "attn_gate_bank", "ve_gate_bank", "smear_gate",
                  "skip_gate", "x0_lambdas", "scalars")
@@ -1419,9 +1421,16 @@ class DataError(RuntimeError):
 def resolve_shards(pattern: str, kind: str) -> list[str]:
     """The shard files matching `pattern`, sorted; kind is "train" or "val" (for the error message)."""
     files = sorted(glob.glob(pattern))
+    option = "--train_files" if kind == "train" else "--val_files"
+    for path in files:
+        if os.path.isdir(path):
+            raise DataError(f"{option}={pattern} matches the folder {path}: make the pattern match shard files only "
+                            f"(e.g. DIR/fineweb_{kind}_*.bin)")
+        if not os.path.exists(path):
+            raise DataError(f"{path} (matched by {option}={pattern}) is a broken symbolic link: point it at its shard "
+                            f"again or delete it")
     if files:
         return files
-    option = "--train_files" if kind == "train" else "--val_files"
     folder = os.path.dirname(pattern) or "."
     problem = (f"the folder {folder!r} does not exist" if not glob.has_magic(folder) and not os.path.isdir(folder)
                else f"no file matches {pattern!r}")
@@ -1449,15 +1458,43 @@ def _read_header(f, path: str) -> int:
     return n
 
 
+def _open_shard(path: str):
+    """open(path, "rb"), with the reason a shard cannot be read as a DataError that names the file."""
+    try:
+        return open(path, "rb")
+    except PermissionError:
+        raise DataError(f"cannot read shard {path}: permission denied; make it readable (chmod a+r) or change "
+                        f"--train_files/--val_files") from None
+    except OSError as e:
+        raise DataError(f"cannot read shard {path}: {e.strerror or e}; check the file or change "
+                        f"--train_files/--val_files") from None
+
+
 def shard_num_tokens(path: str) -> int:
     """The token count of a shard, after checking its magic, version and file size."""
-    with open(path, "rb") as f:
+    with _open_shard(path) as f:
         return _read_header(f, path)
+
+
+_ID_CHECK_CHUNK = 1 << 22   # tokens per max(): a background thread lets go of the GIL between chunks
+
+
+def check_token_ids(tokens: np.ndarray, vocab_size: int, path: str, first: int = 0) -> None:
+    """DataError if a token id does not fit the embedding table (an index past it would crash the GPU mid-run).
+    tokens are positions first.. of the shard `path`."""
+    for s in range(0, len(tokens), _ID_CHECK_CHUNK):
+        chunk = tokens[s:s + _ID_CHECK_CHUNK]
+        top = int(chunk.max(initial=0))
+        if top >= vocab_size:
+            pos = first + s + int(np.argmax(chunk >= vocab_size))
+            raise DataError(f"shard {path} holds token id {top} (first bad id at token {pos:,}) but --vocab_size="
+                            f"{vocab_size}: it was made with another tokenizer. Make shards with GPT-2 ids "
+                            f"(data/tokenize.py) or raise --vocab_size to a multiple of 128 above {top}")
 
 
 def _read_tokens(path: str, max_tokens: int | None = None, out: np.ndarray | None = None) -> tuple[np.ndarray, int]:
     """(tokens uint16, n): all n tokens of a checked shard, or only its first max_tokens; read into `out` if given."""
-    with open(path, "rb") as f:
+    with _open_shard(path) as f:
         n = _read_header(f, path)
         count = n if max_tokens is None else min(n, max_tokens)
         tokens = np.empty(count, dtype=np.uint16) if out is None else out[:count]
@@ -1524,9 +1561,15 @@ class _ShardIndex:
     """A training shard's tokens (uint16) and its sorted BOS positions. For the quick index of a prefix
     (complete=False) the last document's end is unknown, so that document is left out of doc_lens."""
 
-    def __init__(self, path: str, tokens: np.ndarray, complete: bool):
+    def __init__(self, path: str, tokens: np.ndarray, complete: bool, vocab_size: int | None = None):
         self.path, self.tokens, self.complete = path, tokens, complete
+        if vocab_size is not None:
+            check_token_ids(tokens, vocab_size, path)
         self.bos = np.flatnonzero(tokens == BOS_ID)                               # (num_docs,) int64
+        if len(self.bos) == 0:
+            raise DataError(f"shard {path} has no document start (token {BOS_ID}) in its "
+                            f"{'' if complete else 'first '}{len(tokens):,} tokens, and training batches start at "
+                            f"documents: make shards with data/tokenize.py, which starts every document with it")
         doc_lens = np.diff(self.bos, append=len(tokens))                          # (num_docs,)
         self.doc_lens = doc_lens if complete else doc_lens[:-1]                   # (usable_docs,)
         self._cum_by_cap: dict[int, np.ndarray] = {}
@@ -1543,10 +1586,10 @@ class _TrainShards:
     starts from a quick index of its first _QUICK_SCAN_TOKENS tokens while a thread indexes all of it; the quick
     document list is a prefix of the full one, so which index built a batch does not change the batch."""
 
-    def __init__(self, files: list[str]):
-        self.files, self.shard = files, 0
+    def __init__(self, files: list[str], vocab_size: int | None):
+        self.files, self.shard, self.vocab_size = files, 0, vocab_size
         tokens, n = _read_tokens(files[0], _QUICK_SCAN_TOKENS)
-        self.current = _ShardIndex(files[0], tokens, complete=len(tokens) == n)
+        self.current = _ShardIndex(files[0], tokens, complete=len(tokens) == n, vocab_size=vocab_size)
         self.tokens_done = 0                       # tokens in the shards used up so far
         self._full_current = None if self.current.complete else _Background(lambda: self._load(0))
         self._next = None
@@ -1554,7 +1597,7 @@ class _TrainShards:
             self._prefetch()
 
     def _load(self, k: int) -> _ShardIndex:
-        return _ShardIndex(self.files[k], _read_tokens(self.files[k])[0], complete=True)
+        return _ShardIndex(self.files[k], _read_tokens(self.files[k])[0], complete=True, vocab_size=self.vocab_size)
 
     def _prefetch(self) -> None:
         k = self.shard + 1
@@ -1623,25 +1666,27 @@ def _to_device(array: np.ndarray, dtype: type, device: torch.device) -> Tensor:
 
 
 def train_batches(files: list[str], global_batch: int, grad_accum: int, rank: int, world_size: int,
-                  device: torch.device, max_seq_len: int, tokens_per_doc_bound: int,
+                  device: torch.device, max_seq_len: int, tokens_per_doc_bound: int, vocab_size: int | None = None,
                   ) -> Generator[tuple[Tensor, Tensor, Tensor], tuple[int, int, int] | None, None]:
     """BOS-aligned training micro-batches of `rank` (spec §2.3, §2.4). Each request yields
     (inputs int32 (N,), targets int64 (N,), cu_seqlens int32 (max_num_docs(N),)) on device, N = global_batch/(A*W).
     With each request send None or (global_batch, max_seq_len, grad_accum); a triple applies to the batch it gets.
-    The arguments are checked now; the first shard is read on the first request (inside the timed region, spec §1)."""
+    The arguments are checked now; the first shard is read on the first request (inside the timed region, spec §1).
+    With vocab_size, every shard's token ids are checked when it is loaded (in the loading thread, off the GPU's
+    critical path): an id past the embedding fails with the shard and position instead of a device-side assert."""
     if not files:
         raise DataError(f"no training shards given; {_GET_DATA_HINT}")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside world size {world_size}")
     _micro_batch_tokens(global_batch, grad_accum, world_size)
     return _train_batch_stream(list(files), global_batch, grad_accum, rank, world_size, device, max_seq_len,
-                               tokens_per_doc_bound)
+                               tokens_per_doc_bound, vocab_size)
 
 
 def _train_batch_stream(files: list[str], global_batch: int, grad_accum: int, rank: int, world_size: int,
-                        device: torch.device, max_seq_len: int, tokens_per_doc_bound: int):
+                        device: torch.device, max_seq_len: int, tokens_per_doc_bound: int, vocab_size: int | None):
     tokens_per_rank = _micro_batch_tokens(global_batch, grad_accum, world_size)
-    shards = _TrainShards(files)
+    shards = _TrainShards(files, vocab_size)
     cursor = 0                                   # index of the next unused document of the current shard
     message = None
     while True:
@@ -1672,7 +1717,8 @@ def _train_batch_stream(files: list[str], global_batch: int, grad_accum: int, ra
 
 
 def val_batches(files: list[str], val_batch_size: int, val_tokens: int, grad_accum: int, rank: int, world_size: int,
-                device: torch.device, tokens_per_doc_bound: int) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
+                device: torch.device, tokens_per_doc_bound: int, vocab_size: int | None = None
+                ) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
     """The validation forwards of `rank` (spec §2.5): grad_accum * val_tokens / val_batch_size batches of
     (inputs int32 (N_val,), targets int64 (N_val,), cu_seqlens int32 (max_num_docs(N_val),)), N_val =
     val_batch_size / (A * W). Not BOS aligned: every call scores the same first val_tokens tokens of the val stream.
@@ -1707,17 +1753,20 @@ def val_batches(files: list[str], val_batch_size: int, val_tokens: int, grad_acc
                     f"--val_batch_size={val_batch_size:,}) or add val shards")
         placements.append((shard, pos))
         pos += step_tokens
-    return _val_batch_stream(files, placements, tokens_per_rank, rank, device, tokens_per_doc_bound)
+    return _val_batch_stream(files, placements, tokens_per_rank, rank, device, tokens_per_doc_bound, vocab_size)
 
 
 def _val_batch_stream(files: list[str], placements: list[tuple[int, int]], tokens_per_rank: int, rank: int,
-                      device: torch.device, tokens_per_doc_bound: int):
+                      device: torch.device, tokens_per_doc_bound: int, vocab_size: int | None):
     for shard, pos in placements:
         start = pos + rank * tokens_per_rank     # ranks overlap by one token: the look-ahead target
-        buf = np.fromfile(files[shard], dtype=np.uint16, count=tokens_per_rank + 1,
-                          offset=SHARD_HEADER_BYTES + 2 * start)                           # (N_val+1,) uint16
+        with _open_shard(files[shard]) as f:
+            f.seek(SHARD_HEADER_BYTES + 2 * start)
+            buf = np.fromfile(f, dtype=np.uint16, count=tokens_per_rank + 1)                # (N_val+1,) uint16
         if len(buf) != tokens_per_rank + 1:
             raise DataError(f"val shard {files[shard]} shrank while being read; download or generate it again")
+        if vocab_size is not None:
+            check_token_ids(buf, vocab_size, files[shard], first=start)
         inputs = buf[:-1]
         bos = np.flatnonzero(inputs == BOS_ID)                                             # (m,) positions
         # [0, b_1, b_2, ...] padded with N_val: the partial document before b_1 is its own sequence (empty if
@@ -1818,66 +1867,67 @@ def micro_batch_tokens(global_batch: int, batch_slices: int) -> int:
 
 
 def validate_hyperparameters(hp: Hyperparameters, world_size: int) -> None:
-    """Check every derived quantity once, right after parsing; each error names the option (or GPU count) to change."""
+    """Check every option and derived quantity once, right after parsing; each error names the option (or GPU count)
+    to change. The model's and the optimizer's own checks run too, by building both on the meta device."""
     def need(ok: bool, msg: str) -> None:
         if not ok:
             raise ConfigError(msg)
 
+    for name in ("val_tokens", "val_batch_size", "train_max_seq_len", "tokens_per_doc_bound", "batch_slices",
+                 "block_size", "ws_long_extension", "ws_long_final_val", "vocab_size", "model_dim", "num_heads",
+                 "head_dim", "mlp_hidden", "num_layers", "momentum_warmup_steps", "momentum_cooldown_steps",
+                 "rope_base", "attn_scale", "adam_eps", "pg_timeout_s"):
+        need(getattr(hp, name) > 0, f"--{name}={getattr(hp, name)} must be positive")
+    for name in ("num_extension_iterations", "num_value_embeds", "mlp_bank_pad", "val_loss_every",
+                 "nonfinite_check_every", "lr_min", "adam_lr", "adam_wd", "muon_lr", "muon_wd", "yarn_alpha"):
+        need(getattr(hp, name) >= 0, f"--{name}={getattr(hp, name)} must be >= 0")
+    for name, ok, what in (("train_bs_schedule", lambda v: v > 0, "positive token counts"),
+                           ("ws_long_schedule", lambda v: v > 0, "positive window sizes in blocks"),
+                           ("lr_peaks", lambda v: v >= 0, "lr factors >= 0"),
+                           ("mtp_weights_start", lambda v: v >= 0, "weights >= 0"),
+                           ("fp8_scales", lambda v: v > 0, "positive scales")):
+        values = getattr(hp, name)
+        need(len(values) == 3 and all(ok(v) for v in values),
+             f"--{name}={_show(values)} needs 3 comma-separated {what} (one per third of the schedule)"
+             if name != "fp8_scales" else f"--fp8_scales={_show(values)} needs 3 {what} (x, w, grad)")
+    need(hp.mtp_weights_start[0] > 0, "--mtp_weights_start: the next-token weight (the first) must be positive")
     need(world_size >= 1 and hp.batch_slices % world_size == 0,
          f"world size {world_size} does not divide --batch_slices={hp.batch_slices}: run on 1, 2, 4 or 8 GPUs "
          f"(./run.sh picks the GPU count; set CUDA_VISIBLE_DEVICES or NPROC to choose)")
-    need(len(hp.train_bs_schedule) == 3 and len(hp.ws_long_schedule) == 3 and len(hp.lr_peaks) == 3,
-         "--train_bs_schedule, --ws_long_schedule and --lr_peaks need one value per third of the schedule (3 each)")
     for bs in hp.train_bs_schedule:
         need(bs % hp.batch_slices == 0 and micro_batch_tokens(bs, hp.batch_slices) % 16 == 0,
              f"global batch {bs} in --train_bs_schedule must split into --batch_slices={hp.batch_slices} micro-batches "
              f"of a multiple of 16 tokens: use a multiple of {16 * hp.batch_slices}")
     need(hp.val_batch_size % (16 * hp.batch_slices) == 0,
          f"--val_batch_size={hp.val_batch_size} must be a multiple of {16 * hp.batch_slices} (16 * --batch_slices)")
-    need(hp.val_tokens > 0 and hp.val_tokens % hp.val_batch_size == 0,
+    need(hp.val_tokens % hp.val_batch_size == 0,
          f"--val_tokens={hp.val_tokens} must be a positive multiple of --val_batch_size={hp.val_batch_size}")
-    need(hp.num_scheduled_iterations >= 3 and hp.num_extension_iterations >= 0,
-         "--num_scheduled_iterations must be >= 3 and --num_extension_iterations >= 0")
-    need(0 < hp.cooldown_frac <= 1, "--cooldown_frac must be in (0, 1]")
+    need(hp.num_scheduled_iterations >= 3,
+         f"--num_scheduled_iterations={hp.num_scheduled_iterations} must be >= 3 (one step per third at least)")
+    need(0 < hp.cooldown_frac <= 1, f"--cooldown_frac={hp.cooldown_frac} must be in (0, 1]")
+    need(0 < hp.split_frac <= 1, f"--split_frac={hp.split_frac} must be in (0, 1]")
     need(hp.split_step < hp.num_iterations, f"split step {hp.split_step} is past the last step: lower --split_frac")
-    need(hp.val_loss_every >= 0, "--val_loss_every must be >= 0 (0: validate only at the end)")
-    need(hp.nonfinite_check_every >= 0, "--nonfinite_check_every must be >= 0 (0: no NaN check)")
-    need(0 < hp.momentum_warmup_steps and 0 < hp.momentum_cooldown_steps,
-         "--momentum_warmup_steps and --momentum_cooldown_steps must be positive")
-    # model layout
-    L = hp.num_layers
-    need(len(hp.attn_layout) == L and set(hp.attn_layout) <= set("PN-"),
-         f"--attn_layout={hp.attn_layout!r} needs one of P (paired), N (normal), - (none) per layer ({L} layers)")
-    need(len(hp.ve_layout) == L and all(-1 <= v < hp.num_value_embeds for v in hp.ve_layout),
-         f"--ve_layout needs {L} entries, each -1 or a table index below --num_value_embeds={hp.num_value_embeds}")
-    need(all(v < 0 or hp.attn_layout[i] != "-" for i, v in enumerate(hp.ve_layout)),
-         "--ve_layout gives a value embedding to a layer without attention (check --attn_layout)")
-    need(all(0 <= i < L and hp.attn_layout[i] == "N" for i in hp.long_window_layers),
-         f"--long_window_layers={hp.long_window_layers} must name normal-attention layers (N in --attn_layout)")
-    need(0 <= hp.skip_source_layer < hp.skip_dest_layer < L and 0 <= hp.backout_layer < L,
-         "--skip_source_layer < --skip_dest_layer and --backout_layer must be layer indices")
-    need(hp.model_dim == hp.num_heads * hp.head_dim, "--model_dim must equal --num_heads * --head_dim")
-    need(hp.num_heads % 2 == 0 and hp.head_dim % 4 == 0 and hp.model_dim >= 12,
-         "paired heads need an even --num_heads, rotary needs --head_dim divisible by 4, gates read 12 channels")
-    need(hp.vocab_size > 50256 and hp.vocab_size % 16 == 0,
-         "--vocab_size must hold the BOS id 50256 and be a multiple of 16 (FP8 matmul)")
-    need(hp.attn_backend in ("auto", "flex", "varlen", "fa3", "sdpa"),
-         f"--attn_backend={hp.attn_backend} is not one of auto, flex, varlen, fa3, sdpa")
+    need(0 <= hp.momentum_min <= hp.momentum_max < 1,
+         f"need 0 <= --momentum_min ({hp.momentum_min}) <= --momentum_max ({hp.momentum_max}) < 1")
+    need(0 <= hp.muon_beta2 < 1, f"--muon_beta2={hp.muon_beta2} must be in [0, 1)")
+    need(hp.yarn_alpha < hp.yarn_beta, f"--yarn_alpha={hp.yarn_alpha} must be below --yarn_beta={hp.yarn_beta}")
+    need(hp.seed >= -1, f"--seed={hp.seed}: use -1 (unseeded) or a seed >= 0")
+    need(hp.attn_backend in ("auto", *ATTN_BACKENDS),
+         f"--attn_backend={hp.attn_backend} is not one of auto, {', '.join(ATTN_BACKENDS)}")
     need(hp.device in ("auto", "cuda", "cpu"), f"--device={hp.device} is not one of auto, cuda, cpu")
-    table = hp.param_table
-    need(tuple(table["attn"]["matrix_shape"]) == (hp.model_dim, hp.model_dim)
-         and tuple(table["mlp"]["matrix_shape"]) == (hp.mlp_hidden, hp.model_dim),
-         "param_table matrix_shape of attn / mlp must be (model_dim, model_dim) / (mlp_hidden, model_dim)")
-    n_attn = sum(c != "-" for c in hp.attn_layout)
-    for label, count in (("attn", 4 * n_attn), ("mlp", 2 * (L + hp.mlp_bank_pad))):
-        need(count % world_size == 0,
-             f"the {label} bank has {count} matrices, not divisible by world size {world_size}: "
-             f"use a GPU count that divides it" + (" or change --mlp_bank_pad" if label == "mlp" else ""))
-    for label, rows in (("lm_head", hp.model_dim), ("embed", hp.vocab_size)):
-        need(rows % world_size == 0, f"{label} has {rows} rows, not divisible by world size {world_size}")
+    need(hp.run_id not in (".", "..") and "/" not in hp.run_id and os.sep not in hp.run_id,
+         f"--run_id={hp.run_id!r} names the log file logs/<run_id>.txt: use letters, digits, '-', '_' or '.' only")
+    need(hp.vocab_size > BOS_ID and hp.vocab_size % 16 == 0,
+         f"--vocab_size={hp.vocab_size} must hold the BOS id {BOS_ID} and be a multiple of 16 (FP8 matmul)")
     if hp.profile_steps:
         a, _, b = hp.profile_steps.partition(":")
-        need(a.isdigit() and b.isdigit() and int(a) < int(b), f"--profile_steps={hp.profile_steps!r} must be 'a:b'")
+        need(a.isdigit() and b.isdigit() and int(a) < int(b) <= hp.num_iterations,
+             f"--profile_steps={hp.profile_steps!r} must be 'a:b' with a < b <= {hp.num_iterations} (the step count)")
+    try:   # the layer layout (model) and the optimizer table and orders, by their own checks; meta: no memory
+        model = build_model(hp, torch.device("meta"), "sdpa")
+        build_optimizer(hp, model, world_size - 1, world_size)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def train_tokens_needed(hp: Hyperparameters) -> int:
@@ -1907,12 +1957,23 @@ def estimate_gpu_memory_gib(hp: Hyperparameters, world_size: int) -> float:
     return (weights + grads + optim + acts + logits + rope) / 2**30
 
 
-def preflight(hp: Hyperparameters, world_size: int, device: torch.device) -> list[str]:
-    """Check data, schedule and memory before anything compiles. Raises DataError / ConfigError; returns notes."""
+PREFLIGHT_SAMPLE_TOKENS = 1 << 20   # tokens of each training shard checked before compiling (ids, a document start)
+
+
+def preflight(hp: Hyperparameters, world_size: int, device: torch.device, rank: int = 0) -> list[str]:
+    """Check data, schedule and memory before anything compiles. Raises DataError / ConfigError; returns notes.
+
+    Every shard's header and size; a sample of every training shard (token ids fit the vocabulary, a document start
+    exists; the loader checks all ids of each shard as it loads it); every validation token this rank will read, so
+    a bad val shard fails now and not after the whole run has trained."""
     notes = []
     train_files = resolve_shards(hp.train_files, "train")
     val_files = resolve_shards(hp.val_files, "val")
     train_avail = sum(shard_num_tokens(f) for f in train_files)   # validates every header and size
+    for path in train_files:
+        sample = _read_tokens(path, PREFLIGHT_SAMPLE_TOKENS)[0]
+        check_token_ids(sample, hp.vocab_size, path)
+        _ShardIndex(path, sample, complete=True)                   # raises if there is no document start
     val_sizes = [shard_num_tokens(f) for f in val_files]
     needed = train_tokens_needed(hp)
     shard = max(1, train_avail // len(train_files))
@@ -1929,6 +1990,10 @@ def preflight(hp: Hyperparameters, world_size: int, device: torch.device) -> lis
         raise DataError(f"validation reads {hp.val_tokens:,} tokens (+1 look-ahead) but {val_files[0]} holds "
                         f"{val_sizes[0]:,}: lower --val_tokens to a multiple of --val_batch_size={hp.val_batch_size} "
                         f"below that, or use the full FineWeb val shard")
+    grad_accum = hp.batch_slices // world_size
+    for _ in val_batches(val_files, hp.val_batch_size, hp.val_tokens, grad_accum, rank, world_size,
+                         torch.device("cpu"), hp.tokens_per_doc_bound, hp.vocab_size):
+        pass
     check_document_density(train_files[0], hp)
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory / 2**30
@@ -1976,26 +2041,54 @@ def environment_report() -> str:
 
 
 class RunLogger:
-    """Rank 0 writes logs/<run_id>.txt (flushed every line, so a crash loses nothing) and echoes to the console."""
+    """Rank 0 writes logs/<run_id>.txt (flushed every line, so a crash loses nothing) and echoes to the console.
+    The file is created exclusively: an existing log is never overwritten (prepare_output refuses its run id)."""
 
     def __init__(self, path: Path | None):
         self.path = path
         self.file = None
         if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self.file = open(path, "w", buffering=1)
+            try:
+                self.file = open(path, "x", buffering=1)
+            except FileExistsError:
+                raise ConfigError(f"{path} exists (an earlier run with this --run_id): choose another --run_id or "
+                                  f"move that log away") from None
 
     def __call__(self, msg: str, console: bool = True) -> None:
         if self.file is None:
             return
         if console:
             print(msg, flush=True)
-        self.file.write(msg + "\n")
+        try:
+            self.file.write(msg + "\n")
+        except OSError as e:
+            raise ConfigError(f"cannot write the log {self.path}: {e.strerror or e}; free disk space or choose "
+                              f"another --log_dir") from None
 
     def close(self) -> None:
         if self.file is not None:
             self.file.close()
             self.file = None
+
+
+def prepare_output(hp: Hyperparameters, run_id: str, rank: int) -> Path:
+    """Before anything trains: refuse a --run_id whose log exists, create the log folder (and the checkpoint folder
+    with --save_checkpoint) and prove that each is writable, so no run trains for an hour and then cannot save.
+    Returns the log path."""
+    log_dir = Path(hp.log_dir)
+    log_path = log_dir / f"{run_id}.txt"
+    if log_path.exists():
+        raise ConfigError(f"{log_path} exists (an earlier run with --run_id={run_id}): choose another --run_id or "
+                          f"move that log away")
+    for folder in [log_dir] + ([checkpoint_dir(hp, run_id)] if hp.save_checkpoint else []):
+        probe = folder / f".write_test_{os.getpid()}_{rank}"
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            probe.write_bytes(b"ok")
+            probe.unlink()
+        except OSError as e:
+            raise ConfigError(f"cannot write to {folder}: {e.strerror or e}; choose a writable --log_dir") from None
+    return log_path
 
 
 def atomic_torch_save(obj: Any, path: Path) -> None:
@@ -2057,7 +2150,8 @@ class Trainer:
         self.ws_long = s0.ws_long
         self.global_batch = s0.global_batch
         self.loader = train_batches(self.train_files, s0.global_batch, self.grad_accum, self.rank, self.world_size,
-                                    self.device, self.hp.train_max_seq_len, self.hp.tokens_per_doc_bound)
+                                    self.device, self.hp.train_max_seq_len, self.hp.tokens_per_doc_bound,
+                                    self.hp.vocab_size)
 
     def advance_schedule(self, sched: StepSchedule) -> tuple | None:
         """Apply YaRN at a window change; return the batch-size message for this step's micro-batches, if any."""
@@ -2105,13 +2199,40 @@ class Trainer:
         return loss.item()
 
 
+def launch_environment() -> tuple[int, int, int]:
+    """(rank, world_size, local_rank) from the variables torchrun sets; (0, 1, 0) without them. ConfigError when
+    they are malformed or incomplete (e.g. WORLD_SIZE left in the shell from another job)."""
+    env = os.environ
+    try:
+        world_size, rank = int(env.get("WORLD_SIZE", 1)), int(env.get("RANK", 0))
+        local_rank = int(env.get("LOCAL_RANK", 0))
+    except ValueError:
+        raise ConfigError(f"WORLD_SIZE={env.get('WORLD_SIZE')!r} RANK={env.get('RANK')!r} LOCAL_RANK="
+                          f"{env.get('LOCAL_RANK')!r} must be integers (torchrun sets them): unset them to run one "
+                          f"process, or start with ./run.sh") from None
+    if world_size < 1 or not 0 <= rank < world_size or local_rank < 0:
+        raise ConfigError(f"RANK={rank} is not a rank of WORLD_SIZE={world_size} (or LOCAL_RANK={local_rank} < 0): "
+                          f"unset them to run one process, or start with ./run.sh")
+    return rank, world_size, local_rank
+
+
 def setup_distributed(hp: Hyperparameters) -> tuple[int, int, int, torch.device]:
     import datetime
-    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    rank, world_size, local_rank = launch_environment()
+    missing = [v for v in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+    if world_size > 1 and missing:
+        raise ConfigError(f"WORLD_SIZE={world_size} is set but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'}"
+                          f" not: start multi-GPU runs with ./run.sh (torchrun sets them all), or unset WORLD_SIZE to "
+                          f"run one process")
     want_cuda = hp.device == "cuda" or (hp.device == "auto" and torch.cuda.is_available())
     if want_cuda and not torch.cuda.is_available():
         raise ConfigError("--device=cuda but no CUDA GPU is visible: check nvidia-smi, or run with --device=cpu")
+    if want_cuda and local_rank >= torch.cuda.device_count():
+        raise ConfigError(f"LOCAL_RANK={local_rank} but {torch.cuda.device_count()} GPU(s) are visible: start one "
+                          f"process per GPU (./run.sh does), or check CUDA_VISIBLE_DEVICES")
+    if want_cuda and hp.dtype != "bfloat16":
+        raise ConfigError(f"--dtype={hp.dtype} runs on a CPU only (the GPU kernels are bf16): add --device=cpu, or "
+                          f"drop --dtype")
     device = torch.device("cuda", local_rank) if want_cuda else torch.device("cpu")
     if want_cuda:
         torch.cuda.set_device(device)
@@ -2135,19 +2256,109 @@ def build_model(hp: Hyperparameters, device: torch.device, attn_backend: str) ->
 
 
 def build_optimizer(hp: Hyperparameters, model: nn.Module, rank: int, world_size: int) -> Any:
-    return NorMuonAndAdam(model.labelled_params(), hp.param_table, hp.scatter_order, hp.work_order,
+    table = {label: dict(row, **({"matrix_shape": model.bank_matrix_shapes[label]}
+                                 if label in model.bank_matrix_shapes else {}))
+             for label, row in hp.param_table.items()}
+    return NorMuonAndAdam(model.labelled_params(), table, hp.scatter_order, hp.work_order,
                           adam_lr=hp.adam_lr, adam_eps=hp.adam_eps, adam_wd=hp.adam_wd, muon_lr=hp.muon_lr,
                           muon_beta2=hp.muon_beta2, muon_wd=hp.muon_wd, rank=rank, world_size=world_size)
 
 
-def train(hp: Hyperparameters, argv_text: str) -> dict[str, Any]:
+# ---- how a run ends ----------------------------------------------------------------------------------------------
+# Exit codes (the README's failure table): 1 data, 2 options / environment / output folders, 3 the loss stopped being
+# finite, 4 a distributed failure (usually another rank failed first), 5 an internal error (a bug: the log has the
+# traceback), 128 + N a signal (130 Ctrl-C, 143 SIGTERM).
+EXIT_DATA, EXIT_CONFIG, EXIT_DIVERGED, EXIT_PEER, EXIT_BUG = 1, 2, 3, 4, 5
+
+
+class TrainingDiverged(FloatingPointError):
+    """The loss (train or validation) stopped being finite."""
+
+
+class Interrupted(Exception):
+    """Ctrl-C or SIGTERM ended the run; exit_code is 128 + the signal number."""
+
+    def __init__(self, signum: int, message: str):
+        super().__init__(message)
+        self.signum = signum
+
+
+class StopSignals:
+    """Ctrl-C (SIGINT) and SIGTERM. Inside the timed loop (`defer` is set) the first signal asks the run to stop at a
+    step boundary that every rank agrees on, where --save_checkpoint can save a consistent state; a second signal
+    (or one outside the loop) stops at once. torchrun passes a terminal's Ctrl-C on to its workers, who also got it
+    from the terminal: a repeat within a second is that same key press, not a second one."""
+
+    REPEAT_S = 1.0
+
+    def __init__(self, announce: bool = True):
+        self.requested: int | None = None        # the signal asking for a stop at the next agreed step boundary
+        self.defer = False
+        self.announce = announce
+        self._at = 0.0
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> None:
+        import signal
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            self._previous[signum] = signal.signal(signum, self._on_signal)
+
+    def uninstall(self) -> None:
+        import signal
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous = {}
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        import signal
+        name = signal.Signals(signum).name
+        if self.defer and self.requested is None:
+            self.requested, self._at = signum, time.monotonic()
+            if self.announce:
+                print(f"{name}: stopping at the next step boundary (again to stop at once)", file=sys.stderr,
+                      flush=True)
+            return
+        if self.defer and time.monotonic() - self._at < self.REPEAT_S:
+            return
+        raise Interrupted(signum, f"stopped by {name}")
+
+
+def describe_failure(e: BaseException, rank: int, world_size: int) -> tuple[int, str]:
+    """(exit code, the one-line message) for an exception that ended the run."""
+    if isinstance(e, ConfigError):
+        return EXIT_CONFIG, str(e)
+    if isinstance(e, DataError):
+        return EXIT_DATA, str(e)
+    if isinstance(e, TrainingDiverged):
+        return EXIT_DIVERGED, str(e)
+    if isinstance(e, Interrupted):
+        return 128 + e.signum, str(e)
+    if isinstance(e, KeyboardInterrupt):
+        return 130, "stopped by SIGINT"
+    if isinstance(e, torch.OutOfMemoryError):
+        return EXIT_CONFIG, (f"out of GPU memory ({str(e).splitlines()[0][:160]}): lower --train_bs_schedule and "
+                             f"--val_batch_size, or use more GPUs (the math is the same on 1, 2, 4 or 8)")
+    first_line = (str(e).strip().splitlines() or [""])[0][:300]
+    if world_size > 1 and isinstance(e, (RuntimeError, dist.DistError)):
+        return EXIT_PEER, (f"{type(e).__name__} in a distributed run ({first_line}). If another rank failed first, "
+                           f"its message is the cause; this rank stopped after at most --pg_timeout_s seconds")
+    return EXIT_BUG, (f"internal error, a bug: {type(e).__name__}: {first_line} (the traceback is in the log; "
+                      f"--debug=true prints it here too). Please report it")
+
+
+def train(hp: Hyperparameters, argv_text: str, stops: StopSignals | None = None) -> dict[str, Any]:
     """The whole run. Returns a summary (final val loss, train time, ...) for tests and tools."""
     t_process = time.perf_counter()
-    validate_hyperparameters(hp, int(os.environ.get("WORLD_SIZE", 1)))
+    stops = stops or StopSignals()
+    validate_hyperparameters(hp, launch_environment()[1])
     rank, world_size, _, device = setup_distributed(hp)
     master = rank == 0
+    stops.announce = master
     run_id = hp.run_id or str(uuid.uuid4())
-    log = RunLogger(Path(hp.log_dir) / f"{run_id}.txt" if master else None)
+    log_path = prepare_output(hp, run_id, rank)
+    if world_size > 1:
+        dist.barrier()                  # every rank has checked that the log does not exist before rank 0 makes it
+    log = RunLogger(log_path if master else None)
     is_cuda = device.type == "cuda"
 
     def sync() -> None:
@@ -2164,12 +2375,15 @@ def train(hp: Hyperparameters, argv_text: str) -> dict[str, Any]:
             log(f"command: {argv_text}")
             log("hyperparameters:\n" + "\n".join(f"  {f.name} = {getattr(hp, f.name)!r}"
                                                   for f in dataclasses.fields(hp)), console=False)
-        for note in preflight(hp, world_size, device):
+        for note in preflight(hp, world_size, device, rank):
             log(note)
         train_files, val_files = resolve_shards(hp.train_files, "train"), resolve_shards(hp.val_files, "val")
-        attn_backend = resolve_attn_backend(hp.attn_backend, device)
+        try:
+            attn_backend = resolve_attn_backend(hp.attn_backend, device)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         log(f"world_size:{world_size} grad_accum:{hp.batch_slices // world_size} device:{device} "
-            f"attn_backend:{attn_backend} (asked: {hp.attn_backend}) compile:{hp.compile and is_cuda}")
+            f"attn_backend:{attn_backend} (asked: {hp.attn_backend}) compile:{hp.compile and is_cuda} dtype:{hp.dtype}")
 
         if hp.seed >= 0:
             torch.manual_seed(hp.seed)
@@ -2216,7 +2430,10 @@ def train(hp: Hyperparameters, argv_text: str) -> dict[str, Any]:
         total_steps = hp.num_iterations
         profile = [int(x) for x in hp.profile_steps.split(":")] if hp.profile_steps else None
         profiler = None
-        check_nonfinite = hp.nonfinite_check_every > 0
+        check_every = hp.nonfinite_check_every
+        # Signals are polled between steps: every step with one process (a host flag, free); with several, at the
+        # NaN check's sync points (or every 25 steps), where the ranks agree on stopping with one tiny all-reduce.
+        poll_every = 1 if world_size == 1 else (check_every or 25)
         first_bad = torch.full((), -1, dtype=torch.int64, device=device)   # first step whose loss was not finite
         # With --save_checkpoint: `pending` is the state at the last check; it is known good once the steps after it
         # have produced finite losses, and only then becomes `last_good` (the state saved if training blows up).
@@ -2226,6 +2443,7 @@ def train(hp: Hyperparameters, argv_text: str) -> dict[str, Any]:
         train_ms = 0.0
         sync()
         log(f"phase:process_start_to_timed_loop time:{1000 * (time.perf_counter() - t_process):.0f}ms")
+        stops.defer = True
         t0 = time.perf_counter()
         for step in range(total_steps + 1):
             last = step == total_steps
@@ -2241,7 +2459,8 @@ def train(hp: Hyperparameters, argv_text: str) -> dict[str, Any]:
                     f"step_avg:{train_ms / max(step, 1):.2f}ms")
                 log(f"phase:validation time:{1000 * (time.perf_counter() - tv):.0f}ms", console=False)
                 if not math.isfinite(val_loss):
-                    raise FloatingPointError(f"validation loss is {val_loss} at step {step}")
+                    raise TrainingDiverged(f"the validation loss is {val_loss} at step {step}: lower the learning "
+                                           f"rates (--adam_lr, --muon_lr) or check the data")
                 sync()
                 t0 = time.perf_counter()
             if last:
@@ -2250,28 +2469,44 @@ def train(hp: Hyperparameters, argv_text: str) -> dict[str, Any]:
                 profiler = torch.profiler.profile(record_shapes=False, with_stack=False)
                 profiler.__enter__()
             loss = trainer.train_step(sched, message)
-            if check_nonfinite:  # no sync here: remember the first bad step on the device and look at it every few steps
+            done = step + 1
+            if check_every:  # no sync here: remember the first bad step on the device and look at it every few steps
                 first_bad.copy_(torch.where((first_bad < 0) & ~torch.isfinite(loss), step, first_bad))
-            if profiler is not None and step + 1 == profile[1]:
+            if profiler is not None and done == profile[1]:
                 sync()
                 profiler.__exit__(None, None, None)
                 trace = Path(hp.log_dir) / f"{run_id}_rank{rank}_trace.json"
                 profiler.export_chrome_trace(str(trace))
                 profiler = None
                 log(f"profile of steps {profile[0]}..{profile[1] - 1} written to {trace}")
-            if check_nonfinite and ((step + 1) % hp.nonfinite_check_every == 0 or step + 1 == total_steps):
+            if check_every and (done % check_every == 0 or done == total_steps):
                 bad = int(first_bad.item())
                 if bad >= 0:
                     if hp.save_checkpoint and last_good is not None:
                         save_checkpoint(hp, run_id, last_good["step"], last_good["state"], rank, world_size, log)
-                    raise FloatingPointError(
+                    raise TrainingDiverged(
                         f"the training loss became NaN or infinite at step {bad}"
                         + (f"; the last good state (step {last_good['step']}) was saved" if hp.save_checkpoint and last_good else "")
                         + ": lower the learning rates (--adam_lr, --muon_lr) or check the data")
                 if hp.save_checkpoint:
-                    last_good, pending = pending, {"step": step + 1, "state": snapshot_state(model, opt)}
+                    last_good, pending = pending, {"step": done, "state": snapshot_state(model, opt)}
             approx_ms = train_ms + 1000 * (time.perf_counter() - t0)
-            log(f"step:{step + 1}/{total_steps} train_time:{approx_ms:.0f}ms step_avg:{approx_ms / (step + 1):.2f}ms")
+            log(f"step:{done}/{total_steps} train_time:{approx_ms:.0f}ms step_avg:{approx_ms / done:.2f}ms")
+            if done % poll_every == 0 and done < total_steps:
+                signum = stops.requested or 0
+                if world_size > 1:                 # any rank's signal stops every rank at this same step
+                    agreed = torch.tensor(signum, device=device)
+                    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+                    signum = int(agreed.item())
+                if signum:
+                    import signal
+                    saved = ""
+                    if hp.save_checkpoint:
+                        path = save_checkpoint(hp, run_id, done, snapshot_state(model, opt), rank, world_size, log)
+                        saved = f"; the state after step {done} is saved in {path.parent}"
+                    raise Interrupted(signum, f"stopped by {signal.Signals(signum).name} after step {done} of "
+                                              f"{total_steps}{saved}")
+        stops.defer = False
 
         if hp.save_checkpoint:
             save_checkpoint(hp, run_id, total_steps, snapshot_state(model, opt), rank, world_size, log)
@@ -2279,49 +2514,77 @@ def train(hp: Hyperparameters, argv_text: str) -> dict[str, Any]:
             log(f"peak memory allocated: {torch.cuda.max_memory_allocated(device) // 2**20} MiB "
                 f"reserved: {torch.cuda.max_memory_reserved(device) // 2**20} MiB")
         return {"val_loss": val_loss, "train_time_ms": train_ms, "run_id": run_id, "log": str(log.path)}
+    except BaseException as e:
+        stops.defer = False
+        if not isinstance(e, SystemExit):
+            code, message = describe_failure(e, rank, world_size)
+            if code in (EXIT_BUG, EXIT_PEER):
+                import traceback
+                log(traceback.format_exc().rstrip(), console=False)
+            log(f"error: {message}", console=False)     # the log ends with the line main() prints
+        raise
     finally:
         log.close()
 
 
+def checkpoint_dir(hp: Hyperparameters, run_id: str) -> Path:
+    return Path(hp.log_dir) / run_id
+
+
 def save_checkpoint(hp: Hyperparameters, run_id: str, step: int, state: dict, rank: int, world_size: int,
-                    log: Callable) -> None:
+                    log: Callable) -> Path:
     """logs/<run_id>/state_step<step>.pt (optimizer shards are per rank: one file per rank when world_size > 1)."""
     suffix = f"_rank{rank}" if world_size > 1 else ""
-    path = Path(hp.log_dir) / run_id / f"state_step{step:06d}{suffix}.pt"
+    path = checkpoint_dir(hp, run_id) / f"state_step{step:06d}{suffix}.pt"
     code = Path(__file__).read_text()
-    atomic_torch_save({"step": step, "code": code, "hyperparameters": dataclasses.asdict(hp), **state}, path)
+    try:
+        atomic_torch_save({"step": step, "code": code, "hyperparameters": dataclasses.asdict(hp), **state}, path)
+    except OSError as e:
+        raise ConfigError(f"cannot write the checkpoint {path}: {e.strerror or e}; free disk space or choose "
+                          f"another --log_dir") from None
     log(f"checkpoint: {path}")
+    return path
+
+
+def _debug_requested(argv: Sequence[str]) -> bool:
+    """--debug / --debug=true, read before parsing (so a parse error can show its traceback too)."""
+    return any(a == "--debug" or (a.startswith("--debug=") and a[8:].lower() in ("1", "true", "yes", "on"))
+               for a in argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run from the command line: one `error: ...` line and an exit code for every failure (see EXIT_* above)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help", "help") for a in argv):
         print(help_text())
         return 0
     os.environ.setdefault("PYTORCH_ALLOC_CONF", "expandable_segments:True")
+    stops = StopSignals()
+    stops.install()
     try:
-        hp = parse_args(argv)
-        train(hp, " ".join(argv))
+        train(parse_args(argv), " ".join(argv), stops)
         return 0
-    except (ConfigError, DataError) as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return 2 if isinstance(e, ConfigError) else 1
-    except FloatingPointError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return 3
-    except (RuntimeError, dist.DistError) as e:
-        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-            raise
-        # In a multi-process run the usual cause is another rank that died: say so instead of a bare traceback.
-        import traceback
-        traceback.print_exc()
-        print(f"error: rank {dist.get_rank()}: {type(e).__name__} in a distributed run. If another rank failed first, "
-              f"its message above is the cause; this rank stopped after at most --pg_timeout_s seconds.",
-              file=sys.stderr, flush=True)
-        return 4
+    except Exception as e:
+        return _report_failure(e, _debug_requested(argv))
+    except KeyboardInterrupt as e:   # a Ctrl-C that arrived before the handler was installed
+        return _report_failure(e, _debug_requested(argv))
     finally:
+        stops.uninstall()
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _report_failure(e: BaseException, debug: bool) -> int:
+    distributed = dist.is_available() and dist.is_initialized()
+    rank, world_size = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    code, message = describe_failure(e, rank, world_size)
+    if debug:
+        import traceback
+        traceback.print_exception(e)
+    # Options, data and signals are the same on every rank: rank 0 speaks for all of them.
+    if rank == 0 or code in (EXIT_DIVERGED, EXIT_PEER, EXIT_BUG):
+        print(f"error: {'' if world_size == 1 else f'rank {rank}: '}{message}", file=sys.stderr, flush=True)
+    return code
 
 
 if __name__ == "__main__":

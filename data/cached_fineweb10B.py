@@ -31,6 +31,7 @@ _SCRIPT_DIR = os.path.dirname(os.path.realpath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.realpath(p or os.curdir) != _SCRIPT_DIR]
 
 import argparse  # noqa: E402
+import importlib.util  # noqa: E402
 import math  # noqa: E402
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
@@ -106,6 +107,10 @@ class DownloadError(Exception):
     """A shard could not be downloaded; the message says what to do."""
 
 
+class UsageError(Exception):
+    """A bad command-line option value (exit 2); the message names it and what it must be."""
+
+
 def fetch_shard(name: str, out_dir: str, fetch: Callable[[str, str], str], attempts: int,
                 sleep: Callable[[float], None], log: Callable[[str], None]) -> None:
     """Put a valid `name` into out_dir: download into a temporary folder, check, rename. Retries transient failures."""
@@ -144,7 +149,11 @@ def download(num_train: int, out_dir: str, fetch: Callable[[str, str], str] = hf
     """Make out_dir hold valid copies of the val shard and train shards 1..num_train; returns their paths.
     fetch, sleep and log are injectable for tests (no network)."""
     sleep = sleep or time.sleep
-    os.makedirs(out_dir, exist_ok=True)
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:        # e.g. a file in the way: NotADirectoryError, FileExistsError
+        raise DownloadError(f"cannot create the download folder {out_dir}: {e.strerror}; choose another --dir") \
+            from None
     for entry in os.listdir(out_dir):                    # temp folders left by a killed run
         if entry.startswith(TEMP_PREFIX):
             shutil.rmtree(os.path.join(out_dir, entry), ignore_errors=True)
@@ -173,16 +182,29 @@ def main(argv: list[str] | None = None, fetch: Callable[[str, str], str] = hf_fe
                         help="destination folder (default: fineweb10B/ next to this script)")
     parser.add_argument("--attempts", type=int, default=3, help="tries per file before giving up (default 3)")
     args = parser.parse_args(argv)
-    if args.num_train_shards < 0:
-        parser.error("the number of train shards must be >= 0")
     t0 = time.perf_counter()
+    # every failure a user can cause ends in one `error:` line: 2 for a bad option, 1 for the download or the disk
     try:
-        paths = download(args.num_train_shards, args.dir, fetch=fetch, attempts=max(1, args.attempts))
+        if not 0 <= args.num_train_shards <= UPSTREAM_TRAIN_SHARDS:
+            raise UsageError(f"asked for {args.num_train_shards} train shards; {REPO_ID} has {UPSTREAM_TRAIN_SHARDS}: "
+                             f"ask for 0 .. {UPSTREAM_TRAIN_SHARDS} (0: the val shard only)")
+        if args.attempts < 1:
+            raise UsageError(f"--attempts={args.attempts}: must be 1 or more")
+        if fetch is hf_fetch and importlib.util.find_spec("huggingface_hub") is None:
+            raise DownloadError("the huggingface_hub package is missing: pip install huggingface_hub (or pip install "
+                                "-r requirements.txt)")
+        paths = download(args.num_train_shards, args.dir, fetch=fetch, attempts=args.attempts)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except DownloadError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except OSError as e:        # the disk (full, a folder in the way, ...): network errors are DownloadErrors
+        print(f"error: {e}; complete shards are kept: fix that and run again to resume", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
-        print("\ninterrupted: complete shards are kept, partial downloads were removed; run again to resume",
+        print("error: interrupted: complete shards are kept, partial downloads were removed; run again to resume",
               file=sys.stderr)
         return 130
     print(f"{len(paths)} shards ready in {args.dir} ({time.perf_counter() - t0:.0f}s)")

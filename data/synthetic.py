@@ -4,7 +4,9 @@
 
 writes DIR/fineweb_val_000000.bin and DIR/fineweb_train_000001.bin ... in the FineWeb shard format (1024-byte header:
 int32 magic 20240520, version 1, token count; then uint16 tokens), so train_gpt.py reads them with
---train_files='DIR/fineweb_train_*.bin' --val_files='DIR/fineweb_val_*.bin'.
+--train_files='DIR/fineweb_train_*.bin' --val_files='DIR/fineweb_val_*.bin'. The shards are made in a staging folder
+inside DIR and moved into place once all are complete (replacing DIR's fineweb_*.bin of an earlier run): a failure or
+Ctrl-C leaves DIR as it was.
 
 What the data looks like:
   * documents start with BOS (50256) and nowhere else; their lengths (BOS included) are lognormal with a median of
@@ -28,10 +30,21 @@ _SCRIPT_DIR = os.path.dirname(os.path.realpath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.realpath(p or os.curdir) != _SCRIPT_DIR]
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import importlib.util  # noqa: E402
 import multiprocessing  # noqa: E402
+import multiprocessing.connection  # noqa: E402
+import signal  # noqa: E402
 import time  # noqa: E402
+from typing import Iterator  # noqa: E402
 
 import numpy as np  # noqa: E402
+
+# data/_shard_output.py: staging of the output and one-line errors, shared with data/tokenize.py (loaded by path: the
+# folder is off sys.path, see above)
+_spec = importlib.util.spec_from_file_location("_data_shard_output", os.path.join(_SCRIPT_DIR, "_shard_output.py"))
+_output = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_output)
 
 BOS_ID = 50256
 NUM_IDS = 50256                    # non-BOS ids 0..50255
@@ -128,18 +141,59 @@ def entropy_estimates(vocab: Vocabulary, follow_prob: float) -> tuple[float, flo
     return unigram, float(binary + (1 - f) * unigram)
 
 
-_worker_vocab: Vocabulary | None = None
+def _worker(seed: int, jobs: list[tuple[str, list[int], int, float]], conn) -> None:
+    """A worker process: makes `jobs` in order, sending each path, or the exception that stopped it, to the parent."""
+    try:
+        for path in make_shards(jobs, seed, 1):
+            conn.send(path)
+    except Exception as e:  # noqa: BLE001 (the parent reports it)
+        conn.send(e)
 
 
-def _init_worker(seed: int) -> None:
-    global _worker_vocab
-    _worker_vocab = Vocabulary(seed)
-
-
-def _make_shard(job: tuple[str, list[int], int, float]) -> str:
-    path, seed_words, num_tokens, follow_prob = job
-    write_shard(path, make_tokens(_worker_vocab, seed_words, num_tokens, follow_prob))
-    return path
+def make_shards(jobs: list[tuple[str, list[int], int, float]], seed: int, workers: int) -> Iterator[str]:
+    """Writes the shards of `jobs` (see shard_jobs) on `workers` processes, or in this one, yielding each path when it
+    is complete. Closing the generator (on an error or Ctrl-C) ends the workers at once. Not a multiprocessing.Pool:
+    its terminate() can hang when it kills a worker that holds the result queue's lock."""
+    if workers == 1:
+        vocab = Vocabulary(seed)
+        for path, seed_words, num_tokens, follow_prob in jobs:
+            write_shard(path, make_tokens(vocab, seed_words, num_tokens, follow_prob))
+            yield path
+        return
+    ctx = multiprocessing.get_context("spawn" if sys.platform == "darwin" else "fork")
+    procs, readers, done = [], [], 0
+    try:
+        # Ctrl-C reaches the whole process group: the workers ignore it (inherited from their start) and the parent
+        # ends them
+        sigint = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            for k in range(workers):
+                reader, writer = ctx.Pipe(duplex=False)
+                procs.append(ctx.Process(target=_worker, args=(seed, jobs[k::workers], writer), daemon=True))
+                procs[-1].start()
+                writer.close()
+                readers.append(reader)
+        finally:
+            signal.signal(signal.SIGINT, sigint)
+        while readers:
+            for reader in multiprocessing.connection.wait(readers):
+                try:
+                    result = reader.recv()
+                except EOFError:        # that worker has exited
+                    readers.remove(reader)
+                    continue
+                if isinstance(result, Exception):
+                    raise result
+                done += 1
+                yield result
+        if done < len(jobs):
+            raise SystemExit("error: a worker process ended before making its shards (killed, out of memory?); "
+                             "try fewer --workers")
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.join()
 
 
 def shard_jobs(out_dir: str, train_shards: int, shard_tokens: int, val_tokens: int, seed: int,
@@ -152,8 +206,13 @@ def shard_jobs(out_dir: str, train_shards: int, shard_tokens: int, val_tokens: i
 
 
 def main(argv: list[str] | None = None) -> int:
+    return _output.run_main(_main, argv)
+
+
+def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", required=True, help="output folder (created if missing)")
+    parser.add_argument("--out", required=True, help="output folder (created if missing); its fineweb_*.bin shards "
+                        "of an earlier run are replaced by this run's, and only once all of them are complete")
     parser.add_argument("--train_shards", type=int, default=9, help="number of train shards (default 9, like the "
                         "FineWeb download for the full run)")
     parser.add_argument("--shard_tokens", type=int, default=100_000_000, help="tokens per train shard (FineWeb: 1e8)")
@@ -165,28 +224,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="parallel processes (default: "
                         "all cores); does not change the output")
     args = parser.parse_args(argv)
-    if args.train_shards < 0 or args.shard_tokens < 1 or args.val_tokens < 1 or not 0 <= args.follow_prob < 1:
-        parser.error("need --train_shards >= 0, --shard_tokens >= 1, --val_tokens >= 1 and 0 <= --follow_prob < 1")
-    os.makedirs(args.out, exist_ok=True)
-    jobs = shard_jobs(args.out, args.train_shards, args.shard_tokens, args.val_tokens, args.seed, args.follow_prob)
-    total = sum(job[2] for job in jobs)
+    max_tokens = _output.MAX_SHARD_TOKENS
+    for bad, message in ((args.train_shards < 0, f"--train_shards={args.train_shards}: must be 0 or more"),
+                         (not 1 <= args.shard_tokens <= max_tokens,
+                          f"--shard_tokens={args.shard_tokens}: must be 1 .. {max_tokens:,} (the header's int32)"),
+                         (not 1 <= args.val_tokens <= max_tokens,
+                          f"--val_tokens={args.val_tokens}: must be 1 .. {max_tokens:,} (the header's int32)"),
+                         (not 0 <= args.follow_prob < 1, f"--follow_prob={args.follow_prob}: must be in [0, 1)"),
+                         (args.seed < 0, f"--seed={args.seed}: must be 0 or more"),
+                         (args.workers < 1, f"--workers={args.workers}: must be 1 or more")):
+        if bad:
+            raise _output.UsageError(message)
     t0 = time.perf_counter()
-    done = 0
-    workers = max(1, min(args.workers, len(jobs)))
-    if workers == 1:
-        _init_worker(args.seed)
-        results = map(_make_shard, jobs)
-    else:
-        pool = multiprocessing.get_context("spawn" if sys.platform == "darwin" else "fork").Pool(
-            workers, initializer=_init_worker, initargs=(args.seed,))
-        results = pool.imap_unordered(_make_shard, jobs)
-    for path in results:
-        done += next(job[2] for job in jobs if job[0] == path)
-        rate = done / max(time.perf_counter() - t0, 1e-9)
-        print(f"wrote {path}  ({done:,}/{total:,} tokens, {rate / 1e6:.1f}M tokens/s)", flush=True)
-    if workers > 1:
-        pool.close()
-        pool.join()
+    with _output.shard_set(args.out, "fineweb") as staging:
+        jobs = shard_jobs(staging, args.train_shards, args.shard_tokens, args.val_tokens, args.seed,
+                          args.follow_prob)
+        total, done = sum(job[2] for job in jobs), 0
+        # closing() ends the workers on a failure or Ctrl-C before shard_set removes their files
+        with contextlib.closing(make_shards(jobs, args.seed, min(args.workers, len(jobs)))) as results:
+            for path in results:
+                done += next(job[2] for job in jobs if job[0] == path)
+                rate = done / max(time.perf_counter() - t0, 1e-9)
+                print(f"wrote {os.path.basename(path)}  ({done:,}/{total:,} tokens, {rate / 1e6:.1f}M tokens/s)",
+                      flush=True)
     unigram, conditional = entropy_estimates(Vocabulary(args.seed), args.follow_prob)
     print(f"done in {time.perf_counter() - t0:.1f}s: {len(jobs)} shards in {args.out}; unigram entropy "
           f"{unigram:.2f} nats, about {conditional:.2f} with the successor structure learned")

@@ -12,7 +12,8 @@ Every document becomes BOS (50256, <|endoftext|>) followed by its tokens. Docume
 
 Outputs in --out: <prefix>_val_000000.bin (and _000001... if the val split is larger than a shard) and
 <prefix>_train_000001.bin, _000002.bin, ...: a 1024-byte header (int32 magic 20240520, version 1, token count) and
-uint16 tokens. Each file is written under a temporary name and renamed when complete. Train on them with
+uint16 tokens. The shards are made in a staging folder inside --out and moved into place once all are complete
+(replacing the <prefix>_*.bin shards of an earlier run): a failure or Ctrl-C leaves --out as it was. Train on them with
 --train_files='OUT/<prefix>_train_*.bin' --val_files='OUT/<prefix>_val_*.bin' (and --val_tokens no larger than the
 val shard's tokens minus 2, a multiple of --val_batch_size).
 
@@ -33,12 +34,19 @@ sys.path[:] = [p for p in sys.path if os.path.realpath(p or os.curdir) != _SCRIP
 
 import argparse  # noqa: E402
 import glob  # noqa: E402
+import importlib.util  # noqa: E402
 import json  # noqa: E402
 import re  # noqa: E402
 import time  # noqa: E402
 from typing import Iterable, Iterator  # noqa: E402
 
 import numpy as np  # noqa: E402
+
+# data/_shard_output.py: staging of the output and one-line errors, shared with data/synthetic.py (loaded by path: the
+# folder is off sys.path, see above)
+_spec = importlib.util.spec_from_file_location("_data_shard_output", os.path.join(_SCRIPT_DIR, "_shard_output.py"))
+_output = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_output)
 
 BOS_ID = 50256
 SHARD_MAGIC, SHARD_VERSION, SHARD_HEADER_BYTES = 20240520, 1, 1024
@@ -86,27 +94,47 @@ def input_files(paths: Iterable[str]) -> list[str]:
 def iter_documents(files: list[str], txt_split: str, text_field: str) -> Iterator[str]:
     """Document texts in input order (see the module docstring for what a document is)."""
     for path in files:
-        if path.endswith(".jsonl"):
-            with open(path, encoding="utf-8") as f:
-                for line_no, line in enumerate(f, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        text = json.loads(line)[text_field]
-                    except (json.JSONDecodeError, KeyError, TypeError) as e:
-                        raise SystemExit(f"error: {path}:{line_no}: expected a JSON object with a string "
-                                         f"{text_field!r} field ({type(e).__name__}); see --text_field") from None
-                    if not isinstance(text, str):
-                        raise SystemExit(f"error: {path}:{line_no}: field {text_field!r} is not a string")
-                    yield text
-        else:
-            with open(path, encoding="utf-8") as f:
-                text = f.read()
-            if txt_split == "file":
+        try:
+            yield from file_documents(path, txt_split, text_field)
+        except UnicodeDecodeError:
+            raise SystemExit(not_utf8_error(path)) from None
+
+
+def file_documents(path: str, txt_split: str, text_field: str) -> Iterator[str]:
+    if path.endswith(".jsonl"):
+        with open(path, encoding="utf-8") as f:
+            for line_no, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    text = json.loads(line)[text_field]
+                except (json.JSONDecodeError, KeyError, TypeError) as e:
+                    raise SystemExit(f"error: {path}:{line_no}: expected a JSON object with a string "
+                                     f"{text_field!r} field ({type(e).__name__}); see --text_field") from None
+                if not isinstance(text, str):
+                    raise SystemExit(f"error: {path}:{line_no}: field {text_field!r} is not a string")
                 yield text
-            else:
-                # blocks separated by one or more blank lines (lines holding only whitespace)
-                yield from (block.strip("\n") for block in re.split(r"\n\s*\n", text) if block.strip())
+    else:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        if txt_split == "file":
+            yield text
+        else:
+            # blocks separated by one or more blank lines (lines holding only whitespace)
+            yield from (block.strip("\n") for block in re.split(r"\n\s*\n", text) if block.strip())
+
+
+def not_utf8_error(path: str) -> str:
+    """The error for a file that is not UTF-8, naming its first bad line. The text reader decodes in chunks, so its
+    error does not say the line; lines decode on their own (a newline byte is never inside a UTF-8 character)."""
+    with open(path, "rb") as f:
+        for line_no, line in enumerate(f, 1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as e:
+                return (f"error: {path}:{line_no}: not UTF-8 text (byte 0x{line[e.start]:02x} at column "
+                        f"{e.start + 1}); convert the file to UTF-8 (e.g. with iconv) or leave it out")
+    return f"error: {path}: not UTF-8 text; convert the file to UTF-8 (e.g. with iconv) or leave it out"
 
 
 class ShardWriter:
@@ -137,7 +165,7 @@ class ShardWriter:
         tokens = np.concatenate(self.pending)
         path = os.path.join(self.out_dir, f"{self.prefix}_{self.split}_{self.next_index:06d}.bin")
         write_shard(path, tokens)
-        print(f"wrote {path} ({len(tokens):,} tokens)", flush=True)
+        print(f"wrote {os.path.basename(path)} ({len(tokens):,} tokens)", flush=True)
         self.paths.append(path)
         self.total_tokens += len(tokens)
         self.next_index += 1
@@ -169,43 +197,55 @@ def tokenize_to_shards(paths: list[str], out_dir: str, encoding, *, shard_tokens
                        val_docs: int | None = None, val_fraction: float = 0.01, prefix: str = "text",
                        txt_split: str = "file", text_field: str = "text", threads: int = 4) -> dict:
     """Tokenize the documents of `paths` into val and train shards in out_dir; returns
-    {"val": [paths], "train": [paths], "val_tokens": n, "train_tokens": n, "docs": n}."""
+    {"val": [paths], "train": [paths], "val_tokens": n, "train_tokens": n, "docs": n}. Nothing appears in out_dir
+    unless all shards are complete (see _shard_output.shard_set)."""
     if txt_split not in ("file", "blank_line"):
-        raise SystemExit(f"error: --txt_split={txt_split}: use file or blank_line")
-    if shard_tokens < 2:
-        raise SystemExit("error: --shard_tokens must be at least 2")
-    os.makedirs(out_dir, exist_ok=True)
-    writers = {"val": ShardWriter(out_dir, prefix, "val", 0, shard_tokens),
-               "train": ShardWriter(out_dir, prefix, "train", 1, shard_tokens)}
-    docs = iter_documents(input_files(paths), txt_split, text_field)
-    num_docs, t0 = 0, time.perf_counter()
-    while batch := [text for _, text in zip(range(ENCODE_BATCH_DOCS), docs)]:
-        for ids in encoding.encode_ordinary_batch(batch, num_threads=threads):
-            doc = np.empty(len(ids) + 1, dtype=np.uint16)
-            doc[0] = BOS_ID
-            doc[1:] = ids
-            writers["val" if is_val_doc(num_docs, val_docs, val_fraction) else "train"].add(doc)
-            num_docs += 1
-        if num_docs % (ENCODE_BATCH_DOCS * 64) == 0:
-            done = sum(w.total_tokens + w.pending_tokens for w in writers.values())
-            print(f"{num_docs:,} documents, {done:,} tokens, {done / (time.perf_counter() - t0) / 1e6:.2f}M tokens/s",
-                  flush=True)
-    for writer in writers.values():
-        writer.flush()
-    if not writers["val"].paths:
-        raise SystemExit(f"error: no documents went to validation ({num_docs} documents in all); raise "
-                         f"--val_fraction or set --val_docs")
-    if not writers["train"].paths:
-        raise SystemExit(f"error: no documents left for training ({num_docs} documents in all); lower --val_docs "
-                         f"or --val_fraction")
-    return {"val": writers["val"].paths, "train": writers["train"].paths, "docs": num_docs,
+        raise _output.UsageError(f"--txt_split={txt_split}: use file or blank_line")
+    if not 2 <= shard_tokens <= _output.MAX_SHARD_TOKENS:
+        raise _output.UsageError(f"--shard_tokens={shard_tokens}: must be 2 .. {_output.MAX_SHARD_TOKENS:,} (the "
+                                 f"header's int32)")
+    files = input_files(paths)
+    with _output.shard_set(out_dir, prefix) as staging:
+        writers = {"val": ShardWriter(staging, prefix, "val", 0, shard_tokens),
+                   "train": ShardWriter(staging, prefix, "train", 1, shard_tokens)}
+        docs = iter_documents(files, txt_split, text_field)
+        num_docs, t0 = 0, time.perf_counter()
+        while batch := [text for _, text in zip(range(ENCODE_BATCH_DOCS), docs)]:
+            for ids in encoding.encode_ordinary_batch(batch, num_threads=threads):
+                doc = np.empty(len(ids) + 1, dtype=np.uint16)
+                doc[0] = BOS_ID
+                doc[1:] = ids
+                writers["val" if is_val_doc(num_docs, val_docs, val_fraction) else "train"].add(doc)
+                num_docs += 1
+            if num_docs % (ENCODE_BATCH_DOCS * 64) == 0:
+                done = sum(w.total_tokens + w.pending_tokens for w in writers.values())
+                print(f"{num_docs:,} documents, {done:,} tokens, "
+                      f"{done / (time.perf_counter() - t0) / 1e6:.2f}M tokens/s", flush=True)
+        for writer in writers.values():
+            writer.flush()
+        if not num_docs:
+            raise SystemExit(f"error: no documents in the input ({len(files)} files, all empty or blank); give "
+                             f"files that hold text")
+        if not writers["val"].paths:
+            raise SystemExit(f"error: no documents went to validation ({num_docs} documents in all); raise "
+                             f"--val_fraction or set --val_docs")
+        if not writers["train"].paths:
+            raise SystemExit(f"error: no documents left for training ({num_docs} documents in all); lower "
+                             f"--val_docs or --val_fraction")
+    final = {split: [os.path.join(out_dir, os.path.basename(p)) for p in w.paths] for split, w in writers.items()}
+    return {"val": final["val"], "train": final["train"], "docs": num_docs,
             "val_tokens": writers["val"].total_tokens, "train_tokens": writers["train"].total_tokens}
 
 
 def main(argv: list[str] | None = None) -> int:
+    return _output.run_main(_main, argv)
+
+
+def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("inputs", nargs="+", help=".txt / .jsonl files, or folders holding them")
-    parser.add_argument("--out", required=True, help="output folder (created if missing)")
+    parser.add_argument("--out", required=True, help="output folder (created if missing); its <prefix>_*.bin shards "
+                        "of an earlier run are replaced by this run's, and only once all of them are complete")
     parser.add_argument("--encoding", default="gpt2", choices=("gpt2", "bytes"), help="tokenizer (default gpt2)")
     parser.add_argument("--prefix", default="text", help="output name prefix (default text)")
     parser.add_argument("--shard_tokens", type=int, default=100_000_000, help="max tokens per shard (default 1e8)")
@@ -217,8 +257,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--text_field", default="text", help="the JSON field holding a .jsonl document's text")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="tokenizer threads")
     args = parser.parse_args(argv)
-    if not 0 < args.val_fraction < 1:
-        parser.error("--val_fraction must be between 0 and 1")
+    for bad, message in ((not 0 < args.val_fraction < 1,
+                          f"--val_fraction={args.val_fraction}: must be between 0 and 1 (exclusive)"),
+                         (args.val_docs is not None and args.val_docs < 1,
+                          f"--val_docs={args.val_docs}: must be 1 or more"),
+                         (args.threads < 1, f"--threads={args.threads}: must be 1 or more"),
+                         (not args.prefix or "/" in args.prefix,
+                          f"--prefix={args.prefix!r}: must be a non-empty file name part, without '/'")):
+        if bad:
+            raise _output.UsageError(message)
     result = tokenize_to_shards(args.inputs, args.out, get_encoding(args.encoding), shard_tokens=args.shard_tokens,
                                 val_docs=args.val_docs, val_fraction=args.val_fraction, prefix=args.prefix,
                                 txt_split=args.txt_split, text_field=args.text_field, threads=args.threads)

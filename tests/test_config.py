@@ -37,13 +37,18 @@ def test_parse_errors(argv, needle):
     (1, ["--val_tokens=1000"], "--val_tokens=1000"),
     (1, ["--attn_layout=PN"], "--attn_layout"),
     (1, ["--attn_backend=magic"], "--attn_backend=magic"),
-    (1, ["--long_window_layers=0"], "--long_window_layers"),
+    (1, ["--long_window_layers=3,11"], "--long_window_layers=(3, 11) must be layer indices below 11"),
     (8, ["--mlp_bank_pad=0"], "mlp bank has 22 matrices"),
-    (1, ["--model_dim=512"], "--model_dim must equal"),
-    (1, ["--nonfinite_check_every=-1"], "--nonfinite_check_every must be >= 0"),
+    (1, ["--model_dim=512"], "must equal model_dim = 512"),
+    (1, ["--nonfinite_check_every=-1"], "--nonfinite_check_every=-1 must be >= 0"),
+    (1, ["--model_dim=1024", "--num_heads=8"], None),              # shapes follow the model: nothing to restate
+    (1, ["--long_window_layers=3,9"], None),                        # a paired layer may take the long window
 ])
 def test_validation_names_the_fix(world_size, argv, needle):
     hp = tg.parse_args(argv)
+    if needle is None:
+        tg.validate_hyperparameters(hp, world_size)
+        return
     with pytest.raises(tg.ConfigError) as e:
         tg.validate_hyperparameters(hp, world_size)
     assert needle in str(e.value)

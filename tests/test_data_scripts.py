@@ -1,9 +1,12 @@
 """Tests of the scripts under data/: cached_fineweb10B.py (with a fake hub: no network), tokenize.py and synthetic.py,
 including running each one as a script."""
+import errno
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -88,6 +91,21 @@ def listing(folder):
     return sorted(os.listdir(folder))
 
 
+def assert_one_error_line(err, *words):
+    """A failure a user can cause: stderr is one `error: ...` line holding `words`, and no traceback."""
+    assert "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    for word in words:
+        assert word in lines[0], err
+
+
+def assert_clean_failure(result, code, *words):
+    """The same for a script run in a subprocess, with its exit status."""
+    assert result.returncode == code, result.stderr
+    assert_one_error_line(result.stderr, *words)
+
+
 def test_download_all(tmp_path):
     hub, sleeps = FakeHub(), []
     paths = fineweb.download(2, str(tmp_path), fetch=hub, sleep=sleeps.append, log=lambda s: None)
@@ -129,7 +147,7 @@ def test_interrupted_download_leaves_no_partial_file(tmp_path, capsys):
         fineweb.download(2, str(tmp_path), fetch=hub, sleep=lambda s: None, log=lambda s: None)
     assert listing(tmp_path) == ["fineweb_val_000000.bin"]        # the complete one stays; nothing partial
     assert fineweb.main(["2", "--dir", str(tmp_path)], fetch=hub) == 130
-    assert "interrupted" in capsys.readouterr().err
+    assert_one_error_line(capsys.readouterr().err, "interrupted", "run again")
     assert listing(tmp_path) == ["fineweb_val_000000.bin"]
     # a folder left by a killed run is cleaned up by the next run, which completes
     os.makedirs(tmp_path / (fineweb.TEMP_PREFIX + "killed"))
@@ -139,16 +157,11 @@ def test_interrupted_download_leaves_no_partial_file(tmp_path, capsys):
 
 
 def test_missing_upstream_is_not_retried(tmp_path, capsys):
-    hub = FakeHub({"fineweb_train_000104.bin": ["missing"]})
-    for k in range(1, 104):
-        hub.script[f"fineweb_train_{k:06d}.bin"] = ["ok"]
-    os.makedirs(tmp_path, exist_ok=True)
-    for name in fineweb.shard_names(103):                           # pretend the first 103 are already here
-        (tmp_path / name).write_bytes(shard_bytes(3))
-    assert fineweb.main(["104", "--dir", str(tmp_path)], fetch=hub) == 1
-    assert hub.calls == ["fineweb_train_000104.bin"]
-    err = capsys.readouterr().err
-    assert "fineweb_train_000104.bin is not available" in err and "103 train shards" in err
+    hub = FakeHub({"fineweb_train_000002.bin": ["missing"]})
+    assert fineweb.main(["2", "--dir", str(tmp_path)], fetch=hub) == 1
+    assert hub.calls == ["fineweb_val_000000.bin", "fineweb_train_000001.bin", "fineweb_train_000002.bin"]
+    assert_one_error_line(capsys.readouterr().err, "fineweb_train_000002.bin is not available", "103 train shards")
+    assert listing(tmp_path) == ["fineweb_train_000001.bin", "fineweb_val_000000.bin"]     # complete ones: resumable
 
 
 def test_offline_gives_up_with_advice(tmp_path, capsys, monkeypatch):
@@ -157,8 +170,7 @@ def test_offline_gives_up_with_advice(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(fineweb.time, "sleep", sleeps.append)
     assert fineweb.main(["1", "--dir", str(tmp_path), "--attempts", "3"], fetch=hub) == 1
     assert hub.calls == ["fineweb_val_000000.bin"] * 3 and sleeps == [2.0, 4.0]
-    err = capsys.readouterr().err
-    assert "HF_ENDPOINT" in err and "data/synthetic.py" in err and "copy" in err
+    assert_one_error_line(capsys.readouterr().err, "HF_ENDPOINT", "data/synthetic.py", "copy")
     assert listing(tmp_path) == []
 
 
@@ -338,3 +350,198 @@ def test_synthetic_script_is_worker_count_independent(tmp_path):
         assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes()
     assert len(read_shard(str(tmp_path / "one" / "fineweb_val_000000.bin"))) == 50_000
     assert len(read_shard(str(tmp_path / "one" / "fineweb_train_000002.bin"))) == 200_000
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Failures a user can cause: one `error:` line, exit 2 (a bad option) / 1 (data, files) / 130 (Ctrl-C), no traceback,
+# and no partial output (shards, temporary files, staging folders); an earlier run's shard set stays as it was
+# ------------------------------------------------------------------------------------------------------------------
+
+SYN_SMALL = ["--train_shards=3", "--shard_tokens=1000", "--val_tokens=500", "--workers=1"]
+
+
+def text_inputs(folder, num_docs):
+    """A .jsonl of num_docs short documents (about 25 tokens each with the bytes encoding)."""
+    path = folder / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": f"document {i}: a few words"}) + "\n" for i in range(num_docs)),
+                    encoding="utf-8")
+    return path
+
+
+def snapshot(folder):
+    return {name: (folder / name).read_bytes() for name in listing(folder)}
+
+
+@pytest.mark.parametrize("flag", ["--train_shards=-1", "--shard_tokens=0", f"--shard_tokens={2**31}",
+                                  "--val_tokens=0", "--follow_prob=1.0", "--follow_prob=nan", "--seed=-1",
+                                  "--workers=0"])
+def test_synthetic_bad_option(tmp_path, capsys, flag):
+    out = tmp_path / "out"
+    assert syn.main(["--out", str(out), *SYN_SMALL, flag]) == 2
+    assert_one_error_line(capsys.readouterr().err, flag)
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("flag", ["--shard_tokens=1", f"--shard_tokens={2**31}", "--val_fraction=0",
+                                  "--val_fraction=1.5", "--val_docs=0", "--threads=0", "--prefix=", "--prefix=a/b"])
+def test_tokenize_bad_option(tmp_path, capsys, flag):
+    out = tmp_path / "out"
+    assert tok.main([str(text_inputs(tmp_path, 4)), "--out", str(out), "--encoding=bytes", flag]) == 2
+    assert_one_error_line(capsys.readouterr().err, flag.split("=")[0])
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("case,args,words", [
+    ("nope.txt", [], ["nope.txt", "does not exist"]),
+    ("a.csv", [], ["a.csv", "only .txt and .jsonl"]),
+    ("", [], ["no .txt or .jsonl files"]),                                  # a folder without inputs
+    ("blank.jsonl", [], ["no documents in the input"]),
+    ("bad.jsonl", [], ["bad.jsonl:2", "--text_field"]),
+    ("docs.jsonl", ["--val_docs=41"], ["no documents left for training", "--val_docs"]),      # val > the data
+    ("docs.jsonl", ["--val_fraction=0.01"], ["no documents went to validation", "--val_fraction"]),
+])
+def test_tokenize_bad_data(tmp_path, capsys, case, args, words):
+    src = tmp_path / "src"
+    src.mkdir()
+    contents = {"a.csv": "a,b\n", "blank.jsonl": "\n  \n", "bad.jsonl": '{"text": "ok"}\n{"body": "x"}\n'}
+    if case in contents:
+        (src / case).write_text(contents[case], encoding="utf-8")
+    if case == "docs.jsonl":
+        text_inputs(src, 40)
+    out = tmp_path / "out"
+    assert tok.main([str(src / case), "--out", str(out), "--encoding=bytes", *args]) == 1
+    assert_one_error_line(capsys.readouterr().err, *words)
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("ext,line", [("txt", 3), ("jsonl", 2)])
+def test_tokenize_not_utf8_half_way_keeps_the_earlier_set(tmp_path, ext, line):
+    docs = text_inputs(tmp_path, 700)           # more than one encode batch: shards are written before the bad file
+    out = tmp_path / "out"
+    assert tok.main([str(docs), "--out", str(out), "--encoding=bytes", "--val_docs=2"]) == 0
+    (out / "notes.txt").write_text("not a shard")
+    before = snapshot(out)
+    text = '{"text": "ok"}\n{"text": "caf\xe9"}\n' if ext == "jsonl" else "line one\nline two\ncaf\xe9\n"
+    (tmp_path / f"z.{ext}").write_bytes(text.encode("latin-1"))
+    result = run_script("tokenize", str(docs), str(tmp_path / f"z.{ext}"), "--out", str(out), "--encoding=bytes",
+                        "--val_docs=2", "--shard_tokens=2000", "--threads=1")
+    assert_clean_failure(result, 1, f"z.{ext}:{line}:", "not UTF-8", "0xe9", "iconv")
+    assert "wrote text_train_000002.bin" in result.stdout                  # it failed half-way
+    assert snapshot(out) == before                                          # the earlier set, nothing else
+
+
+@pytest.mark.parametrize("exc,code,words", [(OSError(errno.ENOSPC, "No space left on device"), 1,
+                                             ["No space left on device", "no shards were written"]),
+                                            (KeyboardInterrupt(), 130, ["interrupted", "no shards were written"])])
+def test_tokenize_failure_half_way_leaves_nothing(tmp_path, capsys, monkeypatch, exc, code, words):
+    write_shard = tok.write_shard
+
+    def failing(path, tokens):                  # the 3rd shard fails (a full disk, Ctrl-C)
+        if "_train_000002" in path:
+            raise exc
+        write_shard(path, tokens)
+    monkeypatch.setattr(tok, "write_shard", failing)
+    out = tmp_path / "out"
+    assert tok.main([str(text_inputs(tmp_path, 40)), "--out", str(out), "--encoding=bytes", "--val_docs=2",
+                     "--shard_tokens=100"]) == code
+    captured = capsys.readouterr()
+    assert_one_error_line(captured.err, *words)
+    assert "wrote text_train_000001.bin" in captured.out
+    assert not out.exists()                     # created by the run, so removed with its partial shards
+
+
+@pytest.mark.parametrize("workers,exc,code,words", [
+    (1, OSError(errno.ENOSPC, "No space left on device"), 1, ["No space left on device", "no shards were written"]),
+    (2, OSError(errno.ENOSPC, "No space left on device"), 1, ["No space left on device", "no shards were written"]),
+    (1, KeyboardInterrupt(), 130, ["interrupted", "no shards were written"])])
+def test_synthetic_failure_half_way_keeps_the_earlier_set(tmp_path, capsys, monkeypatch, workers, exc, code, words):
+    out = tmp_path / "out"
+    assert syn.main(["--out", str(out), "--train_shards=1", "--shard_tokens=700", "--val_tokens=300",
+                     "--workers=1"]) == 0
+    (out / "notes.txt").write_text("not a shard")
+    before = snapshot(out)
+    make_tokens = syn.make_tokens
+
+    def failing(vocab, seed_words, num_tokens, follow_prob):    # train shard 2 of 3 fails (in a worker if any)
+        if seed_words[2] == 2:
+            raise exc
+        return make_tokens(vocab, seed_words, num_tokens, follow_prob)
+    monkeypatch.setattr(syn, "make_tokens", failing)
+    capsys.readouterr()
+    assert syn.main(["--out", str(out), *SYN_SMALL, f"--workers={workers}"]) == code
+    assert_one_error_line(capsys.readouterr().err, *words)
+    assert snapshot(out) == before
+
+
+def test_synthetic_ctrl_c_with_workers_leaves_nothing(tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "data", "synthetic.py"), "--out", str(out),
+                             "--train_shards=4", "--shard_tokens=20000000", "--val_tokens=1000", "--workers=2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        # Ctrl-C, as a terminal sends it to the whole process group, once a worker has written the (small) val shard
+        deadline = time.monotonic() + 60
+        while not list(out.glob(".staging-*/fineweb_val_000000.bin")) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err
+    assert_one_error_line(err, "interrupted")
+    assert not out.exists()
+
+
+def test_rerun_replaces_the_earlier_shard_set(tmp_path):
+    docs, out, enc = text_inputs(tmp_path, 40), tmp_path / "out", tok.get_encoding("bytes")
+    first = tok.tokenize_to_shards([str(docs)], str(out), enc, shard_tokens=100, val_docs=2, threads=1)
+    (out / "notes.txt").write_text("not a shard")
+    (out / "other_train_000001.bin").write_bytes(b"another prefix")
+    second = tok.tokenize_to_shards([str(docs)], str(out), enc, val_docs=2, threads=1)
+    assert len(first["train"]) > 2 and len(second["train"]) == 1
+    # the first run's train shards 2.. are gone (a glob would mix them in); other files stay
+    assert listing(out) == ["notes.txt", "other_train_000001.bin", "text_train_000001.bin", "text_val_000000.bin"]
+    assert decode_docs(second["val"] + second["train"]) == [f"document {i}: a few words" for i in range(40)]
+
+
+@pytest.mark.parametrize("inside", [False, True])           # --out is a file / is under a file
+@pytest.mark.parametrize("name,flag", [("synthetic", "--out"), ("tokenize", "--out"), ("cached_fineweb10B", "--dir")])
+def test_output_folder_cannot_be_created(tmp_path, name, flag, inside):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    target = blocker / "out" if inside else blocker
+    if name == "tokenize":
+        args = [str(text_inputs(tmp_path, 4)), "--encoding=bytes"]
+    else:
+        args = SYN_SMALL if name == "synthetic" else ["1"]
+    result = run_script(name, *args, flag, str(target))
+    assert_clean_failure(result, 1, "cannot create", str(target), flag)
+    assert set(listing(tmp_path)) - {"docs.jsonl"} == {"file"}
+    assert blocker.read_text() == "not a folder"
+
+
+@pytest.mark.parametrize("args,words", [(["104"], ["104", "has 103", "0 .. 103"]), (["-1"], ["-1", "0 .. 103"]),
+                                        (["2", "--attempts=0"], ["--attempts=0"])])
+def test_fineweb_bad_counts(tmp_path, capsys, args, words):
+    hub = FakeHub()
+    assert fineweb.main([*args, "--dir", str(tmp_path / "d")], fetch=hub) == 2
+    assert_one_error_line(capsys.readouterr().err, *words)
+    assert hub.calls == [] and not (tmp_path / "d").exists()
+
+
+@pytest.mark.parametrize("count", ["2.5", "ten"])
+def test_fineweb_non_integer_count(tmp_path, count):
+    result = run_script("cached_fineweb10B", count, "--dir", str(tmp_path / "d"))
+    # argparse's own usage error: exit 2, a usage line, then one `<prog>: error:` line
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    errors = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and f"invalid int value: '{count}'" in errors[0], result.stderr
+    assert not (tmp_path / "d").exists()
+
+
+def test_fineweb_without_huggingface_hub(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "huggingface_hub", None)          # imports fail as if it were not installed
+    assert fineweb.main(["1", "--dir", str(tmp_path / "d")]) == 1
+    assert_one_error_line(capsys.readouterr().err, "huggingface_hub", "pip install")
+    assert not (tmp_path / "d").exists()

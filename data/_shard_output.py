@@ -1,0 +1,80 @@
+"""Shared by data/synthetic.py and data/tokenize.py (not a script): all-or-nothing output of a set of shards, and the
+one-line error reporting of the scripts. Loaded by path (data/ is not a package, and the scripts take it off sys.path).
+
+Errors: every failure a user can cause ends in one `error: ...` line on stderr and no traceback. A bad option raises
+UsageError (exit 2); a data problem raises SystemExit("error: ...") (exit 1, and a clean exit for callers of the
+functions too); file-system errors (OSError) exit 1 and Ctrl-C exits 130.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import sys
+import tempfile
+from typing import Callable, Iterator
+
+MAX_SHARD_TOKENS = 2**31 - 1       # the shard header holds the token count as an int32
+STAGING_PREFIX = ".staging-"       # a run's shards are written here, inside the output folder, until all are complete
+
+
+class UsageError(Exception):
+    """A bad command-line option value: the message names the flag and what it must be."""
+
+
+def run_main(main: Callable[[list[str] | None], int], argv: list[str] | None) -> int:
+    """main(argv), with the failures a user can cause turned into one `error:` line and an exit status. shard_set
+    has already removed any partial output when these reach here."""
+    try:
+        return main(argv)
+    except UsageError as e:
+        message, status = str(e), 2
+    except SystemExit as e:     # a data problem: SystemExit("error: ..."); argparse's exits (--help, usage) pass
+        if not isinstance(e.code, str):
+            raise
+        message, status = e.code.removeprefix("error: "), 1
+    except OSError as e:        # disk full, unreadable input, ...
+        where = f"{e.filename}: " if e.filename else ""
+        message, status = f"{where}{e.strerror or e}; no shards were written (partial output was removed)", 1
+    except MemoryError:
+        message, status = "out of memory; use a smaller --shard_tokens (or fewer --workers)", 1
+    except KeyboardInterrupt:
+        message, status = "interrupted; no shards were written (partial output was removed)", 130
+    print(f"error: {message}", file=sys.stderr)
+    return status
+
+
+@contextlib.contextmanager
+def shard_set(out_dir: str, prefix: str) -> Iterator[str]:
+    """Yields a staging folder inside out_dir to write a run's shards into. When the block completes, the shards are
+    moved into out_dir, where they become its whole <prefix>_{train,val}_NNNNNN.bin set: older shards of that pattern
+    that the new set does not overwrite are removed, as a training glob would mix them in; other files are left alone.
+    When the block fails (an error, Ctrl-C), the staging folder is removed and out_dir is as before (and is removed if
+    this run created it), so a partial set is never visible."""
+    created = not os.path.isdir(out_dir)
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:        # e.g. a file in the way: NotADirectoryError, FileExistsError
+        raise SystemExit(f"error: cannot create the output folder {out_dir}: {e.strerror}; choose another --out") \
+            from None
+    staging = tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=out_dir)
+    complete = False
+    try:
+        yield staging
+        new = sorted(os.listdir(staging))
+        pattern = re.compile(rf"{re.escape(prefix)}_(train|val)_\d{{6}}\.bin")
+        stale = sorted(name for name in os.listdir(out_dir) if pattern.fullmatch(name) and name not in new)
+        for name in new:
+            os.replace(os.path.join(staging, name), os.path.join(out_dir, name))
+        for name in stale:
+            os.remove(os.path.join(out_dir, name))
+        if stale:
+            print(f"removed {len(stale)} shard(s) of an earlier run that this run does not replace: {stale[0]}"
+                  + (f" .. {stale[-1]}" if len(stale) > 1 else ""))
+        complete = True
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+        if created and not complete:
+            with contextlib.suppress(OSError):
+                os.rmdir(out_dir)       # only if empty: something else may have been put there meanwhile

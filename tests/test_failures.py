@@ -1,0 +1,286 @@
+"""Every failure a user can cause: one `error:` line that names the flag or file and the fix, the exit code of the
+README's failure table, no traceback, the same line at the end of the run's log, and no partial file left behind.
+
+Most cases call train_gpt.main() in this process (they fail before anything trains, in well under a second); the
+signal cases and one end-to-end case run the script in a subprocess, as a user would.
+"""
+import builtins
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import train_gpt as tg
+from _shards import BOS, CPU_MALLOC_ENV, ROOT, make_dataset, structured_docs, write_shard
+
+SHORT = ["--preset=tiny", "--num_scheduled_iterations=6", "--num_extension_iterations=0", "--warmup=false",
+         "--val_loss_every=0", "--seed=0"]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    d = tmp_path_factory.mktemp("data")
+    return make_dataset(d, train_tokens=300_000, val_tokens=20_000)
+
+
+def run_main(capsys, args, tmp_path, run_id="run"):
+    """main() in this process; returns (exit code, stderr's lines, stdout, the log's lines or None)."""
+    code = tg.main([*args, f"--log_dir={tmp_path}/logs", f"--run_id={run_id}"])
+    out, err = capsys.readouterr()
+    log = tmp_path / "logs" / f"{run_id}.txt"
+    return code, err.splitlines(), out, (log.read_text().splitlines() if log.exists() else None)
+
+
+def assert_one_error(code, err, want_code, *needles):
+    """The exit code, exactly one stderr line and it is `error: ...` holding every needle, no traceback."""
+    assert code == want_code, (code, err)
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    assert "Traceback" not in "\n".join(err)
+    for needle in needles:
+        assert needle in err[0], (needle, err[0])
+
+
+def leftovers(folder):
+    """Temporary or partial files a failure must not leave."""
+    return [p for p in Path(folder).rglob("*") if ".tmp" in p.name or ".write_test" in p.name]
+
+
+# ---- data ---------------------------------------------------------------------------------------------------------
+
+def shard_with(tmp_path, tokens, name="fineweb_train_000001.bin"):
+    d = tmp_path / "bad"
+    d.mkdir(exist_ok=True)
+    return write_shard(d / name, tokens)
+
+
+@pytest.mark.parametrize("where", ["sample", "past_the_sample"])
+def test_token_ids_outside_the_vocabulary(capsys, tmp_path, data, where):
+    """An id >= --vocab_size: in the sample preflight reads, or far into the shard, where the loader's check of each
+    shard it loads catches it at the first batch (not a device-side assert mid-run)."""
+    toks = structured_docs(tg.PREFLIGHT_SAMPLE_TOKENS + 300_000, 3)
+    pos = 5_000 if where == "sample" else tg.PREFLIGHT_SAMPLE_TOKENS + 1_000
+    toks[pos] = 60_000
+    bad = shard_with(tmp_path, toks)
+    code, err, _, log = run_main(capsys, [*SHORT, f"--train_files={bad}", f"--val_files={data[1]}"], tmp_path)
+    assert_one_error(code, err, 1, "token id 60000", f"token {pos:,}", "fineweb_train_000001.bin", "--vocab_size")
+    assert log[-1] == err[0]                          # the log ends with the line the console got
+    if where == "past_the_sample":
+        assert any(line.startswith("phase:process_start_to_timed_loop") for line in log)   # found by the loader
+
+
+def test_token_ids_outside_the_vocabulary_in_the_val_shard_fail_before_training(capsys, tmp_path, data):
+    """With --val_loss_every=0 the val shard is first read after the last step: preflight reads it all first."""
+    toks = structured_docs(20_000, 1)
+    toks[4_000] = 50_304
+    bad = shard_with(tmp_path, toks, "fineweb_val_000000.bin")
+    code, err, _, log = run_main(capsys, [*SHORT, f"--train_files={data[0]}", f"--val_files={bad}"], tmp_path)
+    assert_one_error(code, err, 1, "token id 50304", "fineweb_val_000000.bin")
+    assert not any(line.startswith("step:") for line in log)
+
+
+def test_shard_without_a_document_start(capsys, tmp_path, data):
+    toks = structured_docs(300_000, 2)
+    toks[toks == BOS] = 7
+    bad = shard_with(tmp_path, toks)
+    code, err, _, log = run_main(capsys, [*SHORT, f"--train_files={bad}", f"--val_files={data[1]}"], tmp_path)
+    assert_one_error(code, err, 1, "no document start", "fineweb_train_000001.bin", "data/tokenize.py")
+    assert log[-1] == err[0]
+
+
+def test_folder_matched_by_the_shard_glob(capsys, tmp_path, data):
+    d = Path(data[0]).parent
+    (d / "fineweb_train_999999.bin").mkdir(exist_ok=True)
+    try:
+        code, err, _, _ = run_main(capsys, [*SHORT, f"--train_files={data[0]}", f"--val_files={data[1]}"], tmp_path)
+    finally:
+        (d / "fineweb_train_999999.bin").rmdir()
+    assert_one_error(code, err, 1, "matches the folder", "fineweb_train_999999.bin")
+
+
+def test_broken_symlink_matched_by_the_shard_glob(capsys, tmp_path, data):
+    link = tmp_path / "fineweb_train_000001.bin"
+    os.symlink(tmp_path / "gone.bin", link)
+    code, err, _, _ = run_main(capsys, [*SHORT, f"--train_files={tmp_path}/fineweb_train_*.bin",
+                                        f"--val_files={data[1]}"], tmp_path)
+    assert_one_error(code, err, 1, "broken symbolic link", str(link))
+
+
+def test_shard_the_process_cannot_read(capsys, tmp_path, data, monkeypatch):
+    """chmod cannot take read access from root (CI runs as root), so open() refuses this one file instead."""
+    bad = shard_with(tmp_path, structured_docs(300_000, 2))
+    real_open = builtins.open
+
+    def refusing_open(path, *args, **kwargs):
+        if str(path) == bad:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", refusing_open)
+    code, err, _, _ = run_main(capsys, [*SHORT, f"--train_files={bad}", f"--val_files={data[1]}"], tmp_path)
+    assert_one_error(code, err, 1, "cannot read shard", "permission denied", "chmod")
+
+
+# ---- options ------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("arg,needles", [
+    ("--val_tokens=0", ["--val_tokens=0 must be positive"]),
+    ("--model_dim=-128", ["--model_dim=-128 must be positive"]),
+    ("--num_heads=0", ["--num_heads=0 must be positive"]),
+    ("--batch_slices=0", ["--batch_slices=0 must be positive"]),
+    ("--block_size=0", ["--block_size=0 must be positive"]),
+    ("--adam_lr=-0.1", ["--adam_lr=-0.1 must be >= 0"]),
+    ("--muon_lr=nan", ["--muon_lr=nan must be >= 0"]),
+    ("--num_extension_iterations=-1", ["--num_extension_iterations=-1 must be >= 0"]),
+    ("--train_bs_schedule=0,768,1024", ["--train_bs_schedule=0,768,1024 needs 3", "positive"]),
+    ("--lr_peaks=1,2", ["--lr_peaks=1.0,2.0 needs 3"]),
+    ("--cooldown_frac=0", ["--cooldown_frac=0.0 must be in (0, 1]"]),
+    ("--muon_beta2=1", ["--muon_beta2=1.0 must be in [0, 1)"]),
+    ("--momentum_min=0.99", ["--momentum_min (0.99) <= --momentum_max (0.95)"]),
+    ("--seed=-5", ["--seed=-5"]),
+    ("--run_id=a/b", ["--run_id='a/b'"]),
+    ("--work_order=attn,mlp", ["work_order is missing", "--work_order"]),
+    ("--scatter_order=attn,mlp,attn", ["scatter_order lists 'attn' 2 times"]),
+    ("--attn_backend=varlen", ["--attn_backend=varlen cannot run on cpu", "available: sdpa"]),
+    ("--attn_backend=magic", ["--attn_backend=magic is not one of auto"]),
+    ("--dtype=float16", ["--dtype=float16"]),
+    ("--use_fp8=true", ["--use_fp8=false with --dtype"]),
+    ("--lr=0.1", ["unknown option --lr; did you mean --adam_lr, --muon_lr"]),
+    ("--num_layers", ["--num_layers needs a value"]),
+    ("--profile_steps=5:99", ["--profile_steps='5:99'"]),
+])
+def test_bad_option_values_name_the_flag(capsys, tmp_path, data, arg, needles):
+    extra = ["--dtype=float64"] if arg == "--use_fp8=true" else []
+    run_id = arg.split("=", 1)[1] if arg.startswith("--run_id=") else "run"
+    code, err, _, log = run_main(capsys, [*SHORT, *extra, f"--train_files={data[0]}", f"--val_files={data[1]}",
+                                          arg], tmp_path, run_id=run_id)
+    assert_one_error(code, err, 2, *needles)
+    assert not (tmp_path / "logs").exists() or not any(l.startswith("step:") for l in log or [])
+
+
+def test_bad_orders_name_every_missing_label():
+    hp = tg.parse_args(["--preset=tiny", "--scatter_order=attn,mlp"])
+    with pytest.raises(tg.ConfigError, match="scatter_order is missing 'scalars', 've0'.*'embed'"):
+        tg.validate_hyperparameters(hp, 1)
+
+
+@pytest.mark.parametrize("env,needle", [
+    ({"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}, "WORLD_SIZE=2 is set but MASTER_ADDR, MASTER_PORT are not"),
+    ({"WORLD_SIZE": "2", "RANK": "2"}, "RANK=2 is not a rank of WORLD_SIZE=2"),
+    ({"WORLD_SIZE": "two"}, "must be integers"),
+])
+def test_torchrun_variables_without_torchrun(capsys, tmp_path, data, monkeypatch, env, needle):
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    code, err, _, _ = run_main(capsys, [*SHORT, f"--train_files={data[0]}", f"--val_files={data[1]}"], tmp_path)
+    assert_one_error(code, err, 2, needle, "./run.sh")
+
+
+def test_help_lists_every_field_with_its_default_and_exits_0(capsys):
+    for flag in ("--help", "-h"):
+        assert tg.main([flag]) == 0
+        out = capsys.readouterr().out
+        assert out.startswith("usage: python3 train_gpt.py")
+        for f in tg.dataclasses.fields(tg.Hyperparameters):
+            assert f"  --{f.name}  [" in out, f.name
+        assert "  --muon_lr  [float, default 0.023]  NorMuon base lr" in out
+        assert "tiny: --model_dim=128" in out
+
+
+# ---- files --------------------------------------------------------------------------------------------------------
+
+def test_log_folder_that_cannot_be_created(capsys, tmp_path, data):
+    (tmp_path / "file").write_text("not a folder")
+    code = tg.main([*SHORT, f"--train_files={data[0]}", f"--val_files={data[1]}", f"--log_dir={tmp_path}/file/logs"])
+    err = capsys.readouterr().err.splitlines()
+    assert_one_error(code, err, 2, "cannot write to", "file/logs", "--log_dir")
+
+
+def test_checkpoint_folder_is_write_tested_before_training(capsys, tmp_path, data):
+    """--save_checkpoint used to train to the end and then crash on an unwritable folder, losing the run."""
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "ck").write_text("a file where the checkpoint folder goes")
+    code, err, _, log = run_main(capsys, [*SHORT, "--save_checkpoint", f"--train_files={data[0]}",
+                                          f"--val_files={data[1]}"], tmp_path, run_id="ck")
+    assert_one_error(code, err, 2, "cannot write to", "logs/ck")
+    assert log is None and not leftovers(tmp_path / "logs")
+
+
+def test_reused_run_id_never_touches_the_earlier_log(capsys, tmp_path, data):
+    (tmp_path / "logs").mkdir()
+    earlier = tmp_path / "logs" / "mine.txt"
+    earlier.write_text("an earlier run's log\n")
+    code, err, _, _ = run_main(capsys, [*SHORT, f"--train_files={data[0]}", f"--val_files={data[1]}"], tmp_path,
+                               run_id="mine")
+    assert_one_error(code, err, 2, "mine.txt exists", "choose another --run_id")
+    assert earlier.read_text() == "an earlier run's log\n"
+
+
+# ---- signals ------------------------------------------------------------------------------------------------------
+
+def start(args, cwd):
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1", **CPU_MALLOC_ENV)
+    return subprocess.Popen([sys.executable, str(ROOT / "train_gpt.py"), *args], cwd=cwd, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def wait_for_line(proc, prefix, timeout=120):
+    deadline = time.time() + timeout
+    for line in proc.stdout:
+        if line.startswith(prefix) or time.time() > deadline:
+            return line
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_signal_in_the_timed_loop_stops_at_a_step_and_saves_it(tmp_path, data, sig, code):
+    args = ["--preset=tiny", "--warmup=false", "--val_loss_every=0", "--seed=0", "--save_checkpoint",
+            f"--train_files={data[0]}", f"--val_files={data[1]}", f"--log_dir={tmp_path}/logs", "--run_id=sig"]
+    proc = start(args, tmp_path)
+    assert wait_for_line(proc, "step:2/") is not None
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=120)
+    name = signal.Signals(sig).name
+    assert proc.returncode == code, err
+    assert "Traceback" not in err
+    errors = [l for l in err.splitlines() if l.startswith("error:")]
+    assert len(errors) == 1 and f"stopped by {name} after step" in errors[0], err
+    step = int(errors[0].split("after step ")[1].split()[0])
+    saved = tmp_path / "logs" / "sig" / f"state_step{step:06d}.pt"
+    state = torch.load(saved, weights_only=False)                  # complete: it loads
+    assert state["step"] == step and not leftovers(tmp_path / "logs")
+    log = (tmp_path / "logs" / "sig.txt").read_text().splitlines()
+    assert log[-1] == errors[0] and f"step:{step}/" in "\n".join(log)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_ctrl_c_before_the_timed_loop_stops_at_once(tmp_path, data):
+    """Outside the loop there is no step to finish: the run ends at once, with one line."""
+    args = ["--preset=tiny", "--val_loss_every=0", f"--train_files={data[0]}", f"--val_files={data[1]}",
+            f"--log_dir={tmp_path}/logs", "--run_id=early"]
+    proc = start(args, tmp_path)
+    assert wait_for_line(proc, "warmup: compiling") is not None       # the tiny preset's warmup runs real steps
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "Traceback" not in err, err
+    assert [l for l in err.splitlines() if l.startswith("error:")] == ["error: stopped by SIGINT"]
+
+
+# ---- the README's table -------------------------------------------------------------------------------------------
+
+def test_readme_failure_table_gives_the_exit_codes_the_trainer_uses():
+    text = (ROOT / "README.md").read_text()
+    table = text.split("## When something is wrong", 1)[1].split("\n## ", 1)[0]
+    codes = {int(c) for row in table.splitlines() if row.startswith("| ") and not row.startswith("| failure")
+             for c in [row.split("|")[3].strip()] if c.isdigit()}
+    assert codes == {tg.EXIT_DATA, tg.EXIT_CONFIG, tg.EXIT_DIVERGED, tg.EXIT_PEER, tg.EXIT_BUG, 130, 143}, codes
