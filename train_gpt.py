@@ -140,7 +140,8 @@ class Hyperparameters:
     save_checkpoint: bool = False          # write logs/<run_id>/state_step<step>.pt at the end (or when stopped)
     nonfinite_check_every: int = 25        # check the loss for NaN/inf every this many steps (no per-step sync); 0: off
     pg_timeout_s: int = 600                # a rank stuck this long in a collective ends the run
-    profile_steps: str = ""                # "a:b": profile steps a..b-1 with torch.profiler into the log dir
+    profile_steps: str = ""                # "a:b[,c:d...]": profile steps a..b-1 (...) with torch.profiler into the
+                                           # log dir, one trace per range (bench/profile_step.py reads them)
     debug: bool = False                    # on an error, print the Python traceback too (the log always has it)
 
     # ---- derived ----
@@ -1920,9 +1921,11 @@ def validate_hyperparameters(hp: Hyperparameters, world_size: int) -> None:
     need(hp.vocab_size > BOS_ID and hp.vocab_size % 16 == 0,
          f"--vocab_size={hp.vocab_size} must hold the BOS id {BOS_ID} and be a multiple of 16 (FP8 matmul)")
     if hp.profile_steps:
-        a, _, b = hp.profile_steps.partition(":")
-        need(a.isdigit() and b.isdigit() and int(a) < int(b) <= hp.num_iterations,
-             f"--profile_steps={hp.profile_steps!r} must be 'a:b' with a < b <= {hp.num_iterations} (the step count)")
+        ranges = [r.partition(":") for r in hp.profile_steps.split(",")]
+        need(all(a.isdigit() and b.isdigit() and int(a) < int(b) <= hp.num_iterations for a, _, b in ranges)
+             and all(int(ranges[i][2]) <= int(ranges[i + 1][0]) for i in range(len(ranges) - 1)),
+             f"--profile_steps={hp.profile_steps!r} must be 'a:b' ranges (a < b <= {hp.num_iterations}, the step "
+             f"count), comma-separated in increasing order")
     try:   # the layer layout (model) and the optimizer table and orders, by their own checks; meta: no memory
         model = build_model(hp, torch.device("meta"), "sdpa")
         build_optimizer(hp, model, world_size - 1, world_size)
@@ -2173,7 +2176,8 @@ class Trainer:
             loss = self.compiled(inputs, targets, cu_seqlens, sched.ws_short, sched.ws_long, mtp, hp.train_max_seq_len)
             (loss / self.grad_accum).backward()
             total += loss.detach()
-        self.opt.step(do_adam=sched.do_adam, lr_factor=sched.lr_factor, momentum=sched.momentum)
+        with torch.profiler.record_function("optimizer_step"):     # a label for bench/profile_step.py; free otherwise
+            self.opt.step(do_adam=sched.do_adam, lr_factor=sched.lr_factor, momentum=sched.momentum)
         if sched.step == hp.split_step:
             self.opt.untie()
         return total
@@ -2428,8 +2432,9 @@ def train(hp: Hyperparameters, argv_text: str, stops: StopSignals | None = None)
 
         # ---- the timed loop ----
         total_steps = hp.num_iterations
-        profile = [int(x) for x in hp.profile_steps.split(":")] if hp.profile_steps else None
-        profiler = None
+        profile_ranges = [tuple(int(x) for x in r.split(":")) for r in hp.profile_steps.split(",") if r]
+        profile_starts = {a: b for a, b in profile_ranges}
+        profiler, profile_end = None, -1
         check_every = hp.nonfinite_check_every
         # Signals are polled between steps: every step with one process (a host flag, free); with several, at the
         # NaN check's sync points (or every 25 steps), where the ranks agree on stopping with one tiny all-reduce.
@@ -2465,20 +2470,20 @@ def train(hp: Hyperparameters, argv_text: str, stops: StopSignals | None = None)
                 t0 = time.perf_counter()
             if last:
                 break
-            if profile and step == profile[0]:
-                profiler = torch.profiler.profile(record_shapes=False, with_stack=False)
+            if step in profile_starts:
+                profiler, profile_start, profile_end = torch.profiler.profile(), step, profile_starts[step]
                 profiler.__enter__()
             loss = trainer.train_step(sched, message)
             done = step + 1
             if check_every:  # no sync here: remember the first bad step on the device and look at it every few steps
                 first_bad.copy_(torch.where((first_bad < 0) & ~torch.isfinite(loss), step, first_bad))
-            if profiler is not None and done == profile[1]:
+            if profiler is not None and done == profile_end:
                 sync()
                 profiler.__exit__(None, None, None)
-                trace = Path(hp.log_dir) / f"{run_id}_rank{rank}_trace.json"
+                trace = Path(hp.log_dir) / f"{run_id}_rank{rank}_steps{profile_start}-{done - 1}_trace.json"
                 profiler.export_chrome_trace(str(trace))
                 profiler = None
-                log(f"profile of steps {profile[0]}..{profile[1] - 1} written to {trace}")
+                log(f"profile of steps {profile_start}..{done - 1} written to {trace}")
             if check_every and (done % check_every == 0 or done == total_steps):
                 bad = int(first_bad.item())
                 if bad >= 0:

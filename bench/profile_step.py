@@ -1,0 +1,145 @@
+"""GPU time of a training step by bucket, from the traces `train_gpt.py --profile_steps=a:b,...` writes.
+
+    python3 bench/profile_step.py logs/<run_id>_rank0_steps*_trace.json
+    python3 bench/profile_step.py --run --out=DIR [train_gpt options]   # train a short schedule on this node's GPUs
+                                                                        # (./run.sh), profiling one odd (Adam) and one
+                                                                        # even step late in each batch phase
+
+One table row per trace (the steps it covers, e.g. one step of each batch phase), the time per step in ms:
+    matmul      cuBLAS / CUTLASS GEMMs outside the optimizer (bf16 and the FP8 head's scaled matmuls)
+    attention   flash / varlen / flex attention kernels
+    mlp         the fused linear + ReLU^2 kernel (triton_kernels.py section 3)
+    ce          the fused softcapped cross-entropy kernels (section 4)
+    fp8_quant   kernels inside the FP8 head op other than its matmuls (quantisation, transposes)
+    inductor    other kernels of the compiled model (element-wise and reductions fused by inductor)
+    opt_compute kernels launched inside the optimizer step (Polar Express, Adam, NorMuon), communication excluded
+    opt_comm    communication kernels (NCCL) while no compute kernel runs: the exposed part
+    other       any other kernel (copies, memsets, eager ops outside the model)
+    idle        time inside the step window when no kernel runs at all
+    step        the step window: first kernel start to last kernel end, divided by the number of steps
+Buckets are GPU busy time on the compute stream(s); communication that overlaps compute is not counted.
+A kernel is attributed to the optimizer or the FP8 op through the CPU range (record_function / op) that launched it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+BUCKETS = ("matmul", "attention", "mlp", "ce", "fp8_quant", "inductor", "opt_compute", "opt_comm", "other", "idle")
+MATMUL = re.compile(r"gemm|nvjet|cutlass|xmma|cublas|sm90_|splitk|scaled_mm", re.I)
+ATTENTION = re.compile(r"flash|fmha|attn|attention", re.I)
+COMM = re.compile(r"nccl", re.I)
+
+
+def union_length(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def subtract(intervals: list[tuple[float, float]], cover: list[tuple[float, float]]) -> float:
+    """Length of the union of `intervals` not covered by the union of `cover`."""
+    return union_length(intervals + cover) - union_length(cover)
+
+
+def enclosing(ranges: list[tuple[float, float, str]], t: float) -> list[str]:
+    return [name for a, b, name in ranges if a <= t <= b]
+
+
+def analyse(path: str) -> dict[str, float]:
+    trace = json.loads(Path(path).read_text())
+    events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    launches = {e["args"].get("correlation"): e for e in events if e.get("cat") == "cuda_runtime"
+                and "args" in e and "correlation" in e["args"]}
+    # CPU ranges that own kernels: the optimizer annotation and the FP8 head ops, per thread
+    ranges: dict[int, list[tuple[float, float, str]]] = {}
+    for e in events:
+        name = e.get("name", "")
+        if e.get("cat") in ("user_annotation", "cpu_op") and (name == "optimizer_step" or "fp8_head" in name):
+            ranges.setdefault(e["tid"], []).append((e["ts"], e["ts"] + e["dur"], name))
+    steps = max(1, len([e for e in events if e.get("name") == "optimizer_step" and e.get("cat") == "user_annotation"]))
+    busy = {b: 0.0 for b in BUCKETS}
+    compute, comm = [], []
+    for k in kernels:
+        name, span = k.get("name", ""), (k["ts"], k["ts"] + k["dur"])
+        launch = launches.get(k.get("args", {}).get("correlation"))
+        owners = enclosing(ranges.get(launch["tid"], []), launch["ts"]) if launch else []
+        if COMM.search(name):
+            comm.append(span)
+            continue
+        compute.append(span)
+        if "optimizer_step" in owners:
+            bucket = "opt_compute"
+        elif any("fp8_head" in o for o in owners) and not MATMUL.search(name):
+            bucket = "fp8_quant"
+        elif MATMUL.search(name):
+            bucket = "matmul"
+        elif ATTENTION.search(name):
+            bucket = "attention"
+        elif "relu2_linear" in name:
+            bucket = "mlp"
+        elif "_ce_" in name:
+            bucket = "ce"
+        elif name.startswith("triton_"):
+            bucket = "inductor"
+        else:
+            bucket = "other"
+        busy[bucket] += k["dur"]
+    window = [(min(a for a, _ in compute + comm), max(b for _, b in compute + comm))] if compute else []
+    busy["opt_comm"] = subtract(comm, compute)
+    busy["idle"] = (window[0][1] - window[0][0]) - union_length(compute + comm) if window else 0.0
+    out = {b: busy[b] / 1000 / steps for b in BUCKETS}
+    out["step"] = (window[0][1] - window[0][0]) / 1000 / steps if window else 0.0
+    out["steps"] = steps
+    return out
+
+
+def run_and_profile(out: str, scheduled: int, extra: list[str]) -> list[str]:
+    """./run.sh on a short schedule (scheduled steps + 6 extension steps), profiling two steps late in each third."""
+    import subprocess
+    thirds = [scheduled // 3, 2 * scheduled // 3, scheduled]
+    ranges = ",".join(f"{end - 4}:{end - 2}" for end in thirds)
+    cmd = ["./run.sh", f"--num_scheduled_iterations={scheduled}", "--num_extension_iterations=6",
+           "--val_loss_every=0", f"--log_dir={out}", f"--profile_steps={ranges}", *extra]
+    print(" ".join(cmd), flush=True)
+    proc = subprocess.run(cmd, cwd=Path(__file__).resolve().parent.parent)
+    if proc.returncode != 0:
+        raise SystemExit(f"error: the training run failed (exit {proc.returncode})")
+    return sorted(str(p) for p in Path(out).glob("*_rank0_steps*_trace.json"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("traces", nargs="*")
+    ap.add_argument("--run", action="store_true", help="train and profile first (the rest goes to train_gpt.py)")
+    ap.add_argument("--out", default="logs/profile", help="log folder of --run")
+    ap.add_argument("--scheduled", type=int, default=60, help="scheduled steps of --run")
+    args, rest = ap.parse_known_args(argv)
+    if args.run:
+        args.traces = run_and_profile(args.out, args.scheduled, rest + args.traces)
+    elif rest:
+        ap.error(f"unknown arguments {rest}")
+    header = ["trace", "steps", *BUCKETS, "step"]
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for path in args.traces:
+        try:
+            r = analyse(path)
+        except (OSError, ValueError, KeyError) as e:
+            print(f"error: cannot read the trace {path}: {e}", file=sys.stderr)
+            return 1
+        name = re.sub(r".*_(steps\d+-\d+)_trace\.json$", r"\1", path)
+        print("| " + " | ".join([name, str(r["steps"])] + [f"{r[b]:.1f}" for b in (*BUCKETS, "step")]) + " |")
+    print("ms per step, GPU time (see the module docstring for the buckets)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
