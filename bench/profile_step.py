@@ -30,7 +30,7 @@ from pathlib import Path
 
 BUCKETS = ("matmul", "attention", "mlp", "ce", "fp8_quant", "inductor", "opt_compute", "opt_comm", "other", "idle")
 MATMUL = re.compile(r"gemm|nvjet|cutlass|xmma|cublas|sm90_|splitk|scaled_mm", re.I)
-ATTENTION = re.compile(r"flash|fmha|attn|attention", re.I)
+ATTENTION = re.compile(r"flash|fmha|attn_|attention", re.I)   # checked first: flash kernels carry cutlass types
 COMM = re.compile(r"nccl", re.I)
 
 
@@ -66,6 +66,7 @@ def analyse(path: str) -> dict[str, float]:
             ranges.setdefault(e["tid"], []).append((e["ts"], e["ts"] + e["dur"], name))
     steps = max(1, len([e for e in events if e.get("name") == "optimizer_step" and e.get("cat") == "user_annotation"]))
     busy = {b: 0.0 for b in BUCKETS}
+    by_kernel: dict[tuple[str, str], list] = {}       # (bucket, kernel name) -> [total us, launches]
     compute, comm = [], []
     for k in kernels:
         name, span = k.get("name", ""), (k["ts"], k["ts"] + k["dur"])
@@ -77,12 +78,12 @@ def analyse(path: str) -> dict[str, float]:
         compute.append(span)
         if "optimizer_step" in owners:
             bucket = "opt_compute"
+        elif ATTENTION.search(name):
+            bucket = "attention"
         elif any("fp8_head" in o for o in owners) and not MATMUL.search(name):
             bucket = "fp8_quant"
         elif MATMUL.search(name):
             bucket = "matmul"
-        elif ATTENTION.search(name):
-            bucket = "attention"
         elif "relu2_linear" in name:
             bucket = "mlp"
         elif "_ce_" in name:
@@ -92,12 +93,17 @@ def analyse(path: str) -> dict[str, float]:
         else:
             bucket = "other"
         busy[bucket] += k["dur"]
+        by_kernel.setdefault((bucket, name[:110]), [0.0, 0])
+        by_kernel[(bucket, name[:110])][0] += k["dur"]
+        by_kernel[(bucket, name[:110])][1] += 1
     window = [(min(a for a, _ in compute + comm), max(b for _, b in compute + comm))] if compute else []
     busy["opt_comm"] = subtract(comm, compute)
     busy["idle"] = (window[0][1] - window[0][0]) - union_length(compute + comm) if window else 0.0
     out = {b: busy[b] / 1000 / steps for b in BUCKETS}
     out["step"] = (window[0][1] - window[0][0]) / 1000 / steps if window else 0.0
     out["steps"] = steps
+    out["kernels"] = sorted(((us / 1000 / steps, n // steps, b, name) for (b, name), (us, n) in by_kernel.items()),
+                            reverse=True)
     return out
 
 
@@ -121,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run", action="store_true", help="train and profile first (the rest goes to train_gpt.py)")
     ap.add_argument("--out", default="logs/profile", help="log folder of --run")
     ap.add_argument("--scheduled", type=int, default=60, help="scheduled steps of --run")
+    ap.add_argument("--top", type=int, default=0, help="also list the N kernels with the most time per step")
     args, rest = ap.parse_known_args(argv)
     if args.run:
         args.traces = run_and_profile(args.out, args.scheduled, rest + args.traces)
@@ -137,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         name = re.sub(r".*_(steps\d+-\d+)_trace\.json$", r"\1", path)
         print("| " + " | ".join([name, str(r["steps"])] + [f"{r[b]:.1f}" for b in (*BUCKETS, "step")]) + " |")
+        for ms, n, bucket, kernel_name in r["kernels"][:args.top]:
+            print(f"    {ms:7.2f} ms  {n:5d}x  {bucket:<11} {kernel_name}")
     print("ms per step, GPU time (see the module docstring for the buckets)")
     return 0
 

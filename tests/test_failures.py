@@ -34,6 +34,7 @@ def run_main(capsys, args, tmp_path, run_id="run"):
     code = tg.main([*args, f"--log_dir={tmp_path}/logs", f"--run_id={run_id}"])
     out, err = capsys.readouterr()
     log = tmp_path / "logs" / f"{run_id}.txt"
+    assert not leftovers(tmp_path), leftovers(tmp_path)
     return code, err.splitlines(), out, (log.read_text().splitlines() if log.exists() else None)
 
 
