@@ -56,7 +56,8 @@ def analyse(path: str) -> dict[str, float]:
     trace = json.loads(Path(path).read_text())
     events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
     kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
-    launches = {e["args"].get("correlation"): e for e in events if e.get("cat") == "cuda_runtime"
+    # cudaLaunchKernel (runtime) for torch's kernels, cuLaunchKernel (driver) for Triton's
+    launches = {e["args"].get("correlation"): e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")
                 and "args" in e and "correlation" in e["args"]}
     # CPU ranges that own kernels: the optimizer annotation and the FP8 head ops, per thread
     ranges: dict[int, list[tuple[float, float, str]]] = {}

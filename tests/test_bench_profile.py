@@ -13,22 +13,23 @@ def kernel(name, ts, dur, corr, stream=7):
             "args": {"correlation": corr}}
 
 
-def launch(ts, corr, tid=1):
-    return {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 1, "tid": tid,
-            "args": {"correlation": corr}}
+def launch(ts, corr, tid=1, driver=False):
+    """cudaLaunchKernel, or cuLaunchKernel (the driver call Triton's launcher makes)."""
+    return {"ph": "X", "cat": "cuda_driver" if driver else "cuda_runtime", "name": "cuLaunchKernel" if driver else
+            "cudaLaunchKernel", "ts": ts, "dur": 1, "tid": tid, "args": {"correlation": corr}}
 
 
 def test_buckets_overlap_and_idle(tmp_path):
     events = [
         {"ph": "X", "cat": "cpu_op", "name": "nanogpt::fp8_head", "ts": 0, "dur": 10, "tid": 1},
-        launch(1, 1), kernel("triton_poi_fused_clamp_div_0", 100, 50, 1),                 # fp8 quantiser
+        launch(1, 1, driver=True), kernel("triton_poi_fused_clamp_div_0", 100, 50, 1),    # fp8 quantiser
         launch(2, 2), kernel("sm90_xmma_gemm_e4m3_f32", 150, 200, 2),                       # FP8 head matmul
         launch(20, 3), kernel("flash_fwd_kernel", 350, 100, 3),                             # attention
         launch(21, 4), kernel("_relu2_linear_kernel", 450, 50, 4),                          # mlp
         launch(22, 5), kernel("_ce_fwd_kernel", 500, 30, 5),                                # ce
         launch(23, 6), kernel("triton_red_fused_rms_norm_1", 530, 20, 6),                  # inductor
         {"ph": "X", "cat": "user_annotation", "name": "optimizer_step", "ts": 30, "dur": 20, "tid": 1},
-        launch(31, 7), kernel("_sym_aat_kernel", 600, 100, 7),                              # optimizer compute
+        launch(31, 7, driver=True), kernel("_sym_aat_kernel", 600, 100, 7),                 # optimizer compute
         launch(32, 8), kernel("ncclDevKernel_ReduceScatter", 650, 150, 8, stream=9),        # 50 hidden, 100 exposed
         launch(60, 9), kernel("Memset (Device)", 800, 10, 9),                               # other (after the step)
     ]
