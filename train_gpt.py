@@ -349,6 +349,11 @@ def adam_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor
     takes the round-to-nearest of the fp32 result (no master copy). The moments' dtype sets the precision: fp32, or
     float64 for a float64 parameter (--dtype=float64).
     """
+    if param.is_cuda and not isinstance(step_size, Tensor) and not isinstance(decay, Tensor):
+        # One fused Triton pass (triton_kernels.py §5), bitwise the eager code below as PyTorch runs it on CUDA.
+        tk.adam_update(param, grad, exp_avg, exp_avg_sq, beta1=beta1, beta2=beta2, eps=eps, step_size=step_size,
+                       decay=decay)
+        return
     if param.device.type == "cpu" and param.dim() > 0 and param.numel() > CPU_CHUNK_ELEMENTS:
         # Element-wise math, so row blocks give the same bits; each block's temporaries stay in the CPU's cache (the
         # whole-table form made Adam steps of the tiny preset 2x slower than the others).
@@ -411,6 +416,10 @@ def cautious_update_with_mantissa_(param: Tensor, mantissa: Tensor, O: Tensor, *
     new master (truncation toward zero), the mantissa the low 16. mask = [O·P >= 0] (non-strict: entries with zero
     update are decayed too). lr is fp32, a scalar or (n, 1, 1) per matrix; wd is fp32.
     """
+    if param.is_cuda and not isinstance(wd, Tensor):
+        # One fused Triton pass (triton_kernels.py §6), bitwise the eager code below.
+        tk.cautious_update_with_mantissa(param, mantissa, O, lr=lr, wd=wd)
+        return
     high = param.view(torch.int16).to(torch.int32) << 16
     low = mantissa.view(torch.int16).to(torch.int32) & 0xFFFF
     P = (high | low).view(torch.float32)

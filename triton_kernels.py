@@ -617,3 +617,277 @@ def softcapped_mtp_ce(logits: Tensor, targets: Tensor, mtp_weights: Tensor) -> T
     if logits.is_cuda:
         return softcapped_mtp_ce_triton(logits, targets, mtp_weights)
     return softcapped_mtp_ce_cpu(logits, targets, mtp_weights)
+
+
+# =====================================================================================================================
+# 5. Fused Adam update  (spec §5.3; train_gpt.adam_update)
+# =====================================================================================================================
+# One pass over param, grad, exp_avg and exp_avg_sq in place of the ~12 eager kernels (each a full read/write of the
+# 50304x768 tables). Every operation of the eager code is one fp32 operation here, in the eager order, so the result
+# is bitwise the eager update as PyTorch runs it on CUDA:
+#   m = fma(g, 1-beta1, m*beta1)      exp_avg.mul_(beta1).add_(g, alpha=1-beta1): the add's `self + alpha*other` is
+#                                     one FMA (nvcc contracts it; the CPU kernel calls vec::fmadd)
+#   v = fma(1-beta2, g*g, v*beta2)    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1-beta2): CUDA computes
+#                                     `self + value*(g*g)` with g*g rounded, one FMA for the rest. The CPU kernel
+#                                     rounds value*g first (fma(value*g, g, self)), so CPU and CUDA eager differ by an
+#                                     ulp of v here at a few % of the elements; the kernel follows CUDA.
+#   u = div_rn(m, sqrt_rn(v) + eps) * step_size          IEEE division and square root (tl.sqrt and `/` are the
+#                                                        approximate PTX instructions)
+#   u = u + (decay*p) * [u*p > 0];  param = round(p - u)
+# Scalars: 1-beta1 and 1-beta2 are computed in Python double and rounded to fp32 when passed, as torch rounds an
+# alpha/value Scalar to the fp32 compute type; all seven are fp32 runtime arguments (no recompiles as they change).
+# FMA contraction: the launch passes enable_fp_fusion=False, so no a*b+c is fused except the two explicit tl.fma
+# above (checked on the sm_90 PTX by tests/test_optimizer_kernels.py). NOTE: torch.compile drops that launch option
+# for user-defined kernels (torch/_higher_order_ops/triton_kernel_wrap.py pops backend options), so a compiled caller
+# gets Triton's default contraction: an fp32 rounding apart, not bitwise (on an H200 the compiled Adam still matched
+# eager bit for bit, the cautious update of section 6 did not; tests/test_kernels_gpu.py bounds both). It also passes
+# the Python floats as fp64, hence the casts at the top of the kernels. train_gpt calls these ops eagerly.
+# bf16 is read and written through its bits (bf16 = high half of the fp32 bits; round-to-nearest-even on the way
+# back, NaN -> 0x7FFF as CUDA's cvt.rn.bf16.f32 gives), so the interpreter, whose fp32->bf16 cast truncates, runs
+# the same bf16 path bit-exactly.
+#
+# Tiles: a flat BLOCK of 1024 elements per program with 4 warps, 8 consecutive elements per thread: one 16-byte
+# load/store per bf16 tensor and two per fp32 tensor, no reuse, so the kernel is a pure stream at the memory
+# bandwidth; the 37,728 programs of a 50304x768 table leave no tail worth a persistent loop. Measured on an H200
+# (50304x768 bf16): BLOCK 512-4096 with 4 or 8 warps all within 6%; this one ran at 0.207 ms, 97% of a D2D copy's
+# bandwidth (eager: 1.58 ms).
+
+# Launch options of sections 5-6: no FMA contraction, so every fp32 operation rounds where the eager code rounds.
+_EXACT_FP_OPTIONS = {"enable_fp_fusion": False}
+_ADAM_BLOCK = 1024
+_ADAM_WARPS = 4
+_ADAM_INTERPRETER_BLOCK = 64  # CPU tests: several blocks and a partial last one on small tensors
+_ADAM_PARAM_DTYPES = (torch.bfloat16, torch.float32)
+
+
+@triton.jit
+def _load_as_fp32(ptrs, mask):
+    """Load bf16 (through its bits: exact) or fp32 values as fp32."""
+    if ptrs.dtype.element_ty == tl.bfloat16:
+        bits = tl.load(ptrs, mask=mask, other=0.0).to(tl.uint16, bitcast=True)
+        x = (bits.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    else:
+        x = tl.load(ptrs, mask=mask, other=0.0)
+    return x
+
+
+@triton.jit
+def _bf16_bits_rne(x):
+    """fp32 -> bf16 bits (uint32 holding 16 bits), round to nearest even; NaN -> 0x7FFF (CUDA's canonical bf16 NaN)."""
+    u = x.to(tl.uint32, bitcast=True)
+    r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    return tl.where(x != x, 0x7FFF, r)
+
+
+@triton.jit
+def _store_from_fp32(ptrs, x, mask):
+    """Store fp32 values to a bf16 (round to nearest even, via the bits) or fp32 tensor."""
+    if ptrs.dtype.element_ty == tl.bfloat16:
+        bits = _bf16_bits_rne(x).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        tl.store(ptrs, bits, mask=mask)
+    else:
+        tl.store(ptrs, x, mask=mask)
+
+
+@triton.jit
+def _adam_kernel(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, n_elements, beta1, beta2, one_minus_beta1,
+                 one_minus_beta2, eps, step_size, decay, BLOCK: tl.constexpr):
+    """In place: exp_avg, exp_avg_sq (fp32) and param (bf16/fp32) from grad (bf16/fp32); flat contiguous tensors."""
+    # Python floats arrive as fp32 from a launch but as fp64 from torch.compile's wrapper: round them here (RNE, the
+    # same fp32 values) so the arithmetic below is fp32 either way.
+    beta1, beta2 = tl.cast(beta1, tl.float32), tl.cast(beta2, tl.float32)
+    one_minus_beta1, one_minus_beta2 = tl.cast(one_minus_beta1, tl.float32), tl.cast(one_minus_beta2, tl.float32)
+    eps, step_size, decay = tl.cast(eps, tl.float32), tl.cast(step_size, tl.float32), tl.cast(decay, tl.float32)
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n_elements
+    g = _load_as_fp32(grad_ptr + offs, mask)
+    m = tl.load(exp_avg_ptr + offs, mask=mask, other=0.0)
+    v = tl.load(exp_avg_sq_ptr + offs, mask=mask, other=0.0)
+    m = tl.fma(g, one_minus_beta1, m * beta1)
+    v = tl.fma(one_minus_beta2, g * g, v * beta2)
+    tl.store(exp_avg_ptr + offs, m, mask=mask)
+    tl.store(exp_avg_sq_ptr + offs, v, mask=mask)
+    p = _load_as_fp32(param_ptr + offs, mask)
+    u = tl.div_rn(m, tl.sqrt_rn(v) + eps) * step_size
+    u = u + decay * p * (u * p > 0).to(tl.float32)  # strict: a zero update is not decayed
+    _store_from_fp32(param_ptr + offs, p - u, mask)
+
+
+def adam_update_triton(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, beta1: float, beta2: float,
+                       eps: float, step_size: float, decay: float, block: int | None = None) -> None:
+    """Triton Adam update in place (any shape, all four contiguous and of one shape): param and grad bf16 or fp32,
+    exp_avg and exp_avg_sq fp32. block fixes the elements per program (tests); None picks the CUDA/interpreter one."""
+    # The optimizer launches this for every Adam tensor each step: one cheap test, the messages only on failure.
+    ok = (param.dtype in _ADAM_PARAM_DTYPES and grad.dtype in _ADAM_PARAM_DTYPES
+          and exp_avg.dtype == exp_avg_sq.dtype == torch.float32
+          and all(t.shape == param.shape and t.is_contiguous() and t.device == param.device
+                  for t in (param, grad, exp_avg, exp_avg_sq)))
+    if not ok:
+        tensors = dict(param=param, grad=grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)
+        for name, t in tensors.items():
+            _check(t.shape == param.shape, f"{name} has shape {tuple(t.shape)} but param {tuple(param.shape)}")
+            _check(t.is_contiguous(), f"{name} must be contiguous (the kernel walks the flat tensor); call "
+                                      f".contiguous()")
+            _check(t.device == param.device, f"{name} is on {t.device} but param on {param.device}")
+        for name in ("param", "grad"):
+            _check(tensors[name].dtype in _ADAM_PARAM_DTYPES, f"{name} has dtype {tensors[name].dtype}; use "
+                                                               f"bfloat16 or float32")
+        for name in ("exp_avg", "exp_avg_sq"):
+            _check(tensors[name].dtype == torch.float32, f"{name} has dtype {tensors[name].dtype}; Adam state is "
+                                                         f"float32")
+    n = param.numel()
+    if n == 0:
+        return
+    block = block or (_ADAM_BLOCK if param.is_cuda else _ADAM_INTERPRETER_BLOCK)
+    wrap_triton(_adam_kernel)[(triton.cdiv(n, block),)](
+        param, grad, exp_avg, exp_avg_sq, n, float(beta1), float(beta2), float(1 - beta1), float(1 - beta2),
+        float(eps), float(step_size), float(decay), BLOCK=block, num_warps=_ADAM_WARPS, **_EXACT_FP_OPTIONS)
+
+
+def adam_update_reference(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, *, beta1: float,
+                          beta2: float, eps: float, step_size: float, decay: float) -> None:
+    """train_gpt.adam_update's eager math (moments' dtype sets the precision): the kernel's contract."""
+    g = grad.to(exp_avg.dtype)
+    exp_avg.mul_(beta1).add_(g, alpha=1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    p = param.to(exp_avg.dtype)
+    u = exp_avg / (exp_avg_sq.sqrt() + eps) * step_size
+    u = u + decay * p * (u * p > 0)
+    param.copy_(p - u)
+
+
+@triton_op(f"{_LIB}::adam_update", mutates_args={"param", "exp_avg", "exp_avg_sq"})
+def _adam_update_op(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, beta1: float, beta2: float,
+                    eps: float, step_size: float, decay: float) -> None:
+    adam_update_triton(param, grad, exp_avg, exp_avg_sq, beta1, beta2, eps, step_size, decay)
+
+
+def adam_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, *, beta1: float, beta2: float,
+                eps: float, step_size: float, decay: float) -> None:
+    """One Adam update in place (spec §5.3): the Triton kernel on CUDA, the reference elsewhere."""
+    if param.is_cuda:
+        torch.ops.nanogpt_kernels.adam_update(param, grad, exp_avg, exp_avg_sq, beta1, beta2, eps, step_size, decay)
+    else:
+        adam_update_reference(param, grad, exp_avg, exp_avg_sq, beta1=beta1, beta2=beta2, eps=eps,
+                              step_size=step_size, decay=decay)
+
+
+# =====================================================================================================================
+# 6. Fused NorMuon cautious update with mantissa  (spec §5.8; train_gpt.cautious_update_with_mantissa_)
+# =====================================================================================================================
+# The fp32 master P = (bf16 bits << 16) | mantissa is assembled, updated and split again in registers:
+#   P' = (P - ((P * [O*P >= 0]) * wd) * lr) - O * lr      (non-strict mask: entries with O = 0 or P = 0 are decayed)
+# then param <- high 16 bits of P' (truncation), mantissa <- low 16 bits. The eager code rounds after every product
+# and difference and fuses nothing, so the kernel does the same seven fp32 operations with FMA contraction disabled
+# (enable_fp_fusion=False; the sm_90 PTX has no fma, see tests/test_optimizer_kernels.py): bitwise the eager update,
+# on CPU and CUDA alike. (Under torch.compile the option is dropped, as in section 5: the two subtractions could then fuse
+# with their products.) All loads and stores are bit moves, so the interpreter runs it exactly with bf16/uint16
+# storage.
+#
+# lr is one fp32 scalar (LR_PER_MATRIX=False) or an fp32 (n, 1, 1) tensor read once per program by matrix index.
+# O may have any strides: NorMuon's orthogonalisation hands the MLP bank's O over as a transposed view (Polar
+# Express works on the short side), so a flat walk would read it with a stride of R elements. The grid is
+# (tiles of one matrix, matrices), each program a BLOCK_R x BLOCK_C tile; Triton specialises a unit stride, sees
+# which axis of O is contiguous and loads it coalesced, converting the layout through shared memory. 32x64 tiles
+# with 4 warps: 16 elements per thread, 128-byte rows of param and mantissa, 64-byte runs down a column of a
+# transposed O, 288 / 1152 tiles per 768x768 / 3072x768 matrix. Measured on an H200 (CUDA-graph GPU time): 0.059 ms
+# for the attn bank (40x768x768) and 0.147 ms for the MLP bank (24x3072x768, O transposed), 5% under 64x64 on the
+# latter and within 3% of 64x128 / 128x64 / 8 warps elsewhere (eager: 1.03 and 3.21 ms).
+
+_CAUTIOUS_TILE = (32, 64)
+_CAUTIOUS_WARPS = 4
+_CAUTIOUS_INTERPRETER_TILE = (8, 16)  # CPU tests: several tiles with partial ones at the edges
+
+
+@triton.jit
+def _cautious_mantissa_kernel(param_ptr, mantissa_ptr, o_ptr, lr_ptr, R, C, stride_on, stride_or, stride_oc,
+                              lr_scalar, wd, LR_PER_MATRIX: tl.constexpr, BLOCK_R: tl.constexpr,
+                              BLOCK_C: tl.constexpr):
+    """In place on param (n, R, C) bf16 and mantissa (n, R, C) uint16 (both contiguous) from O (n, R, C) bf16 (any
+    strides); grid (tiles per matrix, n)."""
+    pid = tl.program_id(0)
+    mat = tl.program_id(1).to(tl.int64)
+    tiles_c = tl.cdiv(C, BLOCK_C)
+    rows = (pid // tiles_c) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = (pid % tiles_c) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = (rows[:, None] < R) & (cols[None, :] < C)
+    offs = mat * R * C + rows[:, None] * C + cols[None, :]
+    o_offs = mat * stride_on + rows[:, None] * stride_or + cols[None, :] * stride_oc
+    high = tl.load(param_ptr + offs, mask=mask, other=0.0).to(tl.uint16, bitcast=True).to(tl.uint32)
+    low = tl.load(mantissa_ptr + offs, mask=mask, other=0).to(tl.uint32)
+    P = ((high << 16) | low).to(tl.float32, bitcast=True)
+    O = _load_as_fp32(o_ptr + o_offs, mask)
+    if LR_PER_MATRIX:
+        lr = tl.load(lr_ptr + mat)
+    else:
+        lr = tl.cast(lr_scalar, tl.float32)  # fp64 when launched from torch.compile (see section 5)
+    wd = tl.cast(wd, tl.float32)
+    keep = (O * P >= 0).to(tl.float32)
+    new = (P - ((P * keep) * wd) * lr) - O * lr
+    bits = new.to(tl.uint32, bitcast=True)
+    tl.store(param_ptr + offs, (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=mask)
+    tl.store(mantissa_ptr + offs, (bits & 0xFFFF).to(tl.uint16), mask=mask)
+
+
+def cautious_update_with_mantissa_triton(param: Tensor, mantissa: Tensor, O: Tensor, lr: float | Tensor, wd: float,
+                                         tile: tuple[int, int] | None = None) -> None:
+    """Triton cautious update in place: param (n, R, C) bf16 and mantissa (n, R, C) uint16, both contiguous; O
+    (n, R, C) bf16, any strides; lr a float or an fp32 (n, 1, 1) tensor; wd a float. tile=(BLOCK_R, BLOCK_C) fixes
+    the tile (tests)."""
+    per_matrix = isinstance(lr, Tensor)
+    ok = (param.ndim == 3 and param.dtype == torch.bfloat16 and param.is_contiguous()
+          and mantissa.shape == param.shape and mantissa.dtype == torch.uint16 and mantissa.is_contiguous()
+          and O.shape == param.shape and O.dtype == torch.bfloat16 and mantissa.device == param.device == O.device
+          and (not per_matrix or (lr.shape == (param.shape[0], 1, 1) and lr.dtype == torch.float32
+                                  and lr.is_contiguous() and lr.device == param.device)))
+    if not ok:  # messages only on failure (launched for every NorMuon chunk each step)
+        _check(param.ndim == 3 and param.dtype == torch.bfloat16 and param.is_contiguous(),
+               f"param must be a contiguous bf16 (n, R, C) stack, got {param.dtype} {tuple(param.shape)}")
+        _check(mantissa.shape == param.shape and mantissa.dtype == torch.uint16 and mantissa.is_contiguous(),
+               f"mantissa must be contiguous uint16 of param's shape {tuple(param.shape)}, got {mantissa.dtype} "
+               f"{tuple(mantissa.shape)}")
+        _check(O.shape == param.shape and O.dtype == torch.bfloat16,
+               f"O must be bf16 of param's shape {tuple(param.shape)}, got {O.dtype} {tuple(O.shape)}")
+        _check(mantissa.device == param.device == O.device, "param, mantissa and O must be on one device")
+        _check(False, f"a per-matrix lr must be a contiguous fp32 ({param.shape[0]}, 1, 1) tensor on {param.device}, "
+                      f"got {lr.dtype} {tuple(lr.shape)} on {lr.device}")
+    n, R, C = param.shape
+    if param.numel() == 0:
+        return
+    block_r, block_c = tile or (_CAUTIOUS_TILE if param.is_cuda else _CAUTIOUS_INTERPRETER_TILE)
+    grid = (triton.cdiv(R, block_r) * triton.cdiv(C, block_c), n)
+    wrap_triton(_cautious_mantissa_kernel)[grid](
+        param, mantissa, O, lr if per_matrix else mantissa, R, C, *O.stride(), 0.0 if per_matrix else float(lr),
+        float(wd), LR_PER_MATRIX=per_matrix, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=_CAUTIOUS_WARPS,
+        **_EXACT_FP_OPTIONS)
+
+
+def cautious_update_with_mantissa_reference(param: Tensor, mantissa: Tensor, O: Tensor, lr: float | Tensor,
+                                            wd: float) -> None:
+    """train_gpt.cautious_update_with_mantissa_'s eager math: the kernel's contract."""
+    high = param.view(torch.int16).to(torch.int32) << 16
+    low = mantissa.view(torch.int16).to(torch.int32) & 0xFFFF
+    P = (high | low).view(torch.float32)
+    Of = O.float()
+    mask = Of * P >= 0
+    bits = ((P - ((P * mask) * wd) * lr) - Of * lr).view(torch.int32)
+    param.view(torch.int16).copy_((bits >> 16).to(torch.int16))
+    mantissa.view(torch.int16).copy_(((bits << 16) >> 16).to(torch.int16))
+
+
+@triton_op(f"{_LIB}::cautious_update_with_mantissa", mutates_args={"param", "mantissa"})
+def _cautious_update_with_mantissa_op(param: Tensor, mantissa: Tensor, O: Tensor, lr_per_matrix: Tensor | None,
+                                      lr: float, wd: float) -> None:
+    cautious_update_with_mantissa_triton(param, mantissa, O, lr if lr_per_matrix is None else lr_per_matrix, wd)
+
+
+def cautious_update_with_mantissa(param: Tensor, mantissa: Tensor, O: Tensor, *, lr: float | Tensor,
+                                  wd: float) -> None:
+    """NorMuon's cautious update of the bf16 + mantissa master in place (spec §5.8): Triton on CUDA, the reference
+    elsewhere. lr: a float or an fp32 (n, 1, 1) tensor."""
+    if param.is_cuda:
+        per_matrix = lr if isinstance(lr, Tensor) else None
+        torch.ops.nanogpt_kernels.cautious_update_with_mantissa(param, mantissa, O, per_matrix,
+                                                                0.0 if per_matrix is not None else float(lr), wd)
+    else:
+        cautious_update_with_mantissa_reference(param, mantissa, O, lr, wd)

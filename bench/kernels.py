@@ -12,6 +12,8 @@ FLOP and byte counts:
   xxt, ba_plus_cAA   GEMM-equivalent 2*B*M*M*K (the kernel computes only the lower triangle, so it can beat the ceiling)
   mlp fwd            2 matmuls of 2*M*768*3072; fwd+bwd: 6 of them
   ce fwd             reads the bf16 logits once (n*V*2 bytes); fwd+bwd: + read again and write bf16 dlogits
+  adam               per element reads bf16 param and grad, fp32 exp_avg and exp_avg_sq, writes all but grad: 22 bytes
+  cautious           per element reads bf16 param, uint16 mantissa, bf16 O, writes param and mantissa: 10 bytes
 """
 from __future__ import annotations
 
@@ -152,6 +154,38 @@ def bench_ce(table: Table) -> None:
         torch.cuda.empty_cache()
 
 
+def bench_optimizer(table: Table) -> None:
+    """The optimizer's element-wise updates at the trainer's shapes (one GPU: no sharding). Each call updates its
+    state in place, so repeated calls keep changing the numbers; the work per call is the same."""
+    adam_c = torch.compile(tk.adam_update_reference, dynamic=True)
+    kw = dict(beta1=0.5, beta2=0.95, eps=1e-10, step_size=0.008, decay=0.008 ** 2 * 0.75)
+    for shape in ((50304, 768), (768, 50304)):  # embed and lm_head: bf16 tables, fp32 moments
+        p = (torch.randn(shape, device="cuda") * 0.05).bfloat16()
+        g = (torch.randn(shape, device="cuda") * 1e-3).bfloat16()
+        m, v = torch.zeros(shape, device="cuda"), torch.zeros(shape, device="cuda")
+        table.add("adam", f"{shape[0]}x{shape[1]} bf16", "GB/s", 22 * p.numel(),
+                  lambda: tk.adam_update(p, g, m, v, **kw), lambda: tk.adam_update_reference(p, g, m, v, **kw),
+                  lambda: adam_c(p, g, m, v, **kw))
+        del p, g, m, v
+        torch.cuda.empty_cache()
+    cautious_c = torch.compile(tk.cautious_update_with_mantissa_reference, dynamic=True)
+    # attn bank: 10 layers x 4 (768, 768) matrices, one lr; mlp bank: 24 (3072, 768) matrices, lr per matrix
+    # (c_fc and c_proj multipliers alternate), O a transposed view as Polar Express returns it for tall matrices
+    for n, R, C in ((40, 768, 768), (24, 3072, 768)):
+        param = (torch.randn(n, R, C, device="cuda") * 0.02).bfloat16()
+        mantissa = torch.randint(0, 1 << 16, (n, R, C), device="cuda", dtype=torch.int32).to(torch.uint16)
+        O = (torch.randn(n, C, R, device="cuda").bfloat16().mT if R > C
+             else torch.randn(n, R, C, device="cuda").bfloat16())
+        lr = (torch.tensor([0.02, 0.04] * (n // 2), device="cuda").view(n, 1, 1) if R > C else 0.02)
+        wd = 0.0276
+        table.add("cautious", f"{n}x{R}x{C}{' O.mT' if R > C else ''}", "GB/s", 10 * param.numel(),
+                  lambda: tk.cautious_update_with_mantissa(param, mantissa, O, lr=lr, wd=wd),
+                  lambda: tk.cautious_update_with_mantissa_reference(param, mantissa, O, lr, wd),
+                  lambda: cautious_c(param, mantissa, O, lr, wd))
+        del param, mantissa, O
+        torch.cuda.empty_cache()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=None, help="also write the table to this file")
@@ -162,7 +196,7 @@ def main() -> None:
     tflops, gbps = measure_ceilings()
     table = Table(tflops, gbps)
     print(table.render(), flush=True)
-    for section in (bench_polar, bench_mlp, bench_ce):
+    for section in (bench_polar, bench_mlp, bench_ce, bench_optimizer):
         try:
             section(table)
         except Exception as e:  # setup failure of a whole section (e.g. OOM allocating inputs)

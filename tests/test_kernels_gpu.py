@@ -229,3 +229,153 @@ def test_compile_softcapped_mtp_ce_new_weight_values():
         assert abs(loss.item() - want_losses.sum().item() / 8) <= 1e-4 * abs(want_losses.sum().item() / 8)
         assert rel_err(logits.grad, want_d) < BF16_TOL
     assert_one_graph()
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Optimizer updates (triton_kernels.py §5-6): bitwise the eager code on the same CUDA tensors
+# ------------------------------------------------------------------------------------------------------------------
+
+def bits_of(t: torch.Tensor) -> torch.Tensor:
+    return t.view({torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.uint16: torch.int16}[t.dtype])
+
+
+def assert_same_bits(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    diff = bits_of(got) != bits_of(want)
+    assert not diff.any(), (f"{what}: {int(diff.sum())} of {diff.numel()} elements differ, e.g. "
+                            f"{got[diff][:4].tolist()} vs {want[diff][:4].tolist()}")
+
+
+ADAM_GPU_KW = dict(beta1=0.5, beta2=0.95, eps=1e-10, step_size=0.0123, decay=0.005 * 150 * 0.0123 ** 2)
+
+
+def adam_gpu_state(shape, dtype, seed):
+    """Trainer-like magnitudes plus the edge cases: zero update (g = m = 0), zero gradient, p = +-0 with a -0
+    update, subnormal second moments, a NaN and an infinite gradient."""
+    g = gen(seed)
+    p = (torch.randn(shape, device="cuda", generator=g) * 0.05).to(dtype)
+    grad = (torch.randn(shape, device="cuda", generator=g) * 1e-3).to(dtype)
+    m = torch.randn(shape, device="cuda", generator=g) * 1e-4
+    v = torch.rand(shape, device="cuda", generator=g) * 1e-6
+    fp, fg, fm, fv = (t.view(-1) for t in (p, grad, m, v))
+    if fp.numel() < 16:
+        return p, grad, m, v
+    fg[:8] = 0
+    fm[:4] = 0
+    fp[4], fp[5] = 0.0, -0.0
+    fg[4:6], fm[4:6] = -0.0, -0.0
+    fv[6:8], fm[6:8] = 1e-39, 1e-30
+    fg[8], fg[9] = float("nan"), float("inf")
+    return p, grad, m, v
+
+
+@pytest.mark.parametrize("shape, dtype", [((50304, 768), torch.bfloat16), ((768, 50304), torch.bfloat16),
+                                          ((1000, 37), torch.float32), ((7,), torch.bfloat16)])
+def test_adam_update_is_bitwise_eager_cuda(shape, dtype):
+    """Kernel, eager reference and train_gpt.adam_update (which routes CUDA tensors to the kernel): same bits,
+    NaNs included (CUDA writes a NaN to bf16 as 0x7FFF)."""
+    import train_gpt as tg
+    p, grad, m, v = adam_gpu_state(shape, dtype, 20)
+    runs = {}
+    for name, fn in [("kernel", tk.adam_update), ("eager", tk.adam_update_reference), ("train_gpt", tg.adam_update)]:
+        state = [t.clone() for t in (p, m, v)]
+        fn(state[0], grad, state[1], state[2], **ADAM_GPU_KW)
+        runs[name] = state
+    for name in ("kernel", "train_gpt"):
+        for what, got, want in zip(("param", "exp_avg", "exp_avg_sq"), runs[name], runs["eager"]):
+            assert_same_bits(got, want, f"{name} {what}")
+    assert not torch.equal(runs["kernel"][0], p)
+
+
+def test_adam_eager_cuda_rounds_like_the_kernel_comment_says():
+    """Documents the order the kernel copies (tests/_fp32_exact.adam_cuda_order): add_(alpha) is one FMA, addcmul_
+    rounds g*g and then one FMA. If a torch release changes this, the bitwise test above fails with it."""
+    from _fp32_exact import adam_cuda_order
+    p, grad, m, v = adam_gpu_state((4096, 257), torch.bfloat16, 21)
+    grad.view(-1)[8:10] = 0    # finite values only: the transcription's bf16 NaN is the CPU's 0x7FC0
+    want = adam_cuda_order(p, grad, m, v, **ADAM_GPU_KW)
+    eager = [t.clone() for t in (p, m, v)]
+    tk.adam_update_reference(eager[0], grad, eager[1], eager[2], **ADAM_GPU_KW)
+    for what, got, w in zip(("param", "exp_avg", "exp_avg_sq"), eager, want):
+        assert_same_bits(got, w, what)
+
+
+def cautious_gpu_state(n, R, C, transposed_o, seed):
+    g = gen(seed)
+    param = (torch.randn(n, R, C, device="cuda", generator=g) * 0.02).bfloat16()
+    mantissa = torch.randint(0, 1 << 16, (n, R, C), device="cuda", generator=g, dtype=torch.int32).to(torch.uint16)
+    if transposed_o:  # NorMuon hands over the MLP bank's O as a transposed view
+        O = torch.randn(n, C, R, device="cuda", generator=g).bfloat16().mT
+    else:
+        O = torch.randn(n, R, C, device="cuda", generator=g).bfloat16()
+    O[:, :2] = 0                                   # decayed (non-strict mask)
+    param[:, 2, :8], mantissa[:, 2, :4] = 0.0, 0   # P = +0 and subnormal masters
+    return param, mantissa, O
+
+
+@pytest.mark.parametrize("n, R, C, transposed_o, per_matrix_lr", [
+    (40, 768, 768, False, False), (24, 3072, 768, True, True), (3, 100, 37, False, True), (2, 65, 130, True, False)])
+def test_cautious_update_with_mantissa_is_bitwise_eager_cuda(n, R, C, transposed_o, per_matrix_lr):
+    import train_gpt as tg
+    param, mantissa, O = cautious_gpu_state(n, R, C, transposed_o, 22)
+    lr = (torch.rand(n, 1, 1, device="cuda", generator=gen(23)) * 0.05) if per_matrix_lr else 0.0123
+    wd = 0.023 * 1.2
+    runs = {}
+    for name, fn in [("kernel", lambda p, m: tk.cautious_update_with_mantissa(p, m, O, lr=lr, wd=wd)),
+                     ("eager", lambda p, m: tk.cautious_update_with_mantissa_reference(p, m, O, lr, wd)),
+                     ("train_gpt", lambda p, m: tg.cautious_update_with_mantissa_(p, m, O, lr=lr, wd=wd))]:
+        p, m = param.clone(), mantissa.clone()
+        fn(p, m)
+        runs[name] = (p, m)
+    for name in ("kernel", "train_gpt"):
+        assert_same_bits(runs[name][0], runs["eager"][0], f"{name} param")
+        assert_same_bits(runs[name][1], runs["eager"][1], f"{name} mantissa")
+    assert not torch.equal(bits_of(runs["kernel"][1]), bits_of(mantissa))
+
+
+def test_optimizer_scalars_do_not_recompile_the_kernels():
+    p, grad, m, v = adam_gpu_state((512, 768), torch.bfloat16, 24)
+    param, mantissa, O = cautious_gpu_state(2, 256, 256, False, 25)
+    tk.adam_update(p, grad, m, v, **ADAM_GPU_KW)
+    tk.cautious_update_with_mantissa(param, mantissa, O, lr=0.01, wd=0.02)
+    caches = [getattr(k, "device_caches", None) for k in (tk._adam_kernel, tk._cautious_mantissa_kernel)]
+    sizes = [None if c is None else [len(x[0]) for x in c.values()] for c in caches]
+    tk.adam_update(p, grad, m, v, beta1=0.9, beta2=0.99, eps=1e-8, step_size=0.5, decay=0.0)
+    tk.cautious_update_with_mantissa(param, mantissa, O, lr=0.03, wd=0.0)
+    for c, s in zip(caches, sizes):
+        if c is not None:
+            assert [len(x[0]) for x in c.values()] == s, "new scalars compiled a new kernel"
+
+
+def master_of(param: torch.Tensor, mantissa: torch.Tensor) -> torch.Tensor:
+    """The fp32 master (bf16 bits << 16) | mantissa."""
+    return ((bits_of(param).int() << 16) | (bits_of(mantissa).int() & 0xFFFF)).view(torch.float32)
+
+
+def test_compile_optimizer_ops_one_graph():
+    """Both ops trace into one graph with no break. torch.compile does not pass enable_fp_fusion=False on to
+    user-defined kernels, so the compiled kernels may contract a product into an add: within an fp32 rounding of
+    eager, not necessarily bitwise (train_gpt runs them eagerly)."""
+    def step(p, grad, m, v, param, mantissa, O, lr):
+        tk.adam_update(p, grad, m, v, **ADAM_GPU_KW)
+        tk.cautious_update_with_mantissa(param, mantissa, O, lr=lr, wd=0.0276)
+
+    compiled = fresh_compile(step)
+    lr = torch.rand(4, 1, 1, device="cuda", generator=gen(26)) * 0.05
+    for seed in (27, 28):
+        p, grad, m, v = adam_gpu_state((1024, 768), torch.bfloat16, seed)
+        grad.view(-1)[8:10] = 0
+        param, mantissa, O = cautious_gpu_state(4, 768, 256, True, seed)
+        eager = [t.clone() for t in (p, m, v, param, mantissa)]
+        P0 = master_of(param, mantissa).double()
+        step(eager[0], grad, eager[1], eager[2], eager[3], eager[4], O, lr)
+        compiled(p, grad, m, v, param, mantissa, O, lr)
+        assert_same_bits(m, eager[1], "exp_avg")
+        assert_same_bits(v, eager[2], "exp_avg_sq")
+        assert ((bits_of(p).int() - bits_of(eager[0]).int()).abs() <= 1).all()   # one bf16 rounding apart at most
+        master, master_eager = master_of(param, mantissa), master_of(eager[3], eager[4])
+        # a contracted product skips one fp32 rounding of a term: within 2^-23 of the terms' magnitudes
+        terms = P0.abs() * (1 + 0.0276 * lr.double()) + (O.double() * lr.double()).abs()
+        assert ((master.double() - master_eager.double()).abs() <= 2 ** -23 * terms).all()
+        print(f"compiled vs eager: param bits equal {torch.equal(bits_of(p), bits_of(eager[0]))}, master bits "
+              f"equal {torch.equal(bits_of(master), bits_of(master_eager))}")
+    assert_one_graph()

@@ -1,0 +1,49 @@
+"""Exact fp32 transcriptions for the optimizer-kernel tests (tests/test_optimizer_kernels.py, its interpreter half,
+tests/test_kernels_gpu.py).
+
+PyTorch gives no fp32 fused multiply-add, and eager Adam on CUDA rounds twice where an FMA is involved only once, so
+`fma32` builds one from float64: the product of two fp32 values is exact in float64, the sum's float64 rounding
+error is recovered exactly (Knuth's TwoSum), and that error decides the one case where rounding float64 -> fp32
+would be a second rounding that changes the result (the float64 sum sitting exactly halfway between two fp32
+values). Valid for finite results in the fp32 normal range and their neighbourhood (the tests use no other);
+infinities and NaNs propagate as in IEEE arithmetic.
+"""
+import torch
+
+F32 = torch.float32
+
+
+def fma32(a, b, c) -> torch.Tensor:
+    """Correctly rounded fp32 a*b + c for fp32 tensors or Python floats (floats are rounded to fp32 first)."""
+    device = next((t.device for t in (a, b, c) if isinstance(t, torch.Tensor)), None)
+    a, b, c = (torch.as_tensor(t, dtype=F32, device=device) for t in (a, b, c))
+    a, b, c = (t.double() for t in torch.broadcast_tensors(a, b, c))
+    p = a * b                                    # exact: 24 + 24 significant bits
+    s = p + c                                    # rounded once (float64)
+    bv = s - p
+    err = (p - (s - bv)) + (c - bv)              # TwoSum: s + err == p + c exactly
+    f = s.float().double()                       # round to nearest even fp32
+    d = s - f                                    # exact (f is within one fp32 ulp of s)
+    other = f + 2 * d                            # the fp32 neighbour on s's other side, if s is a midpoint
+    midpoint = (d != 0) & (other.float().double() == other)
+    toward_other = midpoint & (err != 0) & ((err > 0) == (d > 0))
+    out = torch.where(toward_other, other, f).float()
+    return torch.where(torch.isfinite(s), out, s.float())
+
+
+def f32(x: float) -> torch.Tensor:
+    return torch.tensor(x, dtype=F32)  # a 0-dim CPU tensor: combines with tensors on any device
+
+
+def adam_cuda_order(param, grad, exp_avg, exp_avg_sq, *, beta1, beta2, eps, step_size, decay):
+    """train_gpt.adam_update as PyTorch runs it on CUDA, one fp32 rounding per operation: returns (param', m', v').
+
+    add_(g, alpha) is self + alpha*other in one FMA; addcmul_ is self + value*(g*g) with g*g rounded, then one FMA
+    (the CPU kernel's FMA is (value*g)*g + self instead). Scalars are rounded to fp32 (torch's opmath for fp32)."""
+    g = grad.to(F32)
+    m = fma32(g, 1 - beta1, exp_avg * f32(beta1))
+    v = fma32(1 - beta2, g * g, exp_avg_sq * f32(beta2))
+    p = param.to(F32)
+    u = m / (v.sqrt() + f32(eps)) * f32(step_size)
+    u = u + f32(decay) * p * (u * p > 0)
+    return (p - u).to(param.dtype), m, v
