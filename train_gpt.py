@@ -2338,6 +2338,11 @@ class StopSignals:
 
 def describe_failure(e: BaseException, rank: int, world_size: int) -> tuple[int, str]:
     """(exit code, the one-line message) for an exception that ended the run."""
+    cause = e
+    while cause is not None and not isinstance(cause, (Interrupted, KeyboardInterrupt)):
+        cause = cause.__cause__ or cause.__context__     # a signal inside a compile comes wrapped (InductorError)
+    if cause is not None:
+        e = cause
     if isinstance(e, ConfigError):
         return EXIT_CONFIG, str(e)
     if isinstance(e, DataError):

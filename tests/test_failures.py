@@ -285,3 +285,16 @@ def test_readme_failure_table_gives_the_exit_codes_the_trainer_uses():
     codes = {int(c) for row in table.splitlines() if row.startswith("| ") and not row.startswith("| failure")
              for c in [row.split("|")[3].strip()] if c.isdigit()}
     assert codes == {tg.EXIT_DATA, tg.EXIT_CONFIG, tg.EXIT_DIVERGED, tg.EXIT_PEER, tg.EXIT_BUG, 130, 143}, codes
+
+
+def test_a_signal_wrapped_by_the_compiler_is_still_a_signal():
+    """A SIGTERM that lands inside torch.compile reaches main() wrapped in the compiler's own error (seen on 4 GPUs:
+    InductorError), which a distributed run otherwise reports as a failed peer (exit 4) from every rank."""
+    try:
+        try:
+            raise tg.Interrupted(signal.SIGTERM, "stopped by SIGTERM")
+        except tg.Interrupted as inner:
+            raise RuntimeError("InductorError: LoweringException") from inner
+    except RuntimeError as wrapped:
+        assert tg.describe_failure(wrapped, rank=0, world_size=4) == (143, "stopped by SIGTERM")
+
