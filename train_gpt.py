@@ -350,7 +350,7 @@ def adam_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor
     float64 for a float64 parameter (--dtype=float64).
     """
     if param.is_cuda and not isinstance(step_size, Tensor) and not isinstance(decay, Tensor):
-        # One fused Triton pass (triton_kernels.py §5), bitwise the eager code below as PyTorch runs it on CUDA.
+        # One fused Triton pass (triton_kernels.py §5), bitwise its eager reference as PyTorch runs it on CUDA.
         tk.adam_update(param, grad, exp_avg, exp_avg_sq, beta1=beta1, beta2=beta2, eps=eps, step_size=step_size,
                        decay=decay)
         return
@@ -361,13 +361,9 @@ def adam_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor
         for p, g, m, v in zip(*(t.split(rows) for t in (param, grad, exp_avg, exp_avg_sq))):
             adam_update(p, g, m, v, beta1=beta1, beta2=beta2, eps=eps, step_size=step_size, decay=decay)
         return
-    g = grad.to(exp_avg.dtype)
-    exp_avg.mul_(beta1).add_(g, alpha=1 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-    p = param.to(exp_avg.dtype)
-    u = exp_avg / (exp_avg_sq.sqrt() + eps) * step_size
-    u = u + decay * p * (u * p > 0)
-    param.copy_(p - u)
+    # The eager math lives beside its kernel (one definition): m, v moments, then the cautious decay and the step.
+    tk.adam_update_reference(param, grad, exp_avg, exp_avg_sq, beta1=beta1, beta2=beta2, eps=eps,
+                             step_size=step_size, decay=decay)
 
 
 def adam_scalars(lr: float, t: int, beta1: float, beta2: float, wd: float) -> tuple[float, float]:

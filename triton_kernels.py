@@ -746,7 +746,8 @@ def adam_update_triton(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq:
 
 def adam_update_reference(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, *, beta1: float,
                           beta2: float, eps: float, step_size: float, decay: float) -> None:
-    """train_gpt.adam_update's eager math (moments' dtype sets the precision): the kernel's contract."""
+    """The eager Adam math (train_gpt.adam_update runs it off CUDA; the moments' dtype sets the precision): the
+    kernel's contract."""
     g = grad.to(exp_avg.dtype)
     exp_avg.mul_(beta1).add_(g, alpha=1 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
