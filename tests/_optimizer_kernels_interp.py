@@ -117,13 +117,15 @@ def test_adam_kernel_matches_float64_transcription():
 
 
 def test_adam_kernel_against_cpu_eager_differs_only_in_the_addcmul_rounding():
-    """The CPU eager reference rounds value*g before its FMA: exp_avg is the same, exp_avg_sq at most one ulp off,
-    the parameter (fp32) within a few ulps of the update."""
+    """The CPU eager reference rounds value*g before its FMA: exp_avg_sq at most one ulp off, the parameter (fp32)
+    within a few ulps of the update. exp_avg is allowed one ulp too: whether CPU eager fuses `self + alpha*other`
+    depends on the CPU kernels ATen dispatches to (vec::fmadd is a true FMA with AVX2/AVX-512, two roundings in the
+    generic build), and this verdict must not depend on the machine."""
     p, grad, m, v = adam_inputs((37, 13), torch.float32, torch.float32, seed=8)
     pk, mk, vk = run_adam(p, grad, m, v)
     pr, mr, vr = p.clone(), m.clone(), v.clone()
     tk.adam_update_reference(pr, grad, mr, vr, **ADAM_KW)
-    assert_same_bits(mk, mr, "exp_avg")
+    assert ((bits(mk) - bits(mr)).abs() <= 1).all(), "exp_avg more than one ulp from the CPU eager value"
     assert ((bits(vk) - bits(vr)).abs() <= 1).all(), "exp_avg_sq more than one ulp from the CPU eager value"
     assert ((pk.double() - pr.double()).abs() <= 4 * 2 ** -24 * ((p - pr).double().abs() + pr.double().abs())).all()
 
