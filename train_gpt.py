@@ -1072,9 +1072,11 @@ def shift_keys_by_one(k: Tensor) -> Tensor:
 # ---- FP8 LM head (spec §3.8) ----------------------------------------------------------------------------------------
 
 def fp8_quantize(x: Tensor, scale: float, dtype: torch.dtype) -> Tensor:
-    """Saturating cast of x/scale (computed in fp32) to an FP8 dtype: overflow clamps to +-max, not NaN."""
+    """Saturating cast of x/scale to an FP8 dtype: overflow clamps to +-max, not NaN. The division is x * fp32(1/scale),
+    which is what torch.compile on CUDA makes of a division by a constant; written so, the eager, compiled and fused
+    (the cross entropy's backward kernel) quantisers agree bit for bit."""
     limit = torch.finfo(dtype).max  # 448 for e4m3fn, 57344 for e5m2
-    return (x.float() / scale).clamp(-limit, limit).to(dtype)
+    return (x.float() * (1.0 / scale)).clamp(-limit, limit).to(dtype)
 
 
 def fp8_scale_product(a: float, b: float) -> float:
@@ -1106,7 +1108,8 @@ class FP8HeadEmulated(torch.autograd.Function):
 
 
 # One compiled quantiser per role (distinct code objects, so each keeps its own small compile cache): each reads its
-# input once and writes the FP8 tensor in both layouts torch._scaled_mm needs (K-major for both operands).
+# input once and writes the FP8 tensor in both layouts torch._scaled_mm needs (K-major for both operands). The
+# gradient's quantiser is fused into the cross entropy's backward kernel (FP8HeadMTPCE below).
 def _quantize_act(h: Tensor, s: float) -> tuple[Tensor, Tensor]:
     q = fp8_quantize(h, s, torch.float8_e4m3fn)
     return q, q.t().contiguous()
@@ -1117,17 +1120,12 @@ def _quantize_weight(w: Tensor, s: float) -> tuple[Tensor, Tensor]:
     return q, q.t().contiguous()
 
 
-def _quantize_grad(g: Tensor, s: float) -> tuple[Tensor, Tensor]:
-    q = fp8_quantize(g, s, torch.float8_e5m2)
-    return q, q.t().contiguous()
-
-
 _FP8_QUANTIZERS: dict[str, Callable] = {}
 
 
 def _fp8_quantizer(fn: Callable, x: Tensor) -> Callable:
-    """fn compiled on first CUDA use (the op's body is opaque to the model's compile, and eager would make 4 passes
-    over a (T, V) gradient); eager on other devices, where the op only runs in tests."""
+    """fn compiled on first CUDA use (the op's body is opaque to the model's compile, and eager would make several
+    passes over the tensor); eager on other devices, where the op only runs in tests."""
     if not x.is_cuda:
         return fn
     if fn.__name__ not in _FP8_QUANTIZERS:
@@ -1135,7 +1133,7 @@ def _fp8_quantizer(fn: Callable, x: Tensor) -> Callable:
     return _FP8_QUANTIZERS[fn.__name__]
 
 
-def _fp8_head_forward_impl(h: Tensor, w: Tensor, s_x: float, s_w: float, s_g: float) -> tuple[Tensor, Tensor, Tensor]:
+def _fp8_head_forward_impl(h: Tensor, w: Tensor, s_x: float, s_w: float) -> tuple[Tensor, Tensor, Tensor]:
     """logits (T, V) bf16 = (s_x*s_w) e4m3(h/s_x) @ e4m3(w/s_w), fast accumulation; also X8^T (D, T), W8 (D, V)."""
     x8, x8_t = _fp8_quantizer(_quantize_act, h)(h, s_x)
     w8, w8_t = _fp8_quantizer(_quantize_weight, w)(w, s_w)
@@ -1145,11 +1143,11 @@ def _fp8_head_forward_impl(h: Tensor, w: Tensor, s_x: float, s_w: float, s_g: fl
     return logits, x8_t, w8
 
 
-def _fp8_head_backward_impl(grad: Tensor, x8_t: Tensor, w8: Tensor, s_x: float, s_w: float,
+def _fp8_head_backward_impl(g8: Tensor, g8_t: Tensor, x8_t: Tensor, w8: Tensor, s_x: float, s_w: float,
                             s_g: float) -> tuple[Tensor, Tensor]:
-    """dh (T, D) bf16 = (s_g*s_w) G8 @ W8^T; dW (D, V) fp32 = (s_x*s_g) X8^T @ G8; G8 = e5m2(G/s_g); no fast accum."""
-    g8, g8_t = _fp8_quantizer(_quantize_grad, grad)(grad.contiguous(), s_g)
-    one = dict(dtype=torch.float32, device=grad.device)
+    """dh (T, D) bf16 = (s_g*s_w) G8 @ W8^T; dW (D, V) fp32 = (s_x*s_g) X8^T @ G8, from G8 = e5m2(G/s_g) (T, V) and
+    its transpose G8^T (V, T); no fast accumulation."""
+    one = dict(dtype=torch.float32, device=g8.device)
     sx, sw, sg = (torch.full((), s, **one) for s in (s_x, s_w, s_g))
     dh = torch._scaled_mm(g8, w8.t(), scale_a=sg, scale_b=sw, out_dtype=torch.bfloat16, use_fast_accum=False)
     dw = torch._scaled_mm(x8_t, g8_t.t(), scale_a=sx, scale_b=sg, out_dtype=torch.float32, use_fast_accum=False)
@@ -1157,40 +1155,60 @@ def _fp8_head_backward_impl(grad: Tensor, x8_t: Tensor, w8: Tensor, s_x: float, 
 
 
 def register_fp8_head_op() -> None:
-    """Register torch.ops.nanogpt.fp8_head (+ _backward) once per process; later calls (or a second copy of this
-    module, e.g. __main__ and train_gpt) reuse the registered op."""
+    """Register torch.ops.nanogpt.fp8_head and fp8_head_backward once per process; later calls (or a second copy of
+    this module, e.g. __main__ and train_gpt) reuse the registered ops. They are opaque to torch.compile and have no
+    autograd of their own: FP8HeadMTPCE calls them."""
     if hasattr(torch.ops.nanogpt, "fp8_head"):
         return
     fwd = torch.library.custom_op("nanogpt::fp8_head", mutates_args=())(_fp8_head_forward_impl)
     bwd = torch.library.custom_op("nanogpt::fp8_head_backward", mutates_args=())(_fp8_head_backward_impl)
 
     @fwd.register_fake
-    def _(h, w, s_x, s_w, s_g):
+    def _(h, w, s_x, s_w):
         T, D, V = h.shape[0], h.shape[1], w.shape[1]
         return (h.new_empty(T, V), h.new_empty(D, T, dtype=torch.float8_e4m3fn),
                 w.new_empty(D, V, dtype=torch.float8_e4m3fn))
 
     @bwd.register_fake
-    def _(grad, x8_t, w8, s_x, s_w, s_g):
-        return grad.new_empty(x8_t.shape[1], x8_t.shape[0]), w8.new_empty(w8.shape, dtype=torch.float32)
-
-    def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(output[1], output[2])
-        ctx.scales = inputs[2:]
-
-    def backward(ctx, grad_logits, _grad_x8, _grad_w8):
-        x8_t, w8 = ctx.saved_tensors
-        dh, dw = torch.ops.nanogpt.fp8_head_backward(grad_logits, x8_t, w8, *ctx.scales)
-        return dh, dw, None, None, None  # dw is fp32; autograd casts it to the bf16 parameter's dtype
-
-    fwd.register_autograd(backward, setup_context=setup_context)
+    def _(g8, g8_t, x8_t, w8, s_x, s_w, s_g):
+        return (g8.new_empty(g8.shape[0], x8_t.shape[0], dtype=torch.bfloat16),
+                w8.new_empty(w8.shape, dtype=torch.float32))
 
 
-def fp8_head(h: Tensor, w: Tensor, s_x: float, s_w: float, s_g: float) -> Tensor:
-    """FP8 LM head logits (T, V) bf16: the custom op on CUDA (register_fp8_head_op() first), the emulation elsewhere."""
+class FP8HeadMTPCE(torch.autograd.Function):
+    """Per-row softcapped MTP losses of the FP8 head's logits (CUDA; register_fp8_head_op() first).
+
+    Forward: the FP8 logits, then the cross entropy's forward kernel. Backward: one kernel reads the logits once and
+    writes the logit gradient already quantised to e5m2 in both layouts the two FP8 matmuls read; the bf16 gradient
+    that an FP8 head behind a separate loss would receive, store and re-read is never materialised (its rounding is
+    kept inside the kernel, so the numbers are the same)."""
+
+    @staticmethod
+    def forward(ctx, h: Tensor, w: Tensor, targets: Tensor, mtp_weights: Tensor, s_x: float, s_w: float,
+                s_g: float) -> Tensor:
+        logits, x8_t, w8 = torch.ops.nanogpt.fp8_head(h, w, s_x, s_w)
+        losses, lse = torch.ops.nanogpt_kernels.softcapped_mtp_ce_fwd(logits, targets, mtp_weights)
+        ctx.save_for_backward(logits, targets, mtp_weights, lse, x8_t, w8)
+        ctx.scales = (s_x, s_w, s_g)
+        return losses
+
+    @staticmethod
+    def backward(ctx, grad_losses: Tensor):
+        logits, targets, mtp_weights, lse, x8_t, w8 = ctx.saved_tensors
+        s_x, s_w, s_g = ctx.scales
+        g8, g8_t = torch.ops.nanogpt_kernels.softcapped_mtp_ce_bwd_fp8(grad_losses, logits, targets, mtp_weights, lse,
+                                                                       s_g)
+        dh, dw = torch.ops.nanogpt.fp8_head_backward(g8, g8_t, x8_t, w8, s_x, s_w, s_g)
+        return dh, dw, None, None, None, None, None  # dw is fp32; autograd casts it to the bf16 parameter's dtype
+
+
+def fp8_head_mtp_ce(h: Tensor, w: Tensor, targets: Tensor, mtp_weights: Tensor, s_x: float, s_w: float,
+                    s_g: float) -> Tensor:
+    """Per-row MTP losses (T,) fp32 of the FP8 LM head's logits: FP8HeadMTPCE on CUDA, the emulated head and the
+    plain loss elsewhere (the same math)."""
     if h.is_cuda:
-        return torch.ops.nanogpt.fp8_head(h, w, s_x, s_w, s_g)[0]
-    return FP8HeadEmulated.apply(h, w, s_x, s_w, s_g)
+        return FP8HeadMTPCE.apply(h, w, targets, mtp_weights, s_x, s_w, s_g)
+    return tk.softcapped_mtp_ce(FP8HeadEmulated.apply(h, w, s_x, s_w, s_g), targets, mtp_weights)
 
 
 # ---- GPT ------------------------------------------------------------------------------------------------------------
@@ -1315,10 +1333,10 @@ class GPT(nn.Module):
         h = self.final_hidden(inputs, cu_seqlens, ws_short, ws_long, max_seqlen)  # (T, D) bf16
         if self.training:
             if self.cfg.use_fp8:
-                logits = fp8_head(h, self.lm_head, *self.cfg.fp8_scales)
+                losses = fp8_head_mtp_ce(h, self.lm_head, targets, mtp_weights, *self.cfg.fp8_scales)
             else:
-                logits = h @ self.lm_head
-            return tk.softcapped_mtp_ce(logits, targets, mtp_weights).sum()
+                losses = tk.softcapped_mtp_ce(h @ self.lm_head, targets, mtp_weights)
+            return losses.sum()
         # Mean next-token CE of the softcapped bf16-head logits (spec §3.10), through the fused kernel with the single
         # weight 1: it softcaps in fp32 (as the reference's compiled eval does) and never materialises fp32 (T, V)
         # tensors, which at 262,144 val tokens per rank would not fit next to the 26 GB of bf16 logits.

@@ -55,6 +55,39 @@ def _num_programs_persistent(device: torch.device) -> int:
     return 3
 
 
+# bf16 through its bits: bf16 is the high half of an fp32, rounded to nearest even on the way back (NaN -> 0x7FFF,
+# as CUDA's cvt.rn.bf16.f32 gives). The interpreter's own fp32->bf16 cast truncates; these helpers make the bf16
+# rounding points of sections 4-6 bit-exact there too, and cost a few integer operations on the GPU.
+
+@triton.jit
+def _load_as_fp32(ptrs, mask):
+    """Load bf16 (through its bits: exact) or fp32 values as fp32."""
+    if ptrs.dtype.element_ty == tl.bfloat16:
+        bits = tl.load(ptrs, mask=mask, other=0.0).to(tl.uint16, bitcast=True)
+        x = (bits.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    else:
+        x = tl.load(ptrs, mask=mask, other=0.0)
+    return x
+
+
+@triton.jit
+def _bf16_bits_rne(x):
+    """fp32 -> bf16 bits (uint32 holding 16 bits), round to nearest even; NaN -> 0x7FFF (CUDA's canonical bf16 NaN)."""
+    u = x.to(tl.uint32, bitcast=True)
+    r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    return tl.where(x != x, 0x7FFF, r)
+
+
+@triton.jit
+def _store_from_fp32(ptrs, x, mask):
+    """Store fp32 values to a bf16 (round to nearest even, via the bits) or fp32 tensor."""
+    if ptrs.dtype.element_ty == tl.bfloat16:
+        bits = _bf16_bits_rne(x).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        tl.store(ptrs, bits, mask=mask)
+    else:
+        tl.store(ptrs, x, mask=mask)
+
+
 # =====================================================================================================================
 # 1. Symmetric X @ X.T  (Polar Express, spec §8.1); its epilogue flag also serves section 2
 # =====================================================================================================================
@@ -396,71 +429,97 @@ def relu2_mlp(x: Tensor, c_fc: Tensor, c_proj: Tensor) -> Tensor:
 # can promote a carried value to fp64 (which happened to the original kernel under torch 2.11 + triton 3.6).
 
 SOFTCAP_A, SOFTCAP_B, SOFTCAP_C = 23.0, 5.0, 7.5
-_CE_BLOCK = 1024
-_CE_WARPS = 4
+_CE_FWD_TILES = (1, 1024, 4)  # (BLOCK_M rows, BLOCK_N columns, warps) of the forward on CUDA
+# Backward candidates (BLOCK_M, BLOCK_N, warps), autotuned per shape: all keep 8 elements per thread (16 or more
+# spilled registers on an H200: 2-20x slower). The FP8 path stores its transpose in runs of BLOCK_M bytes, so its
+# tiles have 8 or more rows. The tile cannot change the result: every element's arithmetic is the same.
+_CE_BWD_CONFIGS = {False: [(1, 1024, 4), (2, 512, 4), (4, 256, 4), (8, 128, 4), (16, 128, 8)],
+                   True: [(8, 128, 4), (16, 64, 4), (16, 128, 8), (32, 64, 8), (32, 32, 4)]}
+_CE_INTERPRETER_TILES = (4, 256, 4)  # CPU tests: several row blocks and a partial last one
 
 
 @triton.jit
 def _ce_fwd_kernel(logits_ptr, targets_ptr, weights_ptr, losses_ptr, lse_ptr, n_rows, n_cols, stride_row,
-                   n_weights, A: tl.constexpr, B: tl.constexpr, C: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
-    row_ptr = logits_ptr + row.to(tl.int64) * stride_row
-    offs = tl.arange(0, BLOCK)
-    run_max = tl.full([], float("-inf"), tl.float32)
-    run_sum = tl.zeros([], dtype=tl.float32)
-    for start in range(0, n_cols, BLOCK):
-        cols = start + offs
-        logit = tl.load(row_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+                   n_weights, A: tl.constexpr, B: tl.constexpr, C: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr):
+    """lse and the weighted MTP loss of BLOCK_M rows, an online logsumexp over (BLOCK_M, BLOCK_N) tiles."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < n_rows
+    row_offs = rows.to(tl.int64) * stride_row
+    run_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    run_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for start in range(0, n_cols, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        mask = row_ok[:, None] & (cols[None, :] < n_cols)
+        logit = _load_as_fp32(logits_ptr + row_offs[:, None] + cols[None, :], mask)
         z = A * tl.sigmoid((logit + B) / C)
-        z = tl.where(cols < n_cols, z, float("-inf"))  # lanes past the last column
-        new_max = tl.maximum(run_max, tl.max(z, axis=0))
-        run_sum = run_sum * tl.exp(run_max - new_max) + tl.sum(tl.exp(z - new_max), axis=0)
+        z = tl.where(cols[None, :] < n_cols, z, float("-inf"))  # lanes past the last column
+        new_max = tl.maximum(run_max, tl.max(z, axis=1))
+        run_sum = run_sum * tl.exp(run_max - new_max) + tl.sum(tl.exp(z - new_max[:, None]), axis=1)
         run_max = new_max
     lse = run_max + tl.log(run_sum)
-    tl.store(lse_ptr + row, lse)
-    loss = tl.zeros([], dtype=tl.float32)
+    tl.store(lse_ptr + rows, lse, mask=row_ok)
+    loss = tl.zeros([BLOCK_M], dtype=tl.float32)
     for k in range(0, n_weights):
-        has_target = row + k < n_rows
-        target = tl.load(targets_ptr + row + k, mask=has_target, other=-1)
-        w = tl.load(weights_ptr + k)
-        ok = has_target & (w > 0) & (target >= 0) & (target < n_cols)
-        logit_t = tl.load(row_ptr + target, mask=ok, other=0.0).to(tl.float32)
+        # w as a vector: the interpreter cannot `&` a scalar bool with a vector
+        w = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.load(weights_ptr + k)
+        target = tl.load(targets_ptr + rows + k, mask=row_ok & (rows + k < n_rows), other=-1)
+        ok = (target >= 0) & (target < n_cols) & (w > 0)
+        logit_t = _load_as_fp32(logits_ptr + row_offs + target, ok)
         z_t = A * tl.sigmoid((logit_t + B) / C)
         loss += tl.where(ok, w * (lse - z_t), 0.0)
-    tl.store(losses_ptr + row, loss)
+    tl.store(losses_ptr + rows, loss, mask=row_ok)
 
 
 @triton.jit
-def _ce_bwd_kernel(grad_ptr, stride_grad, logits_ptr, targets_ptr, weights_ptr, lse_ptr, dlogits_ptr, n_rows,
-                   n_cols, stride_row, stride_drow, n_weights, A: tl.constexpr, B: tl.constexpr, C: tl.constexpr,
-                   BLOCK: tl.constexpr):
-    row = tl.program_id(0)
-    row_ptr = logits_ptr + row.to(tl.int64) * stride_row
-    drow_ptr = dlogits_ptr + row.to(tl.int64) * stride_drow
-    g_row = tl.load(grad_ptr + row * stride_grad).to(tl.float32)
-    lse = tl.load(lse_ptr + row)
+def _ce_bwd_kernel(grad_ptr, stride_grad, logits_ptr, targets_ptr, weights_ptr, lse_ptr, out_ptr, out_t_ptr,
+                   n_rows, n_cols, stride_row, n_weights, inv_scale, limit, A: tl.constexpr, B: tl.constexpr,
+                   C: tl.constexpr, QUANTIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """dlogits of BLOCK_M rows, streamed in (BLOCK_M, BLOCK_N) tiles. QUANTIZE=False: out (n, V) = dlogits in out's
+    dtype. QUANTIZE=True: q = clamp(bf16(dlogits) * inv_scale, +-limit) in out's dtype, written to out (n, V) and to
+    out_t (V, n), the two layouts of the FP8 head's backward matmuls."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < n_rows
+    g_row = tl.load(grad_ptr + rows * stride_grad, mask=row_ok, other=0.0).to(tl.float32)
+    lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
     # S_w: sum of the weights whose target row exists (zero weights and target range not checked, as in the spec).
-    sum_w = tl.zeros([], dtype=tl.float32)
+    sum_w = tl.zeros([BLOCK_M], dtype=tl.float32)
     for k in range(0, n_weights):
-        sum_w += tl.where(row + k < n_rows, tl.load(weights_ptr + k), 0.0)
+        sum_w += tl.where(rows + k < n_rows, tl.load(weights_ptr + k), 0.0)
     inv_c = tl.full([], 1.0, tl.float32) / C  # 1/C rounded in fp32
-    offs = tl.arange(0, BLOCK)
-    for start in range(0, n_cols, BLOCK):
-        cols = start + offs
-        in_row = cols < n_cols
-        logit = tl.load(row_ptr + cols, mask=in_row, other=0.0).to(tl.float32)
+    inv_scale = tl.cast(inv_scale, tl.float32)
+    limit = tl.cast(limit, tl.float32)
+    row_offs = rows.to(tl.int64)[:, None] * stride_row
+    for start in range(0, n_cols, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        mask = row_ok[:, None] & (cols[None, :] < n_cols)
+        logit = _load_as_fp32(logits_ptr + row_offs + cols[None, :], mask)
         sig = tl.sigmoid((logit + B) / C)
         z = A * sig
-        p = tl.exp(z - lse)
-        t_weight = tl.zeros([BLOCK], dtype=tl.float32)  # T_c: weight of every offset whose target is this column
+        p = tl.exp(z - lse[:, None])
+        t_weight = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)  # T_c: weight of every offset targeting column c
         for k in range(0, n_weights):
-            has_target = row + k < n_rows
-            target = tl.load(targets_ptr + row + k, mask=has_target, other=-1)
-            w = tl.load(weights_ptr + k)
-            t_weight += tl.where(has_target & (cols == target), w, 0.0)
-        dz = g_row * (sum_w * p - t_weight)
+            has_target = rows + k < n_rows
+            target = tl.load(targets_ptr + rows + k, mask=has_target, other=-1)
+            t_weight += tl.where(cols[None, :] == target[:, None], tl.load(weights_ptr + k), 0.0)
+        dz = g_row[:, None] * (sum_w[:, None] * p - t_weight)
         dlogit = dz * inv_c * z * (1.0 - sig)
-        tl.store(drow_ptr + cols, dlogit.to(dlogits_ptr.dtype.element_ty), mask=in_row)
+        out_offs = rows.to(tl.int64)[:, None] * n_cols + cols[None, :]
+        if QUANTIZE:
+            # the FP8 head's quantiser, applied to the bf16 gradient it would have read (bits: exact in the
+            # interpreter too)
+            g_bf16 = (_bf16_bits_rne(dlogit) << 16).to(tl.float32, bitcast=True)
+            q = tl.minimum(tl.maximum(g_bf16 * inv_scale, -limit), limit).to(out_ptr.dtype.element_ty)
+            tl.store(out_ptr + out_offs, q, mask=mask)
+            tl.store(out_t_ptr + cols.to(tl.int64)[None, :] * n_rows + rows[:, None], q, mask=mask)
+        else:
+            _store_from_fp32(out_ptr + out_offs, dlogit, mask)
+
+
+_ce_bwd_kernel_tuned = {
+    quantize: triton.autotune(configs=[triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w)
+                                       for m, n, w in _CE_BWD_CONFIGS[quantize]], key=["n_rows", "n_cols"])(_ce_bwd_kernel)
+    for quantize in (False, True)}
 
 
 def _check_ce_inputs(logits: Tensor, targets: Tensor, mtp_weights: Tensor) -> None:
@@ -476,34 +535,74 @@ def _check_ce_inputs(logits: Tensor, targets: Tensor, mtp_weights: Tensor) -> No
            "logits, targets and mtp_weights must be on the same device; move mtp_weights to the logits' device")
 
 
-def softcapped_mtp_ce_fwd_triton(logits: Tensor, targets: Tensor, mtp_weights: Tensor) -> tuple[Tensor, Tensor]:
-    """logits (n, V) bf16 (fp32 for tests), targets (n,) int64, mtp_weights (K,) fp32 -> (losses (n,), lse (n,)) fp32."""
+def softcapped_mtp_ce_fwd_triton(logits: Tensor, targets: Tensor, mtp_weights: Tensor,
+                                 tiles: tuple[int, int, int] | None = None) -> tuple[Tensor, Tensor]:
+    """logits (n, V) bf16 (fp32 for tests), targets (n,) int64, mtp_weights (K,) fp32 -> (losses (n,), lse (n,)) fp32.
+
+    tiles=(BLOCK_M, BLOCK_N, warps) overrides the defaults (tests, benchmarks)."""
     _check_ce_inputs(logits, targets, mtp_weights)
     n_rows, n_cols = logits.shape
     losses = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
     lse = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
     if n_rows > 0:
-        wrap_triton(_ce_fwd_kernel)[(n_rows,)](
+        block_m, block_n, warps = tiles or (_CE_FWD_TILES if logits.is_cuda else _CE_INTERPRETER_TILES)
+        wrap_triton(_ce_fwd_kernel)[(triton.cdiv(n_rows, block_m),)](
             logits, targets, mtp_weights, losses, lse, n_rows, n_cols, logits.stride(0), mtp_weights.shape[0],
-            A=SOFTCAP_A, B=SOFTCAP_B, C=SOFTCAP_C, BLOCK=_CE_BLOCK, num_warps=_CE_WARPS)
+            A=SOFTCAP_A, B=SOFTCAP_B, C=SOFTCAP_C, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
     return losses, lse
 
 
-def softcapped_mtp_ce_bwd_triton(grad_losses: Tensor, logits: Tensor, targets: Tensor, mtp_weights: Tensor,
-                                 lse: Tensor) -> Tensor:
-    """grad_losses (n,) (any stride, e.g. an expanded 1/A), the forward's inputs and lse -> dlogits (n, V) in
-    logits' dtype (bf16)."""
+def _launch_ce_bwd(grad_losses: Tensor, logits: Tensor, targets: Tensor, mtp_weights: Tensor, lse: Tensor,
+                   out: Tensor, out_t: Tensor | None, inv_scale: float, limit: float,
+                   tiles: tuple[int, int, int] | None) -> None:
     _check_ce_inputs(logits, targets, mtp_weights)
     n_rows, n_cols = logits.shape
     _check(grad_losses.shape == (n_rows,) and lse.shape == (n_rows,) and lse.dtype == torch.float32
            and lse.is_contiguous(), "grad_losses and lse must be (n_rows,), lse fp32 contiguous from the forward")
-    dlogits = torch.empty((n_rows, n_cols), dtype=logits.dtype, device=logits.device)
-    if n_rows > 0:
-        wrap_triton(_ce_bwd_kernel)[(n_rows,)](
-            grad_losses, grad_losses.stride(0), logits, targets, mtp_weights, lse, dlogits, n_rows, n_cols,
-            logits.stride(0), dlogits.stride(0), mtp_weights.shape[0],
-            A=SOFTCAP_A, B=SOFTCAP_B, C=SOFTCAP_C, BLOCK=_CE_BLOCK, num_warps=_CE_WARPS)
+    if n_rows == 0:
+        return
+    quantize = out_t is not None
+    args = (grad_losses, grad_losses.stride(0), logits, targets, mtp_weights, lse, out, out_t if quantize else out,
+            n_rows, n_cols, logits.stride(0), mtp_weights.shape[0], inv_scale, limit)
+    consts = dict(A=SOFTCAP_A, B=SOFTCAP_B, C=SOFTCAP_C, QUANTIZE=quantize)
+    if tiles is None and logits.is_cuda:
+        wrap_triton(_ce_bwd_kernel_tuned[quantize])[lambda meta: (triton.cdiv(n_rows, meta["BLOCK_M"]),)](
+            *args, **consts)
+    else:
+        block_m, block_n, warps = tiles or _CE_INTERPRETER_TILES
+        wrap_triton(_ce_bwd_kernel)[(triton.cdiv(n_rows, block_m),)](*args, **consts, BLOCK_M=block_m,
+                                                                      BLOCK_N=block_n, num_warps=warps)
+
+
+def softcapped_mtp_ce_bwd_triton(grad_losses: Tensor, logits: Tensor, targets: Tensor, mtp_weights: Tensor,
+                                 lse: Tensor, tiles: tuple[int, int, int] | None = None) -> Tensor:
+    """grad_losses (n,) (any stride, e.g. an expanded 1/A), the forward's inputs and lse -> dlogits (n, V) in
+    logits' dtype (bf16)."""
+    dlogits = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    _launch_ce_bwd(grad_losses, logits, targets, mtp_weights, lse, dlogits, None, 1.0, 0.0, tiles)
     return dlogits
+
+
+def softcapped_mtp_ce_bwd_fp8_triton(grad_losses: Tensor, logits: Tensor, targets: Tensor, mtp_weights: Tensor,
+                                     lse: Tensor, scale: float, out_dtype: torch.dtype = torch.float8_e5m2,
+                                     tiles: tuple[int, int, int] | None = None) -> tuple[Tensor, Tensor]:
+    """The backward above, quantised for the FP8 head: q = out_dtype(clamp(bf16(dlogits) * fp32(1/scale), +-max))
+    as (n, V) and as its transpose (V, n), both contiguous. out_dtype=float32 skips the final cast (tests)."""
+    n_rows, n_cols = logits.shape
+    out = torch.empty((n_rows, n_cols), dtype=out_dtype, device=logits.device)
+    out_t = torch.empty((n_cols, n_rows), dtype=out_dtype, device=logits.device)
+    limit = torch.finfo(torch.float8_e5m2).max
+    _launch_ce_bwd(grad_losses, logits, targets, mtp_weights, lse, out, out_t, 1.0 / scale, limit, tiles)
+    return out, out_t
+
+
+def softcapped_mtp_ce_bwd_fp8_reference(dlogits: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """What the kernel's QUANTIZE epilogue computes from the bf16 gradient: e5m2 of dlogits * fp32(1/scale), clamped
+    to +-57344, in both layouts. (A compiled x / scale with a constant scale becomes this multiplication.)"""
+    limit = torch.finfo(torch.float8_e5m2).max
+    inv = torch.tensor(1.0 / scale, dtype=torch.float32, device=dlogits.device)
+    q = (dlogits.bfloat16().float() * inv).clamp(-limit, limit).to(torch.float8_e5m2)
+    return q, q.t().contiguous()
 
 
 @triton_op(f"{_LIB}::softcapped_mtp_ce_fwd", mutates_args=())
@@ -515,6 +614,12 @@ def _softcapped_mtp_ce_fwd_op(logits: Tensor, targets: Tensor, mtp_weights: Tens
 def _softcapped_mtp_ce_bwd_op(grad_losses: Tensor, logits: Tensor, targets: Tensor, mtp_weights: Tensor,
                               lse: Tensor) -> Tensor:
     return softcapped_mtp_ce_bwd_triton(grad_losses, logits, targets, mtp_weights, lse)
+
+
+@triton_op(f"{_LIB}::softcapped_mtp_ce_bwd_fp8", mutates_args=())
+def _softcapped_mtp_ce_bwd_fp8_op(grad_losses: Tensor, logits: Tensor, targets: Tensor, mtp_weights: Tensor,
+                                  lse: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    return softcapped_mtp_ce_bwd_fp8_triton(grad_losses, logits, targets, mtp_weights, lse, scale)
 
 
 class _SoftcappedMTPCEFunction(torch.autograd.Function):
@@ -642,9 +747,7 @@ def softcapped_mtp_ce(logits: Tensor, targets: Tensor, mtp_weights: Tensor) -> T
 # gets Triton's default contraction: an fp32 rounding apart, not bitwise (on an H200 the compiled Adam still matched
 # eager bit for bit, the cautious update of section 6 did not; tests/test_kernels_gpu.py bounds both). It also passes
 # the Python floats as fp64, hence the casts at the top of the kernels. train_gpt calls these ops eagerly.
-# bf16 is read and written through its bits (bf16 = high half of the fp32 bits; round-to-nearest-even on the way
-# back, NaN -> 0x7FFF as CUDA's cvt.rn.bf16.f32 gives), so the interpreter, whose fp32->bf16 cast truncates, runs
-# the same bf16 path bit-exactly.
+# bf16 is read and written through its bits (the helpers above section 1), bit-exact in the interpreter too.
 #
 # Tiles: a flat BLOCK of 1024 elements per program with 4 warps, 8 consecutive elements per thread: one 16-byte
 # load/store per bf16 tensor and two per fp32 tensor, no reuse, so the kernel is a pure stream at the memory
@@ -658,35 +761,6 @@ _ADAM_BLOCK = 1024
 _ADAM_WARPS = 4
 _ADAM_INTERPRETER_BLOCK = 64  # CPU tests: several blocks and a partial last one on small tensors
 _ADAM_PARAM_DTYPES = (torch.bfloat16, torch.float32)
-
-
-@triton.jit
-def _load_as_fp32(ptrs, mask):
-    """Load bf16 (through its bits: exact) or fp32 values as fp32."""
-    if ptrs.dtype.element_ty == tl.bfloat16:
-        bits = tl.load(ptrs, mask=mask, other=0.0).to(tl.uint16, bitcast=True)
-        x = (bits.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
-    else:
-        x = tl.load(ptrs, mask=mask, other=0.0)
-    return x
-
-
-@triton.jit
-def _bf16_bits_rne(x):
-    """fp32 -> bf16 bits (uint32 holding 16 bits), round to nearest even; NaN -> 0x7FFF (CUDA's canonical bf16 NaN)."""
-    u = x.to(tl.uint32, bitcast=True)
-    r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
-    return tl.where(x != x, 0x7FFF, r)
-
-
-@triton.jit
-def _store_from_fp32(ptrs, x, mask):
-    """Store fp32 values to a bf16 (round to nearest even, via the bits) or fp32 tensor."""
-    if ptrs.dtype.element_ty == tl.bfloat16:
-        bits = _bf16_bits_rne(x).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-        tl.store(ptrs, bits, mask=mask)
-    else:
-        tl.store(ptrs, x, mask=mask)
 
 
 @triton.jit

@@ -249,6 +249,71 @@ def test_softcapped_mtp_ce_autograd_matches_reference():
     torch.testing.assert_close(d, d_ref, rtol=1e-4, atol=1e-6 * d_ref.abs().max().item())
 
 
+def ce_inputs(n, V, seed, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(n, V, generator=g) * 8).to(dtype)
+    targets = torch.randint(0, V, (n,), generator=g)
+    return logits, targets, g
+
+
+@pytest.mark.parametrize("tiles", [(1, 1024, 4), (2, 128, 4), (8, 64, 2)])
+def test_ce_forward_rows_per_program_do_not_change_the_losses(tiles):
+    """Rows are independent: with the same column block, any number of rows per program gives the same bits."""
+    logits, targets, _ = ce_inputs(10, 2100, seed=4)
+    w = torch.tensor([1.0, 0.5, 0.25])
+    one_row = tk.softcapped_mtp_ce_fwd_triton(logits, targets, w, tiles=(1, tiles[1], 4))
+    many = tk.softcapped_mtp_ce_fwd_triton(logits, targets, w, tiles=tiles)
+    assert torch.equal(one_row[0], many[0]) and torch.equal(one_row[1], many[1])
+    dz = tk.softcapped_mtp_ce_bwd_triton(torch.rand(10, generator=torch.Generator().manual_seed(5)), logits, targets,
+                                         w, one_row[1], tiles=(1, 256, 4))
+    dz_many = tk.softcapped_mtp_ce_bwd_triton(torch.rand(10, generator=torch.Generator().manual_seed(5)), logits,
+                                              targets, w, one_row[1], tiles=tiles)
+    assert torch.equal(dz, dz_many)
+
+
+@pytest.mark.parametrize("n, V, weights", [(9, 1100, [1.0, 0.5, 0.25]), (4, 300, [1.0, 0.0, 0.3]), (2, 520, [1.0])])
+def test_ce_backward_fp8_epilogue_is_the_bf16_gradient_scaled_and_clamped(n, V, weights):
+    """The QUANTIZE epilogue (final FP8 cast skipped: out_dtype=float32) is bitwise clamp(bf16(dlogits) * fp32(1/s))
+    of the plain backward's bf16 output, in both layouts, from bf16 logits (read and rounded through their bits, so
+    exact here). The scale is tiny enough that some gradients saturate at +-57344."""
+    logits, targets, g = ce_inputs(n, V, seed=n * 7 + V, dtype=torch.bfloat16)
+    w = torch.tensor(weights)
+    _, lse = tk.softcapped_mtp_ce_fwd_triton(logits, targets, w)
+    grad_rows = torch.rand(n, generator=g) + 0.5
+    d = tk.softcapped_mtp_ce_bwd_triton(grad_rows, logits, targets, w, lse)
+    assert d.dtype == torch.bfloat16
+    exact = ce_grad_float64(grad_rows, logits, targets, w)
+    torch.testing.assert_close(d.double(), exact, rtol=1e-2, atol=1e-6 * exact.abs().max().item())
+    scale = 2e-6
+    q, q_t = tk.softcapped_mtp_ce_bwd_fp8_triton(grad_rows, logits, targets, w, lse, scale, out_dtype=torch.float32)
+    want = (d.float() * torch.tensor(1 / scale)).clamp(-57344.0, 57344.0)
+    assert torch.equal(q, want) and torch.equal(q_t, want.T)
+    assert (want.abs() == 57344.0).any() and (want.abs() < 57344.0).any()
+
+
+def test_fp8_head_mtp_ce_matches_the_emulated_head_and_plain_loss():
+    """train_gpt.FP8HeadMTPCE (the CUDA path: FP8 ops around the CE kernels, the gradient quantised inside the
+    backward kernel) against the CPU path of the same math (emulated FP8 head, then the chunked loss). Tolerances are
+    the FP8 operands' (the interpreter's e5m2 cast also mis-rounds e5m2 subnormals, a few tiny gradients); a wrong
+    layout, scale or transpose gives errors of order 1."""
+    import train_gpt as tg
+    tg.register_fp8_head_op()
+    scales = (100 / 448, 1.6 / 448, 0.75 / 448)
+    g = torch.Generator().manual_seed(8)
+    h = tg.rms(torch.randn(24, 64, generator=g)).bfloat16().requires_grad_(True)
+    w = (0.05 * torch.randn(64, 96, generator=g)).bfloat16().requires_grad_(True)
+    targets = torch.randint(0, 96, (24,), generator=g)
+    mtp = torch.tensor([1.0, 0.5, 0.25])
+    losses = tg.FP8HeadMTPCE.apply(h, w, targets, mtp, *scales)
+    dh, dw = torch.autograd.grad(losses.sum() / 2, (h, w))
+    ref = tk.softcapped_mtp_ce_cpu(tg.FP8HeadEmulated.apply(h, w, *scales), targets, mtp)
+    ref_dh, ref_dw = torch.autograd.grad(ref.sum() / 2, (h, w))
+    torch.testing.assert_close(losses, ref, rtol=1e-3, atol=1e-3)
+    for got, want in ((dh, ref_dh), (dw, ref_dw)):
+        assert got.dtype == torch.bfloat16 and got.shape == want.shape
+        assert (got.float() - want.float()).abs().max() <= 2e-2 * want.float().abs().max()
+
+
 def test_ce_launcher_rejects_bad_input():
     logits = torch.randn(4, 64)
     with pytest.raises(ValueError, match="int64"):

@@ -154,6 +154,50 @@ def test_softcapped_mtp_ce_bf16(weights):
     assert rel_err(d_sum, want_d) < BF16_TOL
 
 
+S_G = 0.75 / 448  # the FP8 head's gradient scale
+
+
+def fp8_bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8)
+
+
+@pytest.mark.parametrize("n, weights", [(1024, [1.0, 0.5, 0.25]), (1000, [1.0]), (37, [1.0, 0.5, 0.0])])
+def test_ce_bwd_fp8_is_the_bf16_gradient_quantised(n, weights):
+    """The fused FP8 backward writes exactly what the bf16 backward followed by the gradient quantiser gives, in both
+    layouts; n not a multiple of the row tile exercises the masked last block."""
+    V = 50304
+    g = gen(21)
+    logits = (torch.randn(n, V, device="cuda", generator=g) * 10).bfloat16()
+    targets = torch.randint(0, V, (n,), device="cuda", generator=g)
+    w = torch.tensor(weights, device="cuda")
+    _, lse = tk.softcapped_mtp_ce_fwd_triton(logits, targets, w)
+    grad_rows = torch.full((1,), 1 / 8, device="cuda").expand(n)
+    q, q_t = tk.softcapped_mtp_ce_bwd_fp8_triton(grad_rows, logits, targets, w, lse, S_G)
+    d = tk.softcapped_mtp_ce_bwd_triton(grad_rows, logits, targets, w, lse)
+    want, want_t = tk.softcapped_mtp_ce_bwd_fp8_reference(d, S_G)
+    assert q.dtype == q_t.dtype == torch.float8_e5m2 and q.shape == (n, V) and q_t.shape == (V, n)
+    diff = fp8_bits(q) != fp8_bits(want)
+    assert not diff.any(), f"{int(diff.sum())} of {diff.numel()} differ: {q[diff][:4].float()} vs {want[diff][:4].float()}"
+    assert torch.equal(fp8_bits(q_t), fp8_bits(want_t))
+    assert (q.float() != 0).float().mean() > 0.5  # the scale keeps most gradients above e5m2's underflow
+
+
+def test_compiled_fp8_quantiser_multiplies_by_the_reciprocal():
+    """The trainer's compiled FP8 quantisers (train_gpt._quantize_act/_weight) see the scale as a constant and
+    multiply by its fp32 reciprocal; the fused gradient quantiser does the same, so the FP8 head's math is one
+    formula. If torch changes this, the message says which formula the compiled one follows."""
+    import train_gpt as tg
+    x = (torch.randn(4096, 4096, device="cuda", generator=gen(22)) * 0.02).bfloat16()
+    compiled = torch.compile(lambda t, s: tg.fp8_quantize(t, s, torch.float8_e5m2), dynamic=False, fullgraph=True)
+    got = fp8_bits(compiled(x, S_G))
+    lim = 57344.0
+    recip = fp8_bits((x.float() * torch.tensor(1 / S_G, device="cuda")).clamp(-lim, lim).to(torch.float8_e5m2))
+    div = fp8_bits((x.float() / S_G).clamp(-lim, lim).to(torch.float8_e5m2))
+    assert torch.equal(got, recip), (f"compiled quantiser differs from x * fp32(1/s) at {int((got != recip).sum())} "
+                                     f"elements and from IEEE x / s at {int((got != div).sum())}")
+    assert torch.equal(fp8_bits(tg.fp8_quantize(x, S_G, torch.float8_e5m2)), recip)  # the eager formula too
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # torch.compile: one graph, no break, no recompile
 # ------------------------------------------------------------------------------------------------------------------
