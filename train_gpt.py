@@ -1179,9 +1179,10 @@ class FP8HeadMTPCE(torch.autograd.Function):
     """Per-row softcapped MTP losses of the FP8 head's logits (CUDA; register_fp8_head_op() first).
 
     Forward: the FP8 logits, then the cross entropy's forward kernel. Backward: one kernel reads the logits once and
-    writes the logit gradient already quantised to e5m2 in both layouts the two FP8 matmuls read; the bf16 gradient
-    that an FP8 head behind a separate loss would receive, store and re-read is never materialised (its rounding is
-    kept inside the kernel, so the numbers are the same)."""
+    writes the logit gradient already quantised to e5m2 (half the bytes of the bf16 gradient that an FP8 head behind
+    a separate loss would receive, store and quantise in another pass; the bf16 rounding is kept inside the kernel,
+    so the numbers are the same); the compiled transpose gives the second layout the weight gradient's FP8 matmul
+    needs (both operands K-major)."""
 
     @staticmethod
     def forward(ctx, h: Tensor, w: Tensor, targets: Tensor, mtp_weights: Tensor, s_x: float, s_w: float,
@@ -1196,9 +1197,8 @@ class FP8HeadMTPCE(torch.autograd.Function):
     def backward(ctx, grad_losses: Tensor):
         logits, targets, mtp_weights, lse, x8_t, w8 = ctx.saved_tensors
         s_x, s_w, s_g = ctx.scales
-        g8, g8_t = torch.ops.nanogpt_kernels.softcapped_mtp_ce_bwd_fp8(grad_losses, logits, targets, mtp_weights, lse,
-                                                                       s_g)
-        dh, dw = torch.ops.nanogpt.fp8_head_backward(g8, g8_t, x8_t, w8, s_x, s_w, s_g)
+        g8 = torch.ops.nanogpt_kernels.softcapped_mtp_ce_bwd_fp8(grad_losses, logits, targets, mtp_weights, lse, s_g)
+        dh, dw = torch.ops.nanogpt.fp8_head_backward(g8, g8.t().contiguous(), x8_t, w8, s_x, s_w, s_g)
         return dh, dw, None, None, None, None, None  # dw is fp32; autograd casts it to the bf16 parameter's dtype
 
 

@@ -429,97 +429,80 @@ def relu2_mlp(x: Tensor, c_fc: Tensor, c_proj: Tensor) -> Tensor:
 # can promote a carried value to fp64 (which happened to the original kernel under torch 2.11 + triton 3.6).
 
 SOFTCAP_A, SOFTCAP_B, SOFTCAP_C = 23.0, 5.0, 7.5
-_CE_FWD_TILES = (1, 1024, 4)  # (BLOCK_M rows, BLOCK_N columns, warps) of the forward on CUDA
-# Backward candidates (BLOCK_M, BLOCK_N, warps), autotuned per shape: all keep 8 elements per thread (16 or more
-# spilled registers on an H200: 2-20x slower). The FP8 path stores its transpose in runs of BLOCK_M bytes, so its
-# tiles have 8 or more rows. The tile cannot change the result: every element's arithmetic is the same.
-_CE_BWD_CONFIGS = {False: [(1, 1024, 4), (2, 512, 4), (4, 256, 4), (8, 128, 4), (16, 128, 8)],
-                   True: [(8, 128, 4), (16, 64, 4), (16, 128, 8), (32, 64, 8), (32, 32, 4)]}
-_CE_INTERPRETER_TILES = (4, 256, 4)  # CPU tests: several row blocks and a partial last one
+_CE_BLOCK = 1024
+_CE_WARPS = 4
 
 
 @triton.jit
 def _ce_fwd_kernel(logits_ptr, targets_ptr, weights_ptr, losses_ptr, lse_ptr, n_rows, n_cols, stride_row,
-                   n_weights, A: tl.constexpr, B: tl.constexpr, C: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr):
-    """lse and the weighted MTP loss of BLOCK_M rows, an online logsumexp over (BLOCK_M, BLOCK_N) tiles."""
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < n_rows
-    row_offs = rows.to(tl.int64) * stride_row
-    run_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    run_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for start in range(0, n_cols, BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)
-        mask = row_ok[:, None] & (cols[None, :] < n_cols)
-        logit = _load_as_fp32(logits_ptr + row_offs[:, None] + cols[None, :], mask)
+                   n_weights, A: tl.constexpr, B: tl.constexpr, C: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+    offs = tl.arange(0, BLOCK)
+    run_max = tl.full([], float("-inf"), tl.float32)
+    run_sum = tl.zeros([], dtype=tl.float32)
+    for start in range(0, n_cols, BLOCK):
+        cols = start + offs
+        logit = _load_as_fp32(row_ptr + cols, cols < n_cols)
         z = A * tl.sigmoid((logit + B) / C)
-        z = tl.where(cols[None, :] < n_cols, z, float("-inf"))  # lanes past the last column
-        new_max = tl.maximum(run_max, tl.max(z, axis=1))
-        run_sum = run_sum * tl.exp(run_max - new_max) + tl.sum(tl.exp(z - new_max[:, None]), axis=1)
+        z = tl.where(cols < n_cols, z, float("-inf"))  # lanes past the last column
+        new_max = tl.maximum(run_max, tl.max(z, axis=0))
+        run_sum = run_sum * tl.exp(run_max - new_max) + tl.sum(tl.exp(z - new_max), axis=0)
         run_max = new_max
     lse = run_max + tl.log(run_sum)
-    tl.store(lse_ptr + rows, lse, mask=row_ok)
-    loss = tl.zeros([BLOCK_M], dtype=tl.float32)
+    tl.store(lse_ptr + row, lse)
+    loss = tl.zeros([], dtype=tl.float32)
     for k in range(0, n_weights):
-        # w as a vector: the interpreter cannot `&` a scalar bool with a vector
-        w = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.load(weights_ptr + k)
-        target = tl.load(targets_ptr + rows + k, mask=row_ok & (rows + k < n_rows), other=-1)
-        ok = (target >= 0) & (target < n_cols) & (w > 0)
-        logit_t = _load_as_fp32(logits_ptr + row_offs + target, ok)
+        has_target = row + k < n_rows
+        target = tl.load(targets_ptr + row + k, mask=has_target, other=-1)
+        w = tl.load(weights_ptr + k)
+        ok = has_target & (w > 0) & (target >= 0) & (target < n_cols)
+        logit_t = _load_as_fp32(row_ptr + target, ok)
         z_t = A * tl.sigmoid((logit_t + B) / C)
         loss += tl.where(ok, w * (lse - z_t), 0.0)
-    tl.store(losses_ptr + rows, loss, mask=row_ok)
+    tl.store(losses_ptr + row, loss)
 
 
 @triton.jit
-def _ce_bwd_kernel(grad_ptr, stride_grad, logits_ptr, targets_ptr, weights_ptr, lse_ptr, out_ptr, out_t_ptr,
-                   n_rows, n_cols, stride_row, n_weights, inv_scale, limit, A: tl.constexpr, B: tl.constexpr,
-                   C: tl.constexpr, QUANTIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """dlogits of BLOCK_M rows, streamed in (BLOCK_M, BLOCK_N) tiles. QUANTIZE=False: out (n, V) = dlogits in out's
-    dtype. QUANTIZE=True: q = clamp(bf16(dlogits) * inv_scale, +-limit) in out's dtype, written to out (n, V) and to
-    out_t (V, n), the two layouts of the FP8 head's backward matmuls."""
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < n_rows
-    g_row = tl.load(grad_ptr + rows * stride_grad, mask=row_ok, other=0.0).to(tl.float32)
-    lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+def _ce_bwd_kernel(grad_ptr, stride_grad, logits_ptr, targets_ptr, weights_ptr, lse_ptr, out_ptr, n_rows, n_cols,
+                   stride_row, n_weights, inv_scale, limit, A: tl.constexpr, B: tl.constexpr, C: tl.constexpr,
+                   QUANTIZE: tl.constexpr, BLOCK: tl.constexpr):
+    """One row's dlogits. QUANTIZE=False: out = dlogits in out's dtype. QUANTIZE=True: out = clamp(bf16(dlogits) *
+    inv_scale, +-limit) in out's dtype: the FP8 head's gradient quantiser applied to the bf16 gradient it would read."""
+    row = tl.program_id(0)
+    row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+    out_row_ptr = out_ptr + row.to(tl.int64) * n_cols
+    g_row = tl.load(grad_ptr + row * stride_grad).to(tl.float32)
+    lse = tl.load(lse_ptr + row)
     # S_w: sum of the weights whose target row exists (zero weights and target range not checked, as in the spec).
-    sum_w = tl.zeros([BLOCK_M], dtype=tl.float32)
+    sum_w = tl.zeros([], dtype=tl.float32)
     for k in range(0, n_weights):
-        sum_w += tl.where(rows + k < n_rows, tl.load(weights_ptr + k), 0.0)
+        sum_w += tl.where(row + k < n_rows, tl.load(weights_ptr + k), 0.0)
     inv_c = tl.full([], 1.0, tl.float32) / C  # 1/C rounded in fp32
     inv_scale = tl.cast(inv_scale, tl.float32)
     limit = tl.cast(limit, tl.float32)
-    row_offs = rows.to(tl.int64)[:, None] * stride_row
-    for start in range(0, n_cols, BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)
-        mask = row_ok[:, None] & (cols[None, :] < n_cols)
-        logit = _load_as_fp32(logits_ptr + row_offs + cols[None, :], mask)
+    offs = tl.arange(0, BLOCK)
+    for start in range(0, n_cols, BLOCK):
+        cols = start + offs
+        in_row = cols < n_cols
+        logit = _load_as_fp32(row_ptr + cols, in_row)
         sig = tl.sigmoid((logit + B) / C)
         z = A * sig
-        p = tl.exp(z - lse[:, None])
-        t_weight = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)  # T_c: weight of every offset targeting column c
+        p = tl.exp(z - lse)
+        t_weight = tl.zeros([BLOCK], dtype=tl.float32)  # T_c: weight of every offset whose target is this column
         for k in range(0, n_weights):
-            has_target = rows + k < n_rows
-            target = tl.load(targets_ptr + rows + k, mask=has_target, other=-1)
-            t_weight += tl.where(cols[None, :] == target[:, None], tl.load(weights_ptr + k), 0.0)
-        dz = g_row[:, None] * (sum_w[:, None] * p - t_weight)
+            has_target = row + k < n_rows
+            target = tl.load(targets_ptr + row + k, mask=has_target, other=-1)
+            w = tl.load(weights_ptr + k)
+            t_weight += tl.where(has_target & (cols == target), w, 0.0)
+        dz = g_row * (sum_w * p - t_weight)
         dlogit = dz * inv_c * z * (1.0 - sig)
-        out_offs = rows.to(tl.int64)[:, None] * n_cols + cols[None, :]
-        if QUANTIZE:
-            # the FP8 head's quantiser, applied to the bf16 gradient it would have read (bits: exact in the
-            # interpreter too)
+        if QUANTIZE:  # the bf16 rounding through the bits (exact in the interpreter too), then the quantiser
             g_bf16 = (_bf16_bits_rne(dlogit) << 16).to(tl.float32, bitcast=True)
-            q = tl.minimum(tl.maximum(g_bf16 * inv_scale, -limit), limit).to(out_ptr.dtype.element_ty)
-            tl.store(out_ptr + out_offs, q, mask=mask)
-            tl.store(out_t_ptr + cols.to(tl.int64)[None, :] * n_rows + rows[:, None], q, mask=mask)
+            q = tl.minimum(tl.maximum(g_bf16 * inv_scale, -limit), limit)
+            tl.store(out_row_ptr + cols, q.to(out_ptr.dtype.element_ty), mask=in_row)
         else:
-            _store_from_fp32(out_ptr + out_offs, dlogit, mask)
-
-
-_ce_bwd_kernel_tuned = {
-    quantize: triton.autotune(configs=[triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w)
-                                       for m, n, w in _CE_BWD_CONFIGS[quantize]], key=["n_rows", "n_cols"])(_ce_bwd_kernel)
-    for quantize in (False, True)}
+            _store_from_fp32(out_row_ptr + cols, dlogit, in_row)
 
 
 def _check_ce_inputs(logits: Tensor, targets: Tensor, mtp_weights: Tensor) -> None:
@@ -535,74 +518,57 @@ def _check_ce_inputs(logits: Tensor, targets: Tensor, mtp_weights: Tensor) -> No
            "logits, targets and mtp_weights must be on the same device; move mtp_weights to the logits' device")
 
 
-def softcapped_mtp_ce_fwd_triton(logits: Tensor, targets: Tensor, mtp_weights: Tensor,
-                                 tiles: tuple[int, int, int] | None = None) -> tuple[Tensor, Tensor]:
-    """logits (n, V) bf16 (fp32 for tests), targets (n,) int64, mtp_weights (K,) fp32 -> (losses (n,), lse (n,)) fp32.
-
-    tiles=(BLOCK_M, BLOCK_N, warps) overrides the defaults (tests, benchmarks)."""
+def softcapped_mtp_ce_fwd_triton(logits: Tensor, targets: Tensor, mtp_weights: Tensor) -> tuple[Tensor, Tensor]:
+    """logits (n, V) bf16 (fp32 for tests), targets (n,) int64, mtp_weights (K,) fp32 -> (losses (n,), lse (n,)) fp32."""
     _check_ce_inputs(logits, targets, mtp_weights)
     n_rows, n_cols = logits.shape
     losses = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
     lse = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
     if n_rows > 0:
-        block_m, block_n, warps = tiles or (_CE_FWD_TILES if logits.is_cuda else _CE_INTERPRETER_TILES)
-        wrap_triton(_ce_fwd_kernel)[(triton.cdiv(n_rows, block_m),)](
+        wrap_triton(_ce_fwd_kernel)[(n_rows,)](
             logits, targets, mtp_weights, losses, lse, n_rows, n_cols, logits.stride(0), mtp_weights.shape[0],
-            A=SOFTCAP_A, B=SOFTCAP_B, C=SOFTCAP_C, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
+            A=SOFTCAP_A, B=SOFTCAP_B, C=SOFTCAP_C, BLOCK=_CE_BLOCK, num_warps=_CE_WARPS)
     return losses, lse
 
 
 def _launch_ce_bwd(grad_losses: Tensor, logits: Tensor, targets: Tensor, mtp_weights: Tensor, lse: Tensor,
-                   out: Tensor, out_t: Tensor | None, inv_scale: float, limit: float,
-                   tiles: tuple[int, int, int] | None) -> None:
+                   out: Tensor, quantize: bool, inv_scale: float, limit: float) -> None:
     _check_ce_inputs(logits, targets, mtp_weights)
     n_rows, n_cols = logits.shape
     _check(grad_losses.shape == (n_rows,) and lse.shape == (n_rows,) and lse.dtype == torch.float32
            and lse.is_contiguous(), "grad_losses and lse must be (n_rows,), lse fp32 contiguous from the forward")
-    if n_rows == 0:
-        return
-    quantize = out_t is not None
-    args = (grad_losses, grad_losses.stride(0), logits, targets, mtp_weights, lse, out, out_t if quantize else out,
-            n_rows, n_cols, logits.stride(0), mtp_weights.shape[0], inv_scale, limit)
-    consts = dict(A=SOFTCAP_A, B=SOFTCAP_B, C=SOFTCAP_C, QUANTIZE=quantize)
-    if tiles is None and logits.is_cuda:
-        wrap_triton(_ce_bwd_kernel_tuned[quantize])[lambda meta: (triton.cdiv(n_rows, meta["BLOCK_M"]),)](
-            *args, **consts)
-    else:
-        block_m, block_n, warps = tiles or _CE_INTERPRETER_TILES
-        wrap_triton(_ce_bwd_kernel)[(triton.cdiv(n_rows, block_m),)](*args, **consts, BLOCK_M=block_m,
-                                                                      BLOCK_N=block_n, num_warps=warps)
+    if n_rows > 0:
+        wrap_triton(_ce_bwd_kernel)[(n_rows,)](
+            grad_losses, grad_losses.stride(0), logits, targets, mtp_weights, lse, out, n_rows, n_cols,
+            logits.stride(0), mtp_weights.shape[0], inv_scale, limit, A=SOFTCAP_A, B=SOFTCAP_B, C=SOFTCAP_C,
+            QUANTIZE=quantize, BLOCK=_CE_BLOCK, num_warps=_CE_WARPS)
 
 
 def softcapped_mtp_ce_bwd_triton(grad_losses: Tensor, logits: Tensor, targets: Tensor, mtp_weights: Tensor,
-                                 lse: Tensor, tiles: tuple[int, int, int] | None = None) -> Tensor:
+                                 lse: Tensor) -> Tensor:
     """grad_losses (n,) (any stride, e.g. an expanded 1/A), the forward's inputs and lse -> dlogits (n, V) in
     logits' dtype (bf16)."""
     dlogits = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-    _launch_ce_bwd(grad_losses, logits, targets, mtp_weights, lse, dlogits, None, 1.0, 0.0, tiles)
+    _launch_ce_bwd(grad_losses, logits, targets, mtp_weights, lse, dlogits, False, 1.0, 0.0)
     return dlogits
 
 
 def softcapped_mtp_ce_bwd_fp8_triton(grad_losses: Tensor, logits: Tensor, targets: Tensor, mtp_weights: Tensor,
-                                     lse: Tensor, scale: float, out_dtype: torch.dtype = torch.float8_e5m2,
-                                     tiles: tuple[int, int, int] | None = None) -> tuple[Tensor, Tensor]:
-    """The backward above, quantised for the FP8 head: q = out_dtype(clamp(bf16(dlogits) * fp32(1/scale), +-max))
-    as (n, V) and as its transpose (V, n), both contiguous. out_dtype=float32 skips the final cast (tests)."""
-    n_rows, n_cols = logits.shape
-    out = torch.empty((n_rows, n_cols), dtype=out_dtype, device=logits.device)
-    out_t = torch.empty((n_cols, n_rows), dtype=out_dtype, device=logits.device)
+                                     lse: Tensor, scale: float, out_dtype: torch.dtype = torch.float8_e5m2) -> Tensor:
+    """The backward above, quantised for the FP8 head: out_dtype(clamp(bf16(dlogits) * fp32(1/scale), +-57344)),
+    (n, V). out_dtype=float32 skips the final cast (tests)."""
+    out = torch.empty(logits.shape, dtype=out_dtype, device=logits.device)
     limit = torch.finfo(torch.float8_e5m2).max
-    _launch_ce_bwd(grad_losses, logits, targets, mtp_weights, lse, out, out_t, 1.0 / scale, limit, tiles)
-    return out, out_t
+    _launch_ce_bwd(grad_losses, logits, targets, mtp_weights, lse, out, True, 1.0 / scale, limit)
+    return out
 
 
-def softcapped_mtp_ce_bwd_fp8_reference(dlogits: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+def softcapped_mtp_ce_bwd_fp8_reference(dlogits: Tensor, scale: float) -> Tensor:
     """What the kernel's QUANTIZE epilogue computes from the bf16 gradient: e5m2 of dlogits * fp32(1/scale), clamped
-    to +-57344, in both layouts. (A compiled x / scale with a constant scale becomes this multiplication.)"""
+    to +-57344 (a compiled x / scale with a constant scale becomes this multiplication)."""
     limit = torch.finfo(torch.float8_e5m2).max
     inv = torch.tensor(1.0 / scale, dtype=torch.float32, device=dlogits.device)
-    q = (dlogits.bfloat16().float() * inv).clamp(-limit, limit).to(torch.float8_e5m2)
-    return q, q.t().contiguous()
+    return (dlogits.bfloat16().float() * inv).clamp(-limit, limit).to(torch.float8_e5m2)
 
 
 @triton_op(f"{_LIB}::softcapped_mtp_ce_fwd", mutates_args=())
@@ -618,7 +584,7 @@ def _softcapped_mtp_ce_bwd_op(grad_losses: Tensor, logits: Tensor, targets: Tens
 
 @triton_op(f"{_LIB}::softcapped_mtp_ce_bwd_fp8", mutates_args=())
 def _softcapped_mtp_ce_bwd_fp8_op(grad_losses: Tensor, logits: Tensor, targets: Tensor, mtp_weights: Tensor,
-                                  lse: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+                                  lse: Tensor, scale: float) -> Tensor:
     return softcapped_mtp_ce_bwd_fp8_triton(grad_losses, logits, targets, mtp_weights, lse, scale)
 
 

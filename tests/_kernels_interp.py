@@ -249,34 +249,14 @@ def test_softcapped_mtp_ce_autograd_matches_reference():
     torch.testing.assert_close(d, d_ref, rtol=1e-4, atol=1e-6 * d_ref.abs().max().item())
 
 
-def ce_inputs(n, V, seed, dtype=torch.float32):
-    g = torch.Generator().manual_seed(seed)
-    logits = (torch.randn(n, V, generator=g) * 8).to(dtype)
-    targets = torch.randint(0, V, (n,), generator=g)
-    return logits, targets, g
-
-
-@pytest.mark.parametrize("tiles", [(1, 1024, 4), (2, 128, 4), (8, 64, 2)])
-def test_ce_forward_rows_per_program_do_not_change_the_losses(tiles):
-    """Rows are independent: with the same column block, any number of rows per program gives the same bits."""
-    logits, targets, _ = ce_inputs(10, 2100, seed=4)
-    w = torch.tensor([1.0, 0.5, 0.25])
-    one_row = tk.softcapped_mtp_ce_fwd_triton(logits, targets, w, tiles=(1, tiles[1], 4))
-    many = tk.softcapped_mtp_ce_fwd_triton(logits, targets, w, tiles=tiles)
-    assert torch.equal(one_row[0], many[0]) and torch.equal(one_row[1], many[1])
-    dz = tk.softcapped_mtp_ce_bwd_triton(torch.rand(10, generator=torch.Generator().manual_seed(5)), logits, targets,
-                                         w, one_row[1], tiles=(1, 256, 4))
-    dz_many = tk.softcapped_mtp_ce_bwd_triton(torch.rand(10, generator=torch.Generator().manual_seed(5)), logits,
-                                              targets, w, one_row[1], tiles=tiles)
-    assert torch.equal(dz, dz_many)
-
-
 @pytest.mark.parametrize("n, V, weights", [(9, 1100, [1.0, 0.5, 0.25]), (4, 300, [1.0, 0.0, 0.3]), (2, 520, [1.0])])
 def test_ce_backward_fp8_epilogue_is_the_bf16_gradient_scaled_and_clamped(n, V, weights):
     """The QUANTIZE epilogue (final FP8 cast skipped: out_dtype=float32) is bitwise clamp(bf16(dlogits) * fp32(1/s))
-    of the plain backward's bf16 output, in both layouts, from bf16 logits (read and rounded through their bits, so
+    of the plain backward's bf16 output, from bf16 logits (read and rounded through their bits, so
     exact here). The scale is tiny enough that some gradients saturate at +-57344."""
-    logits, targets, g = ce_inputs(n, V, seed=n * 7 + V, dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(n * 7 + V)
+    logits = (torch.randn(n, V, generator=g) * 8).bfloat16()
+    targets = torch.randint(0, V, (n,), generator=g)
     w = torch.tensor(weights)
     _, lse = tk.softcapped_mtp_ce_fwd_triton(logits, targets, w)
     grad_rows = torch.rand(n, generator=g) + 0.5
@@ -285,9 +265,9 @@ def test_ce_backward_fp8_epilogue_is_the_bf16_gradient_scaled_and_clamped(n, V, 
     exact = ce_grad_float64(grad_rows, logits, targets, w)
     torch.testing.assert_close(d.double(), exact, rtol=1e-2, atol=1e-6 * exact.abs().max().item())
     scale = 2e-6
-    q, q_t = tk.softcapped_mtp_ce_bwd_fp8_triton(grad_rows, logits, targets, w, lse, scale, out_dtype=torch.float32)
+    q = tk.softcapped_mtp_ce_bwd_fp8_triton(grad_rows, logits, targets, w, lse, scale, out_dtype=torch.float32)
     want = (d.float() * torch.tensor(1 / scale)).clamp(-57344.0, 57344.0)
-    assert torch.equal(q, want) and torch.equal(q_t, want.T)
+    assert torch.equal(q, want)
     assert (want.abs() == 57344.0).any() and (want.abs() < 57344.0).any()
 
 

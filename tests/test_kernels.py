@@ -184,7 +184,7 @@ def _sm90_cases():
                "c_coef": "fp32"}
     mlp_sig = {"a_ptr": "*bf16", "b_ptr": "*bf16", "pre_ptr": "*bf16", "out_ptr": "*bf16", "M": "i32", "N": "i32",
                "K": "i32", "stride_am": "i32", "stride_bn": "i32", "stride_pm": "i32", "stride_om": "i32"}
-    ce_consts = {"A": tk.SOFTCAP_A, "B": tk.SOFTCAP_B, "C": tk.SOFTCAP_C}
+    ce_consts = {"A": tk.SOFTCAP_A, "B": tk.SOFTCAP_B, "C": tk.SOFTCAP_C, "BLOCK": tk._CE_BLOCK}
     cases = []
     for cfg in tk._SYM_CONFIGS:  # the largest-tile configs are the ones at risk of running out of shared memory
         if cfg.kwargs["BLOCK_M"] * cfg.kwargs["BLOCK_N"] >= 128 * 128:
@@ -196,20 +196,17 @@ def _sm90_cases():
         for backward in (False, True):
             cases.append(("mlp", tk._relu2_linear_kernel, mlp_sig, {"BACKWARD": backward, **cfg.kwargs}, opts, (),
                           tuple(mlp_sig)))
-    fm, fn, fw = tk._CE_FWD_TILES
     cases.append(("ce_fwd", tk._ce_fwd_kernel,
                   {"logits_ptr": "*bf16", "targets_ptr": "*i64", "weights_ptr": "*fp32", "losses_ptr": "*fp32",
                    "lse_ptr": "*fp32", "n_rows": "i32", "n_cols": "i32", "stride_row": "i32", "n_weights": "i32"},
-                  {**ce_consts, "BLOCK_M": fm, "BLOCK_N": fn}, {"num_warps": fw}, (),
-                  ("logits_ptr", "n_cols", "stride_row")))
-    ce_bwd_sig = {"grad_ptr": "*fp32", "stride_grad": "i32", "logits_ptr": "*bf16", "targets_ptr": "*i64",
-                  "weights_ptr": "*fp32", "lse_ptr": "*fp32", "n_rows": "i32", "n_cols": "i32", "stride_row": "i32",
-                  "n_weights": "i32", "inv_scale": "fp32", "limit": "fp32"}
+                  ce_consts, {"num_warps": tk._CE_WARPS}, (), ("logits_ptr", "n_cols", "stride_row")))
     for quantize, out in ((False, "*bf16"), (True, "*fp8e5")):
-        for bm, bn, bw in tk._CE_BWD_CONFIGS[quantize]:
-            cases.append(("ce_bwd", tk._ce_bwd_kernel, {**ce_bwd_sig, "out_ptr": out, "out_t_ptr": out},
-                          {**ce_consts, "QUANTIZE": quantize, "BLOCK_M": bm, "BLOCK_N": bn}, {"num_warps": bw},
-                          ("stride_grad",), ("logits_ptr", "out_ptr", "out_t_ptr", "n_cols", "stride_row")))
+        cases.append(("ce_bwd", tk._ce_bwd_kernel,
+                      {"grad_ptr": "*fp32", "stride_grad": "i32", "logits_ptr": "*bf16", "targets_ptr": "*i64",
+                       "weights_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": out, "n_rows": "i32", "n_cols": "i32",
+                       "stride_row": "i32", "n_weights": "i32", "inv_scale": "fp32", "limit": "fp32"},
+                      {**ce_consts, "QUANTIZE": quantize}, {"num_warps": tk._CE_WARPS}, ("stride_grad",),
+                      ("logits_ptr", "out_ptr", "n_cols")))
     return cases
 
 

@@ -163,8 +163,7 @@ def fp8_bits(t: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("n, weights", [(1024, [1.0, 0.5, 0.25]), (1000, [1.0]), (37, [1.0, 0.5, 0.0])])
 def test_ce_bwd_fp8_is_the_bf16_gradient_quantised(n, weights):
-    """The fused FP8 backward writes exactly what the bf16 backward followed by the gradient quantiser gives, in both
-    layouts; n not a multiple of the row tile exercises the masked last block."""
+    """The fused FP8 backward writes exactly what the bf16 backward followed by the gradient quantiser gives."""
     V = 50304
     g = gen(21)
     logits = (torch.randn(n, V, device="cuda", generator=g) * 10).bfloat16()
@@ -172,13 +171,12 @@ def test_ce_bwd_fp8_is_the_bf16_gradient_quantised(n, weights):
     w = torch.tensor(weights, device="cuda")
     _, lse = tk.softcapped_mtp_ce_fwd_triton(logits, targets, w)
     grad_rows = torch.full((1,), 1 / 8, device="cuda").expand(n)
-    q, q_t = tk.softcapped_mtp_ce_bwd_fp8_triton(grad_rows, logits, targets, w, lse, S_G)
+    q = tk.softcapped_mtp_ce_bwd_fp8_triton(grad_rows, logits, targets, w, lse, S_G)
     d = tk.softcapped_mtp_ce_bwd_triton(grad_rows, logits, targets, w, lse)
-    want, want_t = tk.softcapped_mtp_ce_bwd_fp8_reference(d, S_G)
-    assert q.dtype == q_t.dtype == torch.float8_e5m2 and q.shape == (n, V) and q_t.shape == (V, n)
+    want = tk.softcapped_mtp_ce_bwd_fp8_reference(d, S_G)
+    assert q.dtype == torch.float8_e5m2 and q.shape == (n, V)
     diff = fp8_bits(q) != fp8_bits(want)
     assert not diff.any(), f"{int(diff.sum())} of {diff.numel()} differ: {q[diff][:4].float()} vs {want[diff][:4].float()}"
-    assert torch.equal(fp8_bits(q_t), fp8_bits(want_t))
     assert (q.float() != 0).float().mean() > 0.5  # the scale keeps most gradients above e5m2's underflow
 
 
