@@ -1107,9 +1107,10 @@ class FP8HeadEmulated(torch.autograd.Function):
         return dh, dw, None, None, None
 
 
-# One compiled quantiser per role (distinct code objects, so each keeps its own small compile cache): each reads its
-# input once and writes the FP8 tensor in both layouts torch._scaled_mm needs (K-major for both operands). The
-# gradient's quantiser is fused into the cross entropy's backward kernel (FP8HeadMTPCE below).
+# One compiled helper per role (distinct code objects, so each keeps its own small compile cache): each quantiser
+# reads its input once and writes the FP8 tensor in both layouts torch._scaled_mm needs (K-major for both operands).
+# The gradient is quantised inside the cross entropy's backward kernel (FP8HeadMTPCE below); its second layout comes
+# from _transpose, compiled on its own: the same transpose inside the model's backward graph ran 8x slower.
 def _quantize_act(h: Tensor, s: float) -> tuple[Tensor, Tensor]:
     q = fp8_quantize(h, s, torch.float8_e4m3fn)
     return q, q.t().contiguous()
@@ -1120,33 +1121,38 @@ def _quantize_weight(w: Tensor, s: float) -> tuple[Tensor, Tensor]:
     return q, q.t().contiguous()
 
 
-_FP8_QUANTIZERS: dict[str, Callable] = {}
+def _transpose(q: Tensor) -> Tensor:
+    return q.t().contiguous()
 
 
-def _fp8_quantizer(fn: Callable, x: Tensor) -> Callable:
-    """fn compiled on first CUDA use (the op's body is opaque to the model's compile, and eager would make several
-    passes over the tensor); eager on other devices, where the op only runs in tests."""
+_FP8_HELPERS: dict[str, Callable] = {}
+
+
+def _fp8_helper(fn: Callable, x: Tensor) -> Callable:
+    """fn compiled on first CUDA use (the ops' bodies are opaque to the model's compile, and eager would make several
+    passes over the tensor); eager on other devices, where the ops only run in tests."""
     if not x.is_cuda:
         return fn
-    if fn.__name__ not in _FP8_QUANTIZERS:
-        _FP8_QUANTIZERS[fn.__name__] = torch.compile(fn, dynamic=False, fullgraph=True)
-    return _FP8_QUANTIZERS[fn.__name__]
+    if fn.__name__ not in _FP8_HELPERS:
+        _FP8_HELPERS[fn.__name__] = torch.compile(fn, dynamic=False, fullgraph=True)
+    return _FP8_HELPERS[fn.__name__]
 
 
 def _fp8_head_forward_impl(h: Tensor, w: Tensor, s_x: float, s_w: float) -> tuple[Tensor, Tensor, Tensor]:
     """logits (T, V) bf16 = (s_x*s_w) e4m3(h/s_x) @ e4m3(w/s_w), fast accumulation; also X8^T (D, T), W8 (D, V)."""
-    x8, x8_t = _fp8_quantizer(_quantize_act, h)(h, s_x)
-    w8, w8_t = _fp8_quantizer(_quantize_weight, w)(w, s_w)
+    x8, x8_t = _fp8_helper(_quantize_act, h)(h, s_x)
+    w8, w8_t = _fp8_helper(_quantize_weight, w)(w, s_w)
     one = dict(dtype=torch.float32, device=h.device)
     logits = torch._scaled_mm(x8, w8_t.t(), scale_a=torch.full((), s_x, **one), scale_b=torch.full((), s_w, **one),
                               out_dtype=torch.bfloat16, use_fast_accum=True)
     return logits, x8_t, w8
 
 
-def _fp8_head_backward_impl(g8: Tensor, g8_t: Tensor, x8_t: Tensor, w8: Tensor, s_x: float, s_w: float,
+def _fp8_head_backward_impl(g8: Tensor, x8_t: Tensor, w8: Tensor, s_x: float, s_w: float,
                             s_g: float) -> tuple[Tensor, Tensor]:
-    """dh (T, D) bf16 = (s_g*s_w) G8 @ W8^T; dW (D, V) fp32 = (s_x*s_g) X8^T @ G8, from G8 = e5m2(G/s_g) (T, V) and
-    its transpose G8^T (V, T); no fast accumulation."""
+    """dh (T, D) bf16 = (s_g*s_w) G8 @ W8^T; dW (D, V) fp32 = (s_x*s_g) X8^T @ G8, from G8 = e5m2(G/s_g) (T, V);
+    no fast accumulation."""
+    g8_t = _fp8_helper(_transpose, g8)(g8)
     one = dict(dtype=torch.float32, device=g8.device)
     sx, sw, sg = (torch.full((), s, **one) for s in (s_x, s_w, s_g))
     dh = torch._scaled_mm(g8, w8.t(), scale_a=sg, scale_b=sw, out_dtype=torch.bfloat16, use_fast_accum=False)
@@ -1170,7 +1176,7 @@ def register_fp8_head_op() -> None:
                 w.new_empty(D, V, dtype=torch.float8_e4m3fn))
 
     @bwd.register_fake
-    def _(g8, g8_t, x8_t, w8, s_x, s_w, s_g):
+    def _(g8, x8_t, w8, s_x, s_w, s_g):
         return (g8.new_empty(g8.shape[0], x8_t.shape[0], dtype=torch.bfloat16),
                 w8.new_empty(w8.shape, dtype=torch.float32))
 
@@ -1181,8 +1187,8 @@ class FP8HeadMTPCE(torch.autograd.Function):
     Forward: the FP8 logits, then the cross entropy's forward kernel. Backward: one kernel reads the logits once and
     writes the logit gradient already quantised to e5m2 (half the bytes of the bf16 gradient that an FP8 head behind
     a separate loss would receive, store and quantise in another pass; the bf16 rounding is kept inside the kernel,
-    so the numbers are the same); the compiled transpose gives the second layout the weight gradient's FP8 matmul
-    needs (both operands K-major)."""
+    so the numbers are the same); the backward op transposes it for the weight gradient's FP8 matmul (both operands
+    K-major)."""
 
     @staticmethod
     def forward(ctx, h: Tensor, w: Tensor, targets: Tensor, mtp_weights: Tensor, s_x: float, s_w: float,
@@ -1198,7 +1204,7 @@ class FP8HeadMTPCE(torch.autograd.Function):
         logits, targets, mtp_weights, lse, x8_t, w8 = ctx.saved_tensors
         s_x, s_w, s_g = ctx.scales
         g8 = torch.ops.nanogpt_kernels.softcapped_mtp_ce_bwd_fp8(grad_losses, logits, targets, mtp_weights, lse, s_g)
-        dh, dw = torch.ops.nanogpt.fp8_head_backward(g8, g8.t().contiguous(), x8_t, w8, s_x, s_w, s_g)
+        dh, dw = torch.ops.nanogpt.fp8_head_backward(g8, x8_t, w8, s_x, s_w, s_g)
         return dh, dw, None, None, None, None, None  # dw is fp32; autograd casts it to the bf16 parameter's dtype
 
 
