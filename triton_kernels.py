@@ -425,6 +425,9 @@ def relu2_mlp(x: Tensor, c_fc: Tensor, c_proj: Tensor) -> Tensor:
 # 4. Fused softcapped multi-token cross entropy  (spec §3.9, §8.4)
 # =====================================================================================================================
 # One program per row streams its logits in blocks of 1024 columns (2 KiB of bf16, 8 per thread with 4 warps).
+# Programs of 16-64 rows (the tiles a transposed FP8 store would want) ran 1.4-2x slower on an H200 in both passes.
+# The backward's QUANTIZE mode writes the FP8 head's e5m2 gradient directly: the bf16 gradient rounded through its
+# bits, times fp32(1/scale), clamped, cast: bitwise the bf16 backward followed by train_gpt.fp8_quantize.
 # The softcap constants are tl.constexpr and every loop carry starts as an explicit fp32 tensor, so no Python float
 # can promote a carried value to fp64 (which happened to the original kernel under torch 2.11 + triton 3.6).
 
