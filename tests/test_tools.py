@@ -1,0 +1,134 @@
+"""tools/: run statistics and loss-curve plots from run logs (the trainer's log format is the interface)."""
+import json
+import math
+import sys
+
+import numpy as np
+import pytest
+from scipy import stats as sps
+
+from _shards import ROOT, make_dataset, run_trainer
+
+sys.path.insert(0, str(ROOT / "tools"))
+import plot  # noqa: E402
+import runlogs  # noqa: E402
+import stats  # noqa: E402
+
+TOTAL = 1765
+
+
+def write_log(path, vals, total=TOTAL, error=None):
+    """A log as train_gpt.py writes it: header, training lines, one line per validation, maybe a final error line.
+    vals: [(step, val loss, train time in s)]."""
+    lines = ["==== train_gpt.py ====", '"""source..."""', "command: --seed=1", "hyperparameters:",
+             f"  num_scheduled_iterations = {total - 40}", "phase:startup time:1849ms"]
+    for step, loss, t in vals:
+        lines.append(f"step:{step}/{total} val_loss:{loss:.4f} train_time:{round(t * 1000)}ms "
+                     f"step_avg:{t * 1000 / max(step, 1):.2f}ms")
+        lines.append(f"step:{step + 1}/{total} train_time:{round(t * 1000) + 130}ms step_avg:130.00ms")
+    if error:
+        lines.append(f"error: {error}")
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def finished_log(tmp_path, name, loss, seconds):
+    return write_log(tmp_path / f"{name}.txt", [(0, 10.8258, 0.0), (1000, 3.61, seconds * 0.56), (TOTAL, loss, seconds)])
+
+
+def run_json(capsys, args):
+    assert stats.main([*args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+LOSSES = [3.2771, 3.2795, 3.2782, 3.2768, 3.2790]
+TIMES = [88.1, 87.6, 88.4, 87.9, 88.0]
+
+
+def test_stats_match_independent_formulas_and_exclude_failed_runs(tmp_path, capsys):
+    logs = [finished_log(tmp_path, f"run{i}", l, t) for i, (l, t) in enumerate(zip(LOSSES, TIMES))]
+    crashed = write_log(tmp_path / "crashed.txt", [(0, 10.8258, 0.0), (1000, 3.6, 50.0)],
+                        error="training stopped: the loss is nan at step 1200")
+    unfinished = write_log(tmp_path / "cut.txt", [(0, 10.8258, 0.0), (1000, 3.6, 50.0)])
+    r = run_json(capsys, [*logs, crashed, unfinished, "--target=3.28"])
+
+    x = np.array(LOSSES)
+    n, mean, sd = len(x), x.mean(), math.sqrt(((x - x.mean()) ** 2).sum() / (len(x) - 1))
+    t_stat = (mean - 3.28) / (sd / math.sqrt(n))
+    assert r["n"] == 5
+    assert r["val_loss_mean"] == pytest.approx(mean, rel=1e-12)
+    assert r["val_loss_std"] == pytest.approx(sd, rel=1e-12)
+    assert r["p_value"] == pytest.approx(sps.t.cdf(t_stat, n - 1), rel=1e-9)
+    assert r["val_loss_ci95"] == pytest.approx(list(sps.t.interval(0.95, n - 1, loc=mean, scale=sd / math.sqrt(n))))
+    assert r["train_time_mean_s"] == pytest.approx(np.mean(TIMES)) and r["train_time_std_s"] == pytest.approx(
+        np.std(TIMES, ddof=1))
+    assert [x["run_id"] for x in r["runs"]] == [f"run{i}" for i in range(5)]
+    assert {x["log"]: x["reason"] for x in r["excluded"]} == {
+        crashed: "failed: training stopped: the loss is nan at step 1200",
+        unfinished: f"unfinished: last validation at step 1000 of {TOTAL}"}
+
+
+def test_stats_welch_comparison_with_a_baseline(tmp_path, capsys):
+    new = [finished_log(tmp_path, f"new{i}", l, t) for i, (l, t) in enumerate(zip(LOSSES, TIMES))]
+    base_times = [90.2, 89.1, 91.0, 89.7]
+    base = [finished_log(tmp_path, f"base{i}", 3.278, t) for i, t in enumerate(base_times)]
+    r = run_json(capsys, [*new, "--baseline", *base])
+    a, b = np.array(TIMES), np.array(base_times)
+    va, vb = a.var(ddof=1) / len(a), b.var(ddof=1) / len(b)
+    df = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1))   # Welch-Satterthwaite
+    t_stat = (a.mean() - b.mean()) / math.sqrt(va + vb)
+    assert r["baseline_n"] == 4
+    assert r["time_diff_mean_s"] == pytest.approx(a.mean() - b.mean())
+    assert r["time_p_value"] == pytest.approx(sps.t.cdf(t_stat, df), rel=1e-9)
+    half = sps.t.ppf(0.975, df) * math.sqrt(va + vb)
+    assert r["time_diff_ci95_s"] == pytest.approx([a.mean() - b.mean() - half, a.mean() - b.mean() + half])
+    assert r["time_p_value"] < 0.01  # 2 s faster with ~0.3-0.8 s spread
+
+
+def test_stats_markdown_single_run_and_errors(tmp_path, capsys):
+    one = finished_log(tmp_path, "solo", 3.2791, 88.0)
+    assert stats.main([one]) == 0
+    out = capsys.readouterr().out
+    assert "| solo | 3.2791 | 88.0 | 1765 |" in out and "n = 1" in out and "n/a (needs 2 runs" in out
+    r = run_json(capsys, [one])
+    assert r["val_loss_std"] is None and r["p_value"] is None  # JSON null, not NaN
+
+    crashed = write_log(tmp_path / "c.txt", [(0, 10.8, 0.0)], error="a peer process failed")
+    assert stats.main([crashed]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: no finished run") and "a peer process failed" in err and err.count("\n") == 1
+    assert stats.main([str(tmp_path / "missing.txt")]) == 2
+    assert capsys.readouterr().err.startswith("error: cannot read")
+
+
+def test_plot_writes_a_png_of_every_run_with_validations(tmp_path, capsys):
+    a = finished_log(tmp_path, "a", 3.2771, 88.1)
+    b = write_log(tmp_path / "b.txt", [(0, 10.8258, 0.0), (500, 4.1, 25.0)], error="stopped by SIGTERM")
+    empty = write_log(tmp_path / "empty.txt", [])
+    data = plot.curves([runlogs.read_run(p) for p in (a, b, empty)])
+    assert [d[0] for d in data] == ["a", "b (failed)"]
+    assert data[0][1:] == ([0, 1000, TOTAL], [10.8258, 3.61, 3.2771], [0.0, 88.1 * 0.56, 88.1])
+    out = tmp_path / "curves.png"
+    assert plot.main([a, b, empty, f"--out={out}"]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+    assert not list(tmp_path.glob("*.tmp*"))
+    capsys.readouterr()
+    assert plot.main([empty, f"--out={tmp_path / 'x.png'}"]) == 2
+    assert capsys.readouterr().err.startswith("error: no validation line")
+    assert plot.main([a, f"--out={tmp_path / 'nope' / 'x.png'}"]) == 2
+
+
+@pytest.mark.timeout(300)
+def test_tools_read_the_trainers_own_log(tmp_path, capsys):
+    """The interface is the trainer's log: a real tiny run's log parses as finished, with its validation lines."""
+    train, val = make_dataset(tmp_path / "d", train_tokens=200_000, val_tokens=20_000)
+    p = run_trainer(["--preset=tiny", "--num_scheduled_iterations=5", "--num_extension_iterations=1",
+                     "--val_loss_every=3", "--warmup=false", "--seed=0", f"--train_files={train}",
+                     f"--val_files={val}", f"--log_dir={tmp_path}/logs", "--run_id=tiny"], tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    run = runlogs.read_run(tmp_path / "logs" / "tiny.txt")
+    assert run.finished and run.total_steps == 6 and [v[0] for v in run.val] == [0, 3, 6]
+    printed = [line for line in p.stdout.splitlines() if " val_loss:" in line]
+    assert printed[-1].startswith(f"step:6/6 val_loss:{run.final_val_loss:.4f} ")
+    r = run_json(capsys, [str(tmp_path / "logs" / "tiny.txt"), "--target=100"])
+    assert r["n"] == 1 and r["runs"][0]["val_loss"] == run.final_val_loss

@@ -1,0 +1,150 @@
+"""Statistics of a set of runs, ready for a record README.
+
+    python3 tools/stats.py logs/*.txt [--target=3.28] [--baseline OLD_LOG ...] [--json]
+
+Prints one row per finished run (final validation loss, train time, steps), then n, mean, sample standard deviation
+and 95% confidence interval of the loss and the time, and the one-sided one-sample t-test p-value for "the mean
+final validation loss is below the target". With --baseline, also Welch's t-test p-value for "these runs train
+faster than the baseline runs" and the mean time difference with its 95% confidence interval. Logs of failed or
+unfinished runs are listed with the reason and left out of every number. --json prints one JSON object instead.
+Exit codes: 0 done, 2 bad arguments or no finished run to summarise.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+from scipy import stats as sps
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from runlogs import Run, read_run  # noqa: E402
+
+
+def summary(values: list[float]) -> dict[str, float]:
+    """n, mean, sample std (ddof=1) and the 95% t confidence interval of the mean (NaN where n < 2)."""
+    x = np.asarray(values, dtype=np.float64)
+    n = len(x)
+    mean = float(x.mean())
+    if n < 2:
+        return {"n": n, "mean": mean, "std": math.nan, "ci95": (math.nan, math.nan)}
+    std = float(x.std(ddof=1))
+    half = float(sps.t.ppf(0.975, n - 1)) * std / math.sqrt(n)
+    return {"n": n, "mean": mean, "std": std, "ci95": (mean - half, mean + half)}
+
+
+def p_below_target(losses: list[float], target: float) -> float:
+    """One-sided one-sample t-test of H1: mean < target (NaN for fewer than 2 runs or zero spread)."""
+    if len(losses) < 2 or np.std(losses) == 0:
+        return math.nan
+    return float(sps.ttest_1samp(losses, target, alternative="less").pvalue)
+
+
+def welch_faster(times: list[float], baseline: list[float]) -> dict[str, float]:
+    """Welch's t-test of H1: mean(times) < mean(baseline), and mean(times) - mean(baseline) with its 95% CI."""
+    a, b = np.asarray(times, np.float64), np.asarray(baseline, np.float64)
+    diff = float(a.mean() - b.mean())
+    if len(a) < 2 or len(b) < 2:
+        return {"diff": diff, "ci95": (math.nan, math.nan), "p_value": math.nan}
+    va, vb = a.var(ddof=1) / len(a), b.var(ddof=1) / len(b)
+    se = math.sqrt(va + vb)
+    if se == 0:
+        return {"diff": diff, "ci95": (diff, diff), "p_value": math.nan}
+    df = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1))
+    half = float(sps.t.ppf(0.975, df)) * se
+    p = float(sps.ttest_ind(a, b, equal_var=False, alternative="less").pvalue)
+    return {"diff": diff, "ci95": (diff - half, diff + half), "p_value": p}
+
+
+def load(paths: list[str]) -> tuple[list[Run], list[Run]]:
+    runs = [read_run(p) for p in paths]
+    return [r for r in runs if r.finished], [r for r in runs if not r.finished]
+
+
+def fmt(x: float, digits: int = 4) -> str:
+    return "n/a" if math.isnan(x) else f"{x:.{digits}f}"
+
+
+def report(done: list[Run], excluded: list[Run], target: float, base: list[Run] | None) -> dict:
+    losses = [r.final_val_loss for r in done]
+    times = [r.train_time_s for r in done]
+    loss_s, time_s = summary(losses), summary(times)
+    out = {"n": loss_s["n"], "target": target,
+           "val_loss_mean": loss_s["mean"], "val_loss_std": loss_s["std"], "val_loss_ci95": list(loss_s["ci95"]),
+           "p_value": p_below_target(losses, target),
+           "train_time_mean_s": time_s["mean"], "train_time_std_s": time_s["std"],
+           "train_time_ci95_s": list(time_s["ci95"]),
+           "runs": [{"run_id": r.run_id, "val_loss": r.final_val_loss, "train_time_s": r.train_time_s,
+                     "steps": r.total_steps, "log": r.path} for r in done],
+           "excluded": [{"log": r.path, "reason": r.why_excluded} for r in excluded]}
+    if base is not None:
+        w = welch_faster(times, [r.train_time_s for r in base])
+        out.update(baseline_n=len(base), baseline_train_time_mean_s=float(np.mean([r.train_time_s for r in base])),
+                   time_diff_mean_s=w["diff"], time_diff_ci95_s=list(w["ci95"]), time_p_value=w["p_value"])
+    return out
+
+
+def no_nan(x):
+    """NaN (a statistic that needs more runs) as JSON null."""
+    if isinstance(x, dict):
+        return {k: no_nan(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [no_nan(v) for v in x]
+    return None if isinstance(x, float) and math.isnan(x) else x
+
+
+def markdown(r: dict) -> str:
+    lines = ["| run | final val loss | train time (s) | steps |", "|---|---|---|---|"]
+    lines += [f"| {x['run_id']} | {x['val_loss']:.4f} | {x['train_time_s']:.1f} | {x['steps']} |" for x in r["runs"]]
+    lo, hi = r["val_loss_ci95"]
+    tlo, thi = r["train_time_ci95_s"]
+    lines += ["",
+              f"n = {r['n']}",
+              f"val loss: mean {fmt(r['val_loss_mean'])}, std {fmt(r['val_loss_std'])}, "
+              f"95% CI [{fmt(lo)}, {fmt(hi)}]",
+              f"train time: mean {fmt(r['train_time_mean_s'], 1)} s, std {fmt(r['train_time_std_s'], 1)} s, "
+              f"95% CI [{fmt(tlo, 1)}, {fmt(thi, 1)}] s",
+              f"p(mean val loss < {r['target']}) one-sided t-test: "
+              + (fmt(r["p_value"], 4) if not math.isnan(r["p_value"]) else "n/a (needs 2 runs with some spread)")]
+    if "baseline_n" in r:
+        dlo, dhi = r["time_diff_ci95_s"]
+        lines.append(f"vs {r['baseline_n']} baseline runs (mean {r['baseline_train_time_mean_s']:.1f} s): time "
+                     f"difference {r['time_diff_mean_s']:+.1f} s, 95% CI [{fmt(dlo, 1)}, {fmt(dhi, 1)}] s, "
+                     f"p(faster) Welch one-sided: {fmt(r['time_p_value'], 4)}")
+    for x in r["excluded"]:
+        lines.append(f"excluded {x['log']}: {x['reason']}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("logs", nargs="+", help="run logs (logs/<run_id>.txt)")
+    ap.add_argument("--target", type=float, default=3.28, help="validation loss to beat (default 3.28)")
+    ap.add_argument("--baseline", nargs="+", default=None, metavar="LOG", help="logs of the runs to compare times with")
+    ap.add_argument("--json", action="store_true", help="print one JSON object instead of the markdown")
+    args = ap.parse_args(argv)
+    try:
+        done, excluded = load(args.logs)
+        base = None
+        if args.baseline is not None:
+            base, base_excluded = load(args.baseline)
+            excluded += base_excluded
+    except OSError as e:
+        print(f"error: cannot read {e.filename}: {e.strerror}; pass existing log files", file=sys.stderr)
+        return 2
+    if not done or (base is not None and not base):
+        which = "baseline " if done else ""
+        reasons = "; ".join(f"{r.path}: {r.why_excluded}" for r in excluded) or "no logs"
+        print(f"error: no finished {which}run to summarise ({reasons}); pass logs of runs that reached their last "
+              f"step", file=sys.stderr)
+        return 2
+    r = report(done, excluded, args.target, base)
+    print(json.dumps(no_nan(r), indent=1) if args.json else markdown(r))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
