@@ -87,6 +87,7 @@ class Hyperparameters:
     momentum_cooldown_steps: int = 50      # and falling by (max - min) over the last this-many steps
     mtp_weights_start: tuple = (1.0, 0.5, 0.25)  # multi-token-prediction weights; see mtp_weights()
     val_loss_every: int = 250              # validate every this many steps (0: only at the end)
+    val_loss_target: float = 3.28          # the final summary line says whether the run reached this loss
     # ---- attention windows (in blocks of block_size tokens) ----
     block_size: int = 128                  # tokens per window block
     ws_long_schedule: tuple = (3, 7, 11)   # long window in each third of the schedule; short = long // 2
@@ -2072,6 +2073,23 @@ def environment_report() -> str:
     return "\n".join(lines) + "\n" + smi
 
 
+def progress_note(done: int, total: int, train_ms: float, tokens_done: int, tokens_total: int) -> str:
+    """The console's end of a step line: percent of the schedule, training tokens per second and the time left at
+    that rate. Counted in tokens, not steps, because later steps carry larger batches."""
+    rate = tokens_done / max(train_ms / 1000, 1e-9)
+    left = round((tokens_total - tokens_done) / rate) if rate > 0 else 0
+    eta = f"{left // 3600}h{left // 60 % 60:02d}m" if left >= 3600 else f"{left // 60}m{left % 60:02d}s"
+    return f"  {100 * done / total:.0f}% {rate:,.0f} tok/s ETA {eta}"
+
+
+def result_line(val_loss: float, target: float, train_ms: float, steps: int, peak_mib: int | None,
+                log_path: Path | None) -> str:
+    """The run's last line: what a speedrunner reads first."""
+    memory = f"{peak_mib}MiB" if peak_mib is not None else "n/a"
+    return (f"result: val_loss:{val_loss:.4f} target:{target} reached:{'yes' if val_loss <= target else 'no'} "
+            f"train_time:{train_ms / 1000:.1f}s steps:{steps} peak_memory:{memory} log:{log_path}")
+
+
 class RunLogger:
     """Rank 0 writes logs/<run_id>.txt (flushed every line, so a crash loses nothing) and echoes to the console.
     The file is created exclusively: an existing log is never overwritten (prepare_output refuses its run id)."""
@@ -2483,6 +2501,7 @@ def train(hp: Hyperparameters, argv_text: str, stops: StopSignals | None = None)
         sync()
         log(f"phase:process_start_to_timed_loop time:{1000 * (time.perf_counter() - t_process):.0f}ms")
         stops.defer = True
+        tokens_after = np.cumsum([schedule_at(s, hp).global_batch for s in range(total_steps)])  # for the ETA
         t0 = time.perf_counter()
         for step in range(total_steps + 1):
             last = step == total_steps
@@ -2530,7 +2549,11 @@ def train(hp: Hyperparameters, argv_text: str, stops: StopSignals | None = None)
                 if hp.save_checkpoint:
                     last_good, pending = pending, {"step": done, "state": snapshot_state(model, opt)}
             approx_ms = train_ms + 1000 * (time.perf_counter() - t0)
-            log(f"step:{done}/{total_steps} train_time:{approx_ms:.0f}ms step_avg:{approx_ms / done:.2f}ms")
+            line = f"step:{done}/{total_steps} train_time:{approx_ms:.0f}ms step_avg:{approx_ms / done:.2f}ms"
+            log(line, console=False)  # the file keeps the fixed format; the console adds progress
+            if master:
+                print(line + progress_note(done, total_steps, approx_ms, int(tokens_after[done - 1]),
+                                           int(tokens_after[-1])), flush=True)
             if done % poll_every == 0 and done < total_steps:
                 signum = stops.requested or 0
                 if world_size > 1:                 # any rank's signal stops every rank at this same step
@@ -2549,9 +2572,10 @@ def train(hp: Hyperparameters, argv_text: str, stops: StopSignals | None = None)
 
         if hp.save_checkpoint:
             save_checkpoint(hp, run_id, total_steps, snapshot_state(model, opt), rank, world_size, log)
+        peak_mib = torch.cuda.max_memory_allocated(device) // 2**20 if is_cuda else None
         if is_cuda:
-            log(f"peak memory allocated: {torch.cuda.max_memory_allocated(device) // 2**20} MiB "
-                f"reserved: {torch.cuda.max_memory_reserved(device) // 2**20} MiB")
+            log(f"peak memory allocated: {peak_mib} MiB reserved: {torch.cuda.max_memory_reserved(device) // 2**20} MiB")
+        log(result_line(val_loss, hp.val_loss_target, train_ms, total_steps, peak_mib, log.path))
         return {"val_loss": val_loss, "train_time_ms": train_ms, "run_id": run_id, "log": str(log.path)}
     except BaseException as e:
         stops.defer = False

@@ -1,6 +1,7 @@
 """tools/: run statistics and loss-curve plots from run logs (the trainer's log format is the interface)."""
 import json
 import math
+import re
 import sys
 
 import numpy as np
@@ -128,7 +129,27 @@ def test_tools_read_the_trainers_own_log(tmp_path, capsys):
     assert p.returncode == 0, p.stderr[-3000:]
     run = runlogs.read_run(tmp_path / "logs" / "tiny.txt")
     assert run.finished and run.total_steps == 6 and [v[0] for v in run.val] == [0, 3, 6]
-    printed = [line for line in p.stdout.splitlines() if " val_loss:" in line]
+    printed = [line for line in p.stdout.splitlines() if line.startswith("step:") and " val_loss:" in line]
     assert printed[-1].startswith(f"step:6/6 val_loss:{run.final_val_loss:.4f} ")
     r = run_json(capsys, [str(tmp_path / "logs" / "tiny.txt"), "--target=100"])
     assert r["n"] == 1 and r["runs"][0]["val_loss"] == run.final_val_loss
+
+    # the file keeps one fixed format per step; the console adds progress; both end with the result line
+    log_lines = (tmp_path / "logs" / "tiny.txt").read_text().splitlines()
+    step_lines = [x for x in log_lines if x.startswith("step:") and "val_loss" not in x]
+    assert len(step_lines) == 6
+    assert all(re.fullmatch(r"step:\d+/6 train_time:\d+ms step_avg:[\d.]+ms", x) for x in step_lines)
+    shown = [x for x in p.stdout.splitlines() if x.startswith("step:") and "val_loss" not in x]
+    assert re.fullmatch(r"step:6/6 train_time:\d+ms step_avg:[\d.]+ms  100% [\d,]+ tok/s ETA 0m00s", shown[-1])
+    want = (f"result: val_loss:{run.final_val_loss:.4f} target:3.28 reached:no train_time:{run.train_time_s:.1f}s "
+            f"steps:6 peak_memory:n/a log:{tmp_path / 'logs' / 'tiny.txt'}")
+    assert log_lines[-1] == want and p.stdout.splitlines()[-1] == want
+
+
+def test_progress_note_counts_tokens_not_steps():
+    import train_gpt as tg
+    # 1M of 20M tokens in 5 s: 200,000 tok/s, 19M left: 95 s, whatever the step count says
+    assert tg.progress_note(10, 100, 5000, 1_000_000, 20_000_000) == "  10% 200,000 tok/s ETA 1m35s"
+    assert tg.progress_note(1, 1765, 1000, 1000, 4_000_000) == "  0% 1,000 tok/s ETA 1h06m"
+    line = tg.result_line(3.2791, 3.28, 88_123, 1765, 31010, None)
+    assert line == "result: val_loss:3.2791 target:3.28 reached:yes train_time:88.1s steps:1765 peak_memory:31010MiB log:None"
