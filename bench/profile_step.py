@@ -111,15 +111,19 @@ def analyse(path: str) -> dict[str, float]:
 def run_and_profile(out: str, scheduled: int, extra: list[str]) -> list[str]:
     """./run.sh on a short schedule (scheduled steps + 6 extension steps), profiling two steps late in each third."""
     import subprocess
+    import uuid
     thirds = [scheduled // 3, 2 * scheduled // 3, scheduled]
     ranges = ",".join(f"{end - 4}:{end - 2}" for end in thirds)
+    run_id = next((a.split("=", 1)[1] for a in extra if a.startswith("--run_id=")), f"profile-{uuid.uuid4().hex[:8]}")
     cmd = ["./run.sh", f"--num_scheduled_iterations={scheduled}", "--num_extension_iterations=6",
-           "--val_loss_every=0", f"--log_dir={out}", f"--profile_steps={ranges}", *extra]
+           "--val_loss_every=0", f"--log_dir={out}", f"--profile_steps={ranges}", f"--run_id={run_id}",
+           *[a for a in extra if not a.startswith("--run_id=")]]
     print(" ".join(cmd), flush=True)
     proc = subprocess.run(cmd, cwd=Path(__file__).resolve().parent.parent)
     if proc.returncode != 0:
         raise SystemExit(f"error: the training run failed (exit {proc.returncode})")
-    return sorted(str(p) for p in Path(out).glob("*_rank0_steps*_trace.json"))
+    # this run's traces only: an earlier run into the same folder left its own
+    return sorted(str(p) for p in Path(out).glob(f"{run_id}_rank0_steps*_trace.json"))
 
 
 def main(argv: list[str] | None = None) -> int:

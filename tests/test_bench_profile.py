@@ -39,3 +39,24 @@ def test_buckets_overlap_and_idle(tmp_path):
     want = dict(fp8_quant=0.05, matmul=0.2, attention=0.1, mlp=0.05, ce=0.03, inductor=0.02, opt_compute=0.1,
                 other=0.01, opt_comm=0.1, idle=0.05, step=0.71)   # ms; comm exposed 700..800, idle 550..600
     assert {k: round(r[k], 9) for k in want} == want and r["steps"] == 1
+
+
+def test_run_and_profile_returns_only_its_own_traces(tmp_path, monkeypatch):
+    """A second --run into the same folder must not pick up the first run's traces."""
+    (tmp_path / "older_rank0_steps16-17_trace.json").write_text("{}")
+    seen = {}
+
+    def fake_run(cmd, cwd):
+        seen["cmd"] = cmd
+        run_id = next(a.split("=", 1)[1] for a in cmd if a.startswith("--run_id="))
+        for r in ("16-17", "36-37"):
+            (tmp_path / f"{run_id}_rank0_steps{r}_trace.json").write_text("{}")
+        return type("Done", (), {"returncode": 0})()
+
+    monkeypatch.setattr("subprocess.run", fake_run)
+    traces = profile_step.run_and_profile(str(tmp_path), 60, ["--seed=0"])
+    assert len(traces) == 2 and not any("older" in t for t in traces)
+    assert sum(a.startswith("--run_id=") for a in seen["cmd"]) == 1 and "--seed=0" in seen["cmd"]
+    traces = profile_step.run_and_profile(str(tmp_path), 60, ["--run_id=mine"])
+    assert [t.rsplit("/", 1)[1] for t in traces] == ["mine_rank0_steps16-17_trace.json",
+                                                     "mine_rank0_steps36-37_trace.json"]
