@@ -88,6 +88,8 @@ class Hyperparameters:
     mtp_weights_start: tuple = (1.0, 0.5, 0.25)  # multi-token-prediction weights; see mtp_weights()
     val_loss_every: int = 250              # validate every this many steps (0: only at the end)
     val_loss_target: float = 3.28          # the final summary line says whether the run reached this loss
+    dry_run: bool = False                  # run every check that comes before compiling (options, environment, data,
+                                           # memory, output folders), print them as a checklist, and exit
     # ---- attention windows (in blocks of block_size tokens) ----
     block_size: int = 128                  # tokens per window block
     ws_long_schedule: tuple = (3, 7, 11)   # long window in each third of the schedule; short = long // 2
@@ -2615,6 +2617,49 @@ def _debug_requested(argv: Sequence[str]) -> bool:
                for a in argv)
 
 
+def short_environment(device: torch.device) -> str:
+    """One line: GPU, driver, torch, CUDA, Triton and NCCL versions (the log keeps the full report)."""
+    import triton
+    parts = [f"torch {torch.__version__}", f"triton {triton.__version__}"]
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        parts = [f"{torch.cuda.device_count()}x {props.name} ({props.total_memory / 2**30:.0f} GiB)"] + parts
+        parts.append(f"CUDA {torch.version.cuda}")
+        if dist.is_available() and hasattr(torch.cuda, "nccl"):
+            parts.append("NCCL " + ".".join(str(v) for v in torch.cuda.nccl.version()))
+    else:
+        parts = ["CPU"] + parts
+    return ", ".join(parts)
+
+
+def dry_run(hp: Hyperparameters) -> dict[str, Any]:
+    """Every check train() makes before it builds or compiles anything, printed (rank 0) as a checklist. The first
+    failing check raises, and main() reports it with its exit code as for a real run."""
+    world = launch_environment()[1]
+    validate_hyperparameters(hp, world)
+    rank, world_size, _, device = setup_distributed(hp)
+    say = print if rank == 0 else (lambda *a, **k: None)
+    say(f"dry run: the checks before compiling, for {world_size} process(es)")
+    say(f"  ok  options: valid for {world_size} process(es) x {hp.batch_slices // world_size} accumulation steps")
+    try:
+        backends = available_attn_backends(device)
+        chosen = resolve_attn_backend(hp.attn_backend, device)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    say(f"  ok  environment: {short_environment(device)}; attention backends {', '.join(backends)} "
+        f"(--attn_backend={hp.attn_backend} runs {chosen})")
+    run_id = hp.run_id or "<a new run id>"
+    if hp.run_id:
+        prepare_output(hp, run_id, rank)
+    else:
+        prepare_output(dataclasses.replace(hp, save_checkpoint=False), f".dry_run_{os.getpid()}", rank)
+    say(f"  ok  output: {hp.log_dir}/ is writable; the log would be {hp.log_dir}/{run_id}.txt")
+    for note in preflight(hp, world_size, device, rank):
+        say(f"  {'!!' if note.startswith('warning') else 'ok'}  {note}")
+    say("dry run passed: nothing was built, compiled or trained")
+    return {"dry_run": True}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run from the command line: one `error: ...` line and an exit code for every failure (see EXIT_* above)."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -2625,7 +2670,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     stops = StopSignals()
     stops.install()
     try:
-        train(parse_args(argv), " ".join(argv), stops)
+        hp = parse_args(argv)
+        if hp.dry_run:
+            dry_run(hp)
+        else:
+            train(hp, " ".join(argv), stops)
         return 0
     except Exception as e:
         return _report_failure(e, _debug_requested(argv))

@@ -298,3 +298,31 @@ def test_a_signal_wrapped_by_the_compiler_is_still_a_signal():
     except RuntimeError as wrapped:
         assert tg.describe_failure(wrapped, rank=0, world_size=4) == (143, "stopped by SIGTERM")
 
+
+
+# ---- --dry_run ----------------------------------------------------------------------------------------------------
+
+def test_dry_run_passes_on_good_data_and_writes_nothing(capsys, tmp_path, data):
+    code, err, out, log = run_main(capsys, [*SHORT, "--dry_run", f"--train_files={data[0]}",
+                                            f"--val_files={data[1]}"], tmp_path)
+    assert code == 0 and err == [] and log is None          # no log, nothing trained
+    lines = out.splitlines()
+    assert lines[0].startswith("dry run:") and lines[-1].startswith("dry run passed")
+    checks = [x.split()[1].rstrip(":") for x in lines[1:-1]]
+    assert checks == ["options", "environment", "output", "data"], lines
+    assert all(x.startswith("  ok  ") for x in lines[1:-1])
+    assert f"the log would be {tmp_path}/logs/run.txt" in out
+    assert list((tmp_path / "logs").iterdir()) == []
+
+
+@pytest.mark.parametrize("args, want_code, needle, passed", [
+    (["--val_tokens=1048576"], tg.EXIT_DATA, "validation reads 1,048,576 tokens", ["options", "environment",
+                                                                                  "output"]),
+    (["--num_heads=5"], tg.EXIT_CONFIG, "--num_heads", []),
+])
+def test_dry_run_stops_at_the_first_failing_check(capsys, tmp_path, data, args, want_code, needle, passed):
+    code, err, out, log = run_main(capsys, [*SHORT, "--dry_run", f"--train_files={data[0]}",
+                                            f"--val_files={data[1]}", *args], tmp_path)
+    assert_one_error(code, err, want_code, needle)
+    assert [x.split()[1].rstrip(":") for x in out.splitlines() if x.startswith("  ok  ")] == passed
+    assert "dry run passed" not in out and log is None
