@@ -153,3 +153,26 @@ def test_progress_note_counts_tokens_not_steps():
     assert tg.progress_note(1, 1765, 1000, 1000, 4_000_000) == "  0% 1,000 tok/s ETA 1h06m"
     line = tg.result_line(3.2791, 3.28, 88_123, 1765, 31010, None)
     assert line == "result: val_loss:3.2791 target:3.28 reached:yes train_time:88.1s steps:1765 peak_memory:31010MiB log:None"
+
+
+@pytest.mark.timeout(300)
+def test_repeat_runs_consecutive_seeds_and_prints_their_statistics(tmp_path, capsys):
+    import repeat
+    train, val = make_dataset(tmp_path / "d", train_tokens=200_000, val_tokens=20_000)
+    trainer = ["--preset=tiny", "--num_scheduled_iterations=6", "--num_extension_iterations=0", "--warmup=false",
+               f"--train_files={train}", f"--val_files={val}", f"--log_dir={tmp_path}/logs"]
+    code = repeat.main(["--runs=2", "--first_seed=5", "--name=t", "--launcher", f"{sys.executable} train_gpt.py",
+                        "--", *trainer])
+    out = capsys.readouterr().out
+    assert code == 0
+    runs = [runlogs.read_run(tmp_path / "logs" / f"t-seed{s}.txt") for s in (5, 6)]
+    assert all(r.finished for r in runs) and runs[0].final_val_loss != runs[1].final_val_loss  # different seeds
+    assert "| t-seed5 |" in out and "| t-seed6 |" in out and "n = 2" in out
+
+    assert repeat.main(["--runs=2", "--", "--seed=3"]) == 2
+    assert "set per run" in capsys.readouterr().err
+    # an option error stops the series at the first run
+    code = repeat.main(["--runs=3", "--name=bad", "--launcher", f"{sys.executable} train_gpt.py", "--", *trainer,
+                        "--num_heads=5"])
+    captured = capsys.readouterr()
+    assert code == 2 and "stopped at run 1 of 3" in captured.err
