@@ -38,12 +38,14 @@ def plot(data, out: str, target: float, title: str) -> None:
         line, = by_step.plot(steps, losses, marker=".", label=label)
         by_time.plot(times, losses, marker=".", color=line.get_color(), label=label)
     finals = [losses[-1] for _, _, losses, _ in data]
+    # the interesting part is near the target: show every validation but the untrained first one (~10.8 nats)
+    later = [x for _, _, losses, _ in data for x in losses[1:]] or finals
+    top = max(later + [target]) + 0.05
     for ax, xlabel in ((by_step, "step"), (by_time, "train time (s)")):
         ax.axhline(target, color="k", linestyle="--", linewidth=1, label=f"target {target}")
         ax.set_xlabel(xlabel)
         ax.set_ylabel("validation loss")
-        # the interesting part is near the target: clip the first validations' ~10.8 nats
-        ax.set_ylim(min(finals + [target]) - 0.05, max(max(finals) + 0.6, target + 0.6))
+        ax.set_ylim(min(finals + [target]) - 0.05, top)
         ax.grid(alpha=0.3)
     by_step.legend(fontsize=8)
     fig.suptitle(title)
