@@ -473,6 +473,25 @@ def test_fp8_saturating_casts_hand_values():
     assert tg.fp8_quantize(torch.tensor([1.0], dtype=torch.bfloat16), 0.25, torch.float8_e4m3fn).item() == 4.0
 
 
+def test_fp8_quantize_every_bf16_value_against_a_float64_transcription():
+    """All 65,280 finite bf16 values at the three scales: x * fp32(1/s), rounded once to fp32 (the float64 product of a
+    bf16 and an fp32 value is exact, so rounding it to fp32 gives the correctly rounded fp32 product), clamped, cast
+    with round-to-nearest-even. That is what torch.compile makes of the reference's x / s with a constant s, and what
+    the fused CE backward computes. The IEEE division x / s gives the same FP8 values for every one of these inputs
+    (the fp32 quotients differ in the last bit for some, never across an FP8 rounding boundary), so writing the
+    quantiser as a product changed no result."""
+    x = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    x = x[torch.isfinite(x)]
+    for s, dtype in ((0.75 / 448, torch.float8_e5m2), (100 / 448, torch.float8_e4m3fn), (1.6 / 448, torch.float8_e4m3fn)):
+        lim = torch.finfo(dtype).max
+        inv32 = float(torch.tensor(1 / s, dtype=torch.float32))
+        want = (x.double() * inv32).float().clamp(-lim, lim).to(dtype).view(torch.uint8)
+        got = tg.fp8_quantize(x, s, dtype).view(torch.uint8)
+        assert torch.equal(got, want), (s, int((got != want).sum()))
+        by_division = (x.float() / s).clamp(-lim, lim).to(dtype).view(torch.uint8)
+        assert torch.equal(got, by_division), (s, int((got != by_division).sum()))
+
+
 def _manual_q(x, s, dtype, lim):
     return torch.clamp(x.float() / s, -lim, lim).to(dtype).float()
 

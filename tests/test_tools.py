@@ -176,3 +176,22 @@ def test_repeat_runs_consecutive_seeds_and_prints_their_statistics(tmp_path, cap
                         "--num_heads=5"])
     captured = capsys.readouterr()
     assert code == 2 and "stopped at run 1 of 3" in captured.err
+
+
+def test_tools_reject_bad_input_with_one_error_line(tmp_path, capsys):
+    import repeat
+    log = finished_log(tmp_path, "a", 3.2771, 88.1)
+    with open(log, "a") as f:
+        f.write("step:1765/1765 val_loss:garbled train_time:1ms step_avg:1ms\n")  # not a validation line: ignored
+    assert runlogs.read_run(log).final_val_loss == 3.2771
+    for call, args in ((stats.main, [log, "--target=abc"]), (stats.main, []), (plot.main, [log]),
+                       (repeat.main, ["--runs=two"])):
+        with pytest.raises(SystemExit) as e:
+            call(args)
+        err = capsys.readouterr().err.splitlines()
+        assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: ") and "--help" in err[0], err
+    assert plot.main([log, f"--out={tmp_path / 'c.xyz'}"]) == 2
+    assert capsys.readouterr().err.startswith("error: --out=")
+    assert plot.main([log, f"--out={tmp_path / 'c.svg'}"]) == 0 and (tmp_path / "c.svg").read_text().count("<svg")
+    assert repeat.main(["--runs=1", "--launcher=/nonexistent/launcher", "--", "--preset=tiny"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1].startswith("error: cannot start /nonexistent/launcher")

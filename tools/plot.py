@@ -8,13 +8,15 @@ or no validation line in any log.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from runlogs import Run, read_run  # noqa: E402
+from runlogs import Run, ToolArgumentParser, read_run  # noqa: E402
+
+
+IMAGE_SUFFIXES = (".png", ".pdf", ".svg")
 
 
 def curves(runs: list[Run]) -> list[tuple[str, list[int], list[float], list[float]]]:
@@ -49,14 +51,18 @@ def plot(data, out: str, target: float, title: str) -> None:
         ax.grid(alpha=0.3)
     by_step.legend(fontsize=8)
     fig.suptitle(title)
-    tmp = f"{out}.tmp{os.getpid()}.png"
-    fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-    os.replace(tmp, out)  # atomic: a reader never sees half a file
+    path = Path(out)
+    tmp = path.with_name(f".{path.stem}.tmp{os.getpid()}{path.suffix}")  # same suffix: it sets the format
+    try:
+        fig.savefig(tmp, dpi=120)
+        os.replace(tmp, path)  # atomic: a reader never sees half a file
+    finally:
+        plt.close(fig)
+        tmp.unlink(missing_ok=True)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = ToolArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("logs", nargs="+", help="run logs (logs/<run_id>.txt)")
     ap.add_argument("--out", required=True, help="image file to write (.png)")
     ap.add_argument("--target", type=float, default=3.28, help="validation loss drawn as the target line")
@@ -76,7 +82,14 @@ def main(argv: list[str] | None = None) -> int:
     if not out_dir.is_dir():
         print(f"error: the folder {out_dir} does not exist; create it or choose another --out", file=sys.stderr)
         return 2
-    plot(data, args.out, args.target, args.title)
+    if Path(args.out).suffix.lower() not in IMAGE_SUFFIXES:
+        print(f"error: --out={args.out}: name a {', '.join(IMAGE_SUFFIXES)} file", file=sys.stderr)
+        return 2
+    try:
+        plot(data, args.out, args.target, args.title)
+    except OSError as e:
+        print(f"error: cannot write {args.out}: {e.strerror}; choose a writable --out", file=sys.stderr)
+        return 2
     print(f"wrote {args.out} ({len(data)} runs)")
     return 0
 

@@ -10,7 +10,6 @@ failed, 2 bad arguments or the series stopped.
 """
 from __future__ import annotations
 
-import argparse
 import shlex
 import subprocess
 import sys
@@ -19,6 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import stats  # noqa: E402
+from runlogs import ToolArgumentParser  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -32,7 +32,7 @@ def option(args: list[str], name: str, default: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ours, trainer = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = ToolArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--runs", type=int, required=True, help="number of runs")
     ap.add_argument("--first_seed", type=int, default=0, help="seed of the first run; the others count up")
     ap.add_argument("--name", default=time.strftime("repeat-%Y%m%d-%H%M%S"), help="run id prefix")
@@ -57,7 +57,12 @@ def main(argv: list[str] | None = None) -> int:
         run_id = f"{args.name}-seed{seed}"
         cmd = [*shlex.split(args.launcher), *trainer, f"--seed={seed}", f"--run_id={run_id}"]
         print(f"repeat: run {i + 1}/{args.runs}: {' '.join(cmd)}", flush=True)
-        code = subprocess.run(cmd, cwd=ROOT).returncode
+        try:
+            code = subprocess.run(cmd, cwd=ROOT).returncode
+        except OSError as e:
+            print(f"error: cannot start {cmd[0]}: {e.strerror}; pass a command that exists with --launcher",
+                  file=sys.stderr)
+            return 2
         log = log_dir / f"{run_id}.txt"
         if log.exists():
             logs.append(str(log))

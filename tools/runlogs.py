@@ -6,12 +6,14 @@ run that fails ends its log with an `error: ...` line. A run counts as finished 
 """
 from __future__ import annotations
 
+import argparse
 import math
 import re
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-VAL_LINE = re.compile(r"^step:(\d+)/(\d+) val_loss:(\S+) train_time:(\d+)ms")
+VAL_LINE = re.compile(r"^step:(\d+)/(\d+) val_loss:([-+0-9.eE]+|nan|inf) train_time:(\d+)ms")
 
 
 @dataclass
@@ -60,3 +62,11 @@ def read_run(path: str | Path) -> Run:
             elif line.startswith("error: "):
                 run.error = line[len("error: "):].strip()
     return run
+
+
+class ToolArgumentParser(argparse.ArgumentParser):
+    """argparse with the project's failure format: one `error:` line (no usage block) and exit code 2."""
+
+    def error(self, message: str):
+        print(f"error: {message}; see {self.prog} --help", file=sys.stderr)
+        raise SystemExit(2)

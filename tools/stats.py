@@ -11,7 +11,6 @@ Exit codes: 0 done, 2 bad arguments or no finished run to summarise.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -21,7 +20,7 @@ import numpy as np
 from scipy import stats as sps
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from runlogs import Run, read_run  # noqa: E402
+from runlogs import Run, ToolArgumentParser, read_run  # noqa: E402
 
 
 def summary(values: list[float]) -> dict[str, float]:
@@ -120,7 +119,7 @@ def markdown(r: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = ToolArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("logs", nargs="+", help="run logs (logs/<run_id>.txt)")
     ap.add_argument("--target", type=float, default=3.28, help="validation loss to beat (default 3.28)")
     ap.add_argument("--baseline", nargs="+", default=None, metavar="LOG", help="logs of the runs to compare times with")
