@@ -30,8 +30,9 @@ fi
 if ! printf '%s\n' "$@" | grep -q -- '^--train_files=' && ! ls data/fineweb10B/fineweb_train_*.bin >/dev/null 2>&1; then
   echo "run.sh: error: no training data in data/fineweb10B/." >&2
   echo "  Download it (about 2 GB):   $PY data/cached_fineweb10B.py" >&2
-  echo "  Or smoke-test with synthetic data: $PY data/synthetic.py --out data/synthetic --train_shards 7 \\" >&2
-  echo "      --shard_tokens 100000000 --val_tokens 10485762 --seed 0 && ./run.sh --train_files='data/synthetic/fineweb_train_*.bin' --val_files='data/synthetic/fineweb_val_*.bin'" >&2
+  syn=data/synthetic
+  echo "  Or smoke-test with synthetic data: $PY data/synthetic.py --out $syn --preset=full" >&2
+  echo "      ./run.sh --train_files='$syn/fineweb_train_*.bin' --val_files='$syn/fineweb_val_*.bin'" >&2
   exit 1
 fi
 

@@ -13,6 +13,7 @@ import dataclasses
 import glob
 import math
 import os
+import re
 import sys
 import textwrap
 import threading
@@ -141,6 +142,10 @@ class Hyperparameters:
     run_id: str = ""                       # log name under logs/; empty: a random UUID
     log_dir: str = "logs"                  # folder of the log (<run_id>.txt) and checkpoints (<run_id>/)
     save_checkpoint: bool = False          # write logs/<run_id>/state_step<step>.pt at the end (or when stopped)
+    checkpoint_every: int = 0              # also every this many steps (0: never), keeping the newest checkpoint_keep;
+    checkpoint_keep: int = 2               # any of these states (and a stopped run's) continues with --resume
+    resume: str = ""                       # a state_step<step>.pt file, or a run's folder (its newest state): continue
+                                           # that run bit for bit (same processes and math options, checked)
     nonfinite_check_every: int = 25        # check the loss for NaN/inf every this many steps (no per-step sync); 0: off
     pg_timeout_s: int = 600                # a rank stuck this long in a collective ends the run
     profile_steps: str = ""                # "a:b[,c:d...]": profile steps a..b-1 (...) with torch.profiler into the
@@ -1483,7 +1488,7 @@ def _read_header(f, path: str) -> int:
                         f"remove it or change --train_files/--val_files")
     if version != SHARD_VERSION:
         raise DataError(f"shard {path} has bad version {version} (expected {SHARD_VERSION}); make it again with "
-                        f"data/tokenize.py or download it again with data/cached_fineweb10B.py")
+                        f"data/tokenize_docs.py or download it again with data/cached_fineweb10B.py")
     expected = SHARD_HEADER_BYTES + 2 * n
     if size != expected:
         raise DataError(f"shard {path} is truncated (or has trailing bytes): its header says {n} tokens, so expected "
@@ -1522,7 +1527,7 @@ def check_token_ids(tokens: np.ndarray, vocab_size: int, path: str, first: int =
             pos = first + s + int(np.argmax(chunk >= vocab_size))
             raise DataError(f"shard {path} holds token id {top} (first bad id at token {pos:,}) but --vocab_size="
                             f"{vocab_size}: it was made with another tokenizer. Make shards with GPT-2 ids "
-                            f"(data/tokenize.py) or raise --vocab_size to a multiple of 128 above {top}")
+                            f"(data/tokenize_docs.py) or raise --vocab_size to a multiple of 128 above {top}")
 
 
 def _read_tokens(path: str, max_tokens: int | None = None, out: np.ndarray | None = None) -> tuple[np.ndarray, int]:
@@ -1602,7 +1607,7 @@ class _ShardIndex:
         if len(self.bos) == 0:
             raise DataError(f"shard {path} has no document start (token {BOS_ID}) in its "
                             f"{'' if complete else 'first '}{len(tokens):,} tokens, and training batches start at "
-                            f"documents: make shards with data/tokenize.py, which starts every document with it")
+                            f"documents: make shards with data/tokenize_docs.py, which starts every document with it")
         doc_lens = np.diff(self.bos, append=len(tokens))                          # (num_docs,)
         self.doc_lens = doc_lens if complete else doc_lens[:-1]                   # (usable_docs,)
         self._cum_by_cap: dict[int, np.ndarray] = {}
@@ -1619,12 +1624,12 @@ class _TrainShards:
     starts from a quick index of its first _QUICK_SCAN_TOKENS tokens while a thread indexes all of it; the quick
     document list is a prefix of the full one, so which index built a batch does not change the batch."""
 
-    def __init__(self, files: list[str], vocab_size: int | None):
-        self.files, self.shard, self.vocab_size = files, 0, vocab_size
-        tokens, n = _read_tokens(files[0], _QUICK_SCAN_TOKENS)
-        self.current = _ShardIndex(files[0], tokens, complete=len(tokens) == n, vocab_size=vocab_size)
-        self.tokens_done = 0                       # tokens in the shards used up so far
-        self._full_current = None if self.current.complete else _Background(lambda: self._load(0))
+    def __init__(self, files: list[str], vocab_size: int | None, first: int = 0):
+        self.files, self.shard, self.vocab_size = files, first, vocab_size
+        tokens, n = _read_tokens(files[first], _QUICK_SCAN_TOKENS)
+        self.current = _ShardIndex(files[first], tokens, complete=len(tokens) == n, vocab_size=vocab_size)
+        self.tokens_done = 0                       # tokens in the shards used up so far (for the error message)
+        self._full_current = None if self.current.complete else _Background(lambda: self._load(first))
         self._next = None
         if self._full_current is None:
             self._prefetch()
@@ -1698,29 +1703,44 @@ def _to_device(array: np.ndarray, dtype: type, device: torch.device) -> Tensor:
     return host.to(device, non_blocking=True)
 
 
+@dataclass
+class TrainPosition:
+    """Where the training stream stands: the shard in use and its next unused document. The stream updates it after
+    every batch; a checkpoint stores it, and a stream started from it continues with the same batches."""
+    shard: int = 0
+    cursor: int = 0
+
+
 def train_batches(files: list[str], global_batch: int, grad_accum: int, rank: int, world_size: int,
                   device: torch.device, max_seq_len: int, tokens_per_doc_bound: int, vocab_size: int | None = None,
+                  position: TrainPosition | None = None,
                   ) -> Generator[tuple[Tensor, Tensor, Tensor], tuple[int, int, int] | None, None]:
     """BOS-aligned training micro-batches of `rank` (spec §2.3, §2.4). Each request yields
     (inputs int32 (N,), targets int64 (N,), cu_seqlens int32 (max_num_docs(N),)) on device, N = global_batch/(A*W).
     With each request send None or (global_batch, max_seq_len, grad_accum); a triple applies to the batch it gets.
     The arguments are checked now; the first shard is read on the first request (inside the timed region, spec §1).
     With vocab_size, every shard's token ids are checked when it is loaded (in the loading thread, off the GPU's
-    critical path): an id past the embedding fails with the shard and position instead of a device-side assert."""
+    critical path): an id past the embedding fails with the shard and position instead of a device-side assert.
+    The stream starts at `position` (default: the first document) and keeps it up to date."""
     if not files:
         raise DataError(f"no training shards given; {_GET_DATA_HINT}")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside world size {world_size}")
+    position = position if position is not None else TrainPosition()
+    if not 0 <= position.shard < len(files):
+        raise DataError(f"the stream position is in shard {position.shard}, but --train_files matches "
+                        f"{len(files)} shards: give the shards the run started with")
     _micro_batch_tokens(global_batch, grad_accum, world_size)
     return _train_batch_stream(list(files), global_batch, grad_accum, rank, world_size, device, max_seq_len,
-                               tokens_per_doc_bound, vocab_size)
+                               tokens_per_doc_bound, vocab_size, position)
 
 
 def _train_batch_stream(files: list[str], global_batch: int, grad_accum: int, rank: int, world_size: int,
-                        device: torch.device, max_seq_len: int, tokens_per_doc_bound: int, vocab_size: int | None):
+                        device: torch.device, max_seq_len: int, tokens_per_doc_bound: int, vocab_size: int | None,
+                        position: TrainPosition):
     tokens_per_rank = _micro_batch_tokens(global_batch, grad_accum, world_size)
-    shards = _TrainShards(files, vocab_size)
-    cursor = 0                                   # index of the next unused document of the current shard
+    shards = _TrainShards(files, vocab_size, first=position.shard)
+    cursor = position.cursor                     # index of the next unused document of the current shard
     message = None
     while True:
         if message is not None:                  # applies to the batch answering it (spec §2.4)
@@ -1734,6 +1754,7 @@ def _train_batch_stream(files: list[str], global_batch: int, grad_accum: int, ra
         shard = shards.current
         first, end = cursors[rank], cursors[rank + 1]
         cursor = cursors[-1]                     # commit after all ranks are planned
+        position.shard, position.cursor = shards.shard, cursor
         # This rank's segments: documents first..end-1 cut to max_seq_len, the last one cut so that the segments
         # hold exactly N + 1 tokens (its final token is only a target).
         seg_lens = np.minimum(shard.doc_lens[first:end], max_seq_len)                    # (m,)
@@ -1912,7 +1933,7 @@ def validate_hyperparameters(hp: Hyperparameters, world_size: int) -> None:
                  "rope_base", "attn_scale", "adam_eps", "pg_timeout_s"):
         need(getattr(hp, name) > 0, f"--{name}={getattr(hp, name)} must be positive")
     for name in ("num_extension_iterations", "num_value_embeds", "mlp_bank_pad", "val_loss_every",
-                 "nonfinite_check_every", "lr_min", "adam_lr", "adam_wd", "muon_lr", "muon_wd", "yarn_alpha"):
+                 "nonfinite_check_every", "checkpoint_every", "lr_min", "adam_lr", "adam_wd", "muon_lr", "muon_wd", "yarn_alpha"):
         need(getattr(hp, name) >= 0, f"--{name}={getattr(hp, name)} must be >= 0")
     for name, ok, what in (("train_bs_schedule", lambda v: v > 0, "positive token counts"),
                            ("ws_long_schedule", lambda v: v > 0, "positive window sizes in blocks"),
@@ -1944,6 +1965,8 @@ def validate_hyperparameters(hp: Hyperparameters, world_size: int) -> None:
          f"need 0 <= --momentum_min ({hp.momentum_min}) <= --momentum_max ({hp.momentum_max}) < 1")
     need(0 <= hp.muon_beta2 < 1, f"--muon_beta2={hp.muon_beta2} must be in [0, 1)")
     need(hp.yarn_alpha < hp.yarn_beta, f"--yarn_alpha={hp.yarn_alpha} must be below --yarn_beta={hp.yarn_beta}")
+    need(hp.checkpoint_keep >= 1, f"--checkpoint_keep={hp.checkpoint_keep} must be >= 1 (2 survives a crash while "
+                                  f"writing)")
     need(hp.seed >= -1, f"--seed={hp.seed}: use -1 (unseeded) or a seed >= 0")
     need(hp.attn_backend in ("auto", *ATTN_BACKENDS),
          f"--attn_backend={hp.attn_backend} is not one of auto, {', '.join(ATTN_BACKENDS)}")
@@ -2132,7 +2155,7 @@ def prepare_output(hp: Hyperparameters, run_id: str, rank: int) -> Path:
     if log_path.exists():
         raise ConfigError(f"{log_path} exists (an earlier run with --run_id={run_id}): choose another --run_id or "
                           f"move that log away")
-    for folder in [log_dir] + ([checkpoint_dir(hp, run_id)] if hp.save_checkpoint else []):
+    for folder in [log_dir] + ([log_dir / run_id] if hp.save_checkpoint or hp.checkpoint_every else []):
         probe = folder / f".write_test_{os.getpid()}_{rank}"
         try:
             folder.mkdir(parents=True, exist_ok=True)
@@ -2172,6 +2195,115 @@ def states_equal(a: Any, b: Any) -> bool:
     return a == b
 
 
+# ---- checkpoints: the whole training state, so that a stopped run continues bit for bit ----------------------------
+
+CHECKPOINT_FORMAT = "train_gpt state 1"
+CHECKPOINT_NAME = re.compile(r"state_step(\d{6,})(?:_rank(\d+))?\.pt")
+# Options that do not change what a run computes; a resumed run may set them differently. Every other option must
+# equal the checkpoint's, and so must what these resolve to (see run_facts).
+RUN_CONTROL_OPTIONS = frozenset({
+    "train_files", "val_files", "val_loss_every", "val_loss_target", "dry_run", "device", "attn_backend", "warmup",
+    "run_id", "log_dir", "save_checkpoint", "checkpoint_every", "checkpoint_keep", "resume", "nonfinite_check_every",
+    "pg_timeout_s", "profile_steps", "debug"})
+
+
+def checkpoint_path(folder: Path, step: int, rank: int, world_size: int) -> Path:
+    """<folder>/state_step<step>.pt; with several processes one file per rank (optimizer state is sharded)."""
+    return folder / f"state_step{step:06d}{f'_rank{rank}' if world_size > 1 else ''}.pt"
+
+
+def run_facts(world_size: int, device: torch.device, attn_backend: str, train_files: list[str]) -> dict[str, Any]:
+    """What the run-control options resolve to that the math depends on: a resumed run must match them."""
+    return {"processes": world_size, "device": device.type, "attention backend": attn_backend,
+            "training shards": [os.path.basename(f) for f in train_files]}
+
+
+class Checkpointer:
+    """Writes this rank's part of the training state atomically. Periodic checkpoints keep the newest `keep`; the
+    ones written at the end, when stopped, or before a divergence are kept."""
+
+    def __init__(self, hp: Hyperparameters, run_id: str, rank: int, world_size: int, facts: dict, log: Callable):
+        self.folder, self.keep = Path(hp.log_dir) / run_id, hp.checkpoint_keep
+        self.rank, self.world_size, self.log = rank, world_size, log
+        self.header = {"format": CHECKPOINT_FORMAT, "run_id": run_id, "hyperparameters": dataclasses.asdict(hp),
+                       "facts": facts, "code": Path(__file__).read_text()}
+        self.periodic: list[int] = []
+
+    def save(self, state: dict, periodic: bool = False) -> Path:
+        path = checkpoint_path(self.folder, state["step"], self.rank, self.world_size)
+        try:
+            atomic_torch_save({**self.header, **state}, path)
+        except OSError as e:
+            raise ConfigError(f"cannot write the checkpoint {path}: {e.strerror or e}; free disk space or choose "
+                              f"another --log_dir") from None
+        self.log(f"checkpoint: {path}")
+        if periodic:
+            self.periodic.append(state["step"])
+            if len(self.periodic) > self.keep:
+                if self.world_size > 1:
+                    dist.barrier()       # every rank holds the new checkpoint before any rank deletes an old one
+                for step in self.periodic[:-self.keep]:
+                    checkpoint_path(self.folder, step, self.rank, self.world_size).unlink(missing_ok=True)
+                self.periodic = self.periodic[-self.keep:]
+        return path
+
+
+def find_checkpoint(path: str, world_size: int) -> tuple[Path, int]:
+    """(folder, step) of what --resume names: a state file (any rank's) or a run folder, whose newest checkpoint
+    with a file for each of world_size ranks is taken (a crash while writing leaves the previous one complete)."""
+    p = Path(path)
+    if p.is_dir():
+        names = {f.name for f in p.iterdir()}
+        steps = {int(m[1]) for name in names if (m := CHECKPOINT_NAME.fullmatch(name))}
+        complete = [st for st in steps
+                    if all(checkpoint_path(p, st, r, world_size).name in names for r in range(world_size))]
+        if not complete:
+            found = f"states for other process counts or incomplete (steps {sorted(steps)})" if steps else "no states"
+            raise ConfigError(f"--resume={path}: the folder holds {found}, none written by {world_size} process(es); "
+                              f"give a run's folder (logs/<run_id>) or one of its state_step*.pt files")
+        return p, max(complete)
+    m = CHECKPOINT_NAME.fullmatch(p.name)
+    if m is None or not p.is_file():
+        raise ConfigError(f"--resume={path} is {'not a file' if m else 'neither a folder nor a state_step*.pt file'}: "
+                          f"give a run's folder (logs/<run_id>) or one of its state_step*.pt files")
+    return p.parent, int(m[1])
+
+
+def load_checkpoint(path: str, rank: int, world_size: int, device: str | torch.device = "cpu") -> dict:
+    """This rank's state from the checkpoint `path` names (see find_checkpoint); ConfigError if it cannot be used."""
+    folder, step = find_checkpoint(path, world_size)
+    file = checkpoint_path(folder, step, rank, world_size)
+    if not file.is_file():
+        others = sorted(f.name for f in folder.glob(f"state_step{step:06d}*.pt"))
+        raise ConfigError(f"--resume: {file} does not exist (the step-{step} state has {', '.join(others)}): resume "
+                          f"with the number of processes that wrote it")
+    try:
+        state = torch.load(file, map_location=device, weights_only=True)
+    except Exception as e:  # noqa: BLE001 (a truncated or foreign file, reported as such)
+        raise ConfigError(f"--resume: cannot read {file} ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
+                          f"resume from another checkpoint") from None
+    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
+        raise ConfigError(f"--resume: {file} is not a training state written by this trainer (--checkpoint_every, "
+                          f"--save_checkpoint)")
+    state["path"] = str(file)
+    return state
+
+
+def resume_differences(saved: dict, hp: Hyperparameters, facts: dict) -> list[str]:
+    """The options (and resolved facts) that differ between the saved run and this one and change the math."""
+    old = saved["hyperparameters"]
+    diffs = [f"--{f.name}={_show(old.get(f.name))} (now {_show(getattr(hp, f.name))})"
+             for f in dataclasses.fields(hp)
+             if f.name not in RUN_CONTROL_OPTIONS and old.get(f.name) != getattr(hp, f.name)]
+    for key, now in facts.items():
+        then = saved["facts"].get(key)
+        if then != now and key == "training shards":
+            diffs.append(f"training shards {len(then)} from {then[0]} (now {len(now)} from {now[0] if now else '-'})")
+        elif then != now:
+            diffs.append(f"{key} {then} (now {now})")
+    return diffs
+
+
 # =====================================================================================================================
 # 9. Training: warmup, reset, the timed loop, main()
 # =====================================================================================================================
@@ -2186,6 +2318,50 @@ def warmup_steps(hp: Hyperparameters) -> list[int]:
     return sorted(s for s in steps if 0 <= s < hp.num_iterations)
 
 
+class TrainClock:
+    """The timed training clock: it runs during steps and is paused for validation and checkpoints. Pausing and
+    starting wait for the GPU, so the time of queued work lands on the right side."""
+
+    def __init__(self, sync: Callable[[], None]):
+        self.sync, self.ms, self.t0 = sync, 0.0, None
+
+    def start(self) -> None:
+        self.sync()
+        self.t0 = time.perf_counter()
+
+    def pause(self) -> float:
+        self.sync()
+        self.ms, self.t0 = self.now_ms(), None
+        return self.ms
+
+    def now_ms(self) -> float:
+        """The time so far without waiting for the GPU (for progress lines)."""
+        return self.ms + (1000 * (time.perf_counter() - self.t0) if self.t0 is not None else 0.0)
+
+
+class StepProfiler:
+    """--profile_steps=a:b,...: torch.profiler over steps a..b-1, one chrome trace per range in the log folder."""
+
+    def __init__(self, hp: Hyperparameters, run_id: str, rank: int, log: Callable):
+        self.ranges = dict(tuple(int(x) for x in r.split(":")) for r in hp.profile_steps.split(",") if r)
+        self.prefix, self.log = Path(hp.log_dir) / f"{run_id}_rank{rank}", log
+        self.active, self.start, self.end = None, -1, -1
+
+    def before_step(self, step: int) -> None:
+        if step in self.ranges:
+            self.active, self.start, self.end = torch.profiler.profile(), step, self.ranges[step]
+            self.active.__enter__()
+
+    def after_step(self, done: int, sync: Callable[[], None]) -> None:
+        if self.active is not None and done == self.end:
+            sync()
+            self.active.__exit__(None, None, None)
+            trace = Path(f"{self.prefix}_steps{self.start}-{done - 1}_trace.json")
+            self.active.export_chrome_trace(str(trace))
+            self.active = None
+            self.log(f"profile of steps {self.start}..{done - 1} written to {trace}")
+
+
 class Trainer:
     """The schedule state (windows, batch size) and the step/validation routines shared by warmup and the timed loop."""
 
@@ -2197,13 +2373,44 @@ class Trainer:
         self.grad_accum = hp.batch_slices // world_size
         self.reset_schedule_state()
 
-    def reset_schedule_state(self) -> None:
-        s0 = schedule_at(0, self.hp)
-        self.ws_long = s0.ws_long
-        self.global_batch = s0.global_batch
-        self.loader = train_batches(self.train_files, s0.global_batch, self.grad_accum, self.rank, self.world_size,
-                                    self.device, self.hp.train_max_seq_len, self.hp.tokens_per_doc_bound,
-                                    self.hp.vocab_size)
+    def reset_schedule_state(self, steps_done: int = 0, position: TrainPosition | None = None) -> None:
+        """The state after `steps_done` steps: that step's window and batch size, the model's YaRN state replayed
+        (every window change in order, as the run made them), and a data stream from `position`."""
+        hp = self.hp
+        self.ws_long = schedule_at(0, hp).ws_long
+        self.model.reset_rotary()
+        for step in range(steps_done):
+            ws_long = schedule_at(step, hp).ws_long
+            if ws_long != self.ws_long:
+                self.model.apply_yarn(self.ws_long, ws_long)
+                self.ws_long = ws_long
+        # The stream starts with the next step's batch size (sending it a new size would do the same).
+        self.global_batch = schedule_at(min(steps_done, hp.num_iterations - 1), hp).global_batch
+        self.position = position if position is not None else TrainPosition()
+        self.loader = train_batches(self.train_files, self.global_batch, self.grad_accum, self.rank, self.world_size,
+                                    self.device, hp.train_max_seq_len, hp.tokens_per_doc_bound, hp.vocab_size,
+                                    self.position)
+
+    def state(self, steps_done: int, train_ms: float) -> dict[str, Any]:
+        """This rank's part of everything the rest of the run depends on after `steps_done` steps (copies)."""
+        rng = {"cpu": torch.get_rng_state()}
+        if self.device.type == "cuda":
+            rng["cuda"] = torch.cuda.get_rng_state(self.device)
+        # Adam's gradients add up over the steps between its updates (NorMuon's are consumed every step).
+        grads = {name: p.grad.detach().clone() for name, p in self.model.named_parameters() if p.grad is not None}
+        return {"step": steps_done, **snapshot_state(self.model, self.opt), "grads": grads,
+                "train_time_ms": train_ms, "loader": dataclasses.asdict(self.position), "rng": rng}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """The inverse of state(): weights, optimizer, schedule and YaRN state, data position, random generators."""
+        self.model.load_state_dict(state["model"])
+        self.opt.load_state_dict(state["optimizer"])
+        for name, p in self.model.named_parameters():
+            p.grad = state["grads"][name].to(p.device) if name in state["grads"] else None
+        torch.set_rng_state(state["rng"]["cpu"])
+        if self.device.type == "cuda":
+            torch.cuda.set_rng_state(state["rng"]["cuda"], self.device)
+        self.reset_schedule_state(state["step"], TrainPosition(**state["loader"]))
 
     def advance_schedule(self, sched: StepSchedule) -> tuple | None:
         """Apply YaRN at a window change; return the batch-size message for this step's micro-batches, if any."""
@@ -2412,7 +2619,12 @@ def train(hp: Hyperparameters, argv_text: str, stops: StopSignals | None = None)
     rank, world_size, _, device = setup_distributed(hp)
     master = rank == 0
     stops.announce = master
-    run_id = hp.run_id or str(uuid.uuid4())
+    resumed = load_checkpoint(hp.resume, rank, world_size) if hp.resume else None
+    run_id = hp.run_id or (f"{resumed['run_id']}-from{resumed['step']}" if resumed else str(uuid.uuid4()))
+    if world_size > 1:                  # one name for every rank's checkpoints and traces
+        shared = [run_id]
+        dist.broadcast_object_list(shared, 0)
+        run_id = shared[0]
     log_path = prepare_output(hp, run_id, rank)
     if world_size > 1:
         dist.barrier()                  # every rank has checked that the log does not exist before rank 0 makes it
@@ -2442,6 +2654,16 @@ def train(hp: Hyperparameters, argv_text: str, stops: StopSignals | None = None)
             raise ConfigError(str(e)) from None
         log(f"world_size:{world_size} grad_accum:{hp.batch_slices // world_size} device:{device} "
             f"attn_backend:{attn_backend} (asked: {hp.attn_backend}) compile:{hp.compile and is_cuda} dtype:{hp.dtype}")
+        facts = run_facts(world_size, device, attn_backend, train_files)
+        if resumed is not None:
+            if diffs := resume_differences(resumed, hp, facts):
+                raise ConfigError(f"--resume: {resumed['path']} was written by a run with other math: "
+                                  f"{'; '.join(diffs)}. Resume with the same options and processes")
+            if resumed["code"] != Path(__file__).read_text():
+                log("warning: train_gpt.py differs from the code that wrote the checkpoint (its log has that code); "
+                    "the continuation is exact only if the change leaves the math alone")
+        saving = hp.save_checkpoint or hp.checkpoint_every > 0
+        checkpointer = Checkpointer(hp, run_id, rank, world_size, facts, log)
 
         if hp.seed >= 0:
             torch.manual_seed(hp.seed)
@@ -2473,7 +2695,6 @@ def train(hp: Hyperparameters, argv_text: str, stops: StopSignals | None = None)
                 log(f"  warmup {i + 1}/{len(steps)} step {step} done at {time.perf_counter() - t0:.1f}s")
             model.load_state_dict(initial["model"])
             opt.load_state_dict(initial["optimizer"])
-            model.reset_rotary()
             for p in model.parameters():
                 p.grad = None
             if not states_equal(snapshot_state(model, opt), initial):
@@ -2484,78 +2705,75 @@ def train(hp: Hyperparameters, argv_text: str, stops: StopSignals | None = None)
         import gc
         gc.collect()
 
+        # ---- resume: the saved state replaces the initial one ----
+        start, clock = 0, TrainClock(sync)
+        if resumed is not None:
+            trainer.restore(resumed)
+            start, clock.ms = resumed["step"], resumed["train_time_ms"]
+            log(f"resumed from {resumed['path']} after step {start} of {hp.num_iterations} "
+                f"(train_time so far {clock.ms:.0f}ms)")
+
         # ---- the timed loop ----
         total_steps = hp.num_iterations
-        profile_ranges = [tuple(int(x) for x in r.split(":")) for r in hp.profile_steps.split(",") if r]
-        profile_starts = {a: b for a, b in profile_ranges}
-        profiler, profile_end = None, -1
+        profiler = StepProfiler(hp, run_id, rank, log)
         check_every = hp.nonfinite_check_every
         # Signals are polled between steps: every step with one process (a host flag, free); with several, at the
         # NaN check's sync points (or every 25 steps), where the ranks agree on stopping with one tiny all-reduce.
         poll_every = 1 if world_size == 1 else (check_every or 25)
         first_bad = torch.full((), -1, dtype=torch.int64, device=device)   # first step whose loss was not finite
-        # With --save_checkpoint: `pending` is the state at the last check; it is known good once the steps after it
+        # When states are saved, `pending` is the state at the last check; it is known good once the steps after it
         # have produced finite losses, and only then becomes `last_good` (the state saved if training blows up).
         last_good = None
-        pending = {"step": 0, "state": snapshot_state(model, opt)} if hp.save_checkpoint else None
+        pending = trainer.state(start, clock.ms) if saving else None
         val_loss = float("nan")
-        train_ms = 0.0
-        sync()
         log(f"phase:process_start_to_timed_loop time:{1000 * (time.perf_counter() - t_process):.0f}ms")
         stops.defer = True
         tokens_after = np.cumsum([schedule_at(s, hp).global_batch for s in range(total_steps)])  # for the ETA
-        t0 = time.perf_counter()
-        for step in range(total_steps + 1):
+        clock.start()
+        for step in range(start, total_steps + 1):
             last = step == total_steps
             sched = schedule_at(min(step, total_steps - 1), hp)
             message = trainer.advance_schedule(sched) if not last else None
             if last or (hp.val_loss_every > 0 and step % hp.val_loss_every == 0):
-                sync()
-                train_ms += 1000 * (time.perf_counter() - t0)
+                train_ms = clock.pause()
                 tv = time.perf_counter()
-                ws_long = hp.ws_long_final_val if last else sched.ws_long
-                val_loss = trainer.validate(sched.ws_short, ws_long)
+                val_loss = trainer.validate(sched.ws_short, hp.ws_long_final_val if last else sched.ws_long)
                 log(f"step:{step}/{total_steps} val_loss:{val_loss:.4f} train_time:{train_ms:.0f}ms "
                     f"step_avg:{train_ms / max(step, 1):.2f}ms")
                 log(f"phase:validation time:{1000 * (time.perf_counter() - tv):.0f}ms", console=False)
                 if not math.isfinite(val_loss):
                     raise TrainingDiverged(f"the validation loss is {val_loss} at step {step}: lower the learning "
                                            f"rates (--adam_lr, --muon_lr) or check the data")
-                sync()
-                t0 = time.perf_counter()
+                clock.start()
             if last:
                 break
-            if step in profile_starts:
-                profiler, profile_start, profile_end = torch.profiler.profile(), step, profile_starts[step]
-                profiler.__enter__()
+
+            profiler.before_step(step)
             loss = trainer.train_step(sched, message)
             done = step + 1
+            profiler.after_step(done, sync)
+
             if check_every:  # no sync here: remember the first bad step on the device and look at it every few steps
                 first_bad.copy_(torch.where((first_bad < 0) & ~torch.isfinite(loss), step, first_bad))
-            if profiler is not None and done == profile_end:
-                sync()
-                profiler.__exit__(None, None, None)
-                trace = Path(hp.log_dir) / f"{run_id}_rank{rank}_steps{profile_start}-{done - 1}_trace.json"
-                profiler.export_chrome_trace(str(trace))
-                profiler = None
-                log(f"profile of steps {profile_start}..{done - 1} written to {trace}")
             if check_every and (done % check_every == 0 or done == total_steps):
                 bad = int(first_bad.item())
                 if bad >= 0:
-                    if hp.save_checkpoint and last_good is not None:
-                        save_checkpoint(hp, run_id, last_good["step"], last_good["state"], rank, world_size, log)
+                    if last_good is not None:
+                        checkpointer.save(last_good)
                     raise TrainingDiverged(
                         f"the training loss became NaN or infinite at step {bad}"
-                        + (f"; the last good state (step {last_good['step']}) was saved" if hp.save_checkpoint and last_good else "")
+                        + (f"; the last good state (step {last_good['step']}) was saved" if last_good else "")
                         + ": lower the learning rates (--adam_lr, --muon_lr) or check the data")
-                if hp.save_checkpoint:
-                    last_good, pending = pending, {"step": done, "state": snapshot_state(model, opt)}
-            approx_ms = train_ms + 1000 * (time.perf_counter() - t0)
-            line = f"step:{done}/{total_steps} train_time:{approx_ms:.0f}ms step_avg:{approx_ms / done:.2f}ms"
+                if saving:
+                    last_good, pending = pending, trainer.state(done, clock.now_ms())
+            line = f"step:{done}/{total_steps} train_time:{clock.now_ms():.0f}ms step_avg:{clock.now_ms() / done:.2f}ms"
             log(line, console=False)  # the file keeps the fixed format; the console adds progress
             if master:
-                print(line + progress_note(done, total_steps, approx_ms, int(tokens_after[done - 1]),
+                print(line + progress_note(done, total_steps, clock.now_ms(), int(tokens_after[done - 1]),
                                            int(tokens_after[-1])), flush=True)
+            if hp.checkpoint_every and done % hp.checkpoint_every == 0 and done < total_steps:
+                checkpointer.save(trainer.state(done, clock.pause()), periodic=True)   # off the clock
+                clock.start()
             if done % poll_every == 0 and done < total_steps:
                 signum = stops.requested or 0
                 if world_size > 1:                 # any rank's signal stops every rank at this same step
@@ -2565,20 +2783,20 @@ def train(hp: Hyperparameters, argv_text: str, stops: StopSignals | None = None)
                 if signum:
                     import signal
                     saved = ""
-                    if hp.save_checkpoint:
-                        path = save_checkpoint(hp, run_id, done, snapshot_state(model, opt), rank, world_size, log)
-                        saved = f"; the state after step {done} is saved in {path.parent}"
+                    if saving:
+                        path = checkpointer.save(trainer.state(done, clock.pause()))
+                        saved = f"; the state after step {done} is saved in {path.parent}: --resume={path.parent}"
                     raise Interrupted(signum, f"stopped by {signal.Signals(signum).name} after step {done} of "
                                               f"{total_steps}{saved}")
         stops.defer = False
 
-        if hp.save_checkpoint:
-            save_checkpoint(hp, run_id, total_steps, snapshot_state(model, opt), rank, world_size, log)
+        if saving:
+            checkpointer.save(trainer.state(total_steps, clock.ms))
         peak_mib = torch.cuda.max_memory_allocated(device) // 2**20 if is_cuda else None
         if is_cuda:
             log(f"peak memory allocated: {peak_mib} MiB reserved: {torch.cuda.max_memory_reserved(device) // 2**20} MiB")
-        log(result_line(val_loss, hp.val_loss_target, train_ms, total_steps, peak_mib, log.path))
-        return {"val_loss": val_loss, "train_time_ms": train_ms, "run_id": run_id, "log": str(log.path)}
+        log(result_line(val_loss, hp.val_loss_target, clock.ms, total_steps, peak_mib, log.path))
+        return {"val_loss": val_loss, "train_time_ms": clock.ms, "run_id": run_id, "log": str(log.path)}
     except BaseException as e:
         stops.defer = False
         if not isinstance(e, SystemExit):
@@ -2590,25 +2808,6 @@ def train(hp: Hyperparameters, argv_text: str, stops: StopSignals | None = None)
         raise
     finally:
         log.close()
-
-
-def checkpoint_dir(hp: Hyperparameters, run_id: str) -> Path:
-    return Path(hp.log_dir) / run_id
-
-
-def save_checkpoint(hp: Hyperparameters, run_id: str, step: int, state: dict, rank: int, world_size: int,
-                    log: Callable) -> Path:
-    """logs/<run_id>/state_step<step>.pt (optimizer shards are per rank: one file per rank when world_size > 1)."""
-    suffix = f"_rank{rank}" if world_size > 1 else ""
-    path = checkpoint_dir(hp, run_id) / f"state_step{step:06d}{suffix}.pt"
-    code = Path(__file__).read_text()
-    try:
-        atomic_torch_save({"step": step, "code": code, "hyperparameters": dataclasses.asdict(hp), **state}, path)
-    except OSError as e:
-        raise ConfigError(f"cannot write the checkpoint {path}: {e.strerror or e}; free disk space or choose "
-                          f"another --log_dir") from None
-    log(f"checkpoint: {path}")
-    return path
 
 
 def _debug_requested(argv: Sequence[str]) -> bool:

@@ -18,16 +18,10 @@ import numpy as np
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path[:0] = [ROOT, os.path.join(ROOT, "data")]    # data/ is not a package: its scripts import from their folder
+import shards  # noqa: E402
+import synthetic as syn  # noqa: E402
 import train_gpt as tg  # noqa: E402
-
-
-def load_synthetic():
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("_bench_synthetic", os.path.join(ROOT, "data", "synthetic.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def main() -> None:
@@ -42,14 +36,13 @@ def main() -> None:
     device = torch.device(args.device)
     rows = []
     with tempfile.TemporaryDirectory(dir=args.dir or None) as tmp:
-        syn = load_synthetic()
         path = os.path.join(tmp, "fineweb_train_000001.bin")
         t0 = time.perf_counter()
         vocab = syn.Vocabulary(seed=0)
         t1 = time.perf_counter()
         tokens = syn.make_tokens(vocab, [0, 1, 1], args.shard_tokens, 0.5)
         t2 = time.perf_counter()
-        syn.write_shard(path, tokens)
+        shards.write_shard(path, tokens)
         t3 = time.perf_counter()
         del tokens
         rows.append(("synthetic: vocabulary (once per process)", f"{t1 - t0:.2f} s", ""))

@@ -22,24 +22,19 @@ hand, or make synthetic shards for a smoke test with data/synthetic.py.
 """
 from __future__ import annotations
 
+import argparse
+import importlib.util
+import math
 import os
+import shutil
 import sys
-
-# data/tokenize.py shares its name with the standard library's `tokenize`; a script run from this folder has the
-# folder as sys.path[0], so numpy's `import inspect -> linecache -> tokenize` would load that file. Drop the folder.
-_SCRIPT_DIR = os.path.dirname(os.path.realpath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.realpath(p or os.curdir) != _SCRIPT_DIR]
-
-import argparse  # noqa: E402
-import importlib.util  # noqa: E402
-import math  # noqa: E402
-import shutil  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
+import tempfile
+import time
 from typing import Callable
 
+import shards    # data/shards.py: the shard format, its check, UsageError
+
 REPO_ID = "kjj0/fineweb10B-gpt2"
-SHARD_MAGIC, SHARD_VERSION, SHARD_HEADER_BYTES = 20240520, 1, 1024
 UPSTREAM_TRAIN_SHARDS = 103
 TRAINED_TOKENS = 575 * 131_072 + 575 * 262_144 + 615 * 393_216    # = 467,927,040 (spec §10.3)
 SHARD_TOKENS = 100_000_000
@@ -73,26 +68,6 @@ def hf_fetch(filename: str, dest_dir: str) -> str:
         raise MissingUpstream(f"{type(e).__name__}: {e}") from e
 
 
-def check_shard(path: str) -> str | None:
-    """None if `path` is a valid shard (magic, version, size = header + 2 bytes per token), else what is wrong."""
-    try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            header = f.read(SHARD_HEADER_BYTES)
-    except OSError as e:
-        return f"cannot read it ({e})"
-    if len(header) < 12:
-        return f"only {size} bytes, shorter than the header"
-    magic, version, n = (int.from_bytes(header[i:i + 4], "little", signed=True) for i in (0, 4, 8))
-    if magic != SHARD_MAGIC:
-        return f"bad magic {magic}"
-    if version != SHARD_VERSION:
-        return f"bad version {version}"
-    if size != SHARD_HEADER_BYTES + 2 * n:
-        return f"truncated: expected {SHARD_HEADER_BYTES + 2 * n} bytes, found {size}"
-    return None
-
-
 def shard_names(num_train: int) -> list[str]:
     return ["fineweb_val_000000.bin"] + [f"fineweb_train_{k:06d}.bin" for k in range(1, num_train + 1)]
 
@@ -107,10 +82,6 @@ class DownloadError(Exception):
     """A shard could not be downloaded; the message says what to do."""
 
 
-class UsageError(Exception):
-    """A bad command-line option value (exit 2); the message names it and what it must be."""
-
-
 def fetch_shard(name: str, out_dir: str, fetch: Callable[[str, str], str], attempts: int,
                 sleep: Callable[[float], None], log: Callable[[str], None]) -> None:
     """Put a valid `name` into out_dir: download into a temporary folder, check, rename. Retries transient failures."""
@@ -120,7 +91,7 @@ def fetch_shard(name: str, out_dir: str, fetch: Callable[[str, str], str], attem
         tmp_dir = tempfile.mkdtemp(prefix=TEMP_PREFIX, dir=out_dir)
         try:
             path = fetch(name, tmp_dir)
-            problem = check_shard(path)
+            problem = shards.check_shard(path)
             if problem is None:
                 os.replace(path, final)
                 return
@@ -161,7 +132,7 @@ def download(num_train: int, out_dir: str, fetch: Callable[[str, str], str] = hf
     for i, name in enumerate(names, 1):
         final = os.path.join(out_dir, name)
         if os.path.exists(final):
-            problem = check_shard(final)
+            problem = shards.check_shard(final)
             if problem is None:
                 log(f"[{i}/{len(names)}] {name}: present and valid, skipped")
                 continue
@@ -186,15 +157,16 @@ def main(argv: list[str] | None = None, fetch: Callable[[str, str], str] = hf_fe
     # every failure a user can cause ends in one `error:` line: 2 for a bad option, 1 for the download or the disk
     try:
         if not 0 <= args.num_train_shards <= UPSTREAM_TRAIN_SHARDS:
-            raise UsageError(f"asked for {args.num_train_shards} train shards; {REPO_ID} has {UPSTREAM_TRAIN_SHARDS}: "
-                             f"ask for 0 .. {UPSTREAM_TRAIN_SHARDS} (0: the val shard only)")
+            raise shards.UsageError(f"asked for {args.num_train_shards} train shards; {REPO_ID} has "
+                                    f"{UPSTREAM_TRAIN_SHARDS}: ask for 0 .. {UPSTREAM_TRAIN_SHARDS} (0: the val "
+                                    f"shard only)")
         if args.attempts < 1:
-            raise UsageError(f"--attempts={args.attempts}: must be 1 or more")
+            raise shards.UsageError(f"--attempts={args.attempts}: must be 1 or more")
         if fetch is hf_fetch and importlib.util.find_spec("huggingface_hub") is None:
             raise DownloadError("the huggingface_hub package is missing: pip install huggingface_hub (or pip install "
                                 "-r requirements.txt)")
         paths = download(args.num_train_shards, args.dir, fetch=fetch, attempts=args.attempts)
-    except UsageError as e:
+    except shards.UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except DownloadError as e:

@@ -1,9 +1,10 @@
 """Make FineWeb-shaped token shards without a download, for smoke tests, benchmarks and offline work.
 
-    python data/synthetic.py --out data/synthetic --train_shards 9 --shard_tokens 100000000
+    python data/synthetic.py --out DIR --train_shards 9 --shard_tokens 100000000
+    python data/synthetic.py --out DIR --preset=bench      # the sizes of a named use; explicit size flags override them
 
-writes DIR/fineweb_val_000000.bin and DIR/fineweb_train_000001.bin ... in the FineWeb shard format (1024-byte header:
-int32 magic 20240520, version 1, token count; then uint16 tokens), so train_gpt.py reads them with
+writes DIR/fineweb_val_000000.bin and DIR/fineweb_train_000001.bin ... in the FineWeb shard format (data/shards.py:
+1024-byte header with magic, version and token count, then uint16 tokens), so train_gpt.py reads them with
 --train_files='DIR/fineweb_train_*.bin' --val_files='DIR/fineweb_val_*.bin'. The shards are made in a staging folder
 inside DIR and moved into place once all are complete (replacing DIR's fineweb_*.bin of an earlier run): a failure or
 Ctrl-C leaves DIR as it was.
@@ -21,40 +22,39 @@ Everything is a function of --seed: shard k uses the seed sequence (seed, k), so
 """
 from __future__ import annotations
 
+import argparse
+import contextlib
+import multiprocessing
+import multiprocessing.connection
 import os
+import signal
 import sys
+import time
+from typing import Iterator
 
-# data/tokenize.py shares its name with the standard library's `tokenize`; a script run from this folder has the
-# folder as sys.path[0], so numpy's `import inspect -> linecache -> tokenize` would load that file. Drop the folder.
-_SCRIPT_DIR = os.path.dirname(os.path.realpath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.realpath(p or os.curdir) != _SCRIPT_DIR]
+import numpy as np
 
-import argparse  # noqa: E402
-import contextlib  # noqa: E402
-import importlib.util  # noqa: E402
-import multiprocessing  # noqa: E402
-import multiprocessing.connection  # noqa: E402
-import signal  # noqa: E402
-import time  # noqa: E402
-from typing import Iterator  # noqa: E402
-
-import numpy as np  # noqa: E402
-
-# data/_shard_output.py: staging of the output and one-line errors, shared with data/tokenize.py (loaded by path: the
-# folder is off sys.path, see above)
-_spec = importlib.util.spec_from_file_location("_data_shard_output", os.path.join(_SCRIPT_DIR, "_shard_output.py"))
-_output = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_output)
+import shards    # data/shards.py: the shard format, staging of the output, one-line errors
 
 BOS_ID = 50256
 NUM_IDS = 50256                    # non-BOS ids 0..50255
-SHARD_MAGIC, SHARD_VERSION, SHARD_HEADER_BYTES = 20240520, 1, 1024
 MEDIAN_DOC_TOKENS = 400            # lognormal document lengths: median ...
 DOC_LEN_SIGMA = 1.0                # ... and log-space spread (P(len > 2048) = P(z > ln(5.12)) ~ 5%)
 MAX_DOC_TOKENS = 200_000
 ZIPF_EXPONENT, ZIPF_OFFSET = 1.1, 2.7   # p(rank) ~ 1 / (rank + offset)^exponent
 SAMPLE_TABLE_BITS = 22             # token sampling by lookup in a 2^22-entry inverse-CDF table
 CHUNK_TOKENS = 1 << 23             # generate a shard in chunks to bound memory (int64 temporaries of this size)
+
+# Shard sizes without --preset (9 train shards, as data/cached_fineweb10B.py fetches), and those of each --preset: the
+# uses that recur in the README and bench/run.sh. A size flag given on the command line overrides them. 10,485,762 val
+# tokens: the default validation scores 10,485,760 and needs at least that + 2. 7 train shards hold the ~1.4 x 468M
+# tokens that the record schedule reads.
+SIZE_DEFAULTS = dict(train_shards=9, shard_tokens=100_000_000, val_tokens=1 << 24)
+PRESETS = {
+    "tiny": dict(train_shards=1, shard_tokens=2_000_000, val_tokens=20_000),         # train_gpt.py --preset=tiny (CPU)
+    "bench": dict(train_shards=1, shard_tokens=100_000_000, val_tokens=10_485_762),  # shortened schedules on GPUs
+    "full": dict(train_shards=7, shard_tokens=100_000_000, val_tokens=10_485_762),   # the whole record schedule
+}
 
 
 class Vocabulary:
@@ -117,21 +117,6 @@ def make_tokens(vocab: Vocabulary, seed_words: list[int], num_tokens: int, follo
     return out
 
 
-def write_shard(path: str, tokens: np.ndarray) -> None:
-    """Header + uint16 tokens, written to a temporary name and renamed, so a reader never sees a partial shard."""
-    header = np.zeros(SHARD_HEADER_BYTES // 4, dtype="<i4")
-    header[:3] = SHARD_MAGIC, SHARD_VERSION, len(tokens)
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(header.tobytes())
-            f.write(tokens.astype("<u2", copy=False).tobytes())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
 def entropy_estimates(vocab: Vocabulary, follow_prob: float) -> tuple[float, float]:
     """(unigram entropy, approximate entropy of a token given the previous one) in nats."""
     p = vocab.probs
@@ -157,7 +142,7 @@ def make_shards(jobs: list[tuple[str, list[int], int, float]], seed: int, worker
     if workers == 1:
         vocab = Vocabulary(seed)
         for path, seed_words, num_tokens, follow_prob in jobs:
-            write_shard(path, make_tokens(vocab, seed_words, num_tokens, follow_prob))
+            shards.write_shard(path, make_tokens(vocab, seed_words, num_tokens, follow_prob))
             yield path
         return
     ctx = multiprocessing.get_context("spawn" if sys.platform == "darwin" else "fork")
@@ -205,26 +190,41 @@ def shard_jobs(out_dir: str, train_shards: int, shard_tokens: int, val_tokens: i
     return jobs
 
 
+def resolve_sizes(preset: str | None, given: dict[str, int | None]) -> dict[str, int]:
+    """train_shards, shard_tokens and val_tokens: the value in `given` unless it is None, else the preset's (or the
+    default without a preset)."""
+    if preset is not None and preset not in PRESETS:
+        raise shards.UsageError(f"--preset={preset}: unknown; use one of {', '.join(PRESETS)}")
+    base = SIZE_DEFAULTS if preset is None else PRESETS[preset]
+    return {name: base[name] if given.get(name) is None else given[name] for name in SIZE_DEFAULTS}
+
+
 def main(argv: list[str] | None = None) -> int:
-    return _output.run_main(_main, argv)
+    return shards.run_main(_main, argv)
 
 
 def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="output folder (created if missing); its fineweb_*.bin shards "
                         "of an earlier run are replaced by this run's, and only once all of them are complete")
-    parser.add_argument("--train_shards", type=int, default=9, help="number of train shards (default 9, like the "
-                        "FineWeb download for the full run)")
-    parser.add_argument("--shard_tokens", type=int, default=100_000_000, help="tokens per train shard (FineWeb: 1e8)")
-    parser.add_argument("--val_tokens", type=int, default=1 << 24, help="tokens in the val shard (default 2^24: "
-                        "the default validation scores 10,485,760 and needs at least that + 2)")
+    parser.add_argument("--preset", default=None, help="shard sizes of a named use: "
+                        + "; ".join(f"{name}: " + ", ".join(f"--{k}={v}" for k, v in sizes.items())
+                                    for name, sizes in PRESETS.items())
+                        + ". A size flag given too overrides the preset's value")
+    parser.add_argument("--train_shards", type=int, default=None, help="number of train shards (default 9, like the "
+                        "FineWeb download for the full run, or the preset's)")
+    parser.add_argument("--shard_tokens", type=int, default=None, help="tokens per train shard (default 1e8, like "
+                        "FineWeb, or the preset's)")
+    parser.add_argument("--val_tokens", type=int, default=None, help="tokens in the val shard (default 2^24, or the "
+                        "preset's; the default validation scores 10,485,760 and needs at least that + 2)")
     parser.add_argument("--seed", type=int, default=0, help="base seed; the output is a function of it")
     parser.add_argument("--follow_prob", type=float, default=0.5, help="probability that a token is the fixed "
                         "successor of the previous one (the learnable part)")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="parallel processes (default: "
                         "all cores); does not change the output")
     args = parser.parse_args(argv)
-    max_tokens = _output.MAX_SHARD_TOKENS
+    vars(args).update(resolve_sizes(args.preset, {name: getattr(args, name) for name in SIZE_DEFAULTS}))
+    max_tokens = shards.MAX_SHARD_TOKENS
     for bad, message in ((args.train_shards < 0, f"--train_shards={args.train_shards}: must be 0 or more"),
                          (not 1 <= args.shard_tokens <= max_tokens,
                           f"--shard_tokens={args.shard_tokens}: must be 1 .. {max_tokens:,} (the header's int32)"),
@@ -234,9 +234,11 @@ def _main(argv: list[str] | None) -> int:
                          (args.seed < 0, f"--seed={args.seed}: must be 0 or more"),
                          (args.workers < 1, f"--workers={args.workers}: must be 1 or more")):
         if bad:
-            raise _output.UsageError(message)
+            raise shards.UsageError(message)
+    print(f"{args.train_shards} train shard(s) of {args.shard_tokens:,} tokens and a val shard of "
+          f"{args.val_tokens:,}" + (f" (--preset={args.preset})" if args.preset else ""), flush=True)
     t0 = time.perf_counter()
-    with _output.shard_set(args.out, "fineweb") as staging:
+    with shards.shard_set(args.out, "fineweb") as staging:
         jobs = shard_jobs(staging, args.train_shards, args.shard_tokens, args.val_tokens, args.seed,
                           args.follow_prob)
         total, done = sum(job[2] for job in jobs), 0

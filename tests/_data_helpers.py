@@ -1,25 +1,23 @@
-"""Test helpers for the data pipeline: a shard writer, a pure-Python reference of spec §2.3 / §2.5, and loaders for
-the scripts under data/ (imported from their paths: data/ is not a package)."""
-import importlib.util
+"""Test helpers for the data pipeline: a shard writer, a pure-Python reference of spec §2.3 / §2.5, and an importer
+of the scripts under data/."""
+import importlib
 import os
 import struct
+import sys
 
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DATA_DIR = os.path.join(ROOT, "data")
 BOS = 50256
 
 
 def load_script(name: str):
-    """Import data/<name>.py as module `_data_<name>` (cached)."""
-    import sys
-    mod_name = f"_data_{name}"
-    if mod_name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(mod_name, os.path.join(ROOT, "data", f"{name}.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[mod_name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[mod_name]
+    """Import data/<name>.py. data/ is not a package: as when a script runs, its folder goes first on sys.path, where
+    the scripts find their shared module `shards`."""
+    if DATA_DIR not in sys.path:
+        sys.path.insert(0, DATA_DIR)
+    return importlib.import_module(name)
 
 
 def write_shard(path, tokens, magic=20240520, version=1, header_count=None, extra_bytes=b""):

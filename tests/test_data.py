@@ -22,18 +22,18 @@ CPU = torch.device("cpu")
 @pytest.fixture(scope="module")
 def synthetic_dir(tmp_path_factory):
     """4 synthetic (FineWeb-shaped) train shards of 40k tokens, made with data/synthetic.py's generator."""
-    syn = load_script("synthetic")
+    syn, shards = load_script("synthetic"), load_script("shards")
     vocab = syn.Vocabulary(seed=1)
     out = tmp_path_factory.mktemp("syn")
     for k in range(1, 5):
-        syn.write_shard(str(out / f"fineweb_train_{k:06d}.bin"), syn.make_tokens(vocab, [1, 1, k], 40_000, 0.5))
+        shards.write_shard(str(out / f"fineweb_train_{k:06d}.bin"), syn.make_tokens(vocab, [1, 1, k], 40_000, 0.5))
     return out
 
 
 @pytest.fixture(scope="module")
 def text_dir(tmp_path_factory):
-    """Train shards made by data/tokenize.py (bytes encoding) from generated English-like text."""
-    tok = load_script("tokenize")
+    """Train shards made by data/tokenize_docs.py (bytes encoding) from generated English-like text."""
+    tok = load_script("tokenize_docs")
     rng = np.random.default_rng(5)
     words = ["the", "data", "loader", "reads", "shards", "of", "tokens", "and", "every", "document", "starts",
              "with", "a", "marker", "über", "naïve", "42", "—", "\n"]

@@ -1,5 +1,5 @@
-"""Tests of the scripts under data/: cached_fineweb10B.py (with a fake hub: no network), tokenize.py and synthetic.py,
-including running each one as a script."""
+"""Tests of the scripts under data/: shards.py (the shard format, against the trainer's reader), cached_fineweb10B.py
+(with a fake hub: no network), tokenize_docs.py and synthetic.py, including running each one as a script."""
 import errno
 import json
 import os
@@ -10,11 +10,13 @@ import time
 
 import numpy as np
 import pytest
+import torch
 
 from _data_helpers import BOS, ROOT, load_script, read_shard, write_shard
 
+shards = load_script("shards")
 fineweb = load_script("cached_fineweb10B")
-tok = load_script("tokenize")
+tok = load_script("tokenize_docs")
 syn = load_script("synthetic")
 
 
@@ -24,13 +26,13 @@ def run_script(name, *args, timeout=60, cwd=None):
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# --help of every script (run as scripts: this also checks that data/tokenize.py does not shadow the stdlib module)
+# --help of every script (run as scripts: each finds data/shards.py in its own folder)
 # ------------------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name,expected", [
     ("cached_fineweb10B", ["467,927,040", "HF_ENDPOINT", "kjj0/fineweb10B-gpt2"]),
-    ("tokenize", ["--encoding", "--val_fraction", "--shard_tokens", ".jsonl", "blank_line"]),
-    ("synthetic", ["--train_shards", "--shard_tokens", "--val_tokens", "--seed", "median"]),
+    ("tokenize_docs", ["--encoding", "--val_fraction", "--shard_tokens", ".jsonl", "blank_line"]),
+    ("synthetic", ["--preset", "--train_shards", "--shard_tokens", "--val_tokens", "--seed", "median"]),
 ])
 def test_help(name, expected):
     result = run_script(name, "--help")
@@ -45,6 +47,33 @@ def test_default_shard_count_covers_the_record_run():
     assert fineweb.DEFAULT_TRAIN_SHARDS >= 9
     assert fineweb.DEFAULT_TRAIN_SHARDS * 100_000_000 >= 1.5 * 467_927_040
     assert f"the first {fineweb.DEFAULT_TRAIN_SHARDS} train shards" in run_script("cached_fineweb10B", "--help").stdout
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# shards.py: what the data scripts write is what train_gpt.py reads
+# ------------------------------------------------------------------------------------------------------------------
+
+def test_shard_format_agrees_with_the_trainer(tmp_path):
+    import train_gpt as tg
+    assert (shards.SHARD_MAGIC, shards.SHARD_VERSION, shards.SHARD_HEADER_BYTES) == \
+        (tg.SHARD_MAGIC, tg.SHARD_VERSION, tg.SHARD_HEADER_BYTES)
+    tokens = np.random.default_rng(0).integers(0, 2**16, 12_345).astype(np.uint16)
+    tokens[:2] = BOS, 2**16 - 1                                 # the largest id survives too
+    path = str(tmp_path / "fineweb_train_000001.bin")
+    shards.write_shard(path, tokens)
+    assert listing(tmp_path) == ["fineweb_train_000001.bin"]   # no temporary file left beside it
+    assert tg.shard_num_tokens(path) == len(tokens)
+    loaded = tg.load_shard(path)
+    assert loaded.dtype == torch.uint16 and np.array_equal(loaded.numpy(), tokens)
+    with open(path, "rb") as f:
+        assert f.read(shards.SHARD_HEADER_BYTES)[12:] == bytes(shards.SHARD_HEADER_BYTES - 12)  # zeros after the count
+    assert shards.check_shard(path) is None
+    # a list of ints is written as uint16 too; an id that does not fit is refused, not wrapped
+    shards.write_shard(path, [BOS, 1, 2])
+    assert tg.load_shard(path).tolist() == [BOS, 1, 2]
+    with pytest.raises(ValueError, match="0 .. 65535"):
+        shards.write_shard(path, np.array([BOS, 70_000]))
+    assert tg.load_shard(path).tolist() == [BOS, 1, 2]          # the refused write left the shard as it was
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -132,7 +161,7 @@ def test_partial_download_is_retried_then_rejected(tmp_path):
     hub, sleeps = FakeHub({"fineweb_train_000001.bin": ["truncated", "ok"]}), []
     fineweb.download(1, str(tmp_path), fetch=hub, sleep=sleeps.append, log=lambda s: None)
     assert hub.calls.count("fineweb_train_000001.bin") == 2 and sleeps == [2.0]
-    assert fineweb.check_shard(str(tmp_path / "fineweb_train_000001.bin")) is None
+    assert shards.check_shard(str(tmp_path / "fineweb_train_000001.bin")) is None
     hub = FakeHub({"fineweb_train_000002.bin": ["truncated"]})
     with pytest.raises(fineweb.DownloadError, match="invalid: truncated"):
         fineweb.download(2, str(tmp_path), fetch=hub, attempts=3, sleep=lambda s: None, log=lambda s: None)
@@ -208,7 +237,7 @@ def test_hub_errors_are_classified(monkeypatch, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# tokenize.py
+# tokenize_docs.py
 # ------------------------------------------------------------------------------------------------------------------
 
 def decode_docs(paths):
@@ -234,7 +263,7 @@ def test_tokenize_script_round_trip(tmp_path):
         for d in docs[2:]:
             f.write(json.dumps({"text": d, "id": 1}) + "\n\n")          # blank lines are skipped
     out = tmp_path / "out"
-    result = run_script("tokenize", str(tmp_path / "a.txt"), str(tmp_path / "b.txt"), str(tmp_path / "c.jsonl"),
+    result = run_script("tokenize_docs", str(tmp_path / "a.txt"), str(tmp_path / "b.txt"), str(tmp_path / "c.jsonl"),
                         "--out", str(out), "--encoding=bytes", "--val_docs=2", "--shard_tokens=300", "--prefix=demo",
                         cwd=str(tmp_path))
     assert result.returncode == 0, result.stderr
@@ -337,6 +366,31 @@ def test_synthetic_determinism(vocab):
     assert not np.array_equal(a, syn.make_tokens(vocab, [3, 1, 3], 300_000, 0.5))
 
 
+def test_synthetic_presets(tmp_path):
+    import train_gpt as tg
+    bench = dict(train_shards=1, shard_tokens=100_000_000, val_tokens=10_485_762)
+    assert syn.resolve_sizes("bench", {}) == bench
+    assert syn.resolve_sizes("bench", {"train_shards": 3, "val_tokens": None}) == {**bench, "train_shards": 3}
+    assert syn.resolve_sizes("tiny", {}) == dict(train_shards=1, shard_tokens=2_000_000, val_tokens=20_000)
+    assert syn.resolve_sizes("full", {}) == {**bench, "train_shards": 7}
+    assert syn.resolve_sizes(None, {"val_tokens": 5}) == dict(train_shards=9, shard_tokens=100_000_000, val_tokens=5)
+    # the val shard covers the validation of the trainer's defaults and of its tiny preset (+ 2: see synthetic.py)
+    assert tg.parse_args([]).val_tokens + 2 <= bench["val_tokens"]
+    assert tg.parse_args(["--preset=tiny"]).val_tokens + 2 <= syn.PRESETS["tiny"]["val_tokens"]
+    # through the command line: the preset's shard count, the explicit sizes
+    out = tmp_path / "out"
+    assert syn.main(["--out", str(out), "--preset=tiny", "--shard_tokens=1000", "--val_tokens=500", "--workers=1"]) == 0
+    assert listing(out) == ["fineweb_train_000001.bin", "fineweb_val_000000.bin"]
+    assert len(read_shard(str(out / "fineweb_train_000001.bin"))) == 1000
+    assert len(read_shard(str(out / "fineweb_val_000000.bin"))) == 500
+
+
+def test_synthetic_unknown_preset(tmp_path):
+    result = run_script("synthetic", "--out", str(tmp_path / "out"), "--preset=huge")
+    assert_clean_failure(result, 2, "--preset=huge", "tiny, bench, full")
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.slow
 def test_synthetic_script_is_worker_count_independent(tmp_path):
     args = ["--train_shards", "3", "--shard_tokens", "200000", "--val_tokens", "50000", "--seed", "9"]
@@ -423,7 +477,7 @@ def test_tokenize_not_utf8_half_way_keeps_the_earlier_set(tmp_path, ext, line):
     before = snapshot(out)
     text = '{"text": "ok"}\n{"text": "caf\xe9"}\n' if ext == "jsonl" else "line one\nline two\ncaf\xe9\n"
     (tmp_path / f"z.{ext}").write_bytes(text.encode("latin-1"))
-    result = run_script("tokenize", str(docs), str(tmp_path / f"z.{ext}"), "--out", str(out), "--encoding=bytes",
+    result = run_script("tokenize_docs", str(docs), str(tmp_path / f"z.{ext}"), "--out", str(out), "--encoding=bytes",
                         "--val_docs=2", "--shard_tokens=2000", "--threads=1")
     assert_clean_failure(result, 1, f"z.{ext}:{line}:", "not UTF-8", "0xe9", "iconv")
     assert "wrote text_train_000002.bin" in result.stdout                  # it failed half-way
@@ -434,13 +488,13 @@ def test_tokenize_not_utf8_half_way_keeps_the_earlier_set(tmp_path, ext, line):
                                              ["No space left on device", "no shards were written"]),
                                             (KeyboardInterrupt(), 130, ["interrupted", "no shards were written"])])
 def test_tokenize_failure_half_way_leaves_nothing(tmp_path, capsys, monkeypatch, exc, code, words):
-    write_shard = tok.write_shard
+    write_shard = shards.write_shard
 
     def failing(path, tokens):                  # the 3rd shard fails (a full disk, Ctrl-C)
         if "_train_000002" in path:
             raise exc
         write_shard(path, tokens)
-    monkeypatch.setattr(tok, "write_shard", failing)
+    monkeypatch.setattr(shards, "write_shard", failing)
     out = tmp_path / "out"
     assert tok.main([str(text_inputs(tmp_path, 40)), "--out", str(out), "--encoding=bytes", "--val_docs=2",
                      "--shard_tokens=100"]) == code
@@ -506,12 +560,13 @@ def test_rerun_replaces_the_earlier_shard_set(tmp_path):
 
 
 @pytest.mark.parametrize("inside", [False, True])           # --out is a file / is under a file
-@pytest.mark.parametrize("name,flag", [("synthetic", "--out"), ("tokenize", "--out"), ("cached_fineweb10B", "--dir")])
+@pytest.mark.parametrize("name,flag", [("synthetic", "--out"), ("tokenize_docs", "--out"),
+                                       ("cached_fineweb10B", "--dir")])
 def test_output_folder_cannot_be_created(tmp_path, name, flag, inside):
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")
     target = blocker / "out" if inside else blocker
-    if name == "tokenize":
+    if name == "tokenize_docs":
         args = [str(text_inputs(tmp_path, 4)), "--encoding=bytes"]
     else:
         args = SYN_SMALL if name == "synthetic" else ["1"]

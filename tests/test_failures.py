@@ -90,7 +90,7 @@ def test_shard_without_a_document_start(capsys, tmp_path, data):
     toks[toks == BOS] = 7
     bad = shard_with(tmp_path, toks)
     code, err, _, log = run_main(capsys, [*SHORT, f"--train_files={bad}", f"--val_files={data[1]}"], tmp_path)
-    assert_one_error(code, err, 1, "no document start", "fineweb_train_000001.bin", "data/tokenize.py")
+    assert_one_error(code, err, 1, "no document start", "fineweb_train_000001.bin", "data/tokenize_docs.py")
     assert log[-1] == err[0]
 
 

@@ -43,14 +43,14 @@ def val_losses(stdout):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_tiny_preset_learns_text_tokenized_by_data_tokenize(tmp_path):
-    """Text -> data/tokenize.py (byte encoding, offline) -> the tiny preset: the val loss falls from ln(vocab) to well
+def test_tiny_preset_learns_text_tokenized_by_data_tokenize_docs(tmp_path):
+    """Text -> data/tokenize_docs.py (byte encoding, offline) -> the tiny preset: the val loss falls from ln(vocab) to well
     below the unigram entropy of the scored val tokens, so the model learned context, not just token frequencies."""
     with open(tmp_path / "docs.jsonl", "w", encoding="utf-8") as f:
         for text in paragraphs(400, seed=0):
             f.write(json.dumps({"text": text}) + "\n")
     out = tmp_path / "shards"
-    p = subprocess.run([sys.executable, str(ROOT / "data" / "tokenize.py"), str(tmp_path / "docs.jsonl"),
+    p = subprocess.run([sys.executable, str(ROOT / "data" / "tokenize_docs.py"), str(tmp_path / "docs.jsonl"),
                         f"--out={out}", "--encoding=bytes", "--val_docs=24", "--threads=1"],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr

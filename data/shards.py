@@ -1,5 +1,11 @@
-"""Shared by data/synthetic.py and data/tokenize.py (not a script): all-or-nothing output of a set of shards, and the
-one-line error reporting of the scripts. Loaded by path (data/ is not a package, and the scripts take it off sys.path).
+"""The token shard format that train_gpt.py reads, and how the scripts in data/ write and check shards.
+
+A shard is a 1024-byte header of 256 little-endian int32 words (magic 20240520, version 1, token count n, then zeros)
+followed by n little-endian uint16 tokens. train_gpt.py keeps its own copy of the three constants, as it imports
+nothing from data/; tests/test_data_scripts.py checks that the two agree and that train_gpt.py reads what this writes.
+
+Not a script. The scripts import it as `shards`: a script's folder is the first entry of sys.path. Code that imports
+a script from elsewhere puts data/ on sys.path first.
 
 Errors: every failure a user can cause ends in one `error: ...` line on stderr and no traceback. A bad option raises
 UsageError (exit 2); a data problem raises SystemExit("error: ...") (exit 1, and a clean exit for callers of the
@@ -15,8 +21,53 @@ import sys
 import tempfile
 from typing import Callable, Iterator
 
-MAX_SHARD_TOKENS = 2**31 - 1       # the shard header holds the token count as an int32
+import numpy as np
+
+SHARD_MAGIC = 20240520
+SHARD_VERSION = 1
+SHARD_HEADER_BYTES = 1024          # 256 int32 words: magic, version, token count, zeros
+MAX_SHARD_TOKENS = 2**31 - 1       # the header holds the token count as an int32
 STAGING_PREFIX = ".staging-"       # a run's shards are written here, inside the output folder, until all are complete
+
+
+def write_shard(path: str, tokens: np.ndarray) -> None:
+    """Header + uint16 tokens, written under a temporary name and renamed, so a reader never sees a partial shard."""
+    tokens = np.asarray(tokens)
+    if len(tokens) > MAX_SHARD_TOKENS:
+        raise ValueError(f"{path}: {len(tokens):,} tokens do not fit the header's int32 count")
+    if tokens.dtype != np.uint16 and len(tokens) and not (0 <= tokens.min() and tokens.max() < 2**16):
+        raise ValueError(f"{path}: token ids must be 0 .. 65535 (uint16)")     # a cast would wrap them silently
+    header = np.zeros(SHARD_HEADER_BYTES // 4, dtype="<i4")
+    header[:3] = SHARD_MAGIC, SHARD_VERSION, len(tokens)
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(header.tobytes())
+            f.write(tokens.astype("<u2", copy=False).tobytes())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def check_shard(path: str) -> str | None:
+    """None if `path` is a valid shard (magic, version, size = header + 2 bytes per token), else what is wrong."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            header = f.read(SHARD_HEADER_BYTES)
+    except OSError as e:
+        return f"cannot read it ({e})"
+    if len(header) < 12:
+        return f"only {size} bytes, shorter than the header"
+    magic, version, n = (int.from_bytes(header[i:i + 4], "little", signed=True) for i in (0, 4, 8))
+    if magic != SHARD_MAGIC:
+        return f"bad magic {magic}"
+    if version != SHARD_VERSION:
+        return f"bad version {version}"
+    if size != SHARD_HEADER_BYTES + 2 * n:
+        return f"truncated: expected {SHARD_HEADER_BYTES + 2 * n} bytes, found {size}"
+    return None
 
 
 class UsageError(Exception):

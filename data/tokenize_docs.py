@@ -1,7 +1,7 @@
 """Tokenize text into token shards in the FineWeb format that train_gpt.py reads.
 
-    python data/tokenize.py corpus/ --out data/mytext --encoding gpt2
-    python data/tokenize.py books/*.txt --txt_split blank_line --val_docs 50 --out data/books
+    python data/tokenize_docs.py corpus/ --out data/mytext --encoding gpt2
+    python data/tokenize_docs.py books/*.txt --txt_split blank_line --val_docs 50 --out data/books
 
 Inputs (files, or folders searched recursively for these):
   * .txt   one document per file (--txt_split file, the default) or one per block of text between blank lines
@@ -11,7 +11,7 @@ Every document becomes BOS (50256, <|endoftext|>) followed by its tokens. Docume
 (a shard closes early when the next document does not fit); only a document longer than --shard_tokens is split.
 
 Outputs in --out: <prefix>_val_000000.bin (and _000001... if the val split is larger than a shard) and
-<prefix>_train_000001.bin, _000002.bin, ...: a 1024-byte header (int32 magic 20240520, version 1, token count) and
+<prefix>_train_000001.bin, _000002.bin, ...: a 1024-byte header (magic, version, token count; data/shards.py) and
 uint16 tokens. The shards are made in a staging folder inside --out and moved into place once all are complete
 (replacing the <prefix>_*.bin shards of an earlier run): a failure or Ctrl-C leaves --out as it was. Train on them with
 --train_files='OUT/<prefix>_train_*.bin' --val_files='OUT/<prefix>_val_*.bin' (and --val_tokens no larger than the
@@ -23,33 +23,20 @@ document i in val when floor((i+1)*F) > floor(i*F), i.e. every 1/F-th document, 
 Encodings: gpt2 (tiktoken; its BPE files are downloaded once into tiktoken's cache, so it needs the network or a
 filled TIKTOKEN_CACHE_DIR) or bytes (offline: ids 0..255 are the UTF-8 bytes, 50256 is <|endoftext|>).
 """
-# This file is named like the standard library's `tokenize` module. Run as a script, its folder is sys.path[0], and
-# the import machinery (linecache, inspect, ...) would import this file in place of the real module. Drop the folder
-# from sys.path before anything else is imported.
+import argparse
+import glob
+import json
 import os
+import re
 import sys
+import time
+from typing import Iterable, Iterator
 
-_SCRIPT_DIR = os.path.dirname(os.path.realpath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.realpath(p or os.curdir) != _SCRIPT_DIR]
+import numpy as np
 
-import argparse  # noqa: E402
-import glob  # noqa: E402
-import importlib.util  # noqa: E402
-import json  # noqa: E402
-import re  # noqa: E402
-import time  # noqa: E402
-from typing import Iterable, Iterator  # noqa: E402
-
-import numpy as np  # noqa: E402
-
-# data/_shard_output.py: staging of the output and one-line errors, shared with data/synthetic.py (loaded by path: the
-# folder is off sys.path, see above)
-_spec = importlib.util.spec_from_file_location("_data_shard_output", os.path.join(_SCRIPT_DIR, "_shard_output.py"))
-_output = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_output)
+import shards    # data/shards.py: the shard format, staging of the output, one-line errors
 
 BOS_ID = 50256
-SHARD_MAGIC, SHARD_VERSION, SHARD_HEADER_BYTES = 20240520, 1, 1024
 ENCODE_BATCH_DOCS = 512           # documents handed to tiktoken per call (it encodes a batch on several threads)
 # GPT-2's pre-tokenizer pattern; with the bytes encoding it only groups bytes before they are mapped one by one.
 _GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
@@ -164,27 +151,12 @@ class ShardWriter:
             return
         tokens = np.concatenate(self.pending)
         path = os.path.join(self.out_dir, f"{self.prefix}_{self.split}_{self.next_index:06d}.bin")
-        write_shard(path, tokens)
+        shards.write_shard(path, tokens)
         print(f"wrote {os.path.basename(path)} ({len(tokens):,} tokens)", flush=True)
         self.paths.append(path)
         self.total_tokens += len(tokens)
         self.next_index += 1
         self.pending, self.pending_tokens = [], 0
-
-
-def write_shard(path: str, tokens: np.ndarray) -> None:
-    """Header + uint16 tokens under a temporary name, then renamed: a reader never sees a partial shard."""
-    header = np.zeros(SHARD_HEADER_BYTES // 4, dtype="<i4")
-    header[:3] = SHARD_MAGIC, SHARD_VERSION, len(tokens)
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(header.tobytes())
-            f.write(np.asarray(tokens, dtype="<u2").tobytes())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
 def is_val_doc(index: int, val_docs: int | None, val_fraction: float) -> bool:
@@ -198,14 +170,14 @@ def tokenize_to_shards(paths: list[str], out_dir: str, encoding, *, shard_tokens
                        txt_split: str = "file", text_field: str = "text", threads: int = 4) -> dict:
     """Tokenize the documents of `paths` into val and train shards in out_dir; returns
     {"val": [paths], "train": [paths], "val_tokens": n, "train_tokens": n, "docs": n}. Nothing appears in out_dir
-    unless all shards are complete (see _shard_output.shard_set)."""
+    unless all shards are complete (see shards.shard_set)."""
     if txt_split not in ("file", "blank_line"):
-        raise _output.UsageError(f"--txt_split={txt_split}: use file or blank_line")
-    if not 2 <= shard_tokens <= _output.MAX_SHARD_TOKENS:
-        raise _output.UsageError(f"--shard_tokens={shard_tokens}: must be 2 .. {_output.MAX_SHARD_TOKENS:,} (the "
+        raise shards.UsageError(f"--txt_split={txt_split}: use file or blank_line")
+    if not 2 <= shard_tokens <= shards.MAX_SHARD_TOKENS:
+        raise shards.UsageError(f"--shard_tokens={shard_tokens}: must be 2 .. {shards.MAX_SHARD_TOKENS:,} (the "
                                  f"header's int32)")
     files = input_files(paths)
-    with _output.shard_set(out_dir, prefix) as staging:
+    with shards.shard_set(out_dir, prefix) as staging:
         writers = {"val": ShardWriter(staging, prefix, "val", 0, shard_tokens),
                    "train": ShardWriter(staging, prefix, "train", 1, shard_tokens)}
         docs = iter_documents(files, txt_split, text_field)
@@ -238,7 +210,7 @@ def tokenize_to_shards(paths: list[str], out_dir: str, encoding, *, shard_tokens
 
 
 def main(argv: list[str] | None = None) -> int:
-    return _output.run_main(_main, argv)
+    return shards.run_main(_main, argv)
 
 
 def _main(argv: list[str] | None) -> int:
@@ -265,7 +237,7 @@ def _main(argv: list[str] | None) -> int:
                          (not args.prefix or "/" in args.prefix,
                           f"--prefix={args.prefix!r}: must be a non-empty file name part, without '/'")):
         if bad:
-            raise _output.UsageError(message)
+            raise shards.UsageError(message)
     result = tokenize_to_shards(args.inputs, args.out, get_encoding(args.encoding), shard_tokens=args.shard_tokens,
                                 val_docs=args.val_docs, val_fraction=args.val_fraction, prefix=args.prefix,
                                 txt_split=args.txt_split, text_field=args.text_field, threads=args.threads)

@@ -1,0 +1,153 @@
+#!/usr/bin/env bash
+# GPU benchmarks and shortened training runs, one command each; `bench/run.sh --help` lists them.
+# Training runs go through ./run.sh on synthetic shards (made once in $DATA), so their loss says nothing about the
+# 3.28 target; they measure time per step, compile time and memory.
+set -euo pipefail
+
+usage() {
+  cat <<'EOF'
+usage: bench/run.sh COMMAND [ARGS ...]
+
+commands:
+  tests [PATH ...]   the GPU tests (pytest -m gpu) of PATHs, default tests/
+  kernels            versions and nvidia-smi, the GPU tests (stop at the first failure), then bench/kernels.py,
+                     bench/attention.py and bench/optimizer.py
+  train [OPTION ...] a shortened run of the real schedule: NS scheduled steps (default 150) + 10 extension steps,
+                     validation every 50, then its time per step in each batch phase (bench/phase_times.py)
+  smoke [OPTION ...] the GPU tests (the data is made meanwhile), then train
+  backends [OPTION ...]
+                     the attention backends this machine has, then NS (default 60) + 10 steps with each backend in
+                     BACKENDS (default "flex varlen")
+  overhead [OPTION ...]
+                     the cost of the NaN check: NS (default 90) + 6 steps with each --nonfinite_check_every in
+                     CHECKS (default "0 25": off, and the default)
+  profile [OPTION ...]
+                     GPU time per bucket of a step late in each batch phase of an NS-step run (default 60;
+                     bench/profile_step.py --run)
+
+OPTIONs are train_gpt.py's --name=value and go to every training run. Each step's output is kept in $OUT (default
+./out), with the training logs; the console gets a summary. The exit status is the first failed step's.
+
+environment:
+  OUT       results folder (default ./out)
+  DATA      synthetic shards (default /tmp/syn_bench), made with `data/synthetic.py --preset=bench` unless it holds
+            a val shard; give another folder rather than one with shards of other sizes
+  NPROC     GPUs to use (./run.sh's default: all of them, if their count divides 8)
+  NS, BACKENDS, CHECKS   see the commands
+  LIMIT_S   a time limit in seconds for each step (default none)
+
+example: the attention tests, then a FlexAttention run
+  bench/run.sh tests tests/test_attention.py && BACKENDS=flex bench/run.sh backends
+EOF
+}
+
+COMMANDS="tests kernels train smoke backends overhead profile"
+command=${1:-}
+case "$command" in
+  -h|--help|help) usage; exit 0 ;;
+  "") usage >&2; exit 2 ;;
+esac
+shift
+if [[ " $COMMANDS " != *" $command "* ]]; then
+  echo "error: unknown command '$command'; use one of: $COMMANDS (bench/run.sh --help)" >&2
+  exit 2
+fi
+if [ "$command" = kernels ] && [ $# -gt 0 ]; then
+  echo "error: 'kernels' takes no arguments, got: $*; the benchmarks use their built-in shapes" >&2
+  exit 2
+fi
+
+OUT=${OUT:-out}
+DATA=${DATA:-/tmp/syn_bench}
+# absolute paths: the commands below run from the repository root
+case "$OUT" in /*) ;; *) OUT="$PWD/$OUT" ;; esac
+case "$DATA" in /*) ;; *) DATA="$PWD/$DATA" ;; esac
+mkdir -p "$OUT"
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1
+status=0
+
+# step NAME CMD ...: runs CMD with its output in $OUT/NAME.txt and reports its exit status. A failed step does not stop
+# the later ones (each measures something of its own); the script exits with the first failure's status.
+step() {
+  local name=$1 rc=0
+  shift
+  if [ -n "${LIMIT_S:-}" ]; then
+    timeout "$LIMIT_S" "$@" > "$OUT/$name.txt" 2>&1 || rc=$?
+  else
+    "$@" > "$OUT/$name.txt" 2>&1 || rc=$?
+  fi
+  echo "== $name: exit $rc ($OUT/$name.txt)"
+  if [ "$status" -eq 0 ]; then status=$rc; fi
+}
+
+# The synthetic shards. synthetic.py moves a complete set into place at once, so a val shard means the set is whole.
+make_data() {
+  [ -e "$DATA/fineweb_val_000000.bin" ] && return 0
+  if ! "$PY" data/synthetic.py --out "$DATA" --preset=bench > "$OUT/synthetic.txt" 2>&1; then
+    echo "error: making synthetic shards in $DATA failed: see $OUT/synthetic.txt" >&2
+    return 1
+  fi
+}
+
+gpu_tests() {
+  step gpu_tests "$PY" -m pytest -q -m gpu -p no:cacheprovider "$@"
+  grep -E "passed|failed|skipped|error" "$OUT/gpu_tests.txt" | tail -25 || true
+}
+
+# train_run NAME [OPTION ...]: ./run.sh on the synthetic shards with its log in $OUT/NAME/, then a summary of that log
+train_run() {
+  local name=$1 log
+  shift
+  mkdir -p "$OUT/$name"
+  step "$name/console" ./run.sh --train_files="$DATA/fineweb_train_*.bin" --val_files="$DATA/fineweb_val_*.bin" \
+    --log_dir="$OUT/$name" "$@"
+  grep -E "error:|Error|val_loss|^result:" "$OUT/$name/console.txt" | tail -12 || true
+  log=$(ls -t "$OUT/$name"/*.txt | grep -v '/console\.txt$' | head -1 || true)   # this run's: the newest
+  if [ -n "$log" ]; then "$PY" bench/phase_times.py "$log" || true; fi
+}
+
+case "$command" in
+  tests)
+    gpu_tests "${@:-tests}" ;;
+  kernels)
+    { nvidia-smi; "$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } \
+      > "$OUT/env.txt" 2>&1 || true
+    tail -3 "$OUT/env.txt"
+    gpu_tests -x tests
+    step kernels "$PY" bench/kernels.py
+    tail -60 "$OUT/kernels.txt"
+    step attention "$PY" bench/attention.py
+    tail -40 "$OUT/attention.txt"
+    step optimizer "$PY" -m torch.distributed.run --standalone --nproc_per_node=1 bench/optimizer.py
+    tail -20 "$OUT/optimizer.txt" ;;
+  train)
+    make_data
+    train_run train --num_scheduled_iterations="${NS:-150}" --num_extension_iterations=10 --val_loss_every=50 "$@" ;;
+  smoke)
+    make_data & data_pid=$!
+    gpu_tests tests
+    wait "$data_pid"
+    train_run train --num_scheduled_iterations="${NS:-150}" --num_extension_iterations=10 --val_loss_every=50 "$@" ;;
+  backends)
+    make_data
+    "$PY" -c "import torch, train_gpt as t; print('backends:', t.available_attn_backends(torch.device('cuda')))" || true
+    for backend in ${BACKENDS:-flex varlen}; do
+      train_run "$backend" --num_scheduled_iterations="${NS:-60}" --num_extension_iterations=10 --val_loss_every=0 \
+        --attn_backend="$backend" "$@"
+    done ;;
+  overhead)
+    make_data
+    # the later runs reuse the first one's inductor cache: a shorter warmup, the same timed loop
+    for every in ${CHECKS:-0 25}; do
+      train_run "check$every" --num_scheduled_iterations="${NS:-90}" --num_extension_iterations=6 --val_loss_every=0 \
+        --seed=0 --nonfinite_check_every="$every" "$@"
+    done ;;
+  profile)
+    make_data
+    step profile "$PY" bench/profile_step.py --run --out="$OUT/profile" --scheduled="${NS:-60}" \
+      --train_files="$DATA/fineweb_train_*.bin" --val_files="$DATA/fineweb_val_*.bin" "$@"
+    grep -E "^\||error" "$OUT/profile.txt" || true ;;
+esac
+exit "$status"
