@@ -2297,11 +2297,19 @@ def resume_differences(saved: dict, hp: Hyperparameters, facts: dict) -> list[st
              if f.name not in RUN_CONTROL_OPTIONS and old.get(f.name) != getattr(hp, f.name)]
     for key, now in facts.items():
         then = saved["facts"].get(key)
-        if then != now and key == "training shards":
-            diffs.append(f"training shards {len(then)} from {then[0]} (now {len(now)} from {now[0] if now else '-'})")
+        if then != now and isinstance(now, list):     # shard lists: the count, or the first name that differs
+            i = next((i for i, (a, b) in enumerate(zip(then, now)) if a != b), None)
+            diffs.append(f"{key}: {len(then)} (now {len(now)})" if i is None else
+                         f"{key}: number {i + 1} is {then[i]} (now {now[i]})")
         elif then != now:
             diffs.append(f"{key} {then} (now {now})")
     return diffs
+
+
+def check_resume(saved: dict, hp: Hyperparameters, facts: dict) -> None:
+    if diffs := resume_differences(saved, hp, facts):
+        raise ConfigError(f"--resume: {saved['path']} was written by a run with other math: {'; '.join(diffs)}. "
+                          f"Resume with the same options and processes")
 
 
 # =====================================================================================================================
@@ -2656,9 +2664,7 @@ def train(hp: Hyperparameters, argv_text: str, stops: StopSignals | None = None)
             f"attn_backend:{attn_backend} (asked: {hp.attn_backend}) compile:{hp.compile and is_cuda} dtype:{hp.dtype}")
         facts = run_facts(world_size, device, attn_backend, train_files)
         if resumed is not None:
-            if diffs := resume_differences(resumed, hp, facts):
-                raise ConfigError(f"--resume: {resumed['path']} was written by a run with other math: "
-                                  f"{'; '.join(diffs)}. Resume with the same options and processes")
+            check_resume(resumed, hp, facts)
             if resumed["code"] != Path(__file__).read_text():
                 log("warning: train_gpt.py differs from the code that wrote the checkpoint (its log has that code); "
                     "the continuation is exact only if the change leaves the math alone")
@@ -2853,6 +2859,11 @@ def dry_run(hp: Hyperparameters) -> dict[str, Any]:
     else:
         prepare_output(dataclasses.replace(hp, save_checkpoint=False), f".dry_run_{os.getpid()}", rank)
     say(f"  ok  output: {hp.log_dir}/ is writable; the log would be {hp.log_dir}/{run_id}.txt")
+    if hp.resume:
+        saved = load_checkpoint(hp.resume, rank, world_size)
+        check_resume(saved, hp, run_facts(world_size, device, chosen, resolve_shards(hp.train_files, "train")))
+        say(f"  ok  resume: {saved['path']} continues after step {saved['step']} of {hp.num_iterations}; "
+            f"the math options match")
     for note in preflight(hp, world_size, device, rank):
         say(f"  {'!!' if note.startswith('warning') else 'ok'}  {note}")
     say("dry run passed: nothing was built, compiled or trained")

@@ -1,5 +1,6 @@
 """Test helpers: write token shards in the FineWeb format and run the trainer in a subprocess."""
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -59,3 +60,22 @@ def run_trainer(args, cwd, timeout=300, env=None):
     full_env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1", **CPU_MALLOC_ENV, **(env or {}))
     return subprocess.run([sys.executable, str(ROOT / "train_gpt.py"), *args], cwd=cwd, capture_output=True,
                           text=True, timeout=timeout, env=full_env)
+
+
+def run_gloo(args, world_size, cwd, timeout=240):
+    """The trainer in world_size processes on gloo, started the way torchrun would (one thread each)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(world_size):
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES="", RANK=str(rank), LOCAL_RANK=str(rank),
+                   WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+                   **CPU_MALLOC_ENV)
+        procs.append(subprocess.Popen([sys.executable, str(ROOT / "train_gpt.py"), *args], cwd=cwd, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=timeout)
+        results.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    return results

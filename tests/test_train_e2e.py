@@ -1,8 +1,6 @@
 """End to end on a CPU with the tiny preset: learning, warmup reset, world-size invariance, logs."""
 import json
 import math
-import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +10,7 @@ import pytest
 import torch
 
 import train_gpt as tg
-from _shards import CPU_MALLOC_ENV, ROOT, make_dataset, run_trainer
+from _shards import ROOT, make_dataset, run_gloo, run_trainer
 
 FEW = ["--num_scheduled_iterations=9", "--num_extension_iterations=2", "--val_loss_every=0", "--seed=0"]
 
@@ -86,23 +84,6 @@ def test_warmup_then_reset_is_bit_identical_to_a_fresh_start(tmp_path):
     assert "phase:warmup" in log and "state reset and checked" in log
 
 
-def run_gloo(args, world_size, cwd, timeout=240):
-    """The trainer in world_size processes on gloo, started the way torchrun would (one thread each)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for rank in range(world_size):
-        env = dict(os.environ, CUDA_VISIBLE_DEVICES="", RANK=str(rank), LOCAL_RANK=str(rank),
-                   WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-                   **CPU_MALLOC_ENV)
-        procs.append(subprocess.Popen([sys.executable, str(ROOT / "train_gpt.py"), *args], cwd=cwd, env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    for p in procs:
-        out, err = p.communicate(timeout=timeout)
-        assert p.returncode == 0, err[-3000:]
-
-
 # Six steps: Adam on steps 1, 3 and 5, the untie after step 3 (so step 5 is an untied Adam step), and a new batch
 # size and long window on every step up to the extension (windows 3, 7, 11, 13 blocks: YaRN three times).
 EXACT = ["--preset=tiny", "--dtype=float64", "--num_scheduled_iterations=3", "--num_extension_iterations=3",
@@ -128,7 +109,8 @@ def test_world_size_matches_one_process_with_accumulation_in_float64(tmp_path, w
     assert hp.split_step == 3 and steps == 6
     one = run_trainer([*common, "--run_id=one"], tmp_path)
     assert one.returncode == 0, one.stderr[-3000:]
-    run_gloo([*common, "--run_id=many"], world_size, tmp_path)
+    for p in run_gloo([*common, "--run_id=many"], world_size, tmp_path):
+        assert p.returncode == 0, p.stderr[-3000:]
     s1 = load_ckpt(tmp_path / "logs", "one", steps)
     worst = 0.0
     for rank in range(world_size):

@@ -1,0 +1,143 @@
+"""Checkpoints and --resume: a resumed run is bit for bit the run that was stopped; what cannot continue it is refused."""
+from pathlib import Path
+
+import pytest
+import torch
+
+import train_gpt as tg
+from _shards import make_dataset, run_gloo, run_trainer
+
+# Eight steps with a new batch size and long window at steps 2, 4 and 6 (YaRN each time), Adam on odd steps (its
+# gradients add up over the even ones), and the untie after step 5. Checkpoints after 3 and 6 steps: resuming from 3
+# crosses a window change, the untie and the extension; resuming from 6 starts untied, right at the extension.
+SCHEDULE = ["--preset=tiny", "--num_scheduled_iterations=6", "--num_extension_iterations=2", "--val_loss_every=2",
+            "--seed=0", "--warmup=false", "--checkpoint_every=3", "--save_checkpoint=true"]
+COMPARED = ("model", "optimizer", "grads", "loader", "rng", "step")
+
+
+def val_lines(log: Path) -> list[tuple[str, str]]:
+    """(step, val_loss) of every validation line; the train_time beside them differs from run to run."""
+    return [tuple(line.split()[:2]) for line in log.read_text().splitlines()
+            if line.startswith("step:") and " val_loss:" in line]
+
+
+def state(log_dir: Path, run_id: str, step: int, rank: int | None = None) -> dict:
+    suffix = "" if rank is None else f"_rank{rank}"
+    return torch.load(log_dir / run_id / f"state_step{step:06d}{suffix}.pt", weights_only=True)
+
+
+def test_schedule_crosses_what_the_resume_must_restore():
+    hp = tg.parse_args(SCHEDULE)
+    ws = [tg.schedule_at(s, hp).ws_long for s in range(hp.num_iterations)]
+    batch = [tg.schedule_at(s, hp).global_batch for s in range(hp.num_iterations)]
+    assert hp.num_iterations == 8 and hp.split_step == 5
+    assert ws == [3, 3, 7, 7, 11, 11, 13, 13] and batch == [512, 512, 768, 768, 1024, 1024, 1024, 1024]
+    assert [tg.schedule_at(s, hp).do_adam for s in range(3)] == [False, True, False]   # grads pending after step 3
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_resumed_run_is_bitwise_the_straight_run(tmp_path, world_size):
+    train, val = make_dataset(tmp_path / "d", train_tokens=400_000, val_tokens=20_000)
+    logs = tmp_path / "logs"
+    common = [*SCHEDULE, f"--batch_slices={2 * world_size}", f"--train_files={train}", f"--val_files={val}",
+              f"--log_dir={logs}"]
+
+    def run(args):
+        if world_size == 1:
+            p = run_trainer([*common, *args], tmp_path)
+            assert p.returncode == 0, p.stderr[-3000:]
+        else:
+            for p in run_gloo([*common, *args], world_size, tmp_path):
+                assert p.returncode == 0, p.stderr[-3000:]
+
+    run(["--run_id=straight"])
+    ranks = [None] if world_size == 1 else list(range(world_size))
+    saved = sorted(f.name for f in (logs / "straight").iterdir())
+    assert saved == sorted(f"state_step{s:06d}{'' if r is None else f'_rank{r}'}.pt" for s in (3, 6, 8) for r in ranks)
+    starts = (3, 6) if world_size == 1 else (3,)
+    for start in starts:
+        name = f"state_step{start:06d}{'' if world_size == 1 else '_rank1'}.pt"     # any rank's file names the state
+        run([f"--resume={logs / 'straight' / name}", f"--run_id=from{start}"])
+        for r in ranks:
+            a, b = state(logs, "straight", 8, r), state(logs, f"from{start}", 8, r)
+            for key in COMPARED:
+                assert tg.states_equal(a[key], b[key]), (start, r, key)
+        straight = val_lines(logs / "straight.txt")
+        assert val_lines(logs / f"from{start}.txt") == [v for v in straight if int(v[0][5:].split("/")[0]) >= start]
+        resumed_log = (logs / f"from{start}.txt").read_text().splitlines()
+        assert any(line.startswith("resumed from") and f"after step {start} of 8" in line for line in resumed_log)
+        assert not any(line.startswith("warning:") for line in resumed_log)
+
+
+def test_run_folder_resumes_from_its_newest_complete_state(tmp_path):
+    folder = tmp_path / "run"
+    folder.mkdir()
+    for name in ("state_step000003_rank0.pt", "state_step000003_rank1.pt", "state_step000006_rank0.pt",
+                 "state_step000002.pt", "notes.txt"):
+        (folder / name).write_bytes(b"")
+    assert tg.find_checkpoint(str(folder), 2) == (folder, 3)      # 6 misses rank 1: a crash while writing it
+    assert tg.find_checkpoint(str(folder), 1) == (folder, 2)
+    assert tg.find_checkpoint(str(folder / "state_step000006_rank0.pt"), 2) == (folder, 6)
+    with pytest.raises(tg.ConfigError, match="none written by 4 process"):
+        tg.find_checkpoint(str(folder), 4)
+    with pytest.raises(tg.ConfigError, match="neither a folder nor a state_step"):
+        tg.find_checkpoint(str(folder / "notes.txt"), 1)
+    with pytest.raises(tg.ConfigError, match="the number of processes that wrote it"):
+        tg.load_checkpoint(str(folder / "state_step000006_rank0.pt"), 1, 2)   # rank 1's file is missing
+
+
+def test_unreadable_or_foreign_state_files_are_refused(tmp_path):
+    (tmp_path / "state_step000004.pt").write_bytes(b"PK\x03\x04 cut short")
+    with pytest.raises(tg.ConfigError, match="cannot read .* resume from another checkpoint"):
+        tg.load_checkpoint(str(tmp_path / "state_step000004.pt"), 0, 1)
+    torch.save({"model": {}}, tmp_path / "state_step000005.pt")
+    with pytest.raises(tg.ConfigError, match="not a training state written by this trainer"):
+        tg.load_checkpoint(str(tmp_path / "state_step000005.pt"), 0, 1)
+
+
+def test_periodic_checkpoints_keep_the_newest(tmp_path):
+    hp = tg.parse_args(["--preset=tiny", f"--log_dir={tmp_path}", "--checkpoint_keep=2"])
+    lines = []
+    ck = tg.Checkpointer(hp, "run", 0, 1, {"processes": 1}, lines.append)
+    for step in (2, 4, 6):
+        ck.save({"step": step, "model": {"w": torch.full((2,), float(step))}}, periodic=True)
+    ck.save({"step": 7, "model": {}})                                  # a stop's or the end's state: kept
+    ck.save({"step": 8, "model": {}}, periodic=True)
+    assert sorted(f.name for f in (tmp_path / "run").iterdir()) == [
+        "state_step000006.pt", "state_step000007.pt", "state_step000008.pt"]
+    saved = torch.load(tmp_path / "run" / "state_step000006.pt", weights_only=True)
+    assert saved["format"] == tg.CHECKPOINT_FORMAT and torch.equal(saved["model"]["w"], torch.full((2,), 6.0))
+    assert lines[-1].endswith("state_step000008.pt")
+
+
+def test_resume_names_every_math_difference_and_lets_run_control_differ():
+    hp = tg.parse_args(SCHEDULE)
+    facts = {"processes": 1, "device": "cpu", "attention backend": "sdpa", "training shards": ["a.bin", "b.bin"]}
+    saved = {"hyperparameters": tg.dataclasses.asdict(hp), "facts": dict(facts)}
+    free = tg.parse_args([*SCHEDULE, "--val_loss_every=5", "--log_dir=elsewhere", "--checkpoint_every=0",
+                          "--train_files=/other/place/*.bin", "--nonfinite_check_every=0"])
+    assert tg.resume_differences(saved, free, facts) == []
+    other = tg.parse_args([*SCHEDULE, "--muon_lr=0.03", "--num_extension_iterations=3"])
+    now = dict(facts, processes=2, **{"training shards": ["a.bin", "c.bin"]})
+    diffs = tg.resume_differences(saved, other, now)
+    assert any(d.startswith("--num_extension_iterations=2 (now 3)") for d in diffs)
+    assert any(d.startswith("--muon_lr=0.023 (now 0.03)") for d in diffs)
+    assert "processes 1 (now 2)" in diffs
+    assert "training shards: number 2 is b.bin (now c.bin)" in diffs
+    assert len(diffs) == 4
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_resume_with_other_math_is_one_error_line(tmp_path):
+    train, val = make_dataset(tmp_path / "d", train_tokens=400_000, val_tokens=20_000)
+    common = [*SCHEDULE, "--num_scheduled_iterations=3", "--num_extension_iterations=1", f"--train_files={train}",
+              f"--val_files={val}", f"--log_dir={tmp_path}/logs", "--checkpoint_every=0"]
+    p = run_trainer([*common, "--run_id=a"], tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    p = run_trainer([*common, "--adam_lr=0.01", f"--resume={tmp_path}/logs/a"], tmp_path)
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "--adam_lr=0.008 (now 0.01)" in errors[0], p.stderr
