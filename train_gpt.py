@@ -173,7 +173,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         ws_long_extension=13, ws_long_final_val=20,
         val_batch_size=2048, val_tokens=4096, num_scheduled_iterations=60, num_extension_iterations=4,
         momentum_warmup_steps=10, momentum_cooldown_steps=4, val_loss_every=20, train_max_seq_len=256,
-        tokens_per_doc_bound=100, compile=False, use_fp8=False, attn_backend="sdpa",
+        tokens_per_doc_bound=100, compile=False, use_fp8=False, attn_backend="sdpa", warmup=False,
     ),
 }
 
@@ -1357,6 +1357,11 @@ class GPT(nn.Module):
         next_token_only = torch.ones(1, dtype=torch.float32, device=h.device)
         return tk.softcapped_mtp_ce(h @ self.lm_head, targets, next_token_only).mean()
 
+    @torch.no_grad()
+    def logits(self, inputs: Tensor, cu_seqlens: Tensor, ws_short: int, ws_long: int, max_seqlen: int) -> Tensor:
+        """(T, V) fp32 softcapped scores of the next token at every position (what the loss scores; for sampling)."""
+        return tk.softcap(self.final_hidden(inputs, cu_seqlens, ws_short, ws_long, max_seqlen) @ self.lm_head)
+
     def final_hidden(self, inputs: Tensor, cu_seqlens: Tensor, ws_short: int, ws_long: int,
                      max_seqlen: int) -> Tensor:
         """The normed final residual h (T, D) bf16 that the LM head reads."""
@@ -2370,6 +2375,19 @@ class StepProfiler:
             self.log(f"profile of steps {self.start}..{done - 1} written to {trace}")
 
 
+def replay_yarn(model: nn.Module, hp: Hyperparameters, steps_done: int) -> int:
+    """Bring the model's rotary state (not in its state dict) to where training left it after `steps_done` steps:
+    from the reset, every long-window change in order, as the run made them. Returns the last step's long window."""
+    ws_long = schedule_at(0, hp).ws_long
+    model.reset_rotary()
+    for step in range(min(steps_done, hp.num_iterations)):
+        new = schedule_at(step, hp).ws_long
+        if new != ws_long:
+            model.apply_yarn(ws_long, new)
+            ws_long = new
+    return ws_long
+
+
 class Trainer:
     """The schedule state (windows, batch size) and the step/validation routines shared by warmup and the timed loop."""
 
@@ -2382,16 +2400,10 @@ class Trainer:
         self.reset_schedule_state()
 
     def reset_schedule_state(self, steps_done: int = 0, position: TrainPosition | None = None) -> None:
-        """The state after `steps_done` steps: that step's window and batch size, the model's YaRN state replayed
-        (every window change in order, as the run made them), and a data stream from `position`."""
+        """The state after `steps_done` steps: the long window and YaRN state of the last step, the next step's batch
+        size, and a data stream from `position`."""
         hp = self.hp
-        self.ws_long = schedule_at(0, hp).ws_long
-        self.model.reset_rotary()
-        for step in range(steps_done):
-            ws_long = schedule_at(step, hp).ws_long
-            if ws_long != self.ws_long:
-                self.model.apply_yarn(self.ws_long, ws_long)
-                self.ws_long = ws_long
+        self.ws_long = replay_yarn(self.model, hp, steps_done)
         # The stream starts with the next step's batch size (sending it a new size would do the same).
         self.global_batch = schedule_at(min(steps_done, hp.num_iterations - 1), hp).global_batch
         self.position = position if position is not None else TrainPosition()

@@ -612,6 +612,11 @@ def softcapped_mtp_ce_triton(logits: Tensor, targets: Tensor, mtp_weights: Tenso
     return _SoftcappedMTPCEFunction.apply(logits, targets, mtp_weights)
 
 
+def softcap(logits: Tensor) -> Tensor:
+    """z = A * sigmoid((logit + B) / C), in fp32 (float64 for float64 logits): the scores the loss sees."""
+    return SOFTCAP_A * torch.sigmoid((logits.to(acc_dtype(logits.dtype)) + SOFTCAP_B) / SOFTCAP_C)
+
+
 def softcapped_mtp_ce_reference(logits: Tensor, targets: Tensor, mtp_weights: Tensor) -> Tensor:
     """Per-row loss sum_k [row+k < n][w_k > 0] w_k (lse_row - z[row, targets[row+k]]), z = A*sigmoid((l+B)/C).
 
@@ -622,7 +627,7 @@ def softcapped_mtp_ce_reference(logits: Tensor, targets: Tensor, mtp_weights: Te
     """
     n = logits.shape[0]
     acc = acc_dtype(logits.dtype)
-    z = SOFTCAP_A * torch.sigmoid((logits.to(acc) + SOFTCAP_B) / SOFTCAP_C)
+    z = softcap(logits)
     lse = torch.logsumexp(z, dim=-1)
     losses = torch.zeros(n, dtype=acc, device=logits.device)
     for k in range(mtp_weights.shape[0]):

@@ -21,6 +21,10 @@ commands:
   overhead [OPTION ...]
                      the cost of the NaN check: NS (default 90) + 6 steps with each --nonfinite_check_every in
                      CHECKS (default "0 25": off, and the default)
+  resume [OPTION ...]
+                     exact resume: NS (default 30) + 4 steps with a checkpoint every NS/2 steps, then the same run
+                     resumed from the first checkpoint (across a window change and the untie); compares the final
+                     states bit for bit (bench/compare_states.py) and the validation lines
   profile [OPTION ...]
                      GPU time per bucket of a step late in each batch phase of an NS-step run (default 60;
                      bench/profile_step.py --run)
@@ -41,7 +45,7 @@ example: the attention tests, then a FlexAttention run
 EOF
 }
 
-COMMANDS="tests kernels train smoke backends overhead profile"
+COMMANDS="tests kernels train smoke backends overhead resume profile"
 command=${1:-}
 case "$command" in
   -h|--help|help) usage; exit 0 ;;
@@ -144,6 +148,22 @@ case "$command" in
       train_run "check$every" --num_scheduled_iterations="${NS:-90}" --num_extension_iterations=6 --val_loss_every=0 \
         --seed=0 --nonfinite_check_every="$every" "$@"
     done ;;
+  resume)
+    make_data
+    ns=${NS:-30}
+    every=$((ns / 2))
+    opts=(--num_scheduled_iterations="$ns" --num_extension_iterations=4 --val_loss_every=10 --seed=0
+          --checkpoint_every="$every" --save_checkpoint "$@")
+    train_run straight "${opts[@]}" --run_id=straight
+    first=$(printf 'state_step%06d' "$every")
+    train_run resumed "${opts[@]}" --run_id=resumed --resume="$OUT/straight/straight/$first.pt"
+    final=$(printf 'state_step%06d' $((ns + 4)))
+    suffix=""
+    [ -e "$OUT/straight/straight/$final.pt" ] || suffix="_rank0"
+    step compare "$PY" bench/compare_states.py "$OUT/straight/straight/$final$suffix.pt" \
+      "$OUT/resumed/resumed/$final$suffix.pt"
+    cat "$OUT/compare.txt"
+    for run in straight resumed; do grep -h "^step:.*val_loss" "$OUT/$run/$run.txt" || true; done ;;
   profile)
     make_data
     step profile "$PY" bench/profile_step.py --run --out="$OUT/profile" --scheduled="${NS:-60}" \

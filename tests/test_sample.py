@@ -1,0 +1,89 @@
+"""tools/sample.py: text from a checkpoint, with the trainer's own model code."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import train_gpt as tg
+from _shards import ROOT, run_trainer, write_shard
+
+sys.path.insert(0, str(ROOT / "tools"))
+import sample  # noqa: E402
+
+DIGITS = [ord(c) for c in "0123456789"]          # byte-mode ids of the repeated pattern
+
+
+def pattern_docs(n_tokens, seed):
+    """Documents of the digits 0-9 repeated from a random start (byte ids), each after a BOS."""
+    rng = np.random.default_rng(seed)
+    docs, total = [], 0
+    while total < n_tokens:
+        length, start = int(rng.integers(50, 300)), int(rng.integers(10))
+        docs.append([tg.BOS_ID] + [DIGITS[(start + i) % 10] for i in range(length)])
+        total += length + 1
+    return np.concatenate(docs)[:n_tokens].astype(np.uint16)
+
+
+def run_sampler(args, cwd):
+    return subprocess.run([sys.executable, str(ROOT / "tools" / "sample.py"), *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=120, env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_model_trained_on_a_repeated_pattern_continues_it(tmp_path, capsys):
+    write_shard(tmp_path / "p_train_000001.bin", pattern_docs(200_000, seed=1))
+    write_shard(tmp_path / "p_val_000000.bin", pattern_docs(20_000, seed=0))
+    # 20 steps with a higher Adam lr learn the pattern (val loss 0.19 after 24 steps; the default lr reaches 1.9).
+    p = run_trainer(["--preset=tiny", "--num_scheduled_iterations=20", "--num_extension_iterations=0",
+                     "--val_loss_every=0", "--seed=0", "--warmup=false", "--adam_lr=0.04", "--save_checkpoint",
+                     f"--train_files={tmp_path}/p_train_*.bin", f"--val_files={tmp_path}/p_val_*.bin",
+                     f"--log_dir={tmp_path}/logs", "--run_id=digits"], tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    ckpt = f"--checkpoint={tmp_path}/logs/digits/state_step000020.pt"
+
+    def sample_text(*args):                        # in this process: the model loads in a second, not in six
+        assert sample.main([ckpt, "--encoding=bytes", *args]) == 0
+        return capsys.readouterr().out
+
+    greedy = sample_text("--prompt=34567", "--temperature=0", "--max_new_tokens=30")
+    assert greedy.strip() == "34567" + "8901234567" * 3
+    # top_k=1 samples the most likely token too; a fixed seed repeats its samples.
+    assert sample_text("--prompt=34567", "--top_k=1", "--max_new_tokens=30") == greedy
+    hot = [sample_text("--prompt=1", "--temperature=2", "--top_k=0", "--seed=7", "--num_samples=2",
+                       "--max_new_tokens=40") for _ in range(2)]
+    assert hot[0] == hot[1] and len(set(hot[0].split("-" * 40))) == 2
+
+
+def test_padding_after_the_last_token_does_not_change_its_scores():
+    torch.manual_seed(0)
+    hp = tg.parse_args(["--preset=tiny", "--dtype=float64", "--use_fp8=false"])
+    model = tg.build_model(hp, torch.device("cpu"), "sdpa")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.3)                  # the zero-initialised banks and gates would hide attention
+    model.eval()
+    ids = torch.randint(0, 300, (21,), dtype=torch.int32)
+
+    def last_scores(padded):
+        inputs = torch.cat([ids, torch.full((padded - 21,), tg.BOS_ID, dtype=torch.int32)])
+        cu = torch.tensor([0, 21, padded], dtype=torch.int32)
+        return model.logits(inputs, cu, 3, 7, padded)[20]
+
+    a, b = last_scores(32), last_scores(64)
+    assert a.dtype == torch.float64 and torch.allclose(a, b, rtol=0, atol=1e-12)
+    shorter = model.logits(ids[:20], torch.tensor([0, 20, 20], dtype=torch.int32), 3, 7, 20)[19]
+    assert not torch.allclose(a, shorter)         # the scores depend on the tokens before: the comparison can fail
+
+
+def test_sampler_reports_a_bad_checkpoint_in_one_line(tmp_path):
+    (tmp_path / "state_step000001.pt").write_bytes(b"not a checkpoint")
+    for path in (tmp_path / "state_step000001.pt", tmp_path / "missing.pt"):
+        p = run_sampler([f"--checkpoint={path}", "--encoding=bytes"], tmp_path)
+        assert p.returncode == 2 and "Traceback" not in p.stderr
+        assert p.stderr.count("error:") == 1 and str(path) in p.stderr, p.stderr
+    p = run_sampler([f"--checkpoint={tmp_path}/x.pt", "--temperature=-1"], tmp_path)
+    assert p.returncode == 2 and p.stderr.startswith("error:") and "--temperature" in p.stderr
