@@ -1,9 +1,11 @@
 """NanoGPT speedrun trainer: a GPT-2-small-class model trained on FineWeb to 3.28 validation loss.
 
 Run on one node with `./run.sh` (torchrun over the GPUs found); `python train_gpt.py --preset=tiny ...` runs on a CPU.
-The training math follows RECORD61 (see README). Sections, in reading order:
-    1. hyperparameters   2. kernel glue   3. optimizer   4. attention backends   5. model
-    6. data              7. schedules     8. logging, checkpoints, preflight     9. main()
+The training math is that of record 61 of the modded-nanogpt speedrun (README, Provenance). Sections, in reading order:
+    1. hyperparameters   2. attention backends   3. model   4. optimizer   5. data   6. schedules
+    7. configuration checks, preflight, logging, checkpoints                         8. training and main()
+The fused kernels live in triton_kernels.py (imported as tk): each public op there runs its Triton kernel on CUDA
+tensors and its plain-PyTorch reference elsewhere, so this file never branches on the device for them.
 Nothing happens at import: process groups, CUDA work, file reads and compiles all start in main().
 """
 from __future__ import annotations
@@ -36,7 +38,7 @@ import triton_kernels as tk
 # 1. Hyperparameters
 # =====================================================================================================================
 
-# The per-parameter optimizer table (spec §5.1). optim: "adam" | "normuon"; comms: "none" | "replicated" | "sharded".
+# The per-parameter optimizer table. optim: "adam" | "normuon"; comms: "none" | "replicated" | "sharded".
 # betas are Adam's (beta1, beta2); a NorMuon bank is viewed as a stack of matrices of the shape the model gives
 # (GPT.bank_matrix_shapes); matrix_lr_muls cycles over the global matrix index of that stack (c_fc, c_proj alternate
 # in the MLP bank, so c_proj gets 2x).
@@ -294,460 +296,9 @@ def parse_args(argv: Sequence[str]) -> Hyperparameters:
 
 
 # =====================================================================================================================
-# 2. Kernel glue
+# 2. Attention backends
 # =====================================================================================================================
-# The fused kernels live in triton_kernels.py (imported above as tk); each public op there runs its Triton kernel on
-# CUDA tensors and its plain-PyTorch reference elsewhere, so this file never branches on the device for them.
-
-
-# =====================================================================================================================
-# 3. Optimizer: Polar Express, Adam and NorMuon updates, and NorMuonAndAdam
-# =====================================================================================================================
-# Polar Express coefficients (a, b, c) for 5 iterations, designed with safety factor 2e-2 and cushion 2 (spec §5.5).
-POLAR_EXPRESS_COEFFS = (
-    (8.156554524902461, -22.48329292557795, 15.878769915207462),
-    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
-    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
-    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
-    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
-)
-# Matrices stored with more rows than this (the 3072x768 MLP ones) round a*X + B@X twice, like the record (§5.5).
-POLAR_EXPRESS_SPLIT_ROWS = 1024
-CPU_CHUNK_ELEMENTS = 1 << 16          # CPU only: element-wise updates run in blocks this size (cache-resident)
-NORMUON_EPS = 1e-10                    # floor of the second moment and of the renormalised norm (§5.6)
-
-
-def _fp32(x: float) -> float:
-    """Round a Python (double) float to the nearest fp32 value; optimizer scalars are computed in double, then this."""
-    return float(np.float32(x))
-
-
-def polar_express(G: Tensor, split_final_product: bool, dtype: torch.dtype = torch.bfloat16) -> Tensor:
-    """Approximate U·Vᵀ of G = U·S·Vᵀ for a batch (..., R, C) of matrices, in bf16 (spec §5.5).
-
-    Five odd-polynomial iterations X <- a·X + (b·A + c·A²)·X with A = X·Xᵀ, on the short side (transposed when R > C,
-    so A is the smaller Gram matrix). X is first scaled by its Frobenius norm (+2% safety) so every singular value
-    lies in (0, 1), where the coefficients push it towards 1. split_final_product: round B@X to bf16 before adding
-    a·X (two roundings, as the record does for the MLP matrices) instead of one fused GEMM with beta = a.
-    dtype: the precision of the iteration; bf16 in training, float32/float64 for parameters stored in that (--dtype).
-    """
-    shape, acc = G.shape, tk.acc_dtype(dtype)
-    X = G.to(dtype).reshape(-1, shape[-2], shape[-1])            # (n, R, C)
-    if shape[-2] > shape[-1]:
-        X = X.mT                                                 # (n, C, R): Gram matrices are C x C
-    X = X / (X.norm(dim=(-2, -1), keepdim=True) * (1 + 2e-2) + 1e-6)
-    for a, b, c in POLAR_EXPRESS_COEFFS:
-        A = tk.xxt(X)                                            # (n, m, m) bf16, exactly symmetric
-        B = tk.ba_plus_cAA(A, b, c)                              # (n, m, m) bf16
-        if split_final_product:
-            X = (B @ X).to(acc).add_(X, alpha=a).to(dtype)      # bf16(bf16(B@X) + a·X)
-        else:
-            X = torch.baddbmm(X, B, X, beta=a)                   # bf16(a·X + B@X), fp32 accumulation
-    if shape[-2] > shape[-1]:
-        X = X.mT
-    return X.reshape(shape)
-
-
-def adam_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, *, beta1: float, beta2: float,
-                eps: float, step_size: float | Tensor, decay: float | Tensor) -> None:
-    """One Adam update of a slice in place, all arithmetic in fp32 (spec §5.3).
-
-    step_size = fp32(lr·sqrt(1-beta2^t)/(1-beta1^t)) and decay = fp32(lr²·wd) come from adam_scalars(). eps is not
-    bias corrected. Cautious decay only where the update and the weight agree in sign (strict >). A bf16 param
-    takes the round-to-nearest of the fp32 result (no master copy). The moments' dtype sets the precision: fp32, or
-    float64 for a float64 parameter (--dtype=float64).
-    """
-    if param.is_cuda and not isinstance(step_size, Tensor) and not isinstance(decay, Tensor):
-        # One fused Triton pass (triton_kernels.py §5), bitwise its eager reference as PyTorch runs it on CUDA.
-        tk.adam_update(param, grad, exp_avg, exp_avg_sq, beta1=beta1, beta2=beta2, eps=eps, step_size=step_size,
-                       decay=decay)
-        return
-    if param.device.type == "cpu" and param.dim() > 0 and param.numel() > CPU_CHUNK_ELEMENTS:
-        # Element-wise math, so row blocks give the same bits; each block's temporaries stay in the CPU's cache (the
-        # whole-table form made Adam steps of the tiny preset 2x slower than the others).
-        rows = max(1, CPU_CHUNK_ELEMENTS * param.shape[0] // param.numel())
-        for p, g, m, v in zip(*(t.split(rows) for t in (param, grad, exp_avg, exp_avg_sq))):
-            adam_update(p, g, m, v, beta1=beta1, beta2=beta2, eps=eps, step_size=step_size, decay=decay)
-        return
-    # The eager math lives beside its kernel (one definition): m, v moments, then the cautious decay and the step.
-    tk.adam_update_reference(param, grad, exp_avg, exp_avg_sq, beta1=beta1, beta2=beta2, eps=eps,
-                             step_size=step_size, decay=decay)
-
-
-def adam_scalars(lr: float, t: int, beta1: float, beta2: float, wd: float) -> tuple[float, float]:
-    """(step_size, decay) for adam_update: computed in double, rounded to fp32. lr includes lr_mul; decay uses lr²."""
-    step_size = _fp32(lr * (math.sqrt(1 - beta2 ** t) / (1 - beta1 ** t)))
-    decay = _fp32(lr * lr * wd)
-    return step_size, decay
-
-
-def variance_normalize_(O: Tensor, second_moment: Tensor, beta2: float) -> Tensor:
-    """NorMuon's low-rank second moment (spec §5.6): O (n, R, C) bf16 -> O with each row (R >= C) or column scaled by
-    1/sqrt(running mean of its squares), then the matrix rescaled to its previous Frobenius norm.
-
-    second_moment is fp32 (n, R, 1) when R >= C, else (n, 1, C); updated in place. An all-zero O stays zero. The
-    statistics are computed in second_moment's dtype (float64 with --dtype=float64).
-    """
-    reduce_dim = -1 if O.size(-2) >= O.size(-1) else -2
-    n_red = O.size(reduce_dim)
-    r = O.to(second_moment.dtype).square().mean(dim=reduce_dim, keepdim=True)      # (n, R, 1) per-row mean square
-    norm = (n_red * r.sum(dim=(-2, -1), keepdim=True)).sqrt()                       # (n, 1, 1) = ||O||_F
-    second_moment.lerp_(r, 1 - beta2)
-    d = second_moment.clamp_min(NORMUON_EPS).rsqrt()                                # (n, R, 1)
-    norm_scaled = (n_red * r * d.square()).sum(dim=(-2, -1), keepdim=True).sqrt()  # ||diag(d) O||_F
-    scale = d * norm / norm_scaled.clamp_min(NORMUON_EPS)
-    return O * scale.to(O.dtype)
-
-
-def normuon_direction_(grad: Tensor, momentum_buffer: Tensor, second_moment: Tensor, *, momentum: float,
-                       beta2: float, split_final_product: bool) -> Tensor:
-    """Momentum (§5.4), Polar Express (§5.5) and variance normalisation (§5.6) of one chunk; updates both buffers.
-
-    grad (n, R, C) bf16, momentum_buffer (n, R, C) fp32 -> O (n, R, C) bf16 (float32/64 grads: all in their dtype).
-    """
-    G = grad.to(momentum_buffer.dtype)
-    momentum_buffer.lerp_(G, 1 - momentum)   # weight < 0.5: M + (1-mu)(G - M)
-    U = G.lerp(momentum_buffer, momentum)    # weight >= 0.5: torch evaluates M - (M - G)(1 - mu); Nesterov-style
-    O = polar_express(U, split_final_product, dtype=grad.dtype)
-    return variance_normalize_(O, second_moment, beta2)
-
-
-def cautious_update_with_mantissa_(param: Tensor, mantissa: Tensor, O: Tensor, *, lr: float | Tensor,
-                                   wd: float | Tensor) -> None:
-    """P <- (P - ((P·mask)·wd)·lr) - O·lr on the fp32 master P = (bf16 bits << 16) | mantissa (spec §5.8).
-
-    param (n, R, C) bf16 and mantissa (n, R, C) uint16 are updated in place: the bf16 keeps the high 16 bits of the
-    new master (truncation toward zero), the mantissa the low 16. mask = [O·P >= 0] (non-strict: entries with zero
-    update are decayed too). lr is fp32, a scalar or (n, 1, 1) per matrix; wd is fp32.
-    """
-    if param.is_cuda and not isinstance(wd, Tensor):
-        # One fused Triton pass (triton_kernels.py §6), bitwise the eager code below.
-        tk.cautious_update_with_mantissa(param, mantissa, O, lr=lr, wd=wd)
-        return
-    high = param.view(torch.int16).to(torch.int32) << 16
-    low = mantissa.view(torch.int16).to(torch.int32) & 0xFFFF
-    P = (high | low).view(torch.float32)
-    bits = _cautious_step(P, O.float(), lr, wd).view(torch.int32)
-    param.view(torch.int16).copy_((bits >> 16).to(torch.int16))
-    mantissa.view(torch.int16).copy_(((bits << 16) >> 16).to(torch.int16))   # low 16 bits, sign-extended to fit
-
-
-def _cautious_step(P: Tensor, O: Tensor, lr: float | Tensor, wd: float | Tensor) -> Tensor:
-    """(P - ((P·mask)·wd)·lr) - O·lr with mask = [O·P >= 0]: cautious weight decay, then the step."""
-    mask = O * P >= 0
-    return (P - ((P * mask) * wd) * lr) - O * lr
-
-
-def normuon_update(param: Tensor, grad: Tensor, momentum_buffer: Tensor, second_moment: Tensor,
-                   mantissa: Tensor | None, *, momentum: float, beta2: float, lr: float | Tensor, wd: float | Tensor,
-                   split_final_product: bool) -> None:
-    """One NorMuon update of a chunk of matrices in place (spec §5.4-5.8). All tensors (n, R, C) except
-    second_moment ((n, R, 1) or (n, 1, C)); lr (fp32 scalar or (n, 1, 1)) and wd from normuon_scalars().
-    mantissa is None for a float32/float64 parameter (--dtype), which is its own master."""
-    O = normuon_direction_(grad, momentum_buffer, second_moment, momentum=momentum, beta2=beta2,
-                           split_final_product=split_final_product)
-    if mantissa is None:
-        param.copy_(_cautious_step(param, O, lr, wd))
-    else:
-        cautious_update_with_mantissa_(param, mantissa, O, lr=lr, wd=wd)
-
-
-def normuon_matrix_lr_scales(matrix_shape: Sequence[int], lr_mul: float, matrix_lr_muls: Sequence[float],
-                             global_indices: Sequence[int]) -> list[float]:
-    """(shape_mult·lr_mul)·matrix_mult for each matrix (double); shape_mult = sqrt(max(1, R/C)) of the stored shape,
-    matrix_mult cycles over the GLOBAL matrix index of the bank (c_fc, c_proj alternate in the MLP bank, §5.7)."""
-    R, C = matrix_shape
-    shape_mult = math.sqrt(max(1.0, R / C))
-    return [(shape_mult * lr_mul) * matrix_lr_muls[i % len(matrix_lr_muls)] for i in global_indices]
-
-
-def normuon_scalars(muon_lr: float, lr_factor: float, wd: float, wd_mul: float) -> tuple[float, float]:
-    """(base lr = muon_lr·s in double, wd = fp32(wd_mul·wd·(muon_lr·s))): decay uses the UN-multiplied lr (§5.8)."""
-    lr = muon_lr * lr_factor
-    return lr, _fp32(wd_mul * wd * lr)
-
-
-class NorMuonAndAdam:
-    """One optimizer for every parameter, configured per label by a table (spec §5).
-
-    NorMuon (Polar Express + low-rank variance normalisation, fp32 master kept as bf16 + a 16-bit mantissa) updates
-    the matrix banks every step; Adam updates everything else on odd steps only, on the sum of two steps' gradients.
-    Communication per label is "replicated" (all-reduce the gradient, every rank updates the whole tensor),
-    "sharded" (reduce-scatter along dim 0 of the tensor, or of the bank's matrix view for NorMuon, update this rank's
-    slice, all-gather it back) or "none" (no communication at all).
-
-    Comm ordering. A step launches every reduction up front, asynchronously, in `scatter_order`, then walks
-    `work_order`: wait for a label's reduction, update its slice, launch its all-gather. The two orders differ because
-    the collectives run one after another on a single comm stream while the updates run on the compute stream: the
-    big NorMuon banks are reduced first, and their Polar Express work comes last in work order, so the cheap Adam
-    updates run (and their large embedding gathers start) while the bank reductions are still arriving, and the long
-    Polar Express compute hides every gather launched before it; only the last bank's gather is exposed. These
-    orders are performance choices (measured in the record), not math. Two orderings ARE correctness constraints
-    while embed and lm_head are tied: (1) the gradient fold lm_head.grad += embed.gradᵀ happens before lm_head's
-    reduction is launched (it is done right there, and embed itself is never reduced while tied); (2) the weight
-    copy embed <- lm_headᵀ happens after lm_head's all-gather has completed (step() waits for it first).
-
-    Use: after backward, step(do_adam=, lr_factor=, momentum=) (clears the gradients it consumed), and untie()
-    right after the step at which embed and lm_head separate. rank and world_size only do the sharding arithmetic;
-    the collectives use the default process group (none is needed when world_size is 1).
-    """
-
-    def __init__(self, named_params: dict[str, nn.Parameter], param_table: dict[str, dict], scatter_order: Sequence[str],
-                 work_order: Sequence[str], *, adam_lr: float, adam_eps: float, adam_wd: float, muon_lr: float,
-                 muon_beta2: float, muon_wd: float, rank: int, world_size: int,
-                 tied: tuple[str, str] | None = ("lm_head", "embed")):
-        self.params = dict(named_params)
-        self.table = {label: dict(row) for label, row in param_table.items()}
-        self.scatter_order, self.work_order = tuple(scatter_order), tuple(work_order)
-        self.adam_lr, self.adam_eps, self.adam_wd = adam_lr, adam_eps, adam_wd
-        self.muon_lr, self.muon_beta2, self.muon_wd = muon_lr, muon_beta2, muon_wd
-        self.rank, self.world_size = rank, world_size
-        self.tied = tuple(tied) if tied is not None else None
-        self._validate()
-        self._tied_now = self.tied is not None
-        self.adam_t = {label: 0 for label, row in self.table.items() if row["optim"] == "adam"}
-        self.buffers: dict[str, dict[str, Tensor]] = {}
-        self._lr_scales: dict[str, Tensor | float] = {}
-        for label, p in self.params.items():
-            row = self.table[label]
-            local = self._local(label, p.detach())
-            acc = tk.acc_dtype(p.dtype)     # fp32 state; float64 for a float64 parameter (--dtype=float64)
-            if row["optim"] == "adam":
-                self.buffers[label] = dict(exp_avg=torch.zeros_like(local, dtype=acc),
-                                           exp_avg_sq=torch.zeros_like(local, dtype=acc))
-                continue
-            n, R, C = local.shape
-            moment_shape = (n, R, 1) if R >= C else (n, 1, C)
-            self.buffers[label] = dict(momentum=torch.zeros_like(local, dtype=acc),
-                                       second_moment=torch.zeros(moment_shape, dtype=acc, device=p.device))
-            if p.dtype == torch.bfloat16:   # the low 16 bits of the fp32 master (wider dtypes are their own master)
-                self.buffers[label]["mantissa"] = torch.zeros_like(local, dtype=torch.uint16)
-            first = self.rank * n if self._is_sharded(label) else 0
-            scales = normuon_matrix_lr_scales((R, C), row["lr_mul"], row.get("matrix_lr_muls", (1.0,)),
-                                              range(first, first + n))
-            # One scale for the whole chunk stays a Python float; mixed ones live on the device in double, so the
-            # per-step lr = fp32(scale·(muon_lr·s)) is the same IEEE double product as on the host, with no copy.
-            self._lr_scales[label] = (scales[0] if len(set(scales)) == 1 else
-                                      torch.tensor(scales, dtype=torch.float64, device=p.device).view(n, 1, 1))
-
-    # ---- validation -------------------------------------------------------------------------------------------
-    def _validate(self) -> None:
-        for label in self.params:
-            if label not in self.table:
-                raise ValueError(f"parameter {label!r} has no row in the optimizer table: add it to param_table "
-                                 f"(DEFAULT_PARAM_TABLE in train_gpt.py)")
-        for label in self.table:
-            if label not in self.params:
-                raise ValueError(f"param_table row {label!r} names no model parameter (parameters: "
-                                 f"{', '.join(self.params)}): remove the row or fix its name")
-        for name, order in (("scatter_order", self.scatter_order), ("work_order", self.work_order)):
-            for label in order:
-                if label not in self.table:
-                    raise ValueError(f"{name} names {label!r}, which is not a parameter label: remove it from "
-                                     f"--{name}")
-                if order.count(label) > 1:
-                    raise ValueError(f"{name} lists {label!r} {order.count(label)} times: list every label exactly "
-                                     f"once in --{name}")
-            missing = [label for label in self.table if label not in order]
-            if missing:
-                raise ValueError(f"{name} is missing {', '.join(map(repr, missing))}: list every label exactly once "
-                                 f"in --{name}")
-        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
-            raise ValueError(f"rank {self.rank} / world_size {self.world_size} is not a valid process placement")
-        for label, row in self.table.items():
-            p = self.params[label]
-            if row.get("optim") not in ("adam", "normuon"):
-                raise ValueError(f"param_table[{label!r}] optim={row.get('optim')!r}: use 'adam' or 'normuon'")
-            if row.get("comms") not in ("none", "replicated", "sharded"):
-                raise ValueError(f"param_table[{label!r}] comms={row.get('comms')!r}: use 'none', 'replicated' or "
-                                 f"'sharded'")
-            for key in ("lr_mul", "wd_mul"):
-                if not isinstance(row.get(key), (int, float)):
-                    raise ValueError(f"param_table[{label!r}] needs a number {key}=")
-            if row["optim"] == "adam":
-                betas = row.get("betas")
-                if betas is None or len(betas) != 2 or not all(0 <= b < 1 for b in betas):
-                    raise ValueError(f"param_table[{label!r}] is an Adam row and needs betas=(beta1, beta2) in [0, 1)")
-                if row["comms"] == "sharded" and p.shape[0] % self.world_size:
-                    raise ValueError(f"{label} has {p.shape[0]} rows in dim 0 of {tuple(p.shape)}, not divisible by "
-                                     f"world_size {self.world_size}: set param_table[{label!r}] comms='replicated' "
-                                     f"or use a world size that divides {p.shape[0]}")
-                continue
-            shape = row.get("matrix_shape")
-            if shape is None or len(shape) != 2 or p.numel() % (shape[0] * shape[1]) or p.shape[-1] != shape[1]:
-                raise ValueError(f"{label} of shape {tuple(p.shape)} cannot be viewed as a stack of "
-                                 f"matrix_shape={shape} matrices: fix param_table[{label!r}]['matrix_shape'] "
-                                 f"(rows, cols) to match the bank")
-            if p.dtype not in (torch.bfloat16, torch.float32, torch.float64):
-                raise ValueError(f"NorMuon parameter {label} is {p.dtype}; store it in bf16 (its fp32 master is bf16 + "
-                                 f"a 16-bit mantissa), float32 or float64, or make it an Adam row")
-            if not row.get("matrix_lr_muls", (1.0,)):
-                raise ValueError(f"param_table[{label!r}] matrix_lr_muls is empty: give at least one multiplier")
-            n_matrices = p.numel() // (shape[0] * shape[1])
-            if row["comms"] == "sharded" and n_matrices % self.world_size:
-                fix = ("add padding layers (--mlp_bank_pad)" if label == "mlp" else "change the layer count")
-                raise ValueError(f"{label} bank has {n_matrices} matrices, not divisible by world_size "
-                                 f"{self.world_size}: {fix} or use a world size that divides {n_matrices}")
-        if self.tied is not None:
-            head, embed = self.tied
-            for label in (head, embed):
-                if label not in self.table or self.table[label]["optim"] != "adam":
-                    raise ValueError(f"tied=({head!r}, {embed!r}): {label!r} must be an Adam parameter label; "
-                                     f"pass tied=None to train them separately")
-            if self.params[head].shape != self.params[embed].shape[::-1] or self.params[head].dim() != 2:
-                raise ValueError(f"tied {head} {tuple(self.params[head].shape)} is not the transpose of {embed} "
-                                 f"{tuple(self.params[embed].shape)}: store {head} as (model_dim, vocab)")
-
-    # ---- layout helpers ---------------------------------------------------------------------------------------
-    def _is_sharded(self, label: str) -> bool:
-        return self.table[label]["comms"] == "sharded" and self.world_size > 1
-
-    def _is_replicated(self, label: str) -> bool:
-        return self.table[label]["comms"] == "replicated" and self.world_size > 1
-
-    def _bank_view(self, label: str, t: Tensor) -> Tensor:
-        """NorMuon tensors as (n_matrices, R, C); Adam tensors unchanged."""
-        row = self.table[label]
-        return t.view(-1, *row["matrix_shape"]) if row["optim"] == "normuon" else t
-
-    def _local(self, label: str, t: Tensor) -> Tensor:
-        """This rank's slice along dim 0 of the bank view (the whole view unless sharded)."""
-        t = self._bank_view(label, t)
-        if not self._is_sharded(label):
-            return t
-        chunk = t.shape[0] // self.world_size
-        return t[self.rank * chunk:(self.rank + 1) * chunk]
-
-    def _steps_now(self, label: str) -> bool:
-        return not (self._tied_now and label == self.tied[1])
-
-    # ---- communication (overridable, e.g. to time the compute alone) -------------------------------------------
-    def _launch_reduce(self, label: str, grad: Tensor):
-        """Start averaging `grad` over ranks; returns (work or None, the tensor that will hold this rank's slice)."""
-        if self._is_replicated(label):
-            return dist.all_reduce(grad, op=dist.ReduceOp.AVG, async_op=True), self._bank_view(label, grad)
-        if self._is_sharded(label):
-            full = self._bank_view(label, grad)
-            chunk = full.new_empty((full.shape[0] // self.world_size, *full.shape[1:]))
-            return dist.reduce_scatter_tensor(chunk, full, op=dist.ReduceOp.AVG, async_op=True), chunk
-        return None, self._bank_view(label, grad)
-
-    def _launch_gather(self, label: str):
-        """Start all-gathering this rank's updated slice into the full parameter (in place); None if not sharded."""
-        if not self._is_sharded(label):
-            return None
-        full = self._bank_view(label, self.params[label].detach())
-        return dist.all_gather_into_tensor(full, self._local(label, full), async_op=True)
-
-    # ---- the step ---------------------------------------------------------------------------------------------
-    @property
-    def tied_now(self) -> bool:
-        return self._tied_now
-
-    @torch.no_grad()
-    def step(self, *, do_adam: bool, lr_factor: float, momentum: float) -> None:
-        """Reduce, update and gather every label due this step (NorMuon always, Adam when do_adam), spec §5.2.
-
-        lr_factor: the schedule's factor on every base lr; momentum: NorMuon's momentum for this step. Clears .grad
-        of what it consumed; Adam gradients are kept on the other steps so the next backward adds to them.
-        """
-        due = [label for label in self.scatter_order
-               if (do_adam or self.table[label]["optim"] == "normuon") and self._steps_now(label)]
-        pending = {}
-        for label in due:
-            p = self.params[label]
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            if self._tied_now and label == self.tied[0] and self.params[self.tied[1]].grad is not None:
-                p.grad.add_(self.params[self.tied[1]].grad.mT)       # tied fold, before lm_head's reduction
-            pending[label] = self._launch_reduce(label, p.grad)
-        gathers = {}
-        for label in self.work_order:
-            if label not in pending:
-                continue
-            work, grad = pending.pop(label)
-            if work is not None:
-                work.wait()
-            self._update(label, grad, lr_factor, momentum)
-            gathers[label] = self._launch_gather(label)
-        if self._tied_now and do_adam:
-            head, embed = self.tied
-            if gathers.get(head) is not None:
-                gathers.pop(head).wait()
-            self.params[embed].detach().copy_(self.params[head].detach().mT)
-        for work in gathers.values():
-            if work is not None:
-                work.wait()
-        for label, p in self.params.items():
-            if do_adam or self.table[label]["optim"] == "normuon":
-                p.grad = None
-
-    def _update(self, label: str, grad: Tensor, lr_factor: float, momentum: float) -> None:
-        row, buf = self.table[label], self.buffers[label]
-        param = self._local(label, self.params[label].detach())
-        if row["optim"] == "adam":
-            self.adam_t[label] += 1
-            beta1, beta2 = row["betas"]
-            step_size, decay = adam_scalars(self.adam_lr * lr_factor * row["lr_mul"], self.adam_t[label], beta1,
-                                            beta2, self.adam_wd * row["wd_mul"])
-            adam_update(param, grad, buf["exp_avg"], buf["exp_avg_sq"], beta1=beta1, beta2=beta2, eps=self.adam_eps,
-                        step_size=step_size, decay=decay)
-            return
-        lr, wd = normuon_scalars(self.muon_lr, lr_factor, self.muon_wd, row["wd_mul"])
-        scale = self._lr_scales[label]
-        lr_eff = _fp32(scale * lr) if isinstance(scale, float) else (scale * lr).float()
-        normuon_update(param, grad, buf["momentum"], buf["second_moment"], buf.get("mantissa"), momentum=momentum,
-                       beta2=self.muon_beta2, lr=lr_eff, wd=wd,
-                       split_final_product=row["matrix_shape"][0] > POLAR_EXPRESS_SPLIT_ROWS)
-
-    # ---- untying and state --------------------------------------------------------------------------------------
-    @torch.no_grad()
-    def untie(self) -> None:
-        """Separate embed from lm_head after the split step (spec §5.11): embed takes lm_head's Adam t, and its
-        moments are lm_head's, gathered to the full (D, V), transposed to (V, D) and re-sliced to embed's shard."""
-        if not self._tied_now:
-            raise ValueError("untie() called twice: embed and lm_head are already separate")
-        head, embed = self.tied
-        self.adam_t[embed] = self.adam_t[head]
-        for name in ("exp_avg", "exp_avg_sq"):
-            src = self.buffers[head][name]                                         # (D/W or D, V)
-            if self._is_sharded(head):
-                full = src.new_empty((src.shape[0] * self.world_size, *src.shape[1:]))
-                dist.all_gather_into_tensor(full, src)
-            else:
-                full = src
-            self.buffers[embed][name].copy_(self._local(embed, full.mT))          # (V/W or V, D)
-        self._tied_now = False
-
-    def state_dict(self) -> dict:
-        """A snapshot (cloned tensors) of this rank's optimizer state: Adam t, every buffer, the tied flag."""
-        return dict(tied_now=self._tied_now, rank=self.rank, world_size=self.world_size, adam_t=dict(self.adam_t),
-                    buffers={label: {name: t.clone() for name, t in buf.items()}
-                             for label, buf in self.buffers.items()})
-
-    @torch.no_grad()
-    def load_state_dict(self, sd: dict) -> None:
-        if (sd["rank"], sd["world_size"]) != (self.rank, self.world_size):
-            raise ValueError(f"optimizer state was saved by rank {sd['rank']} of {sd['world_size']}, this is rank "
-                             f"{self.rank} of {self.world_size}: resume with the same --nproc_per_node")
-        if set(sd["buffers"]) != set(self.buffers):
-            raise ValueError(f"optimizer state labels {sorted(sd['buffers'])} differ from the table's "
-                             f"{sorted(self.buffers)}: load it with the param_table it was saved with")
-        for label, buf in self.buffers.items():
-            for name, t in buf.items():
-                src = sd["buffers"][label][name]
-                if src.shape != t.shape or src.dtype != t.dtype:
-                    raise ValueError(f"optimizer state {label}.{name} is {tuple(src.shape)} {src.dtype}, expected "
-                                     f"{tuple(t.shape)} {t.dtype}: load it with the model config it was saved with")
-                t.copy_(src)
-        self.adam_t = dict(sd["adam_t"])
-        self._tied_now = bool(sd["tied_now"])
-
-
-# =====================================================================================================================
-# 4. Attention backends
-# =====================================================================================================================
-# Every backend computes the same thing (spec §3.5 step 6): packed documents q, k, v (T, H, D) bf16 with boundaries
+# Every backend computes the same thing: packed documents q, k, v (T, H, D) bf16 with boundaries
 # cu_seqlens = [0, c_1, ..., T, T, ...] (int32; trailing repeats are empty documents); query t of document
 # [c_j, c_{j+1}) sees keys t' with c_j <= t' <= t and t - window <= t' (window + 1 keys at most, itself included);
 # logits scale * <q_t, k_t'>, softmax in fp32, output (T, H, D) in q's dtype.
@@ -944,11 +495,11 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_se
 
 
 # =====================================================================================================================
-# 5. Model
+# 3. Model
 # =====================================================================================================================
-FLT_EPS = torch.finfo(torch.float32).eps  # 2^-23: the eps of every rms() (spec §3.4), F.rms_norm's own fp32 default
-GATE_INPUT_DIM = 12                        # every sigmoid gate reads the first 12 channels of its input (spec §3.1)
-YARN_ATTN_SCALE_SLOPE = 0.2                # attn_scale *= 1 + slope * ln(new/old) at each long-window change (spec §4)
+FLT_EPS = torch.finfo(torch.float32).eps  # 2^-23: the eps of every rms(), F.rms_norm's own fp32 default
+GATE_INPUT_DIM = 12                        # every sigmoid gate reads the first 12 channels of its input
+YARN_ATTN_SCALE_SLOPE = 0.2                # attn_scale *= 1 + slope * ln(new/old) at each long-window change
 
 
 @dataclass
@@ -1077,7 +628,7 @@ def shift_keys_by_one(k: Tensor) -> Tensor:
     return torch.stack([quarters_now[:, :, :, 0], quarters_prev[:, :, :, 1]], dim=3).view(T, H, hd)
 
 
-# ---- FP8 LM head (spec §3.8) ----------------------------------------------------------------------------------------
+# ---- FP8 LM head ----------------------------------------------------------------------------------------
 
 def fp8_quantize(x: Tensor, scale: float, dtype: torch.dtype) -> Tensor:
     """Saturating cast of x/scale to an FP8 dtype: overflow clamps to +-max, not NaN. The division is x * fp32(1/scale),
@@ -1228,9 +779,9 @@ def fp8_head_mtp_ce(h: Tensor, w: Tensor, targets: Tensor, mtp_weights: Tensor, 
 # ---- GPT ------------------------------------------------------------------------------------------------------------
 
 class GPT(nn.Module):
-    """The RECORD61 GPT (spec §3-4), parameters in 13 labelled tensors (banks), layer wiring from the ModelConfig.
+    """The record's GPT, parameters in 13 labelled tensors (banks), layer wiring from the ModelConfig.
 
-    Rotary state (omega, bf16 tables, attn_scale) is one object shared by normal and paired layers: the spec's two
+    Rotary state (omega, bf16 tables, attn_scale) is one object shared by normal and paired layers: the record's two
     rotary objects always receive the same resets and YaRN updates, so they always hold the same values. The tables
     cover 2 * rotary_max_len angle positions: normal layers read rows [0, T), paired layers read rows 2t and 2t+1
     for token t, i.e. rows [0, 2T) viewed as (T, 2, head_dim/2).
@@ -1249,7 +800,7 @@ class GPT(nn.Module):
             return nn.Parameter(t)
 
         # Banks: attn slice i = [W_q; W_k; W_v; W_o] (4D, D) of the i-th attention layer; mlp slice j = [c_fc, c_proj]
-        # (2, hidden, D) of layer j (pad slices unused). Built in fp32 on `device`, then cast to bf16 (spec §3.1).
+        # (2, hidden, D) of layer j (pad slices unused). Built in fp32 on `device`, then cast to bf16.
         # With --dtype=float32/float64 the bf16 tensors are that dtype instead and the fp32 ones at least fp32.
         wdt = getattr(torch, cfg.dtype)
         fdt = tk.acc_dtype(wdt)
@@ -1313,7 +864,7 @@ class GPT(nn.Module):
                  "skip_gate", "x0_lambdas", "scalars")
         return {name: getattr(self, name) for name in names}
 
-    # ---- rotary state (spec §4) ----
+    # ---- rotary state ----
 
     @torch.no_grad()
     def reset_rotary(self) -> None:
@@ -1339,7 +890,7 @@ class GPT(nn.Module):
         self.rotary_cos.copy_(cos)  # in place: compiled graphs keep reading the same buffers
         self.rotary_sin.copy_(sin)
 
-    # ---- forward (spec §3.4-3.10) ----
+    # ---- forward ----
 
     def forward(self, inputs: Tensor, targets: Tensor, cu_seqlens: Tensor, ws_short: int, ws_long: int,
                 mtp_weights: Tensor, max_seqlen: int) -> Tensor:
@@ -1351,7 +902,7 @@ class GPT(nn.Module):
             else:
                 losses = tk.softcapped_mtp_ce(h @ self.lm_head, targets, mtp_weights)
             return losses.sum()
-        # Mean next-token CE of the softcapped bf16-head logits (spec §3.10), through the fused kernel with the single
+        # Mean next-token CE of the softcapped bf16-head logits, through the fused kernel with the single
         # weight 1: it softcaps in fp32 (as the reference's compiled eval does) and never materialises fp32 (T, V)
         # tensors, which at 262,144 val tokens per rank would not fit next to the 26 GB of bf16 logits.
         next_token_only = torch.ones(1, dtype=torch.float32, device=h.device)
@@ -1403,7 +954,7 @@ class GPT(nn.Module):
 
     def attention(self, p: LayerPlan, u: Tensor, ve: Tensor | None, sa_lambda: Tensor, cu_seqlens: Tensor,
                   max_seqlen: int, window: int) -> Tensor:
-        """One attention sublayer (spec §3.5, paired heads §3.6). u = rms(x) (T, D) bf16 -> (T, D) bf16."""
+        """One attention sublayer. u = rms(x) (T, D) bf16 -> (T, D) bf16."""
         cfg = self.cfg
         T, D, H, hd = u.shape[0], cfg.model_dim, cfg.num_heads, cfg.head_dim
         bank = self.attn[p.attn_slot]                                    # (4D, D): [W_q; W_k; W_v; W_o]
@@ -1441,12 +992,456 @@ class GPT(nn.Module):
 
 
 # =====================================================================================================================
-# 6. Data
+# 4. Optimizer: Polar Express, Adam and NorMuon updates, and NorMuonAndAdam
 # =====================================================================================================================
-# The data pipeline of spec §2. Shards are FineWeb's GPT-2 token files. Training batches are BOS aligned (every
+# Polar Express coefficients (a, b, c) for 5 iterations, designed with safety factor 2e-2 and cushion 2.
+POLAR_EXPRESS_COEFFS = (
+    (8.156554524902461, -22.48329292557795, 15.878769915207462),
+    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+)
+# Matrices stored with more rows than this (the 3072x768 MLP ones) round a*X + B@X twice, like the record.
+POLAR_EXPRESS_SPLIT_ROWS = 1024
+CPU_CHUNK_ELEMENTS = 1 << 16          # CPU only: element-wise updates run in blocks this size (cache-resident)
+NORMUON_EPS = 1e-10                    # floor of the second moment and of the renormalised norm
+
+
+def _fp32(x: float) -> float:
+    """Round a Python (double) float to the nearest fp32 value; optimizer scalars are computed in double, then this."""
+    return float(np.float32(x))
+
+
+def polar_express(G: Tensor, split_final_product: bool, dtype: torch.dtype = torch.bfloat16) -> Tensor:
+    """Approximate U·Vᵀ of G = U·S·Vᵀ for a batch (..., R, C) of matrices, in bf16.
+
+    Five odd-polynomial iterations X <- a·X + (b·A + c·A²)·X with A = X·Xᵀ, on the short side (transposed when R > C,
+    so A is the smaller Gram matrix). X is first scaled by its Frobenius norm (+2% safety) so every singular value
+    lies in (0, 1), where the coefficients push it towards 1. split_final_product: round B@X to bf16 before adding
+    a·X (two roundings, as the record does for the MLP matrices) instead of one fused GEMM with beta = a.
+    dtype: the precision of the iteration; bf16 in training, float32/float64 for parameters stored in that (--dtype).
+    """
+    shape, acc = G.shape, tk.acc_dtype(dtype)
+    X = G.to(dtype).reshape(-1, shape[-2], shape[-1])            # (n, R, C)
+    if shape[-2] > shape[-1]:
+        X = X.mT                                                 # (n, C, R): Gram matrices are C x C
+    X = X / (X.norm(dim=(-2, -1), keepdim=True) * (1 + 2e-2) + 1e-6)
+    for a, b, c in POLAR_EXPRESS_COEFFS:
+        A = tk.xxt(X)                                            # (n, m, m) bf16, exactly symmetric
+        B = tk.ba_plus_cAA(A, b, c)                              # (n, m, m) bf16
+        if split_final_product:
+            X = (B @ X).to(acc).add_(X, alpha=a).to(dtype)      # bf16(bf16(B@X) + a·X)
+        else:
+            X = torch.baddbmm(X, B, X, beta=a)                   # bf16(a·X + B@X), fp32 accumulation
+    if shape[-2] > shape[-1]:
+        X = X.mT
+    return X.reshape(shape)
+
+
+def adam_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, *, beta1: float, beta2: float,
+                eps: float, step_size: float | Tensor, decay: float | Tensor) -> None:
+    """One Adam update of a slice in place, all arithmetic in fp32.
+
+    step_size = fp32(lr·sqrt(1-beta2^t)/(1-beta1^t)) and decay = fp32(lr²·wd) come from adam_scalars(). eps is not
+    bias corrected. Cautious decay only where the update and the weight agree in sign (strict >). A bf16 param
+    takes the round-to-nearest of the fp32 result (no master copy). The moments' dtype sets the precision: fp32, or
+    float64 for a float64 parameter (--dtype=float64).
+    """
+    if param.is_cuda and not isinstance(step_size, Tensor) and not isinstance(decay, Tensor):
+        # One fused Triton pass (triton_kernels.py section 5), bitwise its eager reference as PyTorch runs it on CUDA.
+        tk.adam_update(param, grad, exp_avg, exp_avg_sq, beta1=beta1, beta2=beta2, eps=eps, step_size=step_size,
+                       decay=decay)
+        return
+    if param.device.type == "cpu" and param.dim() > 0 and param.numel() > CPU_CHUNK_ELEMENTS:
+        # Element-wise math, so row blocks give the same bits; each block's temporaries stay in the CPU's cache (the
+        # whole-table form made Adam steps of the tiny preset 2x slower than the others).
+        rows = max(1, CPU_CHUNK_ELEMENTS * param.shape[0] // param.numel())
+        for p, g, m, v in zip(*(t.split(rows) for t in (param, grad, exp_avg, exp_avg_sq))):
+            adam_update(p, g, m, v, beta1=beta1, beta2=beta2, eps=eps, step_size=step_size, decay=decay)
+        return
+    # The eager math lives beside its kernel (one definition): m, v moments, then the cautious decay and the step.
+    tk.adam_update_reference(param, grad, exp_avg, exp_avg_sq, beta1=beta1, beta2=beta2, eps=eps,
+                             step_size=step_size, decay=decay)
+
+
+def adam_scalars(lr: float, t: int, beta1: float, beta2: float, wd: float) -> tuple[float, float]:
+    """(step_size, decay) for adam_update: computed in double, rounded to fp32. lr includes lr_mul; decay uses lr²."""
+    step_size = _fp32(lr * (math.sqrt(1 - beta2 ** t) / (1 - beta1 ** t)))
+    decay = _fp32(lr * lr * wd)
+    return step_size, decay
+
+
+def variance_normalize_(O: Tensor, second_moment: Tensor, beta2: float) -> Tensor:
+    """NorMuon's low-rank second moment: O (n, R, C) bf16 -> O with each row (R >= C) or column scaled by
+    1/sqrt(running mean of its squares), then the matrix rescaled to its previous Frobenius norm.
+
+    second_moment is fp32 (n, R, 1) when R >= C, else (n, 1, C); updated in place. An all-zero O stays zero. The
+    statistics are computed in second_moment's dtype (float64 with --dtype=float64).
+    """
+    reduce_dim = -1 if O.size(-2) >= O.size(-1) else -2
+    n_red = O.size(reduce_dim)
+    r = O.to(second_moment.dtype).square().mean(dim=reduce_dim, keepdim=True)      # (n, R, 1) per-row mean square
+    norm = (n_red * r.sum(dim=(-2, -1), keepdim=True)).sqrt()                       # (n, 1, 1) = ||O||_F
+    second_moment.lerp_(r, 1 - beta2)
+    d = second_moment.clamp_min(NORMUON_EPS).rsqrt()                                # (n, R, 1)
+    norm_scaled = (n_red * r * d.square()).sum(dim=(-2, -1), keepdim=True).sqrt()  # ||diag(d) O||_F
+    scale = d * norm / norm_scaled.clamp_min(NORMUON_EPS)
+    return O * scale.to(O.dtype)
+
+
+def normuon_direction_(grad: Tensor, momentum_buffer: Tensor, second_moment: Tensor, *, momentum: float,
+                       beta2: float, split_final_product: bool) -> Tensor:
+    """Momentum, Polar Express and variance normalisation of one chunk; updates both buffers.
+
+    grad (n, R, C) bf16, momentum_buffer (n, R, C) fp32 -> O (n, R, C) bf16 (float32/64 grads: all in their dtype).
+    """
+    G = grad.to(momentum_buffer.dtype)
+    momentum_buffer.lerp_(G, 1 - momentum)   # weight < 0.5: M + (1-mu)(G - M)
+    U = G.lerp(momentum_buffer, momentum)    # weight >= 0.5: torch evaluates M - (M - G)(1 - mu); Nesterov-style
+    O = polar_express(U, split_final_product, dtype=grad.dtype)
+    return variance_normalize_(O, second_moment, beta2)
+
+
+def cautious_update_with_mantissa_(param: Tensor, mantissa: Tensor, O: Tensor, *, lr: float | Tensor,
+                                   wd: float | Tensor) -> None:
+    """P <- (P - ((P·mask)·wd)·lr) - O·lr on the fp32 master P = (bf16 bits << 16) | mantissa.
+
+    param (n, R, C) bf16 and mantissa (n, R, C) uint16 are updated in place: the bf16 keeps the high 16 bits of the
+    new master (truncation toward zero), the mantissa the low 16. mask = [O·P >= 0] (non-strict: entries with zero
+    update are decayed too). lr is fp32, a scalar or (n, 1, 1) per matrix; wd is fp32.
+    """
+    if param.is_cuda and not isinstance(wd, Tensor):
+        # One fused Triton pass (triton_kernels.py section 6), bitwise the eager code below.
+        tk.cautious_update_with_mantissa(param, mantissa, O, lr=lr, wd=wd)
+        return
+    high = param.view(torch.int16).to(torch.int32) << 16
+    low = mantissa.view(torch.int16).to(torch.int32) & 0xFFFF
+    P = (high | low).view(torch.float32)
+    bits = _cautious_step(P, O.float(), lr, wd).view(torch.int32)
+    param.view(torch.int16).copy_((bits >> 16).to(torch.int16))
+    mantissa.view(torch.int16).copy_(((bits << 16) >> 16).to(torch.int16))   # low 16 bits, sign-extended to fit
+
+
+def _cautious_step(P: Tensor, O: Tensor, lr: float | Tensor, wd: float | Tensor) -> Tensor:
+    """(P - ((P·mask)·wd)·lr) - O·lr with mask = [O·P >= 0]: cautious weight decay, then the step."""
+    mask = O * P >= 0
+    return (P - ((P * mask) * wd) * lr) - O * lr
+
+
+def normuon_update(param: Tensor, grad: Tensor, momentum_buffer: Tensor, second_moment: Tensor,
+                   mantissa: Tensor | None, *, momentum: float, beta2: float, lr: float | Tensor, wd: float | Tensor,
+                   split_final_product: bool) -> None:
+    """One NorMuon update of a chunk of matrices in place. All tensors (n, R, C) except
+    second_moment ((n, R, 1) or (n, 1, C)); lr (fp32 scalar or (n, 1, 1)) and wd from normuon_scalars().
+    mantissa is None for a float32/float64 parameter (--dtype), which is its own master."""
+    O = normuon_direction_(grad, momentum_buffer, second_moment, momentum=momentum, beta2=beta2,
+                           split_final_product=split_final_product)
+    if mantissa is None:
+        param.copy_(_cautious_step(param, O, lr, wd))
+    else:
+        cautious_update_with_mantissa_(param, mantissa, O, lr=lr, wd=wd)
+
+
+def normuon_matrix_lr_scales(matrix_shape: Sequence[int], lr_mul: float, matrix_lr_muls: Sequence[float],
+                             global_indices: Sequence[int]) -> list[float]:
+    """(shape_mult·lr_mul)·matrix_mult for each matrix (double); shape_mult = sqrt(max(1, R/C)) of the stored shape,
+    matrix_mult cycles over the GLOBAL matrix index of the bank (c_fc, c_proj alternate in the MLP bank)."""
+    R, C = matrix_shape
+    shape_mult = math.sqrt(max(1.0, R / C))
+    return [(shape_mult * lr_mul) * matrix_lr_muls[i % len(matrix_lr_muls)] for i in global_indices]
+
+
+def normuon_scalars(muon_lr: float, lr_factor: float, wd: float, wd_mul: float) -> tuple[float, float]:
+    """(base lr = muon_lr·s in double, wd = fp32(wd_mul·wd·(muon_lr·s))): decay uses the UN-multiplied lr."""
+    lr = muon_lr * lr_factor
+    return lr, _fp32(wd_mul * wd * lr)
+
+
+class NorMuonAndAdam:
+    """One optimizer for every parameter, configured per label by a table.
+
+    NorMuon (Polar Express + low-rank variance normalisation, fp32 master kept as bf16 + a 16-bit mantissa) updates
+    the matrix banks every step; Adam updates everything else on odd steps only, on the sum of two steps' gradients.
+    Communication per label is "replicated" (all-reduce the gradient, every rank updates the whole tensor),
+    "sharded" (reduce-scatter along dim 0 of the tensor, or of the bank's matrix view for NorMuon, update this rank's
+    slice, all-gather it back) or "none" (no communication at all).
+
+    Comm ordering. A step launches every reduction up front, asynchronously, in `scatter_order`, then walks
+    `work_order`: wait for a label's reduction, update its slice, launch its all-gather. The two orders differ because
+    the collectives run one after another on a single comm stream while the updates run on the compute stream: the
+    big NorMuon banks are reduced first, and their Polar Express work comes last in work order, so the cheap Adam
+    updates run (and their large embedding gathers start) while the bank reductions are still arriving, and the long
+    Polar Express compute hides every gather launched before it; only the last bank's gather is exposed. These
+    orders are performance choices (measured in the record), not math. Two orderings ARE correctness constraints
+    while embed and lm_head are tied: (1) the gradient fold lm_head.grad += embed.gradᵀ happens before lm_head's
+    reduction is launched (it is done right there, and embed itself is never reduced while tied); (2) the weight
+    copy embed <- lm_headᵀ happens after lm_head's all-gather has completed (step() waits for it first).
+
+    Use: after backward, step(do_adam=, lr_factor=, momentum=) (clears the gradients it consumed), and untie()
+    right after the step at which embed and lm_head separate. rank and world_size only do the sharding arithmetic;
+    the collectives use the default process group (none is needed when world_size is 1).
+    """
+
+    def __init__(self, named_params: dict[str, nn.Parameter], param_table: dict[str, dict], scatter_order: Sequence[str],
+                 work_order: Sequence[str], *, adam_lr: float, adam_eps: float, adam_wd: float, muon_lr: float,
+                 muon_beta2: float, muon_wd: float, rank: int, world_size: int,
+                 tied: tuple[str, str] | None = ("lm_head", "embed")):
+        self.params = dict(named_params)
+        self.table = {label: dict(row) for label, row in param_table.items()}
+        self.scatter_order, self.work_order = tuple(scatter_order), tuple(work_order)
+        self.adam_lr, self.adam_eps, self.adam_wd = adam_lr, adam_eps, adam_wd
+        self.muon_lr, self.muon_beta2, self.muon_wd = muon_lr, muon_beta2, muon_wd
+        self.rank, self.world_size = rank, world_size
+        self.tied = tuple(tied) if tied is not None else None
+        self._validate()
+        self._tied_now = self.tied is not None
+        self.adam_t = {label: 0 for label, row in self.table.items() if row["optim"] == "adam"}
+        self.buffers: dict[str, dict[str, Tensor]] = {}
+        self._lr_scales: dict[str, Tensor | float] = {}
+        for label, p in self.params.items():
+            row = self.table[label]
+            local = self._local(label, p.detach())
+            acc = tk.acc_dtype(p.dtype)     # fp32 state; float64 for a float64 parameter (--dtype=float64)
+            if row["optim"] == "adam":
+                self.buffers[label] = dict(exp_avg=torch.zeros_like(local, dtype=acc),
+                                           exp_avg_sq=torch.zeros_like(local, dtype=acc))
+                continue
+            n, R, C = local.shape
+            moment_shape = (n, R, 1) if R >= C else (n, 1, C)
+            self.buffers[label] = dict(momentum=torch.zeros_like(local, dtype=acc),
+                                       second_moment=torch.zeros(moment_shape, dtype=acc, device=p.device))
+            if p.dtype == torch.bfloat16:   # the low 16 bits of the fp32 master (wider dtypes are their own master)
+                self.buffers[label]["mantissa"] = torch.zeros_like(local, dtype=torch.uint16)
+            first = self.rank * n if self._is_sharded(label) else 0
+            scales = normuon_matrix_lr_scales((R, C), row["lr_mul"], row.get("matrix_lr_muls", (1.0,)),
+                                              range(first, first + n))
+            # One scale for the whole chunk stays a Python float; mixed ones live on the device in double, so the
+            # per-step lr = fp32(scale·(muon_lr·s)) is the same IEEE double product as on the host, with no copy.
+            self._lr_scales[label] = (scales[0] if len(set(scales)) == 1 else
+                                      torch.tensor(scales, dtype=torch.float64, device=p.device).view(n, 1, 1))
+
+    # ---- validation -------------------------------------------------------------------------------------------
+    def _validate(self) -> None:
+        for label in self.params:
+            if label not in self.table:
+                raise ValueError(f"parameter {label!r} has no row in the optimizer table: add it to param_table "
+                                 f"(DEFAULT_PARAM_TABLE in train_gpt.py)")
+        for label in self.table:
+            if label not in self.params:
+                raise ValueError(f"param_table row {label!r} names no model parameter (parameters: "
+                                 f"{', '.join(self.params)}): remove the row or fix its name")
+        for name, order in (("scatter_order", self.scatter_order), ("work_order", self.work_order)):
+            for label in order:
+                if label not in self.table:
+                    raise ValueError(f"{name} names {label!r}, which is not a parameter label: remove it from "
+                                     f"--{name}")
+                if order.count(label) > 1:
+                    raise ValueError(f"{name} lists {label!r} {order.count(label)} times: list every label exactly "
+                                     f"once in --{name}")
+            missing = [label for label in self.table if label not in order]
+            if missing:
+                raise ValueError(f"{name} is missing {', '.join(map(repr, missing))}: list every label exactly once "
+                                 f"in --{name}")
+        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} / world_size {self.world_size} is not a valid process placement")
+        for label, row in self.table.items():
+            p = self.params[label]
+            if row.get("optim") not in ("adam", "normuon"):
+                raise ValueError(f"param_table[{label!r}] optim={row.get('optim')!r}: use 'adam' or 'normuon'")
+            if row.get("comms") not in ("none", "replicated", "sharded"):
+                raise ValueError(f"param_table[{label!r}] comms={row.get('comms')!r}: use 'none', 'replicated' or "
+                                 f"'sharded'")
+            for key in ("lr_mul", "wd_mul"):
+                if not isinstance(row.get(key), (int, float)):
+                    raise ValueError(f"param_table[{label!r}] needs a number {key}=")
+            if row["optim"] == "adam":
+                betas = row.get("betas")
+                if betas is None or len(betas) != 2 or not all(0 <= b < 1 for b in betas):
+                    raise ValueError(f"param_table[{label!r}] is an Adam row and needs betas=(beta1, beta2) in [0, 1)")
+                if row["comms"] == "sharded" and p.shape[0] % self.world_size:
+                    raise ValueError(f"{label} has {p.shape[0]} rows in dim 0 of {tuple(p.shape)}, not divisible by "
+                                     f"world_size {self.world_size}: set param_table[{label!r}] comms='replicated' "
+                                     f"or use a world size that divides {p.shape[0]}")
+                continue
+            shape = row.get("matrix_shape")
+            if shape is None or len(shape) != 2 or p.numel() % (shape[0] * shape[1]) or p.shape[-1] != shape[1]:
+                raise ValueError(f"{label} of shape {tuple(p.shape)} cannot be viewed as a stack of "
+                                 f"matrix_shape={shape} matrices: fix param_table[{label!r}]['matrix_shape'] "
+                                 f"(rows, cols) to match the bank")
+            if p.dtype not in (torch.bfloat16, torch.float32, torch.float64):
+                raise ValueError(f"NorMuon parameter {label} is {p.dtype}; store it in bf16 (its fp32 master is bf16 + "
+                                 f"a 16-bit mantissa), float32 or float64, or make it an Adam row")
+            if not row.get("matrix_lr_muls", (1.0,)):
+                raise ValueError(f"param_table[{label!r}] matrix_lr_muls is empty: give at least one multiplier")
+            n_matrices = p.numel() // (shape[0] * shape[1])
+            if row["comms"] == "sharded" and n_matrices % self.world_size:
+                fix = ("add padding layers (--mlp_bank_pad)" if label == "mlp" else "change the layer count")
+                raise ValueError(f"{label} bank has {n_matrices} matrices, not divisible by world_size "
+                                 f"{self.world_size}: {fix} or use a world size that divides {n_matrices}")
+        if self.tied is not None:
+            head, embed = self.tied
+            for label in (head, embed):
+                if label not in self.table or self.table[label]["optim"] != "adam":
+                    raise ValueError(f"tied=({head!r}, {embed!r}): {label!r} must be an Adam parameter label; "
+                                     f"pass tied=None to train them separately")
+            if self.params[head].shape != self.params[embed].shape[::-1] or self.params[head].dim() != 2:
+                raise ValueError(f"tied {head} {tuple(self.params[head].shape)} is not the transpose of {embed} "
+                                 f"{tuple(self.params[embed].shape)}: store {head} as (model_dim, vocab)")
+
+    # ---- layout helpers ---------------------------------------------------------------------------------------
+    def _is_sharded(self, label: str) -> bool:
+        return self.table[label]["comms"] == "sharded" and self.world_size > 1
+
+    def _is_replicated(self, label: str) -> bool:
+        return self.table[label]["comms"] == "replicated" and self.world_size > 1
+
+    def _bank_view(self, label: str, t: Tensor) -> Tensor:
+        """NorMuon tensors as (n_matrices, R, C); Adam tensors unchanged."""
+        row = self.table[label]
+        return t.view(-1, *row["matrix_shape"]) if row["optim"] == "normuon" else t
+
+    def _local(self, label: str, t: Tensor) -> Tensor:
+        """This rank's slice along dim 0 of the bank view (the whole view unless sharded)."""
+        t = self._bank_view(label, t)
+        if not self._is_sharded(label):
+            return t
+        chunk = t.shape[0] // self.world_size
+        return t[self.rank * chunk:(self.rank + 1) * chunk]
+
+    def _steps_now(self, label: str) -> bool:
+        return not (self._tied_now and label == self.tied[1])
+
+    # ---- communication (overridable, e.g. to time the compute alone) -------------------------------------------
+    def _launch_reduce(self, label: str, grad: Tensor):
+        """Start averaging `grad` over ranks; returns (work or None, the tensor that will hold this rank's slice)."""
+        if self._is_replicated(label):
+            return dist.all_reduce(grad, op=dist.ReduceOp.AVG, async_op=True), self._bank_view(label, grad)
+        if self._is_sharded(label):
+            full = self._bank_view(label, grad)
+            chunk = full.new_empty((full.shape[0] // self.world_size, *full.shape[1:]))
+            return dist.reduce_scatter_tensor(chunk, full, op=dist.ReduceOp.AVG, async_op=True), chunk
+        return None, self._bank_view(label, grad)
+
+    def _launch_gather(self, label: str):
+        """Start all-gathering this rank's updated slice into the full parameter (in place); None if not sharded."""
+        if not self._is_sharded(label):
+            return None
+        full = self._bank_view(label, self.params[label].detach())
+        return dist.all_gather_into_tensor(full, self._local(label, full), async_op=True)
+
+    # ---- the step ---------------------------------------------------------------------------------------------
+    @property
+    def tied_now(self) -> bool:
+        return self._tied_now
+
+    @torch.no_grad()
+    def step(self, *, do_adam: bool, lr_factor: float, momentum: float) -> None:
+        """Reduce, update and gather every label due this step (NorMuon always, Adam when do_adam).
+
+        lr_factor: the schedule's factor on every base lr; momentum: NorMuon's momentum for this step. Clears .grad
+        of what it consumed; Adam gradients are kept on the other steps so the next backward adds to them.
+        """
+        due = [label for label in self.scatter_order
+               if (do_adam or self.table[label]["optim"] == "normuon") and self._steps_now(label)]
+        pending = {}
+        for label in due:
+            p = self.params[label]
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            if self._tied_now and label == self.tied[0] and self.params[self.tied[1]].grad is not None:
+                p.grad.add_(self.params[self.tied[1]].grad.mT)       # tied fold, before lm_head's reduction
+            pending[label] = self._launch_reduce(label, p.grad)
+        gathers = {}
+        for label in self.work_order:
+            if label not in pending:
+                continue
+            work, grad = pending.pop(label)
+            if work is not None:
+                work.wait()
+            self._update(label, grad, lr_factor, momentum)
+            gathers[label] = self._launch_gather(label)
+        if self._tied_now and do_adam:
+            head, embed = self.tied
+            if gathers.get(head) is not None:
+                gathers.pop(head).wait()
+            self.params[embed].detach().copy_(self.params[head].detach().mT)
+        for work in gathers.values():
+            if work is not None:
+                work.wait()
+        for label, p in self.params.items():
+            if do_adam or self.table[label]["optim"] == "normuon":
+                p.grad = None
+
+    def _update(self, label: str, grad: Tensor, lr_factor: float, momentum: float) -> None:
+        row, buf = self.table[label], self.buffers[label]
+        param = self._local(label, self.params[label].detach())
+        if row["optim"] == "adam":
+            self.adam_t[label] += 1
+            beta1, beta2 = row["betas"]
+            step_size, decay = adam_scalars(self.adam_lr * lr_factor * row["lr_mul"], self.adam_t[label], beta1,
+                                            beta2, self.adam_wd * row["wd_mul"])
+            adam_update(param, grad, buf["exp_avg"], buf["exp_avg_sq"], beta1=beta1, beta2=beta2, eps=self.adam_eps,
+                        step_size=step_size, decay=decay)
+            return
+        lr, wd = normuon_scalars(self.muon_lr, lr_factor, self.muon_wd, row["wd_mul"])
+        scale = self._lr_scales[label]
+        lr_eff = _fp32(scale * lr) if isinstance(scale, float) else (scale * lr).float()
+        normuon_update(param, grad, buf["momentum"], buf["second_moment"], buf.get("mantissa"), momentum=momentum,
+                       beta2=self.muon_beta2, lr=lr_eff, wd=wd,
+                       split_final_product=row["matrix_shape"][0] > POLAR_EXPRESS_SPLIT_ROWS)
+
+    # ---- untying and state --------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def untie(self) -> None:
+        """Separate embed from lm_head after the split step: embed takes lm_head's Adam t, and its
+        moments are lm_head's, gathered to the full (D, V), transposed to (V, D) and re-sliced to embed's shard."""
+        if not self._tied_now:
+            raise ValueError("untie() called twice: embed and lm_head are already separate")
+        head, embed = self.tied
+        self.adam_t[embed] = self.adam_t[head]
+        for name in ("exp_avg", "exp_avg_sq"):
+            src = self.buffers[head][name]                                         # (D/W or D, V)
+            if self._is_sharded(head):
+                full = src.new_empty((src.shape[0] * self.world_size, *src.shape[1:]))
+                dist.all_gather_into_tensor(full, src)
+            else:
+                full = src
+            self.buffers[embed][name].copy_(self._local(embed, full.mT))          # (V/W or V, D)
+        self._tied_now = False
+
+    def state_dict(self) -> dict:
+        """A snapshot (cloned tensors) of this rank's optimizer state: Adam t, every buffer, the tied flag."""
+        return dict(tied_now=self._tied_now, rank=self.rank, world_size=self.world_size, adam_t=dict(self.adam_t),
+                    buffers={label: {name: t.clone() for name, t in buf.items()}
+                             for label, buf in self.buffers.items()})
+
+    @torch.no_grad()
+    def load_state_dict(self, sd: dict) -> None:
+        if (sd["rank"], sd["world_size"]) != (self.rank, self.world_size):
+            raise ValueError(f"optimizer state was saved by rank {sd['rank']} of {sd['world_size']}, this is rank "
+                             f"{self.rank} of {self.world_size}: resume with the same --nproc_per_node")
+        if set(sd["buffers"]) != set(self.buffers):
+            raise ValueError(f"optimizer state labels {sorted(sd['buffers'])} differ from the table's "
+                             f"{sorted(self.buffers)}: load it with the param_table it was saved with")
+        for label, buf in self.buffers.items():
+            for name, t in buf.items():
+                src = sd["buffers"][label][name]
+                if src.shape != t.shape or src.dtype != t.dtype:
+                    raise ValueError(f"optimizer state {label}.{name} is {tuple(src.shape)} {src.dtype}, expected "
+                                     f"{tuple(t.shape)} {t.dtype}: load it with the model config it was saved with")
+                t.copy_(src)
+        self.adam_t = dict(sd["adam_t"])
+        self._tied_now = bool(sd["tied_now"])
+
+
+# =====================================================================================================================
+# 5. Data
+# =====================================================================================================================
+# The data pipeline. Shards are FineWeb's GPT-2 token files. Training batches are BOS aligned (every
 # segment starts at a document start and is at most max_seq_len long); validation batches are a plain cut of the val
 # stream. Every rank builds the joint batch of all ranks and keeps its own part, so no communication is needed and
-# the tokens of an optimizer step do not depend on the world size (spec §2.3 note).
+# the tokens of an optimizer step do not depend on the world size.
 
 BOS_ID = 50256                          # GPT-2 <|endoftext|>; every FineWeb document starts with it
 SHARD_MAGIC, SHARD_VERSION, SHARD_HEADER_BYTES = 20240520, 1, 1024  # header: 256 int32 words: magic, version, n
@@ -1677,7 +1672,7 @@ class _TrainShards:
 
 def _plan_joint_batch(cum_lens: np.ndarray, cursor: int, tokens_per_rank: int, world_size: int) -> list[int] | None:
     """Document cursors [c_0 = cursor, ..., c_W]: rank r takes documents c_r .. c_{r+1}-1; None if the shard runs out.
-    The loop of spec §2.3 keeps adding capped documents while collected <= N, so a rank takes the fewest documents
+    The record's loader keeps adding capped documents while collected <= N, so a rank takes the fewest documents
     whose capped lengths sum past N (the last one is then cut to make exactly N + 1): one binary search per rank."""
     cursors = [cursor]
     for _ in range(world_size):
@@ -1689,7 +1684,7 @@ def _plan_joint_batch(cum_lens: np.ndarray, cursor: int, tokens_per_rank: int, w
 
 
 def _micro_batch_tokens(global_batch: int, grad_accum: int, world_size: int) -> int:
-    """N = per-rank tokens of one micro-batch (spec §2.2)."""
+    """N = per-rank tokens of one micro-batch."""
     if global_batch <= 0 or grad_accum <= 0 or global_batch % (grad_accum * world_size) != 0:
         raise DataError(f"the global batch of {global_batch} tokens does not divide into world_size * grad_accum = "
                         f"{world_size} * {grad_accum} micro-batches; change --train_bs_schedule or --batch_slices "
@@ -1720,10 +1715,10 @@ def train_batches(files: list[str], global_batch: int, grad_accum: int, rank: in
                   device: torch.device, max_seq_len: int, tokens_per_doc_bound: int, vocab_size: int | None = None,
                   position: TrainPosition | None = None,
                   ) -> Generator[tuple[Tensor, Tensor, Tensor], tuple[int, int, int] | None, None]:
-    """BOS-aligned training micro-batches of `rank` (spec §2.3, §2.4). Each request yields
+    """BOS-aligned training micro-batches of `rank`. Each request yields
     (inputs int32 (N,), targets int64 (N,), cu_seqlens int32 (max_num_docs(N),)) on device, N = global_batch/(A*W).
     With each request send None or (global_batch, max_seq_len, grad_accum); a triple applies to the batch it gets.
-    The arguments are checked now; the first shard is read on the first request (inside the timed region, spec §1).
+    The arguments are checked now; the first shard is read on the first request (inside the timed region, as in the record).
     With vocab_size, every shard's token ids are checked when it is loaded (in the loading thread, off the GPU's
     critical path): an id past the embedding fails with the shard and position instead of a device-side assert.
     The stream starts at `position` (default: the first document) and keeps it up to date."""
@@ -1748,7 +1743,7 @@ def _train_batch_stream(files: list[str], global_batch: int, grad_accum: int, ra
     cursor = position.cursor                     # index of the next unused document of the current shard
     message = None
     while True:
-        if message is not None:                  # applies to the batch answering it (spec §2.4)
+        if message is not None:                  # applies to the batch answering it
             global_batch, max_seq_len, grad_accum = message
             tokens_per_rank = _micro_batch_tokens(global_batch, grad_accum, world_size)
         shards.poll()
@@ -1778,7 +1773,7 @@ def _train_batch_stream(files: list[str], global_batch: int, grad_accum: int, ra
 def val_batches(files: list[str], val_batch_size: int, val_tokens: int, grad_accum: int, rank: int, world_size: int,
                 device: torch.device, tokens_per_doc_bound: int, vocab_size: int | None = None
                 ) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
-    """The validation forwards of `rank` (spec §2.5): grad_accum * val_tokens / val_batch_size batches of
+    """The validation forwards of `rank`: grad_accum * val_tokens / val_batch_size batches of
     (inputs int32 (N_val,), targets int64 (N_val,), cu_seqlens int32 (max_num_docs(N_val),)), N_val =
     val_batch_size / (A * W). Not BOS aligned: every call scores the same first val_tokens tokens of the val stream.
     The arguments and the shard sizes are checked now, so a shortage fails before the first forward."""
@@ -1839,7 +1834,7 @@ def _val_batch_stream(files: list[str], placements: list[tuple[int, int]], token
 
 
 # =====================================================================================================================
-# 7. Schedules: pure functions of the step (spec §6)
+# 6. Schedules: pure functions of the step
 # =====================================================================================================================
 
 def schedule_third(step: int, num_scheduled: int) -> int:
@@ -1916,7 +1911,7 @@ def schedule_at(step: int, hp: Hyperparameters) -> StepSchedule:
 
 
 # =====================================================================================================================
-# 8. Validation of the configuration, preflight checks, logging, checkpoints
+# 7. Validation of the configuration, preflight checks, logging, checkpoints
 # =====================================================================================================================
 
 
@@ -2318,7 +2313,7 @@ def check_resume(saved: dict, hp: Hyperparameters, facts: dict) -> None:
 
 
 # =====================================================================================================================
-# 9. Training: warmup, reset, the timed loop, main()
+# 8. Training: warmup, reset, the timed loop, main()
 # =====================================================================================================================
 
 

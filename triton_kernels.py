@@ -1,4 +1,4 @@
-"""Fused Triton kernels for the speedrun trainer, one section per operation (contracts: RECORD61 spec §8).
+"""Fused Triton kernels for the speedrun trainer, one section per operation.
 
 Each section has the kernel(s), a launcher that checks its inputs, a plain-PyTorch reference with the same contract,
 and the public op used by train_gpt.py. A public op runs the Triton kernel on CUDA tensors and the reference
@@ -89,14 +89,14 @@ def _store_from_fp32(ptrs, x, mask):
 
 
 # =====================================================================================================================
-# 1. Symmetric X @ X.T  (Polar Express, spec §8.1); its epilogue flag also serves section 2
+# 1. Symmetric X @ X.T  (Polar Express.1); its epilogue flag also serves section 2
 # =====================================================================================================================
 # Only tiles with at least one element on or below the diagonal are computed; each stores its lower-triangle elements
 # (row >= col) as themselves and the strictly-lower ones again at the mirrored position. Every output element is
 # therefore written exactly once, from one fp32 dot product, so the output is exactly symmetric whatever the tile
 # shapes (also when BM != BN and tiles straddle the diagonal) and whatever the summation order inside tl.dot.
 
-# Spec §8.2 tile ranges: BM in {64, 128}, BN in {64, 128, 256}, BK in {64, 128}. Six configs keep first-call tuning
+# Tile ranges: BM in {64, 128}, BN in {64, 128, 256}, BK in {64, 128}. Six configs keep first-call tuning
 # to a few seconds; 128x128x64 is the usual Hopper winner for 768-wide outputs (36 tiles per matrix, 21 computed,
 # so 5 matrices fill most of 132 SMs).
 _SYM_CONFIGS = [
@@ -214,12 +214,12 @@ def _xxt_op(A: Tensor) -> Tensor:
 
 
 def xxt(A: Tensor) -> Tensor:
-    """A @ A.mT (spec §8.1): the Triton kernel on CUDA, the reference elsewhere."""
+    """A @ A.mT: the Triton kernel on CUDA, the reference elsewhere."""
     return torch.ops.nanogpt_kernels.xxt(A) if A.is_cuda else xxt_reference(A)
 
 
 # =====================================================================================================================
-# 2. b*A + c*A@A for symmetric A  (Polar Express, spec §8.2)
+# 2. b*A + c*A@A for symmetric A  (Polar Express.2)
 # =====================================================================================================================
 # Same kernel as section 1 with ADD_BA=True: the epilogue loads fp32(A) at the tile, forms c*acc + b*A in fp32 and
 # rounds once. For symmetric A, A @ A.T == A @ A.
@@ -242,12 +242,12 @@ def _ba_plus_cAA_op(A: Tensor, b: float, c: float) -> Tensor:
 
 
 def ba_plus_cAA(A: Tensor, b: float, c: float) -> Tensor:
-    """c*(A @ A.mT) + b*A (spec §8.2): the Triton kernel on CUDA, the reference elsewhere."""
+    """c*(A @ A.mT) + b*A: the Triton kernel on CUDA, the reference elsewhere."""
     return torch.ops.nanogpt_kernels.ba_plus_cAA(A, b, c) if A.is_cuda else ba_plus_cAA_reference(A, b, c)
 
 
 # =====================================================================================================================
-# 3. Fused linear + relu^2 MLP  (spec §8.3)
+# 3. Fused linear + relu^2 MLP 
 # =====================================================================================================================
 # One persistent kernel computes acc = a @ b.T (a (M, K), b (N, K), both row-major) tile by tile and applies one of
 # two epilogues:
@@ -380,7 +380,7 @@ def _relu2_mlp_bwd_op(g: Tensor, c_proj: Tensor, pre: Tensor) -> Tensor:
 
 
 class _Relu2MLPFunction(torch.autograd.Function):
-    """Autograd wrapper of spec §8.3: saves x, c_fc, c_proj, pre, post; backward as the spec lists it."""
+    """Autograd of the fused MLP: saves x, c_fc, c_proj, pre, post; the backward kernel gives dpre in one pass."""
 
     @staticmethod
     def forward(ctx, x: Tensor, c_fc: Tensor, c_proj: Tensor) -> Tensor:
@@ -410,19 +410,19 @@ def relu2_mlp_triton(x: Tensor, c_fc: Tensor, c_proj: Tensor) -> Tensor:
 def relu2_mlp_reference(x: Tensor, c_fc: Tensor, c_proj: Tensor) -> Tensor:
     """relu(x @ c_fc.T)^2 @ c_proj with bf16 rounding of pre and post; x (M, D), c_fc and c_proj (H, D).
 
-    Autograd gives the spec's backward: the square's gradient is g_post * (2 * relu(pre)), one rounding."""
+    Autograd gives the backward the kernels compute: the square's gradient is g_post * (2 * relu(pre)), one rounding."""
     pre = x @ c_fc.mT
     post = F.relu(pre).square()
     return post @ c_proj
 
 
 def relu2_mlp(x: Tensor, c_fc: Tensor, c_proj: Tensor) -> Tensor:
-    """relu(x @ c_fc.T)^2 @ c_proj (spec §3.7, §8.3), x (..., D): Triton on CUDA, the reference elsewhere."""
+    """relu(x @ c_fc.T)^2 @ c_proj, x (..., D): Triton on CUDA, the reference elsewhere."""
     return relu2_mlp_triton(x, c_fc, c_proj) if x.is_cuda else relu2_mlp_reference(x, c_fc, c_proj)
 
 
 # =====================================================================================================================
-# 4. Fused softcapped multi-token cross entropy  (spec §3.9, §8.4)
+# 4. Fused softcapped multi-token cross entropy 
 # =====================================================================================================================
 # One program per row streams its logits in blocks of 1024 columns (2 KiB of bf16, 8 per thread with 4 warps).
 # Programs of 16-64 rows (the tiles a transposed FP8 store would want) ran 1.4-2x slower on an H200 in both passes.
@@ -477,7 +477,7 @@ def _ce_bwd_kernel(grad_ptr, stride_grad, logits_ptr, targets_ptr, weights_ptr, 
     out_row_ptr = out_ptr + row.to(tl.int64) * n_cols
     g_row = tl.load(grad_ptr + row * stride_grad).to(tl.float32)
     lse = tl.load(lse_ptr + row)
-    # S_w: sum of the weights whose target row exists (zero weights and target range not checked, as in the spec).
+    # S_w: sum of the weights whose target row exists (zero weights and target range not checked, as in the record).
     sum_w = tl.zeros([], dtype=tl.float32)
     for k in range(0, n_weights):
         sum_w += tl.where(row + k < n_rows, tl.load(weights_ptr + k), 0.0)
@@ -592,7 +592,7 @@ def _softcapped_mtp_ce_bwd_fp8_op(grad_losses: Tensor, logits: Tensor, targets: 
 
 
 class _SoftcappedMTPCEFunction(torch.autograd.Function):
-    """Autograd wrapper of spec §8.4: saves lse, logits, targets and weights; returns bf16 dlogits."""
+    """Autograd of the fused cross entropy: saves lse, logits, targets and weights; returns bf16 dlogits."""
 
     @staticmethod
     def forward(ctx, logits: Tensor, targets: Tensor, mtp_weights: Tensor) -> Tensor:
@@ -621,8 +621,7 @@ def softcapped_mtp_ce_reference(logits: Tensor, targets: Tensor, mtp_weights: Te
     """Per-row loss sum_k [row+k < n][w_k > 0] w_k (lse_row - z[row, targets[row+k]]), z = A*sigmoid((l+B)/C).
 
     logits (n, V) bf16, targets (n,) int64, mtp_weights (K,) fp32 -> losses (n,) fp32 (float64 for float64 logits).
-    Autograd gives the spec's
-    backward for non-negative weights (a zero weight contributes nothing either way); the gradient reaches the
+    Autograd gives the kernels' backward for non-negative weights (a zero weight contributes nothing either way); the gradient reaches the
     logits in their dtype (bf16).
     """
     n = logits.shape[0]
@@ -642,7 +641,7 @@ def softcapped_mtp_ce_reference(logits: Tensor, targets: Tensor, mtp_weights: Te
 
 # ---- CPU path: the kernel's math in row chunks ----------------------------------------------------------------------
 # On a CPU the reference's autograd keeps several fp32 (n, V) temporaries; at V = 50,304 they fall out of cache and
-# were 70% of a tiny-preset step. This computes the same losses and gradient (the kernel's closed form, spec §8.4)
+# were 70% of a tiny-preset step. This computes the same losses and gradient (the kernel's closed form.4)
 # a few rows at a time, so each temporary is a cache-sized (rows, V) block; tests hold it to the reference.
 _CE_CPU_ROWS = 32
 
@@ -692,14 +691,14 @@ def softcapped_mtp_ce_cpu(logits: Tensor, targets: Tensor, mtp_weights: Tensor) 
 
 
 def softcapped_mtp_ce(logits: Tensor, targets: Tensor, mtp_weights: Tensor) -> Tensor:
-    """Per-row softcapped multi-token CE (spec §3.9, §8.4): Triton on CUDA, the chunked PyTorch path elsewhere."""
+    """Per-row softcapped multi-token CE: Triton on CUDA, the chunked PyTorch path elsewhere."""
     if logits.is_cuda:
         return softcapped_mtp_ce_triton(logits, targets, mtp_weights)
     return softcapped_mtp_ce_cpu(logits, targets, mtp_weights)
 
 
 # =====================================================================================================================
-# 5. Fused Adam update  (spec §5.3; train_gpt.adam_update)
+# 5. Fused Adam update  (train_gpt.adam_update)
 # =====================================================================================================================
 # One pass over param, grad, exp_avg and exp_avg_sq in place of the ~12 eager kernels (each a full read/write of the
 # 50304x768 tables). Every operation of the eager code is one fp32 operation here, in the eager order, so the result
@@ -813,7 +812,7 @@ def _adam_update_op(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Te
 
 def adam_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, *, beta1: float, beta2: float,
                 eps: float, step_size: float, decay: float) -> None:
-    """One Adam update in place (spec §5.3): the Triton kernel on CUDA, the reference elsewhere."""
+    """One Adam update in place: the Triton kernel on CUDA, the reference elsewhere."""
     if param.is_cuda:
         torch.ops.nanogpt_kernels.adam_update(param, grad, exp_avg, exp_avg_sq, beta1, beta2, eps, step_size, decay)
     else:
@@ -822,7 +821,7 @@ def adam_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor
 
 
 # =====================================================================================================================
-# 6. Fused NorMuon cautious update with mantissa  (spec §5.8; train_gpt.cautious_update_with_mantissa_)
+# 6. Fused NorMuon cautious update with mantissa  (train_gpt.cautious_update_with_mantissa_)
 # =====================================================================================================================
 # The fp32 master P = (bf16 bits << 16) | mantissa is assembled, updated and split again in registers:
 #   P' = (P - ((P * [O*P >= 0]) * wd) * lr) - O * lr      (non-strict mask: entries with O = 0 or P = 0 are decayed)
@@ -932,7 +931,7 @@ def _cautious_update_with_mantissa_op(param: Tensor, mantissa: Tensor, O: Tensor
 
 def cautious_update_with_mantissa(param: Tensor, mantissa: Tensor, O: Tensor, *, lr: float | Tensor,
                                   wd: float) -> None:
-    """NorMuon's cautious update of the bf16 + mantissa master in place (spec §5.8): Triton on CUDA, the reference
+    """NorMuon's cautious update of the bf16 + mantissa master in place: Triton on CUDA, the reference
     elsewhere. lr: a float or an fp32 (n, 1, 1) tensor."""
     if param.is_cuda:
         per_matrix = lr if isinstance(lr, Tensor) else None

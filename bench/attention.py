@@ -6,7 +6,7 @@
 For each available backend: forward (training mode, inputs require grad) and forward+backward, do_bench medians,
 on packed FineWeb-like documents (lognormal lengths, median ~400 tokens, cut at 2048). Layouts per window stage
 (short, long) in 128-token blocks: normal heads (T, 6, 128) with the short and the long window, and the paired
-layout (2T, 3, 128) with cu_seqlens * 2 and the short window measured in doubled positions (spec §3.6).
+layout (2T, 3, 128) with cu_seqlens * 2 and the short window measured in doubled positions.
 flex runs under torch.compile(fullgraph=True), as inside the model. "vs ref" is the relative L2 distance of the
 output from the first fused backend's (a sanity check; bf16 noise is ~1e-3).
 
@@ -28,7 +28,7 @@ import train_gpt as tg  # noqa: E402
 STAGES = ((1, 3), (3, 7), (5, 11), (6, 13))      # (short, long) windows in blocks
 BLOCK = 128                                      # tokens per window block
 RECORD_STAGE_USE = {(1, 3): (16384, 575), (3, 7): (32768, 575), (5, 11): (49152, 575), (6, 13): (49152, 40)}
-LAYERS_PER_KIND = {"paired": 4, "short": 4, "long": 2}   # spec §3.2 layer layout
+LAYERS_PER_KIND = {"paired": 4, "short": 4, "long": 2}   # the record's layer layout
 SDPA_MAX_T = 16384                               # the dense-mask reference is only timed up to here
 
 

@@ -1,4 +1,4 @@
-"""Time one NorMuonAndAdam step at the record's shapes (spec §3.1, §5): exposed communication = total - compute.
+"""Time one NorMuonAndAdam step at the record's shapes: exposed communication = total - compute.
 
     torchrun --standalone --nproc_per_node=1 bench/optimizer.py
     torchrun --standalone --nproc_per_node=4 bench/optimizer.py [--iters=20]

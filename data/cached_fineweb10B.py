@@ -36,7 +36,7 @@ import shards    # data/shards.py: the shard format, its check, UsageError
 
 REPO_ID = "kjj0/fineweb10B-gpt2"
 UPSTREAM_TRAIN_SHARDS = 103
-TRAINED_TOKENS = 575 * 131_072 + 575 * 262_144 + 615 * 393_216    # = 467,927,040 (spec §10.3)
+TRAINED_TOKENS = 575 * 131_072 + 575 * 262_144 + 615 * 393_216    # = 467,927,040
 SHARD_TOKENS = 100_000_000
 WASTE_ALLOWANCE = 0.5              # tokens read but not trained on, as a fraction of TRAINED_TOKENS (see the docstring)
 SPARE_SHARDS = 1

@@ -127,7 +127,10 @@ def entropy_estimates(vocab: Vocabulary, follow_prob: float) -> tuple[float, flo
 
 
 def _worker(seed: int, jobs: list[tuple[str, list[int], int, float]], conn) -> None:
-    """A worker process: makes `jobs` in order, sending each path, or the exception that stopped it, to the parent."""
+    """A worker process: makes `jobs` in order, sending each path, or the exception that stopped it, to the parent.
+    It starts with SIGINT blocked (see make_shards) and ignores it: the parent ends the workers on a Ctrl-C."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     try:
         for path in make_shards(jobs, seed, 1):
             conn.send(path)
@@ -148,9 +151,10 @@ def make_shards(jobs: list[tuple[str, list[int], int, float]], seed: int, worker
     ctx = multiprocessing.get_context("spawn" if sys.platform == "darwin" else "fork")
     procs, readers, done = [], [], 0
     try:
-        # Ctrl-C reaches the whole process group: the workers ignore it (inherited from their start) and the parent
-        # ends them
-        sigint = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        # Ctrl-C reaches the whole process group: the workers ignore it and the parent ends them. While they start,
+        # SIGINT is blocked, not ignored: a Ctrl-C then waits and arrives as soon as the parent unblocks it (ignoring
+        # it lost one that came while a fast worker had already written its first shard, and the run went on).
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         try:
             for k in range(workers):
                 reader, writer = ctx.Pipe(duplex=False)
@@ -159,7 +163,7 @@ def make_shards(jobs: list[tuple[str, list[int], int, float]], seed: int, worker
                 writer.close()
                 readers.append(reader)
         finally:
-            signal.signal(signal.SIGINT, sigint)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
         while readers:
             for reader in multiprocessing.connection.wait(readers):
                 try:

@@ -1,4 +1,4 @@
-"""Attention backends (train_gpt.py section 4) against an independent float64 reference.
+"""Attention backends (train_gpt.py section 2) against an independent float64 reference.
 
 The reference loops over documents (taken directly from consecutive cu_seqlens entries) and heads, builds each
 document's causal sliding-window mask from explicit index comparisons, and runs softmax attention in float64.

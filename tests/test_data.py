@@ -1,4 +1,4 @@
-"""Data loader tests (spec §2): shard checks, BOS-aligned train batches against a pure-Python reference of §2.3,
+"""Data loader tests: shard checks, BOS-aligned train batches against a pure-Python reference of §2.3,
 world-size invariance, batch-size messages, shard ends, validation batches (§2.5), and bad input. All on CPU."""
 import os
 import threading
@@ -75,7 +75,7 @@ def as_lists(batch):
 # ------------------------------------------------------------------------------------------------------------------
 
 def test_max_num_docs_spec_values():
-    assert [tg.max_num_docs(n, 300) for n in (16384, 32768, 49152, 262144)] == [128, 128, 256, 896]  # spec §2.3
+    assert [tg.max_num_docs(n, 300) for n in (16384, 32768, 49152, 262144)] == [128, 128, 256, 896]
     for n in [1, 127, 38_400, 38_401, 38_700, 100_000, 1_000_000]:
         for bound in (1, 7, 100, 300):
             assert tg.max_num_docs(n, bound) == ref_max_num_docs(n, bound)

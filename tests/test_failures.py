@@ -267,10 +267,10 @@ def test_signal_in_the_timed_loop_stops_at_a_step_and_saves_it(tmp_path, data, s
 @pytest.mark.timeout(120)
 def test_ctrl_c_before_the_timed_loop_stops_at_once(tmp_path, data):
     """Outside the loop there is no step to finish: the run ends at once, with one line."""
-    args = ["--preset=tiny", "--val_loss_every=0", f"--train_files={data[0]}", f"--val_files={data[1]}",
-            f"--log_dir={tmp_path}/logs", "--run_id=early"]
+    args = ["--preset=tiny", "--warmup=true", "--val_loss_every=0", f"--train_files={data[0]}",
+            f"--val_files={data[1]}", f"--log_dir={tmp_path}/logs", "--run_id=early"]
     proc = start(args, tmp_path)
-    assert wait_for_line(proc, "warmup: compiling") is not None       # the tiny preset's warmup runs real steps
+    assert wait_for_line(proc, "warmup: compiling") is not None       # the warmup runs real steps
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130 and "Traceback" not in err, err

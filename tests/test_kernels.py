@@ -40,7 +40,7 @@ def test_sym_references_match_float64():
 
 
 def test_relu2_mlp_reference_rounding_points_and_backward():
-    """Forward: pre and post rounded to bf16 (spec §3.7); backward: the closed forms of spec §8.3."""
+    """Forward: pre and post rounded to bf16; backward: the closed forms of spec §8.3."""
     g = torch.Generator().manual_seed(0)
     M, D, H = 24, 16, 40
     x = torch.randn(M, D, generator=g).bfloat16().requires_grad_()
@@ -99,7 +99,7 @@ def test_ce_reference_with_fewer_rows_than_weights():
 
 
 def test_ce_reference_gradient_matches_spec_closed_form():
-    """dl_c = g_row (S_w p_c - T_c) z_c (1 - sigma_c) / C (spec §8.4), through the reference's autograd."""
+    """dl_c = g_row (S_w p_c - T_c) z_c (1 - sigma_c) / C, through the reference's autograd."""
     g = torch.Generator().manual_seed(5)
     n, V = 6, 13
     weights = [1.0, 0.5, 0.25]

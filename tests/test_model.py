@@ -1,4 +1,4 @@
-"""CPU tests of the MODEL section of train_gpt.py (spec §3-4) against direct implementations written here.
+"""CPU tests of the MODEL section of train_gpt.py against direct implementations written here.
 
 The attention backend is replaced by `masked_sdpa`, a dense-mask stand-in defined in this file (the real
 varlen_attention lives in another section). References use fp32 math on the model's bf16 weights, loops over tokens
@@ -181,7 +181,7 @@ def attention_direct(model, layer, u, ve, cu, window, *, swap_slot=True):
 
 
 def hidden_direct(model, inputs, cu, ws_short, ws_long):
-    """The whole trunk (spec §3.4) in fp32, layer wiring read from the config; returns rms(final x) (T, D)."""
+    """The whole trunk in fp32, layer wiring read from the config; returns rms(final x) (T, D)."""
     cfg = model.cfg
     L, bs = cfg.num_layers, cfg.block_size
     sc = model.scalars.detach()

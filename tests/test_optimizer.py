@@ -1,4 +1,4 @@
-"""Optimizer section of train_gpt.py (spec §5): Polar Express, Adam and NorMuon updates, NorMuonAndAdam at world 1.
+"""Optimizer section of train_gpt.py: Polar Express, Adam and NorMuon updates, NorMuonAndAdam at world 1.
 
 References here are written from the spec text in float64 (bf16 rounding emulated where the spec puts it), never by
 calling the code under test for the quantity being checked.
@@ -34,7 +34,7 @@ def f32(x):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Tiny model parameters with the record's structure (spec §3.1): D=32, H=128, V=96, 2 attention layers, 2 MLP slices.
+# Tiny model parameters with the record's structure: D=32, H=128, V=96, 2 attention layers, 2 MLP slices.
 # ---------------------------------------------------------------------------------------------------------------------
 D, H, V = 32, 128, 96
 TINY_TABLE = dict(tg.DEFAULT_PARAM_TABLE, attn=dict(tg.DEFAULT_PARAM_TABLE["attn"], matrix_shape=(D, D)),

@@ -1,5 +1,5 @@
 """NorMuonAndAdam over gloo with 2 and 4 processes: the sharded and replicated paths must give exactly the world-1
-result on the averaged gradients, for every parameter and every state buffer (spec §5.2, §5.9, §5.11)."""
+result on the averaged gradients, for every parameter and every state buffer."""
 import datetime
 import os
 import tempfile

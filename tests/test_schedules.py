@@ -1,4 +1,4 @@
-"""Schedules (spec §6) as pure functions of the step, checked against the spec's tables and boundary values."""
+"""Schedules as pure functions of the step, checked against the spec's tables and boundary values."""
 import math
 
 import pytest
@@ -12,7 +12,7 @@ NS = HP.num_scheduled_iterations
 def test_totals():
     assert HP.num_iterations == 1765
     assert HP.split_step == 1151
-    assert tg.train_tokens_needed(HP) == 467_927_040   # spec §10.3
+    assert tg.train_tokens_needed(HP) == 467_927_040 
 
 
 @pytest.mark.parametrize("step,bs", [(0, 131072), (574, 131072), (575, 262144), (1149, 262144), (1150, 393216),
@@ -70,7 +70,7 @@ def test_warmup_steps_cover_every_transition_and_the_split():
 
 
 def test_attn_scale_after_yarn_matches_spec():
-    # the schedule's window changes drive YaRN: scale *= 1 + 0.2 ln(b/a) at 3->7->11->13 (spec §4)
+    # the schedule's window changes drive YaRN: scale *= 1 + 0.2 ln(b/a) at 3->7->11->13
     scale, prev = 0.1, 3
     expected = [0.11694596, 0.12751752, 0.13177799]
     for new, want in zip((7, 11, 13), expected):
