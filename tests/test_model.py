@@ -316,7 +316,7 @@ def _model_attention(model, layer, u, ve, cu, window):
     L = model.cfg.num_layers
     sa = model.scalars[L:3 * L].view(L, 2)[layer]
     with torch.no_grad():
-        return model.attention(p, u, ve, sa, cu, 64, window)
+        return model.attention(p, model.attn[p.attn_slot], u, ve, sa, cu, 64, window)
 
 
 @pytest.mark.parametrize("layer, ve_layout", [(0, (1, 2, -1, -1, 0, 2)), (5, (1, 2, -1, -1, 0, -1))])

@@ -1,0 +1,72 @@
+"""Time one training micro-batch of the compiled model: forward, backward, and nothing else.
+
+    python3 bench/model_step.py [--tokens=16384] [--iters=30] [--root=DIR] [option=value ...]
+
+A quick check of a model change on one GPU: it compiles one graph (about a minute, not the trainer's whole warmup)
+and prints the median ms of forward + backward over --iters micro-batches of random tokens in documents of about
+--doc_len tokens, plus the peak memory. --root imports train_gpt.py from another checkout (say a baseline made with
+`git worktree`), so before and after run the same script; run each in its own process. Other arguments are the
+trainer's --name=value options (the model and its windows come from them).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tokens", type=int, default=16384, help="tokens per micro-batch (the record's first phase: "
+                    "131,072 / 8)")
+    ap.add_argument("--doc_len", type=int, default=600, help="mean document length of the synthetic batch")
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--root", default=str(Path(__file__).resolve().parent.parent), help="folder of train_gpt.py")
+    args, trainer_args = ap.parse_known_args(argv)
+    sys.path.insert(0, args.root)
+    import torch
+    import train_gpt as tg
+
+    hp = tg.parse_args(trainer_args)
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    model = tg.build_model(hp, device, tg.resolve_attn_backend(hp.attn_backend, device))
+    compiled = torch.compile(model, dynamic=False, fullgraph=True)
+    sched = tg.schedule_at(0, hp)
+    T = args.tokens
+    gen = torch.Generator().manual_seed(0)
+    inputs = torch.randint(0, tg.BOS_ID, (T,), generator=gen, dtype=torch.int32)
+    bounds = torch.cumsum(torch.randint(1, 2 * args.doc_len, (T // args.doc_len * 2,), generator=gen), 0)
+    bounds = bounds[bounds < T]
+    cu = torch.full((tg.max_num_docs(T, hp.tokens_per_doc_bound),), T, dtype=torch.int32)
+    cu[0] = 0
+    cu[1:len(bounds) + 1] = bounds.to(torch.int32)
+    inputs, targets = inputs.to(device), torch.roll(inputs, -1).long().to(device)
+    cu = cu.to(device)
+    mtp = torch.tensor(sched.mtp_weights, dtype=torch.float32, device=device)
+
+    def step() -> None:
+        loss = compiled(inputs, targets, cu, sched.ws_short, sched.ws_long, mtp, hp.train_max_seq_len)
+        loss.backward()
+
+    for _ in range(3):                     # compile and settle
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(args.iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    print(f"root {args.root}: {T} tokens, forward + backward median {statistics.median(times):.3f} ms "
+          f"(min {min(times):.3f}, max {max(times):.3f}) over {args.iters}; "
+          f"peak {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB; {torch.cuda.get_device_name()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
