@@ -91,6 +91,8 @@ class Hyperparameters:
     mtp_weights_start: tuple = (1.0, 0.5, 0.25)  # multi-token-prediction weights; see mtp_weights()
     val_loss_every: int = 250              # validate every this many steps (0: only at the end)
     val_loss_target: float = 3.28          # the final summary line says whether the run reached this loss
+    train_loss_every: int = 0              # end every this-many-th step line with the step's train loss (its weighted
+                                           # multi-token loss per token, averaged over ranks): one sync each; 0: never
     dry_run: bool = False                  # run every check that comes before compiling (options, environment, data,
                                            # memory, output folders), print them as a checklist, and exit
     # ---- attention windows (in blocks of block_size tokens) ----
@@ -1938,7 +1940,7 @@ def validate_hyperparameters(hp: Hyperparameters, world_size: int) -> None:
                  "rope_base", "attn_scale", "adam_eps", "pg_timeout_s"):
         need(getattr(hp, name) > 0, f"--{name}={getattr(hp, name)} must be positive")
     for name in ("num_extension_iterations", "num_value_embeds", "mlp_bank_pad", "val_loss_every",
-                 "nonfinite_check_every", "checkpoint_every", "lr_min", "adam_lr", "adam_wd", "muon_lr", "muon_wd", "yarn_alpha"):
+                 "nonfinite_check_every", "checkpoint_every", "train_loss_every", "lr_min", "adam_lr", "adam_wd", "muon_lr", "muon_wd", "yarn_alpha"):
         need(getattr(hp, name) >= 0, f"--{name}={getattr(hp, name)} must be >= 0")
     for name, ok, what in (("train_bs_schedule", lambda v: v > 0, "positive token counts"),
                            ("ws_long_schedule", lambda v: v > 0, "positive window sizes in blocks"),
@@ -2207,9 +2209,9 @@ CHECKPOINT_NAME = re.compile(r"state_step(\d{6,})(?:_rank(\d+))?\.pt")
 # Options that do not change what a run computes; a resumed run may set them differently. Every other option must
 # equal the checkpoint's, and so must what these resolve to (see run_facts).
 RUN_CONTROL_OPTIONS = frozenset({
-    "train_files", "val_files", "val_loss_every", "val_loss_target", "dry_run", "device", "attn_backend", "warmup",
-    "run_id", "log_dir", "save_checkpoint", "checkpoint_every", "checkpoint_keep", "resume", "nonfinite_check_every",
-    "pg_timeout_s", "profile_steps", "debug"})
+    "train_files", "val_files", "val_loss_every", "val_loss_target", "train_loss_every", "dry_run", "device",
+    "attn_backend", "warmup", "run_id", "log_dir", "save_checkpoint", "checkpoint_every", "checkpoint_keep", "resume",
+    "nonfinite_check_every", "pg_timeout_s", "profile_steps", "debug"})
 
 
 def checkpoint_path(folder: Path, step: int, rank: int, world_size: int) -> Path:
@@ -2457,6 +2459,13 @@ class Trainer:
         if sched.step == hp.split_step:
             self.opt.untie()
         return total
+
+    def mean_train_loss(self, summed: Tensor, sched: StepSchedule) -> float:
+        """train_step's summed loss as a per-token mean over every rank's tokens of the step."""
+        mean = summed.detach() / (sched.global_batch // self.world_size)
+        if self.world_size > 1:
+            dist.all_reduce(mean, op=dist.ReduceOp.AVG)
+        return mean.item()
 
     @torch.no_grad()
     def validate(self, ws_short: int, ws_long: int, max_batches: int | None = None) -> float:
@@ -2785,6 +2794,8 @@ def train(hp: Hyperparameters, argv_text: str, stops: StopSignals | None = None)
                 if saving:
                     last_good, pending = pending, trainer.state(done, clock.now_ms())
             line = f"step:{done}/{total_steps} train_time:{clock.now_ms():.0f}ms step_avg:{clock.now_ms() / done:.2f}ms"
+            if hp.train_loss_every and done % hp.train_loss_every == 0:
+                line += f" train_loss:{trainer.mean_train_loss(loss, sched):.6f}"
             log(line, console=False)  # the file keeps the fixed format; the console adds progress
             if master:
                 print(line + progress_note(done, total_steps, clock.now_ms(), int(tokens_after[done - 1]),

@@ -527,11 +527,19 @@ def test_synthetic_failure_half_way_keeps_the_earlier_set(tmp_path, capsys, monk
     assert snapshot(out) == before
 
 
+def default_sigint() -> None:
+    """In the child before exec: a shell starts background jobs with SIGINT ignored, and an ignored signal stays
+    ignored across exec (Python then installs no KeyboardInterrupt handler), so a test run in the background would
+    send a Ctrl-C nobody receives."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_synthetic_ctrl_c_with_workers_leaves_nothing(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "data", "synthetic.py"), "--out", str(out),
                              "--train_shards=4", "--shard_tokens=20000000", "--val_tokens=1000", "--workers=2"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=default_sigint)
     try:
         # Ctrl-C, as a terminal sends it to the whole process group, once a worker has written the (small) val shard
         deadline = time.monotonic() + 60
