@@ -7,6 +7,17 @@ The training math is that of record 61 of the modded-nanogpt speedrun (README, P
 The fused kernels live in triton_kernels.py (imported as tk): each public op there runs its Triton kernel on CUDA
 tensors and its plain-PyTorch reference elsewhere, so this file never branches on the device for them.
 Nothing happens at import: process groups, CUDA work, file reads and compiles all start in main().
+
+Where to change what:
+    an option's default          Hyperparameters (section 1); any field is also --name=value on the command line
+    layer layout                 attn_layout, long_window_layers, ve_layout, skip/backout layers (section 1 fields)
+    the forward pass             GPT.final_hidden and GPT.attention (section 3)
+    the activation (ReLU^2)      triton_kernels.py section 3: relu2_mlp_reference, and the Triton kernel the GPU runs
+    the loss (softcapped MTP CE) triton_kernels.py section 4: softcap / softcapped_mtp_ce_reference, and its kernels
+    schedules (lr, batch, windows, MTP weights, momentum)   the pure functions of section 6
+    a new parameter              GPT.__init__ and GPT.labelled_params, a DEFAULT_PARAM_TABLE row, and its place in
+                                 DEFAULT_SCATTER_ORDER and DEFAULT_WORK_ORDER (section 1)
+    optimizer math               the pure update functions at the top of section 4; NorMuonAndAdam runs them
 """
 from __future__ import annotations
 
