@@ -49,10 +49,12 @@ import triton_kernels as tk
 # 1. Hyperparameters
 # =====================================================================================================================
 
-# The per-parameter optimizer table. optim: "adam" | "normuon"; comms: "none" | "replicated" | "sharded".
-# betas are Adam's (beta1, beta2); a NorMuon bank is viewed as a stack of matrices of the shape the model gives
-# (GPT.bank_matrix_shapes); matrix_lr_muls cycles over the global matrix index of that stack (c_fc, c_proj alternate
-# in the MLP bank, so c_proj gets 2x).
+# The per-parameter optimizer table, one row per model parameter (GPT's attribute names). optim: "adam" | "normuon";
+# comms: "none" | "replicated" | "sharded"; betas are Adam's (beta1, beta2). A NorMuon bank is a stack of matrices of
+# the shapes the model gives (GPT.bank_matrix_shapes); matrix_lr_muls cycles over a matrix's index in that stack
+# (c_fc and c_proj alternate in the MLP bank, so c_proj gets 2x).
+# The row order is the order in which the gradient reductions are launched: the big banks first, so their
+# reduce-scatters start earliest. The order of the updates is derived from the rows (NorMuonAndAdam.update_order).
 DEFAULT_PARAM_TABLE: dict[str, dict[str, Any]] = {
     "attn":           dict(optim="normuon", comms="sharded",    lr_mul=1.0,  wd_mul=1.0),
     "mlp":            dict(optim="normuon", comms="sharded",    lr_mul=1.0,  wd_mul=1.0,   matrix_lr_muls=(1.0, 2.0)),
@@ -68,13 +70,6 @@ DEFAULT_PARAM_TABLE: dict[str, dict[str, Any]] = {
     "lm_head":        dict(optim="adam",    comms="sharded",    lr_mul=1.0,  wd_mul=150.0, betas=(0.5, 0.95)),
     "embed":          dict(optim="adam",    comms="sharded",    lr_mul=1.0,  wd_mul=150.0, betas=(0.5, 0.95)),
 }
-# Launch reductions in this order (big banks first so their reduce-scatter starts earliest; lm_head before embed so
-# the tied gradient fold happens before lm_head is reduced) ...
-DEFAULT_SCATTER_ORDER = ("attn", "mlp", "scalars", "ve0", "ve1", "ve2", "smear_gate", "skip_gate", "attn_gate_bank",
-                         "ve_gate_bank", "x0_lambdas", "lm_head", "embed")
-# ... and do the update work in this one: small tensors while the big reductions are in flight, Polar Express last.
-DEFAULT_WORK_ORDER = ("scalars", "smear_gate", "skip_gate", "attn_gate_bank", "ve_gate_bank", "x0_lambdas",
-                      "ve0", "ve1", "ve2", "lm_head", "embed", "attn", "mlp")
 
 
 @dataclass
@@ -127,12 +122,10 @@ class Hyperparameters:
     skip_source_layer: int = 3             # its output is added (gated) to the input of skip_dest_layer
     skip_dest_layer: int = 6               # the layer whose input receives the skip
     backout_layer: int = 7                 # backout_lambda * its output is subtracted after the last layer
-    mlp_bank_pad: int = 1                  # unused MLP slices so the bank divides by 8 ranks (11 + 1 = 12)
     rope_base: float = 1024.0              # frequencies (1/base)^(j/(n-1)) on the rotated half of each head
     attn_scale: float = 0.1                # softmax scale at the start (YaRN grows it at window changes)
     yarn_alpha: float = 1.0                # YaRN: frequencies turning fewer than alpha times over the old window
     yarn_beta: float = 32.0                # are stretched fully, beta+ times not at all, a linear ramp between
-    softcap: tuple = (23.0, 5.0, 7.5)      # z = A * sigmoid((logit + B) / C)
     fp8_scales: tuple = (100 / 448, 1.6 / 448, 0.75 / 448)  # x, w, grad scales of the FP8 LM head
     use_fp8: bool = True                   # FP8 LM head in training (CUDA only; the CPU emulates it)
     dtype: str = "bfloat16"                # weights and activations; float32 / float64 (CPU, --use_fp8=false) run the
@@ -145,8 +138,6 @@ class Hyperparameters:
     muon_beta2: float = 0.95               # NorMuon second-moment decay of the variance normalisation
     muon_wd: float = 1.2                   # NorMuon cautious weight decay (times the table's wd_mul)
     param_table: dict = field(default_factory=lambda: copy.deepcopy(DEFAULT_PARAM_TABLE))  # optimizer row per label
-    scatter_order: tuple = DEFAULT_SCATTER_ORDER   # order of the gradient reductions (every label once)
-    work_order: tuple = DEFAULT_WORK_ORDER         # order of the updates (every label once)
     # ---- system ----
     preset: str = ""                       # "tiny": a few narrow layers for CPU tests and newcomers
     attn_backend: str = "auto"             # auto | flex | varlen | fa3 | sdpa
@@ -183,7 +174,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(
         model_dim=128, num_heads=4, head_dim=32, mlp_hidden=512, num_layers=6,
         attn_layout="PNN-NP", long_window_layers=(1, 4), ve_layout=(1, 2, -1, -1, 0, 2),
-        skip_source_layer=1, skip_dest_layer=3, backout_layer=4, mlp_bank_pad=2,
+        skip_source_layer=1, skip_dest_layer=3, backout_layer=4,
         batch_slices=2, train_bs_schedule=(512, 768, 1024), block_size=16, ws_long_schedule=(3, 7, 11),
         ws_long_extension=13, ws_long_final_val=20,
         val_batch_size=2048, val_tokens=4096, num_scheduled_iterations=60, num_extension_iterations=4,
@@ -531,18 +522,18 @@ class ModelConfig:
     skip_source_layer: int
     skip_dest_layer: int
     backout_layer: int
-    mlp_bank_pad: int             # unused MLP slices at the end of the bank (for even sharding)
     block_size: int               # tokens per window block
     rope_base: float
     attn_scale: float             # softmax scale after reset_rotary()
     yarn_alpha: float
     yarn_beta: float
-    softcap: tuple                # (A, B, C): z = A * sigmoid((logit + B) / C)
     fp8_scales: tuple             # (s_x, s_w, s_g) of the FP8 LM head
     use_fp8: bool                 # FP8 LM head in training (CUDA: the custom op; CPU: its plain-PyTorch emulation)
     attn_backend: str             # resolved backend name, passed through to varlen_attention
     rotary_max_len: int           # packed positions the rotary tables cover: max(train, val) micro-batch tokens
     dtype: str = "bfloat16"       # weights and activations: bf16 (the record), or float32 / float64 on a CPU
+    bank_multiple: int = 8        # each bank holds a multiple of this many matrices (padded with unused slices), so
+                                  # the optimizer shards it evenly over any world size that divides this
 
     def validate(self) -> None:
         """Raise ValueError naming the option to change for layouts the model cannot build."""
@@ -568,15 +559,17 @@ class ModelConfig:
         if not 0 <= self.skip_source_layer < self.skip_dest_layer < L or not 0 <= self.backout_layer < L:
             raise ValueError("need 0 <= --skip_source_layer < --skip_dest_layer < num_layers and "
                              "0 <= --backout_layer < num_layers")
-        if tuple(self.softcap) != (tk.SOFTCAP_A, tk.SOFTCAP_B, tk.SOFTCAP_C):
-            raise ValueError(f"--softcap={self.softcap} differs from the fused loss kernel's constants in "
-                             "triton_kernels.py (SOFTCAP_A/B/C); change both together")
         if self.dtype not in ("bfloat16", "float32", "float64"):
             raise ValueError(f"--dtype={self.dtype}: use bfloat16 (training), float32 or float64 (CPU checks)")
         if self.use_fp8 and self.dtype != "bfloat16":
             raise ValueError(f"the FP8 LM head reads bf16 weights: use --use_fp8=false with --dtype={self.dtype}")
         if self.rotary_max_len < 1:
             raise ValueError("rotary_max_len must be the largest micro-batch in tokens (train or val)")
+
+
+def bank_padding(slices: int, matrices_per_slice: int, multiple: int) -> int:
+    """Unused slices to append so that (slices + pad) * matrices_per_slice is a multiple of `multiple`."""
+    return -slices % (multiple // math.gcd(multiple, matrices_per_slice))
 
 
 @dataclass(frozen=True)
@@ -813,14 +806,16 @@ class GPT(nn.Module):
             return nn.Parameter(t)
 
         # Banks: attn slice i = [W_q; W_k; W_v; W_o] (4D, D) of the i-th attention layer; mlp slice j = [c_fc, c_proj]
-        # (2, hidden, D) of layer j (pad slices unused). Built in fp32 on `device`, then cast to bf16.
-        # With --dtype=float32/float64 the bf16 tensors are that dtype instead and the fp32 ones at least fp32.
+        # (2, hidden, D) of layer j. Unused pad slices at the end make each bank shard evenly (cfg.bank_multiple):
+        # the attn pad stays zero; the mlp pad's c_fc is drawn, as the record draws its whole 12-slice bank.
+        # Built in fp32 on `device`, then cast to bf16. With --dtype=float32/float64 the bf16 tensors are that
+        # dtype instead and the fp32 ones at least fp32.
         wdt = getattr(torch, cfg.dtype)
         fdt = tk.acc_dtype(wdt)
-        attn = torch.zeros(n_attn, 4 * D, D, device=device)
+        attn = torch.zeros(n_attn + bank_padding(n_attn, 4, cfg.bank_multiple), 4 * D, D, device=device)
         bound = math.sqrt(3) * D ** -0.5
-        attn[:, : 3 * D].uniform_(-bound, bound)                     # QKV; the O rows stay zero
-        mlp = torch.zeros(L + cfg.mlp_bank_pad, 2, cfg.mlp_hidden, D, device=device)
+        attn[:n_attn, : 3 * D].uniform_(-bound, bound)               # QKV; the O rows stay zero
+        mlp = torch.zeros(L + bank_padding(L, 2, cfg.bank_multiple), 2, cfg.mlp_hidden, D, device=device)
         mlp[:, 0].uniform_(-0.5 * bound, 0.5 * bound)                # c_fc; c_proj stays zero
         lm_head = torch.empty(D, V, dtype=torch.bfloat16, device=device).normal_(0.0, 0.005)  # drawn into bf16
         scalars = torch.cat([
@@ -871,11 +866,6 @@ class GPT(nn.Module):
     def bank_matrix_shapes(self) -> dict[str, tuple[int, int]]:
         """The matrices the optimizer orthogonalises: attn's W_q, W_k, W_v, W_o (D, D); mlp's c_fc, c_proj (H, D)."""
         return {"attn": (self.cfg.model_dim, self.cfg.model_dim), "mlp": (self.cfg.mlp_hidden, self.cfg.model_dim)}
-
-    def labelled_params(self) -> dict[str, nn.Parameter]:
-        names = ("attn", "mlp", "lm_head", "embed", *self.ve_names, "attn_gate_bank", "ve_gate_bank", "smear_gate",
-                 "skip_gate", "x0_lambdas", "scalars")
-        return {name: getattr(self, name) for name in names}
 
     # ---- rotary state ----
 
@@ -1176,6 +1166,14 @@ def normuon_scalars(muon_lr: float, lr_factor: float, wd: float, wd_mul: float) 
     return lr, _fp32(wd_mul * wd * lr)
 
 
+def update_order(table: dict[str, dict]) -> tuple[str, ...]:
+    """The order of the updates: replicated Adam rows first (small, their all-reduces land first), then sharded Adam
+    rows (their all-gathers start while the banks are still reducing), then NorMuon (the long Polar Express work
+    hides every gather launched before it); the table's order within each group."""
+    return tuple(sorted(table, key=lambda label: (table[label]["optim"] == "normuon",
+                                                  table[label]["comms"] == "sharded")))
+
+
 class NorMuonAndAdam:
     """One optimizer for every parameter, configured per label by a table.
 
@@ -1185,10 +1183,10 @@ class NorMuonAndAdam:
     "sharded" (reduce-scatter along dim 0 of the tensor, or of the bank's matrix view for NorMuon, update this rank's
     slice, all-gather it back) or "none" (no communication at all).
 
-    Comm ordering. A step launches every reduction up front, asynchronously, in `scatter_order`, then walks
-    `work_order`: wait for a label's reduction, update its slice, launch its all-gather. The two orders differ because
-    the collectives run one after another on a single comm stream while the updates run on the compute stream: the
-    big NorMuon banks are reduced first, and their Polar Express work comes last in work order, so the cheap Adam
+    Comm ordering. A step launches every reduction up front, asynchronously, in the table's row order, then walks
+    update_order(table): wait for a label's reduction, update its slice, launch its all-gather. The two orders differ
+    because the collectives run one after another on a single comm stream while the updates run on the compute
+    stream: the big NorMuon banks are reduced first, and their Polar Express work comes last, so the cheap Adam
     updates run (and their large embedding gathers start) while the bank reductions are still arriving, and the long
     Polar Express compute hides every gather launched before it; only the last bank's gather is exposed. These
     orders are performance choices (measured in the record), not math. Two orderings ARE correctness constraints
@@ -1201,13 +1199,12 @@ class NorMuonAndAdam:
     the collectives use the default process group (none is needed when world_size is 1).
     """
 
-    def __init__(self, named_params: dict[str, nn.Parameter], param_table: dict[str, dict], scatter_order: Sequence[str],
-                 work_order: Sequence[str], *, adam_lr: float, adam_eps: float, adam_wd: float, muon_lr: float,
-                 muon_beta2: float, muon_wd: float, rank: int, world_size: int,
-                 tied: tuple[str, str] | None = ("lm_head", "embed")):
+    def __init__(self, named_params: dict[str, nn.Parameter], param_table: dict[str, dict], *, adam_lr: float,
+                 adam_eps: float, adam_wd: float, muon_lr: float, muon_beta2: float, muon_wd: float, rank: int,
+                 world_size: int, tied: tuple[str, str] | None = ("lm_head", "embed")):
         self.params = dict(named_params)
         self.table = {label: dict(row) for label, row in param_table.items()}
-        self.scatter_order, self.work_order = tuple(scatter_order), tuple(work_order)
+        self.scatter_order, self.work_order = tuple(self.table), update_order(self.table)
         self.adam_lr, self.adam_eps, self.adam_wd = adam_lr, adam_eps, adam_wd
         self.muon_lr, self.muon_beta2, self.muon_wd = muon_lr, muon_beta2, muon_wd
         self.rank, self.world_size = rank, world_size
@@ -1249,18 +1246,6 @@ class NorMuonAndAdam:
             if label not in self.params:
                 raise ValueError(f"param_table row {label!r} names no model parameter (parameters: "
                                  f"{', '.join(self.params)}): remove the row or fix its name")
-        for name, order in (("scatter_order", self.scatter_order), ("work_order", self.work_order)):
-            for label in order:
-                if label not in self.table:
-                    raise ValueError(f"{name} names {label!r}, which is not a parameter label: remove it from "
-                                     f"--{name}")
-                if order.count(label) > 1:
-                    raise ValueError(f"{name} lists {label!r} {order.count(label)} times: list every label exactly "
-                                     f"once in --{name}")
-            missing = [label for label in self.table if label not in order]
-            if missing:
-                raise ValueError(f"{name} is missing {', '.join(map(repr, missing))}: list every label exactly once "
-                                 f"in --{name}")
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} / world_size {self.world_size} is not a valid process placement")
         for label, row in self.table.items():
@@ -1294,9 +1279,9 @@ class NorMuonAndAdam:
                 raise ValueError(f"param_table[{label!r}] matrix_lr_muls is empty: give at least one multiplier")
             n_matrices = p.numel() // (shape[0] * shape[1])
             if row["comms"] == "sharded" and n_matrices % self.world_size:
-                fix = ("add padding layers (--mlp_bank_pad)" if label == "mlp" else "change the layer count")
                 raise ValueError(f"{label} bank has {n_matrices} matrices, not divisible by world_size "
-                                 f"{self.world_size}: {fix} or use a world size that divides {n_matrices}")
+                                 f"{self.world_size}: pad the bank (ModelConfig.bank_multiple) or use a world size "
+                                 f"that divides {n_matrices}")
         if self.tied is not None:
             head, embed = self.tied
             for label in (head, embed):
@@ -1950,7 +1935,7 @@ def validate_hyperparameters(hp: Hyperparameters, world_size: int) -> None:
                  "head_dim", "mlp_hidden", "num_layers", "momentum_warmup_steps", "momentum_cooldown_steps",
                  "rope_base", "attn_scale", "adam_eps", "pg_timeout_s"):
         need(getattr(hp, name) > 0, f"--{name}={getattr(hp, name)} must be positive")
-    for name in ("num_extension_iterations", "num_value_embeds", "mlp_bank_pad", "val_loss_every",
+    for name in ("num_extension_iterations", "num_value_embeds", "val_loss_every",
                  "nonfinite_check_every", "checkpoint_every", "train_loss_every", "lr_min", "adam_lr", "adam_wd", "muon_lr", "muon_wd", "yarn_alpha"):
         need(getattr(hp, name) >= 0, f"--{name}={getattr(hp, name)} must be >= 0")
     for name, ok, what in (("train_bs_schedule", lambda v: v > 0, "positive token counts"),
@@ -2019,8 +2004,8 @@ TRAIN_READ_FACTOR = 1.45
 def estimate_gpu_memory_gib(hp: Hyperparameters, world_size: int) -> float:
     """A rough upper estimate of peak GPU memory per rank (weights, grads, optimizer state, activations, logits)."""
     D, H, V, L = hp.model_dim, hp.mlp_hidden, hp.vocab_size, hp.num_layers
-    n_attn = sum(c != "-" for c in hp.attn_layout)
-    banks = 4 * n_attn * D * D + 2 * (L + hp.mlp_bank_pad) * H * D
+    shapes = build_model(hp, torch.device("meta"), "sdpa")          # the parameter sizes, without memory
+    banks = shapes.attn.numel() + shapes.mlp.numel()
     tables = (2 + hp.num_value_embeds) * V * D
     weights = 2 * (banks + tables)                       # bf16
     grads = 2 * (banks + tables)
@@ -2550,7 +2535,9 @@ def build_model(hp: Hyperparameters, device: torch.device, attn_backend: str) ->
     names = {f.name for f in dataclasses.fields(ModelConfig)}
     n_train = max(micro_batch_tokens(bs, hp.batch_slices) for bs in hp.train_bs_schedule)
     n_val = hp.val_batch_size // hp.batch_slices
-    extra = dict(attn_backend=attn_backend, rotary_max_len=max(n_train, n_val))
+    # Banks shard evenly on 8 GPUs (and on any world size --batch_slices allows), the same on every world size.
+    extra = dict(attn_backend=attn_backend, rotary_max_len=max(n_train, n_val),
+                 bank_multiple=math.lcm(8, hp.batch_slices))
     cfg = ModelConfig(**{n: getattr(hp, n) for n in names if hasattr(hp, n) and n not in extra}, **extra)
     return GPT(cfg, device)
 
@@ -2559,7 +2546,7 @@ def build_optimizer(hp: Hyperparameters, model: nn.Module, rank: int, world_size
     table = {label: dict(row, **({"matrix_shape": model.bank_matrix_shapes[label]}
                                  if label in model.bank_matrix_shapes else {}))
              for label, row in hp.param_table.items()}
-    return NorMuonAndAdam(model.labelled_params(), table, hp.scatter_order, hp.work_order,
+    return NorMuonAndAdam(dict(model.named_parameters()), table,
                           adam_lr=hp.adam_lr, adam_eps=hp.adam_eps, adam_wd=hp.adam_wd, muon_lr=hp.muon_lr,
                           muon_beta2=hp.muon_beta2, muon_wd=hp.muon_wd, rank=rank, world_size=world_size)
 

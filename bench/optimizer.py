@@ -3,7 +3,7 @@
     torchrun --standalone --nproc_per_node=1 bench/optimizer.py
     torchrun --standalone --nproc_per_node=4 bench/optimizer.py [--iters=20]
 
-Builds the 13 labelled parameters on CUDA with random gradients and times, with CUDA events, (a) an Adam step while
+Builds the trainer's model on CUDA (its 13 labelled parameters) with random gradients and times, with CUDA events, (a) an Adam step while
 embed and lm_head are tied, (b) the same after untie(), (c) a NorMuon-only step. "compute" runs the same step with
 the communication removed (each rank updates its own shard and launches no collective), so total - compute is the
 communication the step fails to hide. Prints one table on rank 0 (each number: the max over ranks of the median).
@@ -14,7 +14,6 @@ import sys
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train_gpt as tg  # noqa: E402
@@ -28,23 +27,6 @@ class ComputeOnly(tg.NorMuonAndAdam):
 
     def _launch_gather(self, label):
         return None
-
-
-def build_params(hp: tg.Hyperparameters, device: torch.device) -> dict:
-    D, H, V = hp.model_dim, hp.mlp_hidden, hp.vocab_size
-    n_attn = sum(kind != "-" for kind in hp.attn_layout)
-    n_mlp = hp.num_layers + hp.mlp_bank_pad
-
-    def param(*shape, dtype=torch.bfloat16, std=0.02):
-        return nn.Parameter((torch.randn(*shape, device=device) * std).to(dtype))
-
-    params = dict(attn=param(n_attn, 4 * D, D), mlp=param(n_mlp, 2, H, D), scalars=param(40, dtype=torch.float32),
-                  ve0=param(V, D), ve1=param(V, D), ve2=param(V, D), smear_gate=param(1, 12), skip_gate=param(1, 12),
-                  attn_gate_bank=param(n_attn, hp.num_heads, 12),
-                  ve_gate_bank=param(len([v for v in hp.ve_layout if v >= 0]), hp.num_heads, 12),
-                  x0_lambdas=param(hp.num_layers, dtype=torch.float32), lm_head=param(D, V))
-    params["embed"] = nn.Parameter(params["lm_head"].detach().mT.contiguous())
-    return params
 
 
 def time_steps(opt, params, grads, do_adam: bool, warmup: int, iters: int) -> float:
@@ -78,13 +60,15 @@ def main():
     if world_size > 1:
         dist.init_process_group("nccl", device_id=device)
     hp = tg.Hyperparameters()
+    torch.manual_seed(1234)
+    model = tg.build_model(hp, device, "sdpa")             # the record's parameters, as the trainer builds them
+    params = dict(model.named_parameters())
     torch.manual_seed(1234 + rank)
-    params = build_params(hp, device)
     grads = {k: torch.randn_like(p) * 1e-3 for k, p in params.items()}
     kwargs = dict(adam_lr=hp.adam_lr, adam_eps=hp.adam_eps, adam_wd=hp.adam_wd, muon_lr=hp.muon_lr,
                   muon_beta2=hp.muon_beta2, muon_wd=hp.muon_wd, rank=rank, world_size=world_size)
-    full = tg.NorMuonAndAdam(params, hp.param_table, hp.scatter_order, hp.work_order, **kwargs)
-    compute = ComputeOnly(params, hp.param_table, hp.scatter_order, hp.work_order, **kwargs)
+    full = tg.build_optimizer(hp, model, rank, world_size)
+    compute = ComputeOnly(params, full.table, **kwargs)
     rows = []
     for case in ("adam step, tied", "adam step, untied", "normuon-only step"):
         if case == "adam step, untied":

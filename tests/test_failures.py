@@ -145,8 +145,6 @@ def test_shard_the_process_cannot_read(capsys, tmp_path, data, monkeypatch):
     ("--momentum_min=0.99", ["--momentum_min (0.99) <= --momentum_max (0.95)"]),
     ("--seed=-5", ["--seed=-5"]),
     ("--run_id=a/b", ["--run_id='a/b'"]),
-    ("--work_order=attn,mlp", ["work_order is missing", "--work_order"]),
-    ("--scatter_order=attn,mlp,attn", ["scatter_order lists 'attn' 2 times"]),
     ("--attn_backend=varlen", ["--attn_backend=varlen cannot run on cpu", "available: sdpa"]),
     ("--attn_backend=magic", ["--attn_backend=magic is not one of auto"]),
     ("--dtype=float16", ["--dtype=float16"]),
@@ -162,12 +160,6 @@ def test_bad_option_values_name_the_flag(capsys, tmp_path, data, arg, needles):
                                           arg], tmp_path, run_id=run_id)
     assert_one_error(code, err, 2, *needles)
     assert not (tmp_path / "logs").exists() or not any(l.startswith("step:") for l in log or [])
-
-
-def test_bad_orders_name_every_missing_label():
-    hp = tg.parse_args(["--preset=tiny", "--scatter_order=attn,mlp"])
-    with pytest.raises(tg.ConfigError, match="scatter_order is missing 'scalars', 've0'.*'embed'"):
-        tg.validate_hyperparameters(hp, 1)
 
 
 @pytest.mark.parametrize("env,needle", [

@@ -20,8 +20,8 @@ def tiny_cfg(**overrides) -> tg.ModelConfig:
     cfg = tg.ModelConfig(
         vocab_size=256, model_dim=64, num_heads=4, head_dim=16, mlp_hidden=128, num_layers=6, num_value_embeds=3,
         attn_layout="PNN-NP", long_window_layers=(1, 4), ve_layout=(1, 2, -1, -1, 0, 2),
-        skip_source_layer=1, skip_dest_layer=3, backout_layer=4, mlp_bank_pad=2, block_size=16,
-        rope_base=1024.0, attn_scale=0.1, yarn_alpha=1.0, yarn_beta=32.0, softcap=(23.0, 5.0, 7.5),
+        skip_source_layer=1, skip_dest_layer=3, backout_layer=4, block_size=16,
+        rope_base=1024.0, attn_scale=0.1, yarn_alpha=1.0, yarn_beta=32.0,
         fp8_scales=(100 / 448, 1.6 / 448, 0.75 / 448), use_fp8=False, attn_backend="test-sdpa", rotary_max_len=128)
     return replace(cfg, **overrides)
 
@@ -57,7 +57,7 @@ def randomize(model: tg.GPT, seed: int = 0) -> None:
     g = torch.Generator().manual_seed(seed)
     L = model.cfg.num_layers
     with torch.no_grad():
-        for name, p in model.labelled_params().items():
+        for name, p in dict(model.named_parameters()).items():
             r = torch.randn(p.shape, generator=g)
             if name == "scalars":
                 base = torch.cat([torch.full((L,), 1.1), torch.tensor([0.5, 1.0]).repeat(L),
@@ -239,7 +239,7 @@ def rel_err(a, b):
 
 def test_real_config_parameter_counts():
     model = tg.GPT(real_cfg(rotary_max_len=16), torch.device("meta"))
-    counts = {k: p.numel() for k, p in model.labelled_params().items()}
+    counts = {k: p.numel() for k, p in dict(model.named_parameters()).items()}
     assert list(counts) == ["attn", "mlp", "lm_head", "embed", "ve0", "ve1", "ve2", "attn_gate_bank", "ve_gate_bank",
                             "smear_gate", "skip_gate", "x0_lambdas", "scalars"]
     assert counts["attn"] == 23_592_960 and counts["mlp"] == 56_623_104
@@ -259,10 +259,11 @@ def test_tiny_parameter_shapes_dtypes_and_init():
     torch.manual_seed(123)
     model = tg.GPT(cfg, torch.device("cpu"))
     D, H, L, V = 64, 4, 6, 1024
-    P = model.labelled_params()
+    P = dict(model.named_parameters())
     assert {id(p) for p in P.values()} == {id(p) for p in model.parameters()} and len(P) == 13
     n_attn, n_ve = 5, 4
-    expect = {"attn": ((n_attn, 4 * D, D), torch.bfloat16), "mlp": ((L + 2, 2, 128, D), torch.bfloat16),
+    # the banks pad to a multiple of 8 matrices: 5 attention slices of 4 -> 6, 6 MLP slices of 2 -> 8
+    expect = {"attn": ((n_attn + 1, 4 * D, D), torch.bfloat16), "mlp": ((L + 2, 2, 128, D), torch.bfloat16),
               "lm_head": ((D, V), torch.bfloat16), "embed": ((V, D), torch.bfloat16),
               "ve0": ((V, D), torch.bfloat16), "ve1": ((V, D), torch.bfloat16), "ve2": ((V, D), torch.bfloat16),
               "attn_gate_bank": ((n_attn, H, 12), torch.bfloat16), "ve_gate_bank": ((n_ve, H, 12), torch.bfloat16),
@@ -271,8 +272,8 @@ def test_tiny_parameter_shapes_dtypes_and_init():
     for name, (shape, dtype) in expect.items():
         assert tuple(P[name].shape) == shape and P[name].dtype == dtype, name
     b = math.sqrt(3) / math.sqrt(D)
-    qkv = P["attn"][:, : 3 * D].float()
-    assert (P["attn"][:, 3 * D:] == 0).all()
+    qkv = P["attn"][:n_attn, : 3 * D].float()
+    assert (P["attn"][:, 3 * D:] == 0).all() and (P["attn"][n_attn:] == 0).all()      # O rows and the pad slice
     ulp = 1 + 2 ** -8  # the bf16 cast may round the bound up by half an ulp
     assert qkv.abs().max() <= b * ulp and qkv.abs().max() > 0.95 * b and abs(qkv.std() / (b / math.sqrt(3)) - 1) < 0.03
     c_fc = P["mlp"][:, 0].float()
@@ -290,6 +291,22 @@ def test_tiny_parameter_shapes_dtypes_and_init():
     torch.manual_seed(123)
     again = tg.GPT(cfg, torch.device("cpu"))
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters()))
+
+
+@pytest.mark.parametrize("slices,per,multiple,pad", [(10, 4, 8, 0), (11, 4, 8, 1), (11, 2, 8, 1), (6, 2, 8, 2),
+                                                     (5, 4, 8, 1), (3, 2, 16, 5), (7, 4, 8, 1), (12, 2, 8, 0)])
+def test_bank_padding_is_the_fewest_slices_that_make_a_multiple(slices, per, multiple, pad):
+    assert tg.bank_padding(slices, per, multiple) == pad
+    assert (slices + pad) * per % multiple == 0
+    assert all((slices + p) * per % multiple for p in range(pad))
+
+
+def test_an_added_attention_layer_shards_on_eight_ranks():
+    hp = tg.parse_args(["--attn_layout=PNPNNPNNNPN"])                 # 11 attention layers instead of 10
+    model = tg.build_model(hp, torch.device("meta"), "sdpa")
+    assert model.attn.shape[0] == 12 and model.mlp.shape[0] == 12      # 48 and 24 matrices
+    for world_size in (1, 2, 4, 8):
+        tg.build_optimizer(hp, model, world_size - 1, world_size)      # shards evenly: no error
 
 
 def test_config_validation_names_the_option():
@@ -365,7 +382,7 @@ def test_key_offset_shift_is_one_position_on_the_second_quarters():
 def test_yarn_schedule_values_and_frequencies():
     cfg = tiny_cfg(model_dim=128, num_heads=1, head_dim=128, num_layers=2, attn_layout="NN", ve_layout=(-1, -1),
                    num_value_embeds=0, long_window_layers=(1,), skip_source_layer=0, skip_dest_layer=1,
-                   backout_layer=1, mlp_bank_pad=0, block_size=128, vocab_size=32, rotary_max_len=64)
+                   backout_layer=1, block_size=128, vocab_size=32, rotary_max_len=64)
     model = tg.GPT(cfg, torch.device("cpu"))
     omega0 = model.rotary_omega.clone()
     f = omega_direct(128, 1024.0)
@@ -439,7 +456,7 @@ def test_backward_gives_finite_grads_for_every_label(use_fp8):
     loss = model(inputs, targets, cu, 1, 3, torch.tensor([1.0, 0.5]), 64)
     loss.backward()
     assert torch.isfinite(loss)
-    for name, p in model.labelled_params().items():
+    for name, p in dict(model.named_parameters()).items():
         assert p.grad is not None and p.grad.dtype == p.dtype, name
         assert torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, name
     # the MLP pad slices are never read

@@ -108,7 +108,7 @@ def test_real_model_compiled_train_step(compiled_model):
     # uniform: each MTP term is close to ln(V), and the summed loss to ln(V) * (T + 0.5 (T-1) + 0.25 (T-2)).
     uniform = math.log(50304) * (T + 0.5 * (T - 1) + 0.25 * (T - 2))
     assert loss.item() == pytest.approx(uniform, rel=1e-2)
-    for name, p in model.labelled_params().items():
+    for name, p in dict(model.named_parameters()).items():
         assert p.grad is not None and torch.isfinite(p.grad).all(), name
     # Non-zero banks exercise the attention and MLP outputs; compiled and eager must agree.
     with torch.no_grad():
@@ -124,7 +124,7 @@ def test_real_model_compiled_train_step(compiled_model):
     eager = model(inputs, targets, cu, 1, 3, weights, 2048)
     print(f"random banks: compiled loss {loss.item():.1f}, eager {eager.item():.1f}")
     assert torch.isfinite(loss) and loss.item() == pytest.approx(eager.item(), rel=2e-2)
-    for name, p in model.labelled_params().items():
+    for name, p in dict(model.named_parameters()).items():
         assert p.grad is not None and torch.isfinite(p.grad).all(), name
     model.zero_grad(set_to_none=True)
 

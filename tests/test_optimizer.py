@@ -63,9 +63,7 @@ def make_grads(params: dict, seed: int) -> dict:
 
 
 def make_opt(params, world_size=1, rank=0, tied=("lm_head", "embed"), table=TINY_TABLE, **kw):
-    return tg.NorMuonAndAdam(params, table, kw.pop("scatter_order", tg.DEFAULT_SCATTER_ORDER),
-                             kw.pop("work_order", tg.DEFAULT_WORK_ORDER), rank=rank, world_size=world_size,
-                             tied=tied, **HP, **kw)
+    return tg.NorMuonAndAdam(params, table, rank=rank, world_size=world_size, tied=tied, **HP, **kw)
 
 
 def accumulate(params: dict, grads: dict) -> None:
@@ -472,9 +470,6 @@ def test_state_dict_round_trip_is_exact():
 @pytest.mark.parametrize("case, match", [
     ("missing", "'ve2' has no row"),
     ("unknown", "'ghost' names no model parameter"),
-    ("twice", "work_order lists 'scalars' 2 times"),
-    ("order_unknown", "scatter_order names 'ghost'"),
-    ("order_missing", "scatter_order is missing 'embed'"),
     ("bank", "mlp bank has 4 matrices, not divisible by world_size 3"),
     ("adam_rows", "ve0 has 96 rows.*world_size 5"),
     ("shape", "matrix_shape=\\(64, 32\\)"),
@@ -489,12 +484,6 @@ def test_bad_tables_raise_naming_the_problem(case, match):
         del table["ve2"]
     elif case == "unknown":
         table["ghost"] = dict(table["ve0"])
-    elif case == "twice":
-        kw["work_order"] = tuple(tg.DEFAULT_WORK_ORDER) + ("scalars",)
-    elif case == "order_unknown":
-        kw["scatter_order"] = tuple(tg.DEFAULT_SCATTER_ORDER) + ("ghost",)
-    elif case == "order_missing":
-        kw["scatter_order"] = tuple(tg.DEFAULT_SCATTER_ORDER)[:-1]
     elif case == "bank":
         table = dict(table, attn=dict(table["attn"], comms="replicated"))
         world_size = 3
@@ -502,10 +491,24 @@ def test_bad_tables_raise_naming_the_problem(case, match):
         table = {k: dict(v, comms="replicated") if k not in ("ve0",) else v for k, v in table.items()}
         world_size = 5
     elif case == "shape":
-        table["mlp"]["matrix_shape"] = (64, 32 + 0) if False else (64, 32)
         table["mlp"]["matrix_shape"] = (64, 32)
         params["mlp"] = nn.Parameter(torch.zeros(2, 2, H, 48, dtype=torch.bfloat16))
     elif case == "optim":
         table["smear_gate"]["optim"] = "sgd"
     with pytest.raises(ValueError, match=match):
         make_opt(params, world_size=world_size, rank=0, table=table, **kw)
+
+
+def test_comm_orders_derived_from_the_table_are_the_records():
+    # The record's two orders, written out: reductions launched big banks first, lm_head before embed; updates of the
+    # small replicated Adam rows first, then the sharded Adam rows, then the NorMuon banks.
+    record_scatter = ("attn", "mlp", "scalars", "ve0", "ve1", "ve2", "smear_gate", "skip_gate", "attn_gate_bank",
+                      "ve_gate_bank", "x0_lambdas", "lm_head", "embed")
+    record_work = ("scalars", "smear_gate", "skip_gate", "attn_gate_bank", "ve_gate_bank", "x0_lambdas", "ve0", "ve1",
+                   "ve2", "lm_head", "embed", "attn", "mlp")
+    opt = make_opt(make_params(0))
+    assert opt.scatter_order == record_scatter
+    assert opt.work_order == record_work
+    # a new replicated Adam row joins the first group, whatever its place in the table
+    table = dict(TINY_TABLE, **{"new": dict(TINY_TABLE["scalars"])})
+    assert tg.update_order(table).index("new") == 6
