@@ -10,17 +10,24 @@ Nothing happens at import: process groups, CUDA work, file reads and compiles al
 
 Where to change what:
     an option's default          Hyperparameters (section 1); any field is also --name=value on the command line
-    layer layout                 attn_layout, long_window_layers, ve_layout, skip/backout layers (section 1 fields)
+    schedule (batch, lr peak, windows, MTP weights per stage)   the `stages` table (section 1); how a row becomes
+                                 a step's values: the pure functions of section 6 (lr cooldown, momentum there too)
+    layer layout                 attn_layout, long_window_layers, ve_layout, skip/backout layers (section 1 fields);
+                                 the banks pad themselves to shard on 8 GPUs
     the forward pass             GPT.final_hidden and GPT.attention (section 3)
-    the activation (ReLU^2)      triton_kernels.py section 3: relu2_mlp_reference, and the Triton kernel the GPU runs
-    the loss (softcapped MTP CE) triton_kernels.py section 4: softcap / softcapped_mtp_ce_reference, and its kernels
-    schedules (lr, batch, windows, MTP weights, momentum)   the pure functions of section 6
-    a new parameter              GPT.__init__ and GPT.labelled_params, a DEFAULT_PARAM_TABLE row, and its place in
-                                 DEFAULT_SCATTER_ORDER and DEFAULT_WORK_ORDER (section 1)
-    optimizer math               the pure update functions at the top of section 4; NorMuonAndAdam runs them
+    the activation (ReLU^2)      triton_kernels.py relu2_mlp_reference, run with --kernels=torch (the default fused
+                                 Triton kernel hard-codes ReLU^2: port the edit there to keep its speed)
+    the loss (softcapped MTP CE) triton_kernels.py softcap (its constants) and softcapped_mtp_ce_reference, run with
+                                 --kernels=torch (the fused kernels and the CPU path compute the same closed form)
+    a new parameter              register it in GPT.__init__ and use it in the forward pass; give it a row in
+                                 DEFAULT_PARAM_TABLE (section 1), whose order is the order of the gradient reductions
+    optimizer math               the pure functions at the top of section 4 (Adam's element-wise step is
+                                 triton_kernels.py adam_update_reference); --kernels=torch runs them as written on a
+                                 GPU too, where the default runs fused kernels of the same math
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import glob
@@ -72,6 +79,16 @@ DEFAULT_PARAM_TABLE: dict[str, dict[str, Any]] = {
 }
 
 
+@dataclass(frozen=True)
+class Stage:
+    """One row of the schedule table: the scheduled steps are split evenly between the stages, in order."""
+    batch: int             # global tokens per step
+    lr_peak: float         # lr factor before the cooldown (from the step after the stage starts; see lr_factor)
+    ws_long: int           # long attention window in blocks; the short one is half of it, rounded down
+    mtp_weights: tuple     # multi-token-prediction weights of the next 1, 2, ... tokens; the last of several fades
+                           # linearly to 0 over the stage
+
+
 @dataclass
 class Hyperparameters:
     # ---- data ----
@@ -82,19 +99,23 @@ class Hyperparameters:
     train_max_seq_len: int = 2048          # training documents are cut to this many tokens
     tokens_per_doc_bound: int = 300        # cu_seqlens holds ceil128(N / this) entries; lower it for short-doc data
     batch_slices: int = 8                  # the global batch is cut into this many micro-batches (world_size * accum)
-    train_bs_schedule: tuple = (131_072, 262_144, 393_216)  # global tokens per step in each third of the schedule
     # ---- steps and schedules ----
+    stages: tuple = (                      # the schedule table, one Stage per row (batch, lr peak, windows, MTP)
+        Stage(batch=131_072, lr_peak=1.0, ws_long=3, mtp_weights=(1.0, 0.5, 0.25)),
+        Stage(batch=262_144, lr_peak=1.52, ws_long=7, mtp_weights=(1.0, 0.5)),
+        Stage(batch=393_216, lr_peak=1.73, ws_long=11, mtp_weights=(1.0,)),
+    )
+                                           # on the command line: batch:lr_peak:ws_long:w1/w2/... per stage,
+                                           # comma-separated
     num_scheduled_iterations: int = 1725   # steps of the lr / batch / window schedule
     num_extension_iterations: int = 40     # extra steps at the final lr with the extended window
     cooldown_frac: float = 0.5             # fraction of scheduled steps spent decaying lr to lr_min
-    lr_peaks: tuple = (1.0, 1.52, 1.73)    # lr factor peak in each third (rises after the boundary step)
     lr_min: float = 0.1                    # lr factor at the end of cooldown and during the extension
     split_frac: float = 2 / 3              # untie embed / lm_head after step ceil(frac * scheduled) | 1
     momentum_min: float = 0.85             # NorMuon momentum at step 0 ...
     momentum_max: float = 0.95             # ... rising linearly to this ...
     momentum_warmup_steps: int = 300       # ... over this many steps,
     momentum_cooldown_steps: int = 50      # and falling by (max - min) over the last this-many steps
-    mtp_weights_start: tuple = (1.0, 0.5, 0.25)  # multi-token-prediction weights; see mtp_weights()
     val_loss_every: int = 250              # validate every this many steps (0: only at the end)
     val_loss_target: float = 3.28          # the final summary line says whether the run reached this loss
     train_loss_every: int = 0              # end every this-many-th step line with the step's train loss (its weighted
@@ -103,7 +124,6 @@ class Hyperparameters:
                                            # memory, output folders), print them as a checklist, and exit
     # ---- attention windows (in blocks of block_size tokens) ----
     block_size: int = 128                  # tokens per window block
-    ws_long_schedule: tuple = (3, 7, 11)   # long window in each third of the schedule; short = long // 2
     ws_long_extension: int = 13            # long window during the extension steps
     ws_long_final_val: int = 20            # long window for the final validation (no YaRN update)
     # ---- model ----
@@ -142,6 +162,9 @@ class Hyperparameters:
     preset: str = ""                       # "tiny": a few narrow layers for CPU tests and newcomers
     attn_backend: str = "auto"             # auto | flex | varlen | fa3 | sdpa
     compile: bool = True                   # torch.compile the model (ignored on CPU)
+    kernels: str = "fused"                 # fused: the Triton kernels on CUDA (on a CPU, a chunked loss); torch: the
+                                           # plain-PyTorch definitions of every fused op, on any device (compiled with
+                                           # the model on a GPU), so an edit to them takes effect (README: Tweaking)
     warmup: bool = True                    # compile every schedule variant before the clock starts
     device: str = "auto"                   # auto | cuda | cpu
     seed: int = -1                         # -1: unseeded init, like the record; else torch.manual_seed(seed)
@@ -175,7 +198,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         model_dim=128, num_heads=4, head_dim=32, mlp_hidden=512, num_layers=6,
         attn_layout="PNN-NP", long_window_layers=(1, 4), ve_layout=(1, 2, -1, -1, 0, 2),
         skip_source_layer=1, skip_dest_layer=3, backout_layer=4,
-        batch_slices=2, train_bs_schedule=(512, 768, 1024), block_size=16, ws_long_schedule=(3, 7, 11),
+        batch_slices=2, block_size=16,
+        stages=(Stage(512, 1.0, 3, (1.0, 0.5, 0.25)), Stage(768, 1.52, 7, (1.0, 0.5)), Stage(1024, 1.73, 11, (1.0,))),
         ws_long_extension=13, ws_long_final_val=20,
         val_batch_size=2048, val_tokens=4096, num_scheduled_iterations=60, num_extension_iterations=4,
         momentum_warmup_steps=10, momentum_cooldown_steps=4, val_loss_every=20, train_max_seq_len=256,
@@ -201,6 +225,8 @@ def _parse_value(text: str, like: Any, name: str) -> Any:
             return int(text)
         if isinstance(like, float):
             return float(text)
+        if isinstance(like, tuple) and like and isinstance(like[0], Stage):
+            return tuple(_parse_stage(row) for row in text.split(","))
         if isinstance(like, tuple):
             items = [t for t in text.split(",") if t.strip()]
             kind = type(like[0]) if like else float
@@ -209,16 +235,24 @@ def _parse_value(text: str, like: Any, name: str) -> Any:
             return text
     except ValueError:
         kind = "true or false" if isinstance(like, bool) else (
+            "batch:lr_peak:ws_long:w1/w2/... per stage, comma-separated" if name == "stages" else
             f"comma-separated {type(like[0]).__name__}s" if isinstance(like, tuple) and like
             else f"a{'n' if type(like).__name__[0] in 'aeiou' else ''} {type(like).__name__}")
         raise ConfigError(f"--{name}={text!r} is not {kind} (default: {_show(like)})") from None
     raise ConfigError(f"--{name} cannot be set from the command line; edit Hyperparameters in train_gpt.py")
 
 
+def _parse_stage(text: str) -> Stage:
+    batch, lr_peak, ws_long, weights = text.split(":")       # a ValueError unless there are 4 fields
+    return Stage(int(batch), float(lr_peak), int(ws_long), tuple(float(w) for w in weights.split("/")))
+
+
 def _show(value: Any) -> str:
-    """A default as it is typed on the command line."""
+    """A value as it is typed on the command line."""
+    if isinstance(value, Stage):
+        return f"{value.batch}:{value.lr_peak}:{value.ws_long}:{'/'.join(str(w) for w in value.mtp_weights)}"
     if isinstance(value, tuple):
-        return ",".join(str(v) for v in value)
+        return ",".join(_show(v) for v in value)
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
@@ -227,7 +261,7 @@ def did_you_mean(name: str, names: Sequence[str]) -> list[str]:
     import difflib
     close = difflib.get_close_matches(name, names, n=3, cutoff=0.6)
     related = [n for n in names if name in n.split("_") or (len(name) >= 3 and name in n)]
-    related.sort(key=lambda n: n.split("_")[-1] != name)   # --lr: the learning rates before --lr_peaks, --lr_min
+    related.sort(key=lambda n: n.split("_")[-1] != name)   # --lr: the learning rates before --lr_min
     return list(dict.fromkeys(close + related))[:6]
 
 
@@ -297,6 +331,16 @@ def parse_args(argv: Sequence[str]) -> Hyperparameters:
         if name != "preset":
             setattr(hp, name, _parse_value(value, getattr(hp, name), name))
     return hp
+
+
+def hyperparameters_from_dict(saved: dict) -> Hyperparameters:
+    """The Hyperparameters a checkpoint stored with dataclasses.asdict (stage rows as dicts); names that are not
+    options (any more) are dropped."""
+    known = {f.name for f in dataclasses.fields(Hyperparameters)}
+    values = {k: v for k, v in saved.items() if k in known}
+    if "stages" in values:
+        values["stages"] = tuple(Stage(**row) for row in values["stages"])
+    return Hyperparameters(**values)
 
 
 # =====================================================================================================================
@@ -532,6 +576,7 @@ class ModelConfig:
     attn_backend: str             # resolved backend name, passed through to varlen_attention
     rotary_max_len: int           # packed positions the rotary tables cover: max(train, val) micro-batch tokens
     dtype: str = "bfloat16"       # weights and activations: bf16 (the record), or float32 / float64 on a CPU
+    kernels: str = "fused"        # "torch": the MLP and loss by their plain-PyTorch definitions (--kernels)
     bank_multiple: int = 8        # each bank holds a multiple of this many matrices (padded with unused slices), so
                                   # the optimizer shards it evenly over any world size that divides this
 
@@ -899,6 +944,10 @@ class GPT(nn.Module):
                 mtp_weights: Tensor, max_seqlen: int) -> Tensor:
         """inputs (T,) int32, targets (T,) int64. Training: the summed MTP loss (fp32 scalar); eval: mean CE."""
         h = self.final_hidden(inputs, cu_seqlens, ws_short, ws_long, max_seqlen)  # (T, D) bf16
+        if self.training and self.cfg.kernels == "torch":      # the plain definitions: FP8 emulated, reference loss
+            fp8 = self.cfg.use_fp8
+            logits = FP8HeadEmulated.apply(h, self.lm_head, *self.cfg.fp8_scales) if fp8 else h @ self.lm_head
+            return tk.softcapped_mtp_ce_reference(logits, targets, mtp_weights).sum()
         if self.training:
             if self.cfg.use_fp8:
                 losses = fp8_head_mtp_ce(h, self.lm_head, targets, mtp_weights, *self.cfg.fp8_scales)
@@ -909,7 +958,8 @@ class GPT(nn.Module):
         # weight 1: it softcaps in fp32 (as the reference's compiled eval does) and never materialises fp32 (T, V)
         # tensors, which at 262,144 val tokens per rank would not fit next to the 26 GB of bf16 logits.
         next_token_only = torch.ones(1, dtype=torch.float32, device=h.device)
-        return tk.softcapped_mtp_ce(h @ self.lm_head, targets, next_token_only).mean()
+        loss = tk.softcapped_mtp_ce_reference if self.cfg.kernels == "torch" else tk.softcapped_mtp_ce
+        return loss(h @ self.lm_head, targets, next_token_only).mean()
 
     @torch.no_grad()
     def logits(self, inputs: Tensor, cu_seqlens: Tensor, ws_short: int, ws_long: int, max_seqlen: int) -> Tensor:
@@ -938,6 +988,7 @@ class GPT(nn.Module):
         # unbind's backward stacks each slice's gradient once. The same numbers either way.
         attn_banks = self.attn.unbind(0)                               # (4D, D) per attention layer
         mlp_banks = self.mlp.flatten(0, 1).unbind(0)                   # c_fc, c_proj of layer j at 2j, 2j + 1
+        mlp = tk.relu2_mlp_reference if cfg.kernels == "torch" else tk.relu2_mlp
         skip_saved = backout_saved = None
         for p in self.plan:
             i = p.index
@@ -953,7 +1004,7 @@ class GPT(nn.Module):
                 x = x + self.attention(p, attn_banks[p.attn_slot], rms(x),
                                        ve[p.ve_table] if p.ve_table >= 0 else None, sa_lambdas[i], cu_seqlens,
                                        max_seqlen, window)
-            x = x + tk.relu2_mlp(rms(x), mlp_banks[2 * i], mlp_banks[2 * i + 1])
+            x = x + mlp(rms(x), mlp_banks[2 * i], mlp_banks[2 * i + 1])
             if i == cfg.skip_source_layer:
                 skip_saved = x
             if i == cfg.backout_layer:
@@ -1021,7 +1072,8 @@ def _fp32(x: float) -> float:
     return float(np.float32(x))
 
 
-def polar_express(G: Tensor, split_final_product: bool, dtype: torch.dtype = torch.bfloat16) -> Tensor:
+def polar_express(G: Tensor, split_final_product: bool, dtype: torch.dtype = torch.bfloat16,
+                  fused: bool = True) -> Tensor:
     """Approximate U·Vᵀ of G = U·S·Vᵀ for a batch (..., R, C) of matrices, in bf16.
 
     Five odd-polynomial iterations X <- a·X + (b·A + c·A²)·X with A = X·Xᵀ, on the short side (transposed when R > C,
@@ -1029,15 +1081,17 @@ def polar_express(G: Tensor, split_final_product: bool, dtype: torch.dtype = tor
     lies in (0, 1), where the coefficients push it towards 1. split_final_product: round B@X to bf16 before adding
     a·X (two roundings, as the record does for the MLP matrices) instead of one fused GEMM with beta = a.
     dtype: the precision of the iteration; bf16 in training, float32/float64 for parameters stored in that (--dtype).
+    fused=False (--kernels=torch): the Gram products by their plain-PyTorch definitions, also on CUDA.
     """
     shape, acc = G.shape, tk.acc_dtype(dtype)
+    xxt, ba_plus_cAA = (tk.xxt, tk.ba_plus_cAA) if fused else (tk.xxt_reference, tk.ba_plus_cAA_reference)
     X = G.to(dtype).reshape(-1, shape[-2], shape[-1])            # (n, R, C)
     if shape[-2] > shape[-1]:
         X = X.mT                                                 # (n, C, R): Gram matrices are C x C
     X = X / (X.norm(dim=(-2, -1), keepdim=True) * (1 + 2e-2) + 1e-6)
     for a, b, c in POLAR_EXPRESS_COEFFS:
-        A = tk.xxt(X)                                            # (n, m, m) bf16, exactly symmetric
-        B = tk.ba_plus_cAA(A, b, c)                              # (n, m, m) bf16
+        A = xxt(X)                                               # (n, m, m) bf16, exactly symmetric
+        B = ba_plus_cAA(A, b, c)                                 # (n, m, m) bf16
         if split_final_product:
             X = (B @ X).to(acc).add_(X, alpha=a).to(dtype)      # bf16(bf16(B@X) + a·X)
         else:
@@ -1048,15 +1102,15 @@ def polar_express(G: Tensor, split_final_product: bool, dtype: torch.dtype = tor
 
 
 def adam_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, *, beta1: float, beta2: float,
-                eps: float, step_size: float | Tensor, decay: float | Tensor) -> None:
+                eps: float, step_size: float | Tensor, decay: float | Tensor, fused: bool = True) -> None:
     """One Adam update of a slice in place, all arithmetic in fp32.
 
     step_size = fp32(lr·sqrt(1-beta2^t)/(1-beta1^t)) and decay = fp32(lr²·wd) come from adam_scalars(). eps is not
     bias corrected. Cautious decay only where the update and the weight agree in sign (strict >). A bf16 param
     takes the round-to-nearest of the fp32 result (no master copy). The moments' dtype sets the precision: fp32, or
-    float64 for a float64 parameter (--dtype=float64).
+    float64 for a float64 parameter (--dtype=float64). fused=False (--kernels=torch): the eager math on CUDA too.
     """
-    if param.is_cuda and not isinstance(step_size, Tensor) and not isinstance(decay, Tensor):
+    if fused and param.is_cuda and not isinstance(step_size, Tensor) and not isinstance(decay, Tensor):
         # One fused Triton pass (triton_kernels.py section 5), bitwise its eager reference as PyTorch runs it on CUDA.
         tk.adam_update(param, grad, exp_avg, exp_avg_sq, beta1=beta1, beta2=beta2, eps=eps, step_size=step_size,
                        decay=decay)
@@ -1099,7 +1153,7 @@ def variance_normalize_(O: Tensor, second_moment: Tensor, beta2: float) -> Tenso
 
 
 def normuon_direction_(grad: Tensor, momentum_buffer: Tensor, second_moment: Tensor, *, momentum: float,
-                       beta2: float, split_final_product: bool) -> Tensor:
+                       beta2: float, split_final_product: bool, fused: bool = True) -> Tensor:
     """Momentum, Polar Express and variance normalisation of one chunk; updates both buffers.
 
     grad (n, R, C) bf16, momentum_buffer (n, R, C) fp32 -> O (n, R, C) bf16 (float32/64 grads: all in their dtype).
@@ -1107,19 +1161,19 @@ def normuon_direction_(grad: Tensor, momentum_buffer: Tensor, second_moment: Ten
     G = grad.to(momentum_buffer.dtype)
     momentum_buffer.lerp_(G, 1 - momentum)   # weight < 0.5: M + (1-mu)(G - M)
     U = G.lerp(momentum_buffer, momentum)    # weight >= 0.5: torch evaluates M - (M - G)(1 - mu); Nesterov-style
-    O = polar_express(U, split_final_product, dtype=grad.dtype)
+    O = polar_express(U, split_final_product, dtype=grad.dtype, fused=fused)
     return variance_normalize_(O, second_moment, beta2)
 
 
 def cautious_update_with_mantissa_(param: Tensor, mantissa: Tensor, O: Tensor, *, lr: float | Tensor,
-                                   wd: float | Tensor) -> None:
+                                   wd: float | Tensor, fused: bool = True) -> None:
     """P <- (P - ((P·mask)·wd)·lr) - O·lr on the fp32 master P = (bf16 bits << 16) | mantissa.
 
     param (n, R, C) bf16 and mantissa (n, R, C) uint16 are updated in place: the bf16 keeps the high 16 bits of the
     new master (truncation toward zero), the mantissa the low 16. mask = [O·P >= 0] (non-strict: entries with zero
     update are decayed too). lr is fp32, a scalar or (n, 1, 1) per matrix; wd is fp32.
     """
-    if param.is_cuda and not isinstance(wd, Tensor):
+    if fused and param.is_cuda and not isinstance(wd, Tensor):
         # One fused Triton pass (triton_kernels.py section 6), bitwise the eager code below.
         tk.cautious_update_with_mantissa(param, mantissa, O, lr=lr, wd=wd)
         return
@@ -1139,16 +1193,16 @@ def _cautious_step(P: Tensor, O: Tensor, lr: float | Tensor, wd: float | Tensor)
 
 def normuon_update(param: Tensor, grad: Tensor, momentum_buffer: Tensor, second_moment: Tensor,
                    mantissa: Tensor | None, *, momentum: float, beta2: float, lr: float | Tensor, wd: float | Tensor,
-                   split_final_product: bool) -> None:
+                   split_final_product: bool, fused: bool = True) -> None:
     """One NorMuon update of a chunk of matrices in place. All tensors (n, R, C) except
     second_moment ((n, R, 1) or (n, 1, C)); lr (fp32 scalar or (n, 1, 1)) and wd from normuon_scalars().
     mantissa is None for a float32/float64 parameter (--dtype), which is its own master."""
     O = normuon_direction_(grad, momentum_buffer, second_moment, momentum=momentum, beta2=beta2,
-                           split_final_product=split_final_product)
+                           split_final_product=split_final_product, fused=fused)
     if mantissa is None:
         param.copy_(_cautious_step(param, O, lr, wd))
     else:
-        cautious_update_with_mantissa_(param, mantissa, O, lr=lr, wd=wd)
+        cautious_update_with_mantissa_(param, mantissa, O, lr=lr, wd=wd, fused=fused)
 
 
 def normuon_matrix_lr_scales(matrix_shape: Sequence[int], lr_mul: float, matrix_lr_muls: Sequence[float],
@@ -1201,13 +1255,14 @@ class NorMuonAndAdam:
 
     def __init__(self, named_params: dict[str, nn.Parameter], param_table: dict[str, dict], *, adam_lr: float,
                  adam_eps: float, adam_wd: float, muon_lr: float, muon_beta2: float, muon_wd: float, rank: int,
-                 world_size: int, tied: tuple[str, str] | None = ("lm_head", "embed")):
+                 world_size: int, tied: tuple[str, str] | None = ("lm_head", "embed"), fused: bool = True):
         self.params = dict(named_params)
         self.table = {label: dict(row) for label, row in param_table.items()}
         self.scatter_order, self.work_order = tuple(self.table), update_order(self.table)
         self.adam_lr, self.adam_eps, self.adam_wd = adam_lr, adam_eps, adam_wd
         self.muon_lr, self.muon_beta2, self.muon_wd = muon_lr, muon_beta2, muon_wd
         self.rank, self.world_size = rank, world_size
+        self.fused = fused            # False (--kernels=torch): the updates' plain-PyTorch definitions, also on CUDA
         self.tied = tuple(tied) if tied is not None else None
         self._validate()
         self._tied_now = self.tied is not None
@@ -1385,14 +1440,14 @@ class NorMuonAndAdam:
             step_size, decay = adam_scalars(self.adam_lr * lr_factor * row["lr_mul"], self.adam_t[label], beta1,
                                             beta2, self.adam_wd * row["wd_mul"])
             adam_update(param, grad, buf["exp_avg"], buf["exp_avg_sq"], beta1=beta1, beta2=beta2, eps=self.adam_eps,
-                        step_size=step_size, decay=decay)
+                        step_size=step_size, decay=decay, fused=self.fused)
             return
         lr, wd = normuon_scalars(self.muon_lr, lr_factor, self.muon_wd, row["wd_mul"])
         scale = self._lr_scales[label]
         lr_eff = _fp32(scale * lr) if isinstance(scale, float) else (scale * lr).float()
         normuon_update(param, grad, buf["momentum"], buf["second_moment"], buf.get("mantissa"), momentum=momentum,
                        beta2=self.muon_beta2, lr=lr_eff, wd=wd,
-                       split_final_product=row["matrix_shape"][0] > POLAR_EXPRESS_SPLIT_ROWS)
+                       split_final_product=row["matrix_shape"][0] > POLAR_EXPRESS_SPLIT_ROWS, fused=self.fused)
 
     # ---- untying and state --------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -1690,7 +1745,7 @@ def _micro_batch_tokens(global_batch: int, grad_accum: int, world_size: int) -> 
     """N = per-rank tokens of one micro-batch."""
     if global_batch <= 0 or grad_accum <= 0 or global_batch % (grad_accum * world_size) != 0:
         raise DataError(f"the global batch of {global_batch} tokens does not divide into world_size * grad_accum = "
-                        f"{world_size} * {grad_accum} micro-batches; change --train_bs_schedule or --batch_slices "
+                        f"{world_size} * {grad_accum} micro-batches; change the batches in --stages or --batch_slices "
                         f"(= processes * accumulation steps), or the number of processes")
     return global_batch // (grad_accum * world_size)
 
@@ -1840,27 +1895,34 @@ def _val_batch_stream(files: list[str], placements: list[tuple[int, int]], token
 # 6. Schedules: pure functions of the step
 # =====================================================================================================================
 
-def schedule_third(step: int, num_scheduled: int) -> int:
-    """0, 1 or 2: which third of the schedule `step` is in (steps past the schedule stay in the last)."""
-    return min(int(3 * (step / num_scheduled)), 2)
+def stage_index(step: int, num_scheduled: int, num_stages: int, strict: bool = False) -> int:
+    """The stage of `step`: stage k starts at the first step with step / num_scheduled >= k / num_stages (steps past
+    the schedule stay in the last). strict: > instead of >=, which starts a stage one step later exactly where
+    step / num_scheduled == k / num_stages (step 575 of the record's 1725), the record's rule for the lr peak."""
+    x = step / num_scheduled
+    return sum((x > k / num_stages) if strict else (x >= k / num_stages) for k in range(1, num_stages))
 
 
-def global_batch_size(step: int, num_scheduled: int, bs_schedule: Sequence[int]) -> int:
-    return bs_schedule[schedule_third(step, num_scheduled)]
+def global_batch_size(step: int, num_scheduled: int, stages: Sequence[Stage]) -> int:
+    return stages[stage_index(step, num_scheduled, len(stages))].batch
 
 
-def window_sizes(step: int, num_scheduled: int, ws_long_schedule: Sequence[int], ws_long_extension: int) -> tuple[int, int]:
+def window_sizes(step: int, num_scheduled: int, stages: Sequence[Stage], ws_long_extension: int) -> tuple[int, int]:
     """(short, long) attention windows in blocks; short is half the long one, rounded down."""
-    ws_long = ws_long_extension if step >= num_scheduled else ws_long_schedule[schedule_third(step, num_scheduled)]
+    if step >= num_scheduled:
+        ws_long = ws_long_extension
+    else:
+        ws_long = stages[stage_index(step, num_scheduled, len(stages))].ws_long
     return ws_long // 2, ws_long
 
 
-def lr_factor(step: int, num_scheduled: int, peaks: Sequence[float], lr_min: float, cooldown_frac: float) -> float:
-    """Multiplier on every base lr: a per-third peak, then a linear cooldown to lr_min, then lr_min."""
+def lr_factor(step: int, num_scheduled: int, stages: Sequence[Stage], lr_min: float, cooldown_frac: float) -> float:
+    """Multiplier on every base lr: the stage's peak, then a linear cooldown to lr_min, then lr_min. The peak changes
+    one step after the batch and windows where a stage starts exactly on a step (strict stage_index)."""
     if step > num_scheduled:
         return lr_min
     x = step / num_scheduled
-    peak = peaks[2] if x > 2 / 3 else peaks[1] if x > 1 / 3 else peaks[0]
+    peak = stages[stage_index(step, num_scheduled, len(stages), strict=True)].lr_peak
     if x >= 1 - cooldown_frac:
         w = (1 - x) / cooldown_frac
         return peak * w + lr_min * (1 - w)
@@ -1876,14 +1938,14 @@ def muon_momentum(step: int, num_iterations: int, lo: float, hi: float, warmup: 
     return hi
 
 
-def mtp_weights(step: int, num_scheduled: int, start: Sequence[float]) -> tuple[float, ...]:
-    """Multi-token-prediction weights: three targets fading to two over the first third, to one over the second."""
-    x = step / num_scheduled
-    if x < 1 / 3:
-        return (start[0], start[1], start[2] * (1 - 3 * x))
-    if x < 2 / 3:
-        return (start[0], start[1] * (2 - 3 * x))
-    return (start[0],)
+def mtp_weights(step: int, num_scheduled: int, stages: Sequence[Stage]) -> tuple[float, ...]:
+    """The stage's multi-token-prediction weights, the last of several fading linearly to 0 across the stage."""
+    k, n = stage_index(step, num_scheduled, len(stages)), len(stages)
+    weights = stages[k].mtp_weights
+    if len(weights) == 1:
+        return tuple(weights)
+    fade = k + 1 - n * min(step / num_scheduled, 1.0)         # 1 at the stage's start, 0 at its end
+    return (*weights[:-1], weights[-1] * fade)
 
 
 @dataclass(frozen=True)
@@ -1900,15 +1962,15 @@ class StepSchedule:
 
 def schedule_at(step: int, hp: Hyperparameters) -> StepSchedule:
     ns = hp.num_scheduled_iterations
-    ws_short, ws_long = window_sizes(step, ns, hp.ws_long_schedule, hp.ws_long_extension)
+    ws_short, ws_long = window_sizes(step, ns, hp.stages, hp.ws_long_extension)
     return StepSchedule(
         step=step,
-        global_batch=global_batch_size(step, ns, hp.train_bs_schedule),
+        global_batch=global_batch_size(step, ns, hp.stages),
         ws_short=ws_short, ws_long=ws_long,
-        lr_factor=lr_factor(step, ns, hp.lr_peaks, hp.lr_min, hp.cooldown_frac),
+        lr_factor=lr_factor(step, ns, hp.stages, hp.lr_min, hp.cooldown_frac),
         momentum=muon_momentum(step, hp.num_iterations, hp.momentum_min, hp.momentum_max,
                                hp.momentum_warmup_steps, hp.momentum_cooldown_steps),
-        mtp_weights=mtp_weights(step, ns, hp.mtp_weights_start),
+        mtp_weights=mtp_weights(step, ns, hp.stages),
         do_adam=step % 2 == 1,
     )
 
@@ -1938,29 +2000,27 @@ def validate_hyperparameters(hp: Hyperparameters, world_size: int) -> None:
     for name in ("num_extension_iterations", "num_value_embeds", "val_loss_every",
                  "nonfinite_check_every", "checkpoint_every", "train_loss_every", "lr_min", "adam_lr", "adam_wd", "muon_lr", "muon_wd", "yarn_alpha"):
         need(getattr(hp, name) >= 0, f"--{name}={getattr(hp, name)} must be >= 0")
-    for name, ok, what in (("train_bs_schedule", lambda v: v > 0, "positive token counts"),
-                           ("ws_long_schedule", lambda v: v > 0, "positive window sizes in blocks"),
-                           ("lr_peaks", lambda v: v >= 0, "lr factors >= 0"),
-                           ("mtp_weights_start", lambda v: v >= 0, "weights >= 0"),
-                           ("fp8_scales", lambda v: v > 0, "positive scales")):
-        values = getattr(hp, name)
-        need(len(values) == 3 and all(ok(v) for v in values),
-             f"--{name}={_show(values)} needs 3 comma-separated {what} (one per third of the schedule)"
-             if name != "fp8_scales" else f"--fp8_scales={_show(values)} needs 3 {what} (x, w, grad)")
-    need(hp.mtp_weights_start[0] > 0, "--mtp_weights_start: the next-token weight (the first) must be positive")
+    need(len(hp.fp8_scales) == 3 and all(v > 0 for v in hp.fp8_scales),
+         f"--fp8_scales={_show(hp.fp8_scales)} needs 3 positive scales (x, w, grad)")
+    need(len(hp.stages) >= 1, "--stages needs at least one stage")
+    for i, st in enumerate(hp.stages):
+        need(st.batch > 0 and st.ws_long > 0 and st.lr_peak >= 0 and len(st.mtp_weights) >= 1
+             and st.mtp_weights[0] > 0 and min(st.mtp_weights) >= 0,
+             f"stage {i + 1} of --stages ({_show((st,))}) needs a positive batch and window, an lr peak >= 0, and "
+             f"weights >= 0 with a positive first (next-token) weight")
     need(world_size >= 1 and hp.batch_slices % world_size == 0,
          f"world size {world_size} does not divide --batch_slices={hp.batch_slices}: run on 1, 2, 4 or 8 GPUs "
          f"(./run.sh picks the GPU count; set CUDA_VISIBLE_DEVICES or NPROC to choose)")
-    for bs in hp.train_bs_schedule:
-        need(bs % hp.batch_slices == 0 and micro_batch_tokens(bs, hp.batch_slices) % 16 == 0,
-             f"global batch {bs} in --train_bs_schedule must split into --batch_slices={hp.batch_slices} micro-batches "
+    for st in hp.stages:
+        need(st.batch % hp.batch_slices == 0 and micro_batch_tokens(st.batch, hp.batch_slices) % 16 == 0,
+             f"global batch {st.batch} in --stages must split into --batch_slices={hp.batch_slices} micro-batches "
              f"of a multiple of 16 tokens: use a multiple of {16 * hp.batch_slices}")
     need(hp.val_batch_size % (16 * hp.batch_slices) == 0,
          f"--val_batch_size={hp.val_batch_size} must be a multiple of {16 * hp.batch_slices} (16 * --batch_slices)")
     need(hp.val_tokens % hp.val_batch_size == 0,
          f"--val_tokens={hp.val_tokens} must be a positive multiple of --val_batch_size={hp.val_batch_size}")
-    need(hp.num_scheduled_iterations >= 3,
-         f"--num_scheduled_iterations={hp.num_scheduled_iterations} must be >= 3 (one step per third at least)")
+    need(hp.num_scheduled_iterations >= len(hp.stages),
+         f"--num_scheduled_iterations={hp.num_scheduled_iterations} must be >= {len(hp.stages)} (a step per stage)")
     need(0 < hp.cooldown_frac <= 1, f"--cooldown_frac={hp.cooldown_frac} must be in (0, 1]")
     need(0 < hp.split_frac <= 1, f"--split_frac={hp.split_frac} must be in (0, 1]")
     need(hp.split_step < hp.num_iterations, f"split step {hp.split_step} is past the last step: lower --split_frac")
@@ -1974,6 +2034,7 @@ def validate_hyperparameters(hp: Hyperparameters, world_size: int) -> None:
     need(hp.attn_backend in ("auto", *ATTN_BACKENDS),
          f"--attn_backend={hp.attn_backend} is not one of auto, {', '.join(ATTN_BACKENDS)}")
     need(hp.device in ("auto", "cuda", "cpu"), f"--device={hp.device} is not one of auto, cuda, cpu")
+    need(hp.kernels in ("fused", "torch"), f"--kernels={hp.kernels} is not one of fused, torch")
     need(hp.run_id not in (".", "..") and "/" not in hp.run_id and os.sep not in hp.run_id,
          f"--run_id={hp.run_id!r} names the log file logs/<run_id>.txt: use letters, digits, '-', '_' or '.' only")
     need(hp.vocab_size > BOS_ID and hp.vocab_size % 16 == 0,
@@ -1993,7 +2054,7 @@ def validate_hyperparameters(hp: Hyperparameters, world_size: int) -> None:
 
 def train_tokens_needed(hp: Hyperparameters) -> int:
     """Tokens that carry a loss over the whole run (467,927,040 for the record); reads are higher (see preflight)."""
-    return sum(global_batch_size(s, hp.num_scheduled_iterations, hp.train_bs_schedule) for s in range(hp.num_iterations))
+    return sum(global_batch_size(s, hp.num_scheduled_iterations, hp.stages) for s in range(hp.num_iterations))
 
 
 # Measured on FineWeb: the loader reads about 1.35x the trained tokens (documents cut at 2048, rank-boundary
@@ -2010,7 +2071,7 @@ def estimate_gpu_memory_gib(hp: Hyperparameters, world_size: int) -> float:
     weights = 2 * (banks + tables)                       # bf16
     grads = 2 * (banks + tables)
     optim = (4 * 3 * banks + 8 * tables) / world_size    # fp32 momentum + master bits / Adam m, v (sharded)
-    n = max(micro_batch_tokens(bs, hp.batch_slices) for bs in hp.train_bs_schedule)
+    n = max(micro_batch_tokens(st.batch, hp.batch_slices) for st in hp.stages)
     acts = n * L * (28 * D + 4 * H)                      # bf16 activations saved for backward, per token and layer
     logits = n * V * 2 * 3                               # bf16 logits, their grad and FP8 copies
     n_val = hp.val_batch_size // hp.batch_slices
@@ -2061,7 +2122,7 @@ def preflight(hp: Hyperparameters, world_size: int, device: torch.device, rank: 
         est = estimate_gpu_memory_gib(hp, world_size)
         if est > 0.95 * total:
             raise ConfigError(f"this configuration needs about {est:.0f} GiB per GPU (an estimate) but the GPU has "
-                              f"{total:.0f} GiB: lower --train_bs_schedule and --val_batch_size, or use larger GPUs")
+                              f"{total:.0f} GiB: lower the batches in --stages and --val_batch_size, or use larger GPUs")
         notes.append(f"memory estimate: about {est:.1f} GiB per GPU of {total:.0f} GiB")
     notes.append(f"data: {len(train_files)} train shards ({train_avail:,} tokens) for {needed:,} trained tokens; "
                  f"{len(val_files)} val shard(s), {hp.val_tokens:,} tokens per validation")
@@ -2079,7 +2140,7 @@ def check_document_density(path: str, hp: Hyperparameters, sample_tokens: int = 
         return
     lengths = np.minimum(np.diff(starts), hp.train_max_seq_len)
     mean_len = float(lengths.mean())
-    for bs in sorted(set(hp.train_bs_schedule)):
+    for bs in sorted({st.batch for st in hp.stages}):
         n = micro_batch_tokens(bs, hp.batch_slices)
         expected = 1.25 * n / mean_len + 2                # 25% margin for batches of shorter-than-average documents
         room = max_num_docs(n, hp.tokens_per_doc_bound) - 1
@@ -2294,10 +2355,10 @@ def load_checkpoint(path: str, rank: int, world_size: int, device: str | torch.d
 
 def resume_differences(saved: dict, hp: Hyperparameters, facts: dict) -> list[str]:
     """The options (and resolved facts) that differ between the saved run and this one and change the math."""
-    old = saved["hyperparameters"]
-    diffs = [f"--{f.name}={_show(old.get(f.name))} (now {_show(getattr(hp, f.name))})"
+    old = hyperparameters_from_dict(saved["hyperparameters"])
+    diffs = [f"--{f.name}={_show(getattr(old, f.name))} (now {_show(getattr(hp, f.name))})"
              for f in dataclasses.fields(hp)
-             if f.name not in RUN_CONTROL_OPTIONS and old.get(f.name) != getattr(hp, f.name)]
+             if f.name not in RUN_CONTROL_OPTIONS and getattr(old, f.name) != getattr(hp, f.name)]
     for key, now in facts.items():
         then = saved["facts"].get(key)
         if then != now and isinstance(now, list):     # shard lists: the count, or the first name that differs
@@ -2321,10 +2382,11 @@ def check_resume(saved: dict, hp: Hyperparameters, facts: dict) -> None:
 
 
 def warmup_steps(hp: Hyperparameters) -> list[int]:
-    """Steps that exercise every compiled variant: the start, both sides of every window change, and the split."""
-    ws = [window_sizes(s, hp.num_scheduled_iterations, hp.ws_long_schedule, hp.ws_long_extension)[1]
-          for s in range(hp.num_iterations)]
-    transitions = [s for s in range(1, hp.num_iterations) if ws[s] != ws[s - 1]]
+    """Steps that exercise every compiled variant: the start, both sides of every change of the window, batch size or
+    number of MTP weights (each is its own graph), and the split."""
+    shapes = [(sc.ws_long, sc.global_batch, len(sc.mtp_weights))
+              for sc in (schedule_at(s, hp) for s in range(hp.num_iterations))]
+    transitions = [s for s in range(1, hp.num_iterations) if shapes[s] != shapes[s - 1]]
     steps = {0, 1, 2, hp.split_step, hp.split_step - 1} | {t + d for t in transitions for d in (-1, 0, 1)}
     return sorted(s for s in steps if 0 <= s < hp.num_iterations)
 
@@ -2533,7 +2595,7 @@ def setup_distributed(hp: Hyperparameters) -> tuple[int, int, int, torch.device]
 
 def build_model(hp: Hyperparameters, device: torch.device, attn_backend: str) -> nn.Module:
     names = {f.name for f in dataclasses.fields(ModelConfig)}
-    n_train = max(micro_batch_tokens(bs, hp.batch_slices) for bs in hp.train_bs_schedule)
+    n_train = max(micro_batch_tokens(st.batch, hp.batch_slices) for st in hp.stages)
     n_val = hp.val_batch_size // hp.batch_slices
     # Banks shard evenly on 8 GPUs (and on any world size --batch_slices allows), the same on every world size.
     extra = dict(attn_backend=attn_backend, rotary_max_len=max(n_train, n_val),
@@ -2548,7 +2610,8 @@ def build_optimizer(hp: Hyperparameters, model: nn.Module, rank: int, world_size
              for label, row in hp.param_table.items()}
     return NorMuonAndAdam(dict(model.named_parameters()), table,
                           adam_lr=hp.adam_lr, adam_eps=hp.adam_eps, adam_wd=hp.adam_wd, muon_lr=hp.muon_lr,
-                          muon_beta2=hp.muon_beta2, muon_wd=hp.muon_wd, rank=rank, world_size=world_size)
+                          muon_beta2=hp.muon_beta2, muon_wd=hp.muon_wd, rank=rank, world_size=world_size,
+                          fused=hp.kernels == "fused")
 
 
 # ---- how a run ends ----------------------------------------------------------------------------------------------
@@ -2628,7 +2691,7 @@ def describe_failure(e: BaseException, rank: int, world_size: int) -> tuple[int,
     if isinstance(e, KeyboardInterrupt):
         return 130, "stopped by SIGINT"
     if isinstance(e, torch.OutOfMemoryError):
-        return EXIT_CONFIG, (f"out of GPU memory ({str(e).splitlines()[0][:160]}): lower --train_bs_schedule and "
+        return EXIT_CONFIG, (f"out of GPU memory ({str(e).splitlines()[0][:160]}): lower the batches in --stages and "
                              f"--val_batch_size, or use more GPUs (the math is the same on 1, 2, 4 or 8)")
     first_line = (str(e).strip().splitlines() or [""])[0][:300]
     if world_size > 1 and isinstance(e, (RuntimeError, dist.DistError)):
@@ -2638,14 +2701,50 @@ def describe_failure(e: BaseException, rank: int, world_size: int) -> tuple[int,
                       f"--debug=true prints it here too). Please report it")
 
 
-def train(hp: Hyperparameters, argv_text: str, stops: StopSignals | None = None) -> dict[str, Any]:
-    """The whole run. Returns a summary (final val loss, train time, ...) for tests and tools."""
+@dataclass
+class Run:
+    """One process's view of the run: its place among the ranks, the log, and how the run ends."""
+    hp: Hyperparameters
+    rank: int
+    world_size: int
+    device: torch.device
+    run_id: str
+    log: RunLogger
+    stops: StopSignals
+    t_process: float                     # perf_counter at process start, for the untimed phase lines
+    resumed: dict | None                 # the checkpoint this run continues, if any
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def since_start_ms(self) -> float:
+        return 1000 * (time.perf_counter() - self.t_process)
+
+    @contextlib.contextmanager
+    def failures_logged(self) -> Iterator[None]:
+        """The log ends with the error line main() prints (and a bug's traceback); the log is closed either way."""
+        try:
+            yield
+        except BaseException as e:
+            self.stops.defer = False
+            if not isinstance(e, SystemExit):
+                code, message = describe_failure(e, self.rank, self.world_size)
+                if code in (EXIT_BUG, EXIT_PEER):
+                    import traceback
+                    self.log(traceback.format_exc().rstrip(), console=False)
+                self.log(f"error: {message}", console=False)
+            raise
+        finally:
+            self.log.close()
+
+
+def open_run(hp: Hyperparameters, stops: StopSignals) -> Run:
+    """Check the options, join the process group, read a checkpoint to resume, agree on a run id, create the log."""
     t_process = time.perf_counter()
-    stops = stops or StopSignals()
     validate_hyperparameters(hp, launch_environment()[1])
     rank, world_size, _, device = setup_distributed(hp)
-    master = rank == 0
-    stops.announce = master
+    stops.announce = rank == 0
     resumed = load_checkpoint(hp.resume, rank, world_size) if hp.resume else None
     run_id = hp.run_id or (f"{resumed['run_id']}-from{resumed['step']}" if resumed else str(uuid.uuid4()))
     if world_size > 1:                  # one name for every rank's checkpoints and traces
@@ -2655,186 +2754,227 @@ def train(hp: Hyperparameters, argv_text: str, stops: StopSignals | None = None)
     log_path = prepare_output(hp, run_id, rank)
     if world_size > 1:
         dist.barrier()                  # every rank has checked that the log does not exist before rank 0 makes it
-    log = RunLogger(log_path if master else None)
-    is_cuda = device.type == "cuda"
+    log = RunLogger(log_path if rank == 0 else None)
+    return Run(hp, rank, world_size, device, run_id, log, stops, t_process, resumed)
 
-    def sync() -> None:
-        if is_cuda:
-            torch.cuda.synchronize(device)
 
+def prepare_training(run: Run, argv_text: str) -> tuple[Trainer, Checkpointer]:
+    """Log the code and settings, run the preflight checks, build the model and optimizer, compile."""
+    hp, log, device = run.hp, run.log, run.device
+    if run.rank == 0:
+        print(f"logging to {log.path}", flush=True)
+        code = "\n".join(f"==== {name} ====\n" + Path(__file__).with_name(name).read_text()
+                         for name in ("train_gpt.py", "triton_kernels.py"))
+        log(code, console=False)
+        log("=" * 100 + "\n" + environment_report() + "=" * 100, console=False)
+        log(f"command: {argv_text}")
+        log("hyperparameters:\n" + "\n".join(f"  {f.name} = {getattr(hp, f.name)!r}"
+                                              for f in dataclasses.fields(hp)), console=False)
+    for note in preflight(hp, run.world_size, device, run.rank):
+        log(note)
+    train_files, val_files = resolve_shards(hp.train_files, "train"), resolve_shards(hp.val_files, "val")
     try:
-        if master:
-            print(f"logging to {log.path}", flush=True)
-            code = "\n".join(f"==== {name} ====\n" + Path(__file__).with_name(name).read_text()
-                             for name in ("train_gpt.py", "triton_kernels.py"))
-            log(code, console=False)
-            log("=" * 100 + "\n" + environment_report() + "=" * 100, console=False)
-            log(f"command: {argv_text}")
-            log("hyperparameters:\n" + "\n".join(f"  {f.name} = {getattr(hp, f.name)!r}"
-                                                  for f in dataclasses.fields(hp)), console=False)
-        for note in preflight(hp, world_size, device, rank):
-            log(note)
-        train_files, val_files = resolve_shards(hp.train_files, "train"), resolve_shards(hp.val_files, "val")
-        try:
-            attn_backend = resolve_attn_backend(hp.attn_backend, device)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-        log(f"world_size:{world_size} grad_accum:{hp.batch_slices // world_size} device:{device} "
-            f"attn_backend:{attn_backend} (asked: {hp.attn_backend}) compile:{hp.compile and is_cuda} dtype:{hp.dtype}")
-        facts = run_facts(world_size, device, attn_backend, train_files)
-        if resumed is not None:
-            check_resume(resumed, hp, facts)
-            if resumed["code"] != Path(__file__).read_text():
-                log("warning: train_gpt.py differs from the code that wrote the checkpoint (its log has that code); "
-                    "the continuation is exact only if the change leaves the math alone")
-        saving = hp.save_checkpoint or hp.checkpoint_every > 0
-        checkpointer = Checkpointer(hp, run_id, rank, world_size, facts, log)
+        attn_backend = resolve_attn_backend(hp.attn_backend, device)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    compiling = hp.compile and device.type == "cuda"
+    log(f"world_size:{run.world_size} grad_accum:{hp.batch_slices // run.world_size} device:{device} "
+        f"attn_backend:{attn_backend} (asked: {hp.attn_backend}) compile:{compiling} dtype:{hp.dtype}")
+    facts = run_facts(run.world_size, device, attn_backend, train_files)
+    if run.resumed is not None:
+        check_resume(run.resumed, hp, facts)
+        if run.resumed["code"] != Path(__file__).read_text():
+            log("warning: train_gpt.py differs from the code that wrote the checkpoint (its log has that code); "
+                "the continuation is exact only if the change leaves the math alone")
+    checkpointer = Checkpointer(hp, run.run_id, run.rank, run.world_size, facts, log)
 
-        if hp.seed >= 0:
-            torch.manual_seed(hp.seed)
-        model = build_model(hp, device, attn_backend)
-        if world_size > 1:
-            for p in model.parameters():
-                dist.broadcast(p.detach(), 0)
-        opt = build_optimizer(hp, model, rank, world_size)
-        compiled = model
-        if hp.compile and is_cuda:
-            from torch import _dynamo
-            _dynamo.config.recompile_limit = 64   # every window / batch-size / YaRN variant is its own graph
-            compiled = torch.compile(model, dynamic=False, fullgraph=True)
-        trainer = Trainer(hp, model, compiled, opt, device, rank, world_size, train_files, val_files)
-        sync()
-        log(f"phase:startup time:{1000 * (time.perf_counter() - t_process):.0f}ms")
+    if hp.seed >= 0:
+        torch.manual_seed(hp.seed)
+    model = build_model(hp, device, attn_backend)
+    if run.world_size > 1:
+        for p in model.parameters():
+            dist.broadcast(p.detach(), 0)
+    opt = build_optimizer(hp, model, run.rank, run.world_size)
+    compiled = model
+    if compiling:
+        from torch import _dynamo
+        _dynamo.config.recompile_limit = 64   # every window / batch-size / YaRN variant is its own graph
+        compiled = torch.compile(model, dynamic=False, fullgraph=True)
+    trainer = Trainer(hp, model, compiled, opt, device, run.rank, run.world_size, train_files, val_files)
+    run.sync()
+    log(f"phase:startup time:{run.since_start_ms():.0f}ms")
+    return trainer, checkpointer
 
-        # ---- warmup: compile every variant on real batches, then restore the exact initial state ----
-        if hp.warmup:
-            t0 = time.perf_counter()
-            initial = snapshot_state(model, opt)
-            steps = warmup_steps(hp)
-            log(f"warmup: compiling on steps {steps}")
-            for i, step in enumerate(steps):
-                sched = schedule_at(step, hp)
-                message = trainer.advance_schedule(sched)
-                trainer.validate(sched.ws_short, sched.ws_long, max_batches=1)
-                trainer.train_step(sched, message)
-                log(f"  warmup {i + 1}/{len(steps)} step {step} done at {time.perf_counter() - t0:.1f}s")
-            model.load_state_dict(initial["model"])
-            opt.load_state_dict(initial["optimizer"])
-            for p in model.parameters():
-                p.grad = None
-            if not states_equal(snapshot_state(model, opt), initial):
-                raise RuntimeError("the state after the warmup reset differs from the initial state (a bug: report it)")
-            trainer.reset_schedule_state()
-            sync()
-            log(f"phase:warmup time:{1000 * (time.perf_counter() - t0):.0f}ms (state reset and checked)")
-        import gc
-        gc.collect()
 
-        # ---- resume: the saved state replaces the initial one ----
-        start, clock = 0, TrainClock(sync)
-        if resumed is not None:
-            trainer.restore(resumed)
-            start, clock.ms = resumed["step"], resumed["train_time_ms"]
-            log(f"resumed from {resumed['path']} after step {start} of {hp.num_iterations} "
-                f"(train_time so far {clock.ms:.0f}ms)")
+def warmup_and_reset(trainer: Trainer, run: Run) -> None:
+    """Compile every variant on real batches (warmup_steps), then restore the exact initial state, and check it."""
+    t0 = time.perf_counter()
+    model, opt = trainer.model, trainer.opt
+    initial = snapshot_state(model, opt)
+    steps = warmup_steps(trainer.hp)
+    run.log(f"warmup: compiling on steps {steps}")
+    for i, step in enumerate(steps):
+        sched = schedule_at(step, trainer.hp)
+        batch_change = trainer.advance_schedule(sched)
+        trainer.validate(sched.ws_short, sched.ws_long, max_batches=1)
+        trainer.train_step(sched, batch_change)
+        run.log(f"  warmup {i + 1}/{len(steps)} step {step} done at {time.perf_counter() - t0:.1f}s")
+    model.load_state_dict(initial["model"])
+    opt.load_state_dict(initial["optimizer"])
+    for p in model.parameters():
+        p.grad = None
+    if not states_equal(snapshot_state(model, opt), initial):
+        raise RuntimeError("the state after the warmup reset differs from the initial state (a bug: report it)")
+    trainer.reset_schedule_state()
+    run.sync()
+    run.log(f"phase:warmup time:{1000 * (time.perf_counter() - t0):.0f}ms (state reset and checked)")
 
-        # ---- the timed loop ----
-        total_steps = hp.num_iterations
-        profiler = StepProfiler(hp, run_id, rank, log)
-        check_every = hp.nonfinite_check_every
+
+class Bookkeeping:
+    """What the timed loop does besides training: the clock, validation lines, the NaN guard and its last good state,
+    step lines and progress, checkpoints, stop signals and profiling."""
+
+    def __init__(self, run: Run, trainer: Trainer, checkpointer: Checkpointer, start: int, train_ms: float):
+        hp = run.hp
+        self.run, self.trainer, self.checkpointer, self.hp = run, trainer, checkpointer, hp
+        self.clock = TrainClock(run.sync)
+        self.clock.ms = train_ms
+        self.profiler = StepProfiler(hp, run.run_id, run.rank, run.log)
+        self.saving = hp.save_checkpoint or hp.checkpoint_every > 0
+        self.check_every = hp.nonfinite_check_every
         # Signals are polled between steps: every step with one process (a host flag, free); with several, at the
         # NaN check's sync points (or every 25 steps), where the ranks agree on stopping with one tiny all-reduce.
-        poll_every = 1 if world_size == 1 else (check_every or 25)
-        first_bad = torch.full((), -1, dtype=torch.int64, device=device)   # first step whose loss was not finite
+        self.poll_every = 1 if run.world_size == 1 else (self.check_every or 25)
+        self.first_bad = torch.full((), -1, dtype=torch.int64, device=run.device)  # first step with a bad loss
         # When states are saved, `pending` is the state at the last check; it is known good once the steps after it
         # have produced finite losses, and only then becomes `last_good` (the state saved if training blows up).
-        last_good = None
-        pending = trainer.state(start, clock.ms) if saving else None
-        val_loss = float("nan")
-        log(f"phase:process_start_to_timed_loop time:{1000 * (time.perf_counter() - t_process):.0f}ms")
-        stops.defer = True
-        tokens_after = np.cumsum([schedule_at(s, hp).global_batch for s in range(total_steps)])  # for the ETA
-        clock.start()
-        for step in range(start, total_steps + 1):
-            last = step == total_steps
-            sched = schedule_at(min(step, total_steps - 1), hp)
-            message = trainer.advance_schedule(sched) if not last else None
+        self.last_good = None
+        self.pending = trainer.state(start, train_ms) if self.saving else None
+        self.tokens_after = np.cumsum([schedule_at(s, hp).global_batch for s in range(hp.num_iterations)])  # ETA
+
+    def start(self) -> None:
+        self.run.log(f"phase:process_start_to_timed_loop time:{self.run.since_start_ms():.0f}ms")
+        self.run.stops.defer = True
+        self.clock.start()
+
+    def validate(self, step: int, sched: StepSchedule, last: bool) -> float:
+        """Validate off the clock (the final validation with the final window) and log it."""
+        train_ms = self.clock.pause()
+        tv = time.perf_counter()
+        val_loss = self.trainer.validate(sched.ws_short, self.hp.ws_long_final_val if last else sched.ws_long)
+        self.run.log(f"step:{step}/{self.hp.num_iterations} val_loss:{val_loss:.4f} train_time:{train_ms:.0f}ms "
+                     f"step_avg:{train_ms / max(step, 1):.2f}ms")
+        self.run.log(f"phase:validation time:{1000 * (time.perf_counter() - tv):.0f}ms", console=False)
+        if not math.isfinite(val_loss):
+            raise TrainingDiverged(f"the validation loss is {val_loss} at step {step}: lower the learning rates "
+                                   f"(--adam_lr, --muon_lr) or check the data")
+        self.clock.start()
+        return val_loss
+
+    @contextlib.contextmanager
+    def profiled(self, step: int) -> Iterator[None]:
+        self.profiler.before_step(step)
+        yield
+        self.profiler.after_step(step + 1, self.run.sync)
+
+    def after_step(self, done: int, loss: Tensor, sched: StepSchedule) -> None:
+        self._check_finite(done, loss)
+        self._log_step(done, loss, sched)
+        total = self.hp.num_iterations
+        if self.hp.checkpoint_every and done % self.hp.checkpoint_every == 0 and done < total:
+            self.checkpointer.save(self.trainer.state(done, self.clock.pause()), periodic=True)   # off the clock
+            self.clock.start()
+        if done % self.poll_every == 0 and done < total:
+            self._stop_if_asked(done)
+
+    def _check_finite(self, done: int, loss: Tensor) -> None:
+        """No sync per step: the first bad step is remembered on the device and looked at every check_every steps."""
+        if not self.check_every:
+            return
+        bad_now = (self.first_bad < 0) & ~torch.isfinite(loss)
+        self.first_bad.copy_(torch.where(bad_now, done - 1, self.first_bad))
+        if done % self.check_every and done != self.hp.num_iterations:
+            return
+        bad = int(self.first_bad.item())
+        if bad >= 0:
+            if self.last_good is not None:
+                self.checkpointer.save(self.last_good)
+            raise TrainingDiverged(
+                f"the training loss became NaN or infinite at step {bad}"
+                + (f"; the last good state (step {self.last_good['step']}) was saved" if self.last_good else "")
+                + ": lower the learning rates (--adam_lr, --muon_lr) or check the data")
+        if self.saving:
+            self.last_good, self.pending = self.pending, self.trainer.state(done, self.clock.now_ms())
+
+    def _log_step(self, done: int, loss: Tensor, sched: StepSchedule) -> None:
+        total, ms = self.hp.num_iterations, self.clock.now_ms()
+        line = f"step:{done}/{total} train_time:{ms:.0f}ms step_avg:{ms / done:.2f}ms"
+        if self.hp.train_loss_every and done % self.hp.train_loss_every == 0:
+            line += f" train_loss:{self.trainer.mean_train_loss(loss, sched):.6f}"
+        self.run.log(line, console=False)      # the file keeps the fixed format; the console adds progress
+        if self.run.rank == 0:
+            print(line + progress_note(done, total, ms, int(self.tokens_after[done - 1]), int(self.tokens_after[-1])),
+                  flush=True)
+
+    def _stop_if_asked(self, done: int) -> None:
+        signum = self.run.stops.requested or 0
+        if self.run.world_size > 1:                 # any rank's signal stops every rank at this same step
+            agreed = torch.tensor(signum, device=self.run.device)
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+            signum = int(agreed.item())
+        if signum:
+            import signal
+            saved = ""
+            if self.saving:
+                path = self.checkpointer.save(self.trainer.state(done, self.clock.pause()))
+                saved = f"; the state after step {done} is saved in {path.parent}: --resume={path.parent}"
+            raise Interrupted(signum, f"stopped by {signal.Signals(signum).name} after step {done} of "
+                                      f"{self.hp.num_iterations}{saved}")
+
+    def finish(self, val_loss: float) -> dict[str, Any]:
+        """After the last step: the final checkpoint, peak memory, the result line; returns the run's summary."""
+        self.run.stops.defer = False
+        if self.saving:
+            self.checkpointer.save(self.trainer.state(self.hp.num_iterations, self.clock.ms))
+        device, log = self.run.device, self.run.log
+        peak_mib = torch.cuda.max_memory_allocated(device) // 2**20 if device.type == "cuda" else None
+        if peak_mib is not None:
+            log(f"peak memory allocated: {peak_mib} MiB reserved: {torch.cuda.max_memory_reserved(device) // 2**20} MiB")
+        log(result_line(val_loss, self.hp.val_loss_target, self.clock.ms, self.hp.num_iterations, peak_mib, log.path))
+        return {"val_loss": val_loss, "train_time_ms": self.clock.ms, "run_id": self.run.run_id, "log": str(log.path)}
+
+
+def train(hp: Hyperparameters, argv_text: str, stops: StopSignals | None = None) -> dict[str, Any]:
+    """The whole run: setup, warmup and reset, then the timed loop. Returns a summary (final val loss, train time)."""
+    run = open_run(hp, stops or StopSignals())
+    with run.failures_logged():
+        trainer, checkpointer = prepare_training(run, argv_text)
+        if hp.warmup:
+            warmup_and_reset(trainer, run)
+        import gc
+        gc.collect()
+        start, train_ms = 0, 0.0
+        if run.resumed is not None:                              # the saved state replaces the initial one
+            trainer.restore(run.resumed)
+            start, train_ms = run.resumed["step"], run.resumed["train_time_ms"]
+            run.log(f"resumed from {run.resumed['path']} after step {start} of {hp.num_iterations} "
+                    f"(train_time so far {train_ms:.0f}ms)")
+
+        book = Bookkeeping(run, trainer, checkpointer, start, train_ms)
+        val_loss, total = float("nan"), hp.num_iterations
+        book.start()
+        for step in range(start, total + 1):
+            last = step == total
+            sched = schedule_at(min(step, total - 1), hp)
+            batch_change = trainer.advance_schedule(sched) if not last else None    # and YaRN at a window change
             if last or (hp.val_loss_every > 0 and step % hp.val_loss_every == 0):
-                train_ms = clock.pause()
-                tv = time.perf_counter()
-                val_loss = trainer.validate(sched.ws_short, hp.ws_long_final_val if last else sched.ws_long)
-                log(f"step:{step}/{total_steps} val_loss:{val_loss:.4f} train_time:{train_ms:.0f}ms "
-                    f"step_avg:{train_ms / max(step, 1):.2f}ms")
-                log(f"phase:validation time:{1000 * (time.perf_counter() - tv):.0f}ms", console=False)
-                if not math.isfinite(val_loss):
-                    raise TrainingDiverged(f"the validation loss is {val_loss} at step {step}: lower the learning "
-                                           f"rates (--adam_lr, --muon_lr) or check the data")
-                clock.start()
+                val_loss = book.validate(step, sched, last)
             if last:
                 break
-
-            profiler.before_step(step)
-            loss = trainer.train_step(sched, message)
-            done = step + 1
-            profiler.after_step(done, sync)
-
-            if check_every:  # no sync here: remember the first bad step on the device and look at it every few steps
-                first_bad.copy_(torch.where((first_bad < 0) & ~torch.isfinite(loss), step, first_bad))
-            if check_every and (done % check_every == 0 or done == total_steps):
-                bad = int(first_bad.item())
-                if bad >= 0:
-                    if last_good is not None:
-                        checkpointer.save(last_good)
-                    raise TrainingDiverged(
-                        f"the training loss became NaN or infinite at step {bad}"
-                        + (f"; the last good state (step {last_good['step']}) was saved" if last_good else "")
-                        + ": lower the learning rates (--adam_lr, --muon_lr) or check the data")
-                if saving:
-                    last_good, pending = pending, trainer.state(done, clock.now_ms())
-            line = f"step:{done}/{total_steps} train_time:{clock.now_ms():.0f}ms step_avg:{clock.now_ms() / done:.2f}ms"
-            if hp.train_loss_every and done % hp.train_loss_every == 0:
-                line += f" train_loss:{trainer.mean_train_loss(loss, sched):.6f}"
-            log(line, console=False)  # the file keeps the fixed format; the console adds progress
-            if master:
-                print(line + progress_note(done, total_steps, clock.now_ms(), int(tokens_after[done - 1]),
-                                           int(tokens_after[-1])), flush=True)
-            if hp.checkpoint_every and done % hp.checkpoint_every == 0 and done < total_steps:
-                checkpointer.save(trainer.state(done, clock.pause()), periodic=True)   # off the clock
-                clock.start()
-            if done % poll_every == 0 and done < total_steps:
-                signum = stops.requested or 0
-                if world_size > 1:                 # any rank's signal stops every rank at this same step
-                    agreed = torch.tensor(signum, device=device)
-                    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
-                    signum = int(agreed.item())
-                if signum:
-                    import signal
-                    saved = ""
-                    if saving:
-                        path = checkpointer.save(trainer.state(done, clock.pause()))
-                        saved = f"; the state after step {done} is saved in {path.parent}: --resume={path.parent}"
-                    raise Interrupted(signum, f"stopped by {signal.Signals(signum).name} after step {done} of "
-                                              f"{total_steps}{saved}")
-        stops.defer = False
-
-        if saving:
-            checkpointer.save(trainer.state(total_steps, clock.ms))
-        peak_mib = torch.cuda.max_memory_allocated(device) // 2**20 if is_cuda else None
-        if is_cuda:
-            log(f"peak memory allocated: {peak_mib} MiB reserved: {torch.cuda.max_memory_reserved(device) // 2**20} MiB")
-        log(result_line(val_loss, hp.val_loss_target, clock.ms, total_steps, peak_mib, log.path))
-        return {"val_loss": val_loss, "train_time_ms": clock.ms, "run_id": run_id, "log": str(log.path)}
-    except BaseException as e:
-        stops.defer = False
-        if not isinstance(e, SystemExit):
-            code, message = describe_failure(e, rank, world_size)
-            if code in (EXIT_BUG, EXIT_PEER):
-                import traceback
-                log(traceback.format_exc().rstrip(), console=False)
-            log(f"error: {message}", console=False)     # the log ends with the line main() prints
-        raise
-    finally:
-        log.close()
+            with book.profiled(step):
+                loss = trainer.train_step(sched, batch_change)    # forward/backward of each micro-batch, optimizer
+            book.after_step(step + 1, loss, sched)                # NaN guard, step line, checkpoint, stop signals
+        return book.finish(val_loss)
 
 
 def _debug_requested(argv: Sequence[str]) -> bool:

@@ -12,7 +12,9 @@ def main(path: str) -> None:
     steps = {int(m[0]): float(m[1]) for m in re.findall(r"^step:(\d+)/\d+ train_time:(\d+)ms", text, re.M)}
     vals = re.findall(r"^step:(\d+)/\d+ val_loss:([\d.na]+) train_time:(\d+)ms", text, re.M)
     ns = int(hp.get("num_scheduled_iterations", 1725))
-    bs = [int(x) for x in re.findall(r"\d+", hp.get("train_bs_schedule", "(131072, 262144, 393216)"))]
+    # the stage rows as the log prints them, Stage(batch=131072, ...); logs of older code: train_bs_schedule
+    bs = [int(x) for x in re.findall(r"batch=(\d+)", hp.get("stages", ""))] or \
+        [int(x) for x in re.findall(r"\d+", hp.get("train_bs_schedule", "(131072, 262144, 393216)"))]
     val_steps = {int(v[0]) for v in vals}
     print(f"log: {path}")
     for name, ms in re.findall(r"^phase:(\w+) time:(\d+)ms", text, re.M):
@@ -20,7 +22,8 @@ def main(path: str) -> None:
     print("  phase  steps        global_batch  ms/step   tokens/s")
     if not steps:
         print("  no training steps in this log"); return
-    bounds = [(0, ns // 3), (ns // 3, 2 * ns // 3), (2 * ns // 3, max(steps))]
+    n = len(bs)
+    bounds = [(k * ns // n, (k + 1) * ns // n if k < n - 1 else max(steps)) for k in range(n)]
     for i, (a, b) in enumerate(bounds):
         # train_time is cumulative and excludes validation: the per-step time is the difference of successive lines;
         # skip steps right after a validation (their line includes the restart) and the first steps of a phase.
@@ -28,7 +31,7 @@ def main(path: str) -> None:
         if d:
             d.sort()
             med = d[len(d) // 2]
-            print(f"  {i}      {a:>4}-{b - 1:<6} {bs[min(i, 2)]:>12}  {med:8.1f}  {bs[min(i, 2)] / med * 1000:10.0f}")
+            print(f"  {i}      {a:>4}-{b - 1:<6} {bs[i]:>12}  {med:8.1f}  {bs[i] / med * 1000:10.0f}")
     for v in vals:
         print(f"  val step {v[0]}: {v[1]} (train_time {int(v[2]) / 1000:.1f} s)")
     m = re.search(r"peak memory allocated: (\d+) MiB reserved: (\d+) MiB", text)

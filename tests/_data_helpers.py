@@ -1,4 +1,4 @@
-"""Test helpers for the data pipeline: a shard writer, a pure-Python reference of spec §2.3 / §2.5, and an importer
+"""Test helpers for the data pipeline: a shard writer, a pure-Python reference of the training and validation batch rules, and an importer
 of the scripts under data/."""
 import importlib
 import os
@@ -56,7 +56,7 @@ def ref_max_num_docs(n, bound):
 
 
 class RefTrainLoader:
-    """Spec §2.3 transcribed literally, in pure Python, over in-memory shards (lists of ints)."""
+    """The training batch rule transcribed literally, in pure Python, over in-memory shards (lists of ints)."""
 
     def __init__(self, shards):
         self.shards = shards
@@ -110,7 +110,7 @@ class RefTrainLoader:
 
 
 def ref_val_batches(shards, val_batch_size, val_tokens, grad_accum, rank, world_size, bound):
-    """Spec §2.5 transcribed literally (shards: lists of ints)."""
+    """The validation batch rule transcribed literally (shards: lists of ints)."""
     n_val = val_batch_size // (grad_accum * world_size)
     k, pos, out = 0, 0, []
     for _ in range(grad_accum * val_tokens // val_batch_size):

@@ -9,10 +9,11 @@ import train_gpt as tg
 
 def test_parse_types_and_preset_order():
     hp = tg.parse_args(["--num_layers=11", "--preset=tiny", "--muon_lr=0.05", "--compile=false",
-                        "--train_bs_schedule=4096,8192,8192"])
+                        "--stages=4096:1:3:1/0.5/0.25,8192:1.5:7:1"])
     assert hp.preset == "tiny" and hp.model_dim == 128          # preset applied first, whatever its position
     assert hp.num_layers == 11 and hp.muon_lr == 0.05 and hp.compile is False
-    assert hp.train_bs_schedule == (4096, 8192, 8192)
+    assert hp.stages == (tg.Stage(4096, 1.0, 3, (1.0, 0.5, 0.25)), tg.Stage(8192, 1.5, 7, (1.0,)))
+    assert tg.parse_args([f"--stages={tg._show(hp.stages)}"]).stages == hp.stages   # what --help shows parses back
 
 
 @pytest.mark.parametrize("argv,needle", [
@@ -20,7 +21,8 @@ def test_parse_types_and_preset_order():
     (["--num_layers=abc"], "--num_layers='abc' is not an int"),
     (["--preset=huge"], "unknown --preset=huge"),
     (["num_layers=3"], "expected --name=value"),
-    (["--lr=0.1"], "did you mean --adam_lr, --muon_lr, --lr_peaks, --lr_min?"),
+    (["--lr=0.1"], "did you mean --adam_lr, --muon_lr, --lr_min?"),
+    (["--stages=4096:1:3"], "--stages='4096:1:3' is not batch:lr_peak:ws_long:w1/w2/... per stage"),
     (["--muon_lrr=0.1"], "did you mean --muon_lr"),
     (["--num_layers", "3"], "--num_layers needs a value: write --num_layers=VALUE"),
     (["--compile=maybe"], "--compile='maybe' is not true or false"),
@@ -33,7 +35,8 @@ def test_parse_errors(argv, needle):
 
 @pytest.mark.parametrize("world_size,argv,needle", [
     (3, [], "world size 3 does not divide --batch_slices=8"),
-    (1, ["--train_bs_schedule=131072,262144,1000"], "global batch 1000"),
+    (1, ["--stages=131072:1:3:1,1000:1:3:1"], "global batch 1000"),
+    (1, ["--stages=1024:1:3:0/1"], "stage 1 of --stages (1024:1.0:3:0.0/1.0) needs"),
     (1, ["--val_tokens=1000"], "--val_tokens=1000"),
     (1, ["--attn_layout=PN"], "--attn_layout"),
     (1, ["--attn_backend=magic"], "--attn_backend=magic"),

@@ -1,5 +1,5 @@
-"""Data loader tests: shard checks, BOS-aligned train batches against a pure-Python reference of §2.3,
-world-size invariance, batch-size messages, shard ends, validation batches (§2.5), and bad input. All on CPU."""
+"""Data loader tests: shard checks, BOS-aligned train batches against a pure-Python reference of the batch rule,
+world-size invariance, batch-size messages, shard ends, validation batches, and bad input. All on CPU."""
 import os
 import threading
 import time
@@ -311,7 +311,7 @@ def test_batch_not_divisible(labelled_dir, via_message):
             gen.send((4100, 2048, 1))
         else:
             tg.train_batches(files, 4096, 3, 0, 8, CPU, 2048, 4)
-    assert "--train_bs_schedule" in str(info.value) and "--batch_slices" in str(info.value)
+    assert "--stages" in str(info.value) and "--batch_slices" in str(info.value)
 
 
 def test_short_documents_overflow_cu_seqlens(tmp_path):

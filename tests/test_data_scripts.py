@@ -42,7 +42,7 @@ def test_help(name, expected):
 
 
 def test_default_shard_count_covers_the_record_run():
-    # spec §10.3: 467,927,040 trained tokens; the record reads about 6-7 shards and asks for at least 9
+    # the record: 467,927,040 trained tokens; the record reads about 6-7 shards and asks for at least 9
     assert fineweb.TRAINED_TOKENS == 467_927_040
     assert fineweb.DEFAULT_TRAIN_SHARDS >= 9
     assert fineweb.DEFAULT_TRAIN_SHARDS * 100_000_000 >= 1.5 * 467_927_040

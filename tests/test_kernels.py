@@ -1,5 +1,5 @@
 """CPU tests of triton_kernels.py: the kernels under Triton's interpreter (in a subprocess), the references against
-float64 formulas written from the spec, and an sm_90 compile of every kernel (no fp64 anywhere, shared memory that
+float64 formulas written from the math, and an sm_90 compile of every kernel (no fp64 anywhere, shared memory that
 fits an H100)."""
 import inspect
 import os
@@ -40,7 +40,7 @@ def test_sym_references_match_float64():
 
 
 def test_relu2_mlp_reference_rounding_points_and_backward():
-    """Forward: pre and post rounded to bf16; backward: the closed forms of spec §8.3."""
+    """Forward: pre and post rounded to bf16; backward: the closed forms of the ReLU^2 MLP's gradient."""
     g = torch.Generator().manual_seed(0)
     M, D, H = 24, 16, 40
     x = torch.randn(M, D, generator=g).bfloat16().requires_grad_()

@@ -2,7 +2,7 @@
 torch.compile(fullgraph=True) tracing with no graph break and no recompile. Run on the device:
     python3 -m pytest -q tests/test_kernels_gpu.py
 
-Tolerance: the kernels round to bf16 (2^-8 relative) at the spec's rounding points, so relative errors (max abs error
+Tolerance: the kernels round to bf16 (2^-8 relative) at the record's rounding points, so relative errors (max abs error
 over the largest reference value) land around 1e-3..1e-2; 2e-2 passes any legal summation order while a wrong
 tile, mask or epilogue gives errors of order 1.
 """
@@ -116,7 +116,7 @@ def test_relu2_mlp_kernel_rounding_points():
 # ------------------------------------------------------------------------------------------------------------------
 
 def ce_float64(logits, targets, weights, grad_rows):
-    """Spec §8.4 in float64 (all targets in range): losses (n,) and dlogits (n, V)."""
+    """The softcapped MTP cross entropy in float64 (all targets in range): losses (n,) and dlogits (n, V)."""
     n, V = logits.shape
     sig = torch.sigmoid((logits.double() + B_) / C_)
     z = A_ * sig
@@ -274,7 +274,7 @@ def test_compile_softcapped_mtp_ce_new_weight_values():
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# Optimizer updates (triton_kernels.py §5-6): bitwise the eager code on the same CUDA tensors
+# Optimizer updates (triton_kernels.py sections 5-6): bitwise the eager code on the same CUDA tensors
 # ------------------------------------------------------------------------------------------------------------------
 
 def bits_of(t: torch.Tensor) -> torch.Tensor:

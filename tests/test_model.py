@@ -2,7 +2,7 @@
 
 The attention backend is replaced by `masked_sdpa`, a dense-mask stand-in defined in this file (the real
 varlen_attention lives in another section). References use fp32 math on the model's bf16 weights, loops over tokens
-and heads where the spec defines per-token rules, and nothing from train_gpt except the parameters they read.
+and heads where the record's math is a per-token rule, and nothing from train_gpt except the parameters they read.
 """
 import math
 from dataclasses import replace
@@ -110,7 +110,7 @@ def doc_of(cu, t):
 
 
 def attention_direct(model, layer, u, ve, cu, window, *, swap_slot=True):
-    """Spec §3.5/§3.6 written out per token and head, in fp32. u (T, D) bf16 -> (T, D) fp32."""
+    """The attention sublayer (paired and normal) written out per token and head, in fp32. u (T, D) bf16 -> (T, D) fp32."""
     cfg = model.cfg
     T, D, H, hd, L = u.shape[0], cfg.model_dim, cfg.num_heads, cfg.head_dim, cfg.num_layers
     kind = cfg.attn_layout[layer]
@@ -247,7 +247,7 @@ def test_real_config_parameter_counts():
     gates = ("attn_gate_bank", "ve_gate_bank", "smear_gate", "skip_gate")
     assert [counts[k] for k in gates] == [720, 360, 12, 12]
     assert counts["x0_lambdas"] == 11 and counts["scalars"] == 36
-    # spec §10.1: 273,384,579 with the 4 vestigial scalar pads, which this model drops
+    # the record: 273,384,579 with its 4 vestigial scalar pads, which this model drops
     assert sum(counts.values()) == 273_384_579 - 4
     assert sum(p.numel() for p in model.parameters()) == sum(counts.values())
     assert model.attn.shape == (10, 3072, 768) and model.mlp.shape == (12, 2, 3072, 768)
@@ -569,3 +569,45 @@ def test_fp8_custom_ops_match_the_emulation_on_cpu():
     assert torch.allclose(out.float(), ref.float(), rtol=1e-2, atol=1e-6)
     assert torch.allclose(dh.float(), ref_dh.float(), rtol=1e-2, atol=1e-9)
     assert torch.allclose(dw, ref_dw.float(), rtol=1e-2, atol=1e-9)
+
+
+# ---- --kernels=torch ----------------------------------------------------------------------------------------------
+
+def _kernels_loss(kernels: str, train: bool = True) -> tuple[tg.GPT, torch.Tensor]:
+    torch.manual_seed(0)
+    model = tg.GPT(tiny_cfg(kernels=kernels, use_fp8=True), torch.device("cpu"))
+    randomize(model, seed=7)
+    model.train(train)
+    inputs, targets, cu = batch(T=48, docs=(0, 30))
+    weights = torch.tensor([1.0, 0.5, 0.25] if train else [1.0])
+    return model, model(inputs, targets, cu, 1, 3, weights, 64)
+
+
+def test_kernels_torch_gives_the_fused_numbers_on_cpu():
+    # On a CPU the default loss is a chunked closed form of the reference; --kernels=torch runs the reference itself.
+    fused_model, fused = _kernels_loss("fused")
+    torch_model, plain = _kernels_loss("torch")
+    assert plain.item() == pytest.approx(fused.item(), rel=1e-5)
+    fused.backward()
+    plain.backward()
+    for (name, a), b in zip(fused_model.named_parameters(), torch_model.parameters()):
+        assert (a.grad.float() - b.grad.float()).norm() <= 1e-2 * a.grad.float().norm(), name
+    assert _kernels_loss("torch", train=False)[1].item() == pytest.approx(_kernels_loss("fused", train=False)[1].item(),
+                                                                           rel=1e-5)
+
+
+def test_kernels_torch_runs_the_edited_definitions(monkeypatch):
+    _, plain = _kernels_loss("torch")
+    calls = []
+
+    def relu_mlp(x, c_fc, c_proj):          # an edited activation: ReLU instead of ReLU^2
+        calls.append(x.shape)
+        return F.relu(x @ c_fc.mT) @ c_proj
+
+    monkeypatch.setattr(tg.tk, "relu2_mlp_reference", relu_mlp)
+    _, edited = _kernels_loss("torch")
+    assert len(calls) == 6 and abs(edited.item() - plain.item()) > 1e-3 * abs(plain.item())
+    reference_loss = tg.tk.softcapped_mtp_ce_reference
+    monkeypatch.setattr(tg.tk, "softcapped_mtp_ce_reference", lambda *args: 2 * reference_loss(*args))
+    _, doubled = _kernels_loss("torch")
+    assert doubled.item() == pytest.approx(2 * edited.item(), rel=1e-6)

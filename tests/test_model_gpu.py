@@ -147,3 +147,89 @@ def test_real_model_compiled_eval_262144_tokens(compiled_model):
           f"peak memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
     assert torch.isfinite(loss) and 0 < loss.item() < 2 * math.log(50304)
     model.train()
+
+
+# ---- --kernels=torch: the plain-PyTorch definitions, compiled with the model ---------------------------------------
+
+def _small_real_model(kernels: str) -> tuple[tg.GPT, object]:
+    """The record's widths and kinds of layer in 4 layers (a faster compile), banks randomised (the zero-initialised
+    output projections would hide the MLP), compiled as the trainer compiles it."""
+    cfg = real_cfg(num_layers=4, attn_layout="PN-N", long_window_layers=(1,), ve_layout=(0, -1, -1, 1),
+                   num_value_embeds=2, skip_source_layer=0, skip_dest_layer=2, backout_layer=2, kernels=kernels,
+                   rotary_max_len=4096)
+    torch.manual_seed(0)
+    model = tg.GPT(cfg, torch.device("cuda"))
+    with torch.no_grad():
+        g = torch.Generator(device="cuda").manual_seed(2)
+        for bank in (model.attn, model.mlp):
+            bank.copy_(torch.randn(bank.shape, device="cuda", generator=g) * bank.shape[-1] ** -0.5)
+    return model, torch.compile(model, dynamic=False, fullgraph=True)
+
+
+def _loss_and_grads(kernels: str) -> tuple[float, dict]:
+    model, compiled = _small_real_model(kernels)
+    inputs, targets, cu = _packed_batch(4096, 50304, 2048, 64, "cuda", seed=1)
+    loss = compiled(inputs, targets, cu, 1, 3, torch.tensor([1.0, 0.5, 0.25], device="cuda"), 2048)
+    loss.backward()
+    return loss.item(), {name: p.grad.float() for name, p in model.named_parameters()}
+
+
+def test_kernels_torch_compiles_and_matches_the_fused_kernels():
+    torch._dynamo.reset()
+    fused_loss, fused_grads = _loss_and_grads("fused")
+    torch_loss, torch_grads = _loss_and_grads("torch")
+    print(f"\nloss fused {fused_loss:.2f}, torch {torch_loss:.2f}")
+    # The FP8 head differs in accumulation (torch._scaled_mm with fast accumulation vs dequantised fp32 matmuls).
+    assert torch_loss == pytest.approx(fused_loss, rel=1e-3)
+    for name, g in fused_grads.items():
+        assert torch.isfinite(torch_grads[name]).all(), name
+        if g.norm() > 0:
+            assert rel_err(torch_grads[name], g) < 5e-2, name
+
+
+def test_kernels_torch_runs_an_edited_activation_and_loss_on_the_gpu(monkeypatch):
+    torch._dynamo.reset()
+    plain, _ = _loss_and_grads("torch")
+    reference_loss = tk.softcapped_mtp_ce_reference
+    monkeypatch.setattr(tk, "softcapped_mtp_ce_reference", lambda *args: 2 * reference_loss(*args))
+    torch._dynamo.reset()
+    doubled, _ = _loss_and_grads("torch")
+    assert doubled == pytest.approx(2 * plain, rel=1e-6)
+    monkeypatch.setattr(tk, "softcapped_mtp_ce_reference", reference_loss)
+    monkeypatch.setattr(tk, "relu2_mlp_reference", lambda x, c_fc, c_proj: torch.relu(x @ c_fc.mT) @ c_proj)
+    torch._dynamo.reset()
+    relu, _ = _loss_and_grads("torch")
+    print(f"\nloss {plain:.3f}; doubled loss {doubled:.3f}; ReLU instead of ReLU^2 {relu:.3f}")
+    assert abs(relu - plain) > 1e-3 * abs(plain)
+
+
+def test_optimizer_kernels_torch_on_cuda_is_the_fused_update():
+    """fused=False runs the eager definitions on CUDA: Adam's and the cautious update's are bitwise the kernels';
+    Polar Express's Gram products (fp32 matmuls instead of the symmetric Triton kernels) agree to bf16 rounding."""
+    hp = tg.Hyperparameters()
+    torch.manual_seed(0)
+    model = tg.GPT(real_cfg(rotary_max_len=16), torch.device("cuda"))
+    params = dict(model.named_parameters())
+    g = torch.Generator(device="cuda").manual_seed(3)
+    grads = {k: 1e-3 * torch.randn(p.shape, device="cuda", generator=g).to(p.dtype) for k, p in params.items()}
+    results = {}
+    for fused in (True, False):
+        with torch.no_grad():
+            copies = {k: torch.nn.Parameter(p.detach().clone()) for k, p in params.items()}
+        opt = tg.NorMuonAndAdam(copies, tg.build_optimizer(hp, model, 0, 1).table, adam_lr=hp.adam_lr,
+                                adam_eps=hp.adam_eps, adam_wd=hp.adam_wd, muon_lr=hp.muon_lr,
+                                muon_beta2=hp.muon_beta2, muon_wd=hp.muon_wd, rank=0, world_size=1, fused=fused)
+        for k, p in copies.items():
+            p.grad = grads[k].clone()
+        opt.step(do_adam=True, lr_factor=1.0, momentum=0.95)
+        results[fused] = {k: p.detach() for k, p in copies.items()}
+        for k in ("attn", "mlp"):       # the fp32 masters: bf16 bits << 16 | mantissa (the mantissa started at 0)
+            high = copies[k].detach().view(torch.int16).to(torch.int32) << 16
+            low = opt.buffers[k]["mantissa"].view(torch.int16).to(torch.int32) & 0xFFFF
+            results[fused][k] = (high | low).view(torch.float32)
+    for k in results[True]:
+        if k in ("attn", "mlp"):
+            old = params[k].detach().float()
+            assert rel_err(results[False][k] - old, results[True][k] - old) < 5e-2, k
+        else:
+            assert torch.equal(results[False][k], results[True][k]), k

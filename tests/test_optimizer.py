@@ -1,6 +1,6 @@
 """Optimizer section of train_gpt.py: Polar Express, Adam and NorMuon updates, NorMuonAndAdam at world 1.
 
-References here are written from the spec text in float64 (bf16 rounding emulated where the spec puts it), never by
+References here are written from the record's math in float64 (bf16 rounding emulated where the record rounds), never by
 calling the code under test for the quantity being checked.
 """
 import math
@@ -16,7 +16,7 @@ F64 = torch.float64
 
 
 def bf(x: torch.Tensor) -> torch.Tensor:
-    """Round to bf16 and back to float64 (an explicit rounding point of the spec)."""
+    """Round to bf16 and back to float64 (an explicit rounding point of the record)."""
     return x.to(torch.bfloat16).to(F64)
 
 
@@ -83,7 +83,7 @@ def composed_polynomial(s: np.ndarray) -> np.ndarray:
 
 
 def test_polar_express_coefficients_have_their_designed_band():
-    # The spec's coefficients (checked digit by digit against §5.5 here, typed independently) are designed for
+    # The record's coefficients (typed here independently and checked digit by digit) are designed for
     # normalised singular values in [1e-3, 1]: the composed polynomial maps that interval into 1 +- 0.1411.
     assert tg.POLAR_EXPRESS_COEFFS == (
         (8.156554524902461, -22.48329292557795, 15.878769915207462),
@@ -119,7 +119,7 @@ def test_polar_express_orthogonalises_within_the_coefficient_band(n, R, C, split
 
     X = G.to(F64)
     Ux, Sx, Vhx = torch.linalg.svd(X, full_matrices=False)
-    # The spec's normaliser, with its bf16 roundings: bf16(bf16(bf16(||X||_F) * 1.02) + 1e-6).
+    # The record's normaliser, with its bf16 roundings: bf16(bf16(bf16(||X||_F) * 1.02) + 1e-6).
     denom = bf(bf(bf(torch.linalg.matrix_norm(X)) * 1.02) + 1e-6)
     s_hat = (Sx / denom[:, None]).numpy()
     assert s_hat.min() >= 1e-3 and s_hat.max() < 1
@@ -147,7 +147,7 @@ def test_polar_express_orthogonalises_within_the_coefficient_band(n, R, C, split
 
 
 def polar_express_reference(U: torch.Tensor, split: bool) -> torch.Tensor:
-    """§5.5 in float64 with the spec's bf16 rounding points; U (n, R, C) -> bf16-valued float64."""
+    """Polar Express in float64 with the record's bf16 rounding points; U (n, R, C) -> bf16-valued float64."""
     X = bf(U.to(F64))
     transposed = X.shape[-2] > X.shape[-1]
     if transposed:
@@ -178,7 +178,7 @@ def test_polar_express_matches_rounded_transcription(split):
 # ---------------------------------------------------------------------------------------------------------------------
 
 def adam_reference(p, g, m, v, *, t, lr, beta1, beta2, eps, wd):
-    """§5.3 transcribed in float64; returns (p_new (float64, unrounded), m, v)."""
+    """Adam's update transcribed in float64; returns (p_new (float64, unrounded), m, v)."""
     p, g, m, v = (x.to(F64) for x in (p, g, m, v))
     m = beta1 * m + (1 - beta1) * g
     v = beta2 * v + (1 - beta2) * g * g
@@ -245,7 +245,7 @@ def test_adam_update_in_cpu_blocks_is_bitwise_the_whole_tensor_update(monkeypatc
 # ---------------------------------------------------------------------------------------------------------------------
 
 def variance_reference(O, Q, beta2):
-    """§5.6 in float64: O bf16-valued (n, R, C), Q (n, R, 1) or (n, 1, C) -> (O scaled, rounded to bf16; new Q)."""
+    """NorMuon's variance normalisation in float64: O bf16-valued (n, R, C), Q (n, R, 1) or (n, 1, C) -> (O scaled, rounded to bf16; new Q)."""
     red = -1 if O.shape[-2] >= O.shape[-1] else -2
     n_red = O.shape[red]
     r = (O * O).mean(dim=red, keepdim=True)
@@ -307,7 +307,7 @@ def test_cautious_update_with_mantissa_matches_float64():
 
 
 def normuon_reference(param, grad, M, Q, mantissa, *, mu, beta2, lr, wd, split):
-    """§5.4-5.8 in float64 with the bf16 rounding points; returns (master P', M, Q)."""
+    """The whole NorMuon update in float64 with the bf16 rounding points; returns (master P', M, Q)."""
     P = master_value(param, mantissa).to(F64)
     G = grad.to(F64)
     M = M.to(F64)

@@ -1,4 +1,4 @@
-"""Issue 7: every bad input ends in a clear message and exit status, early, never a hang or a bare traceback."""
+"""Every bad input ends in a clear message and exit status, early, never a hang or a bare traceback."""
 import os
 import signal
 import socket

@@ -1,4 +1,4 @@
-"""Schedules as pure functions of the step, checked against the spec's tables and boundary values."""
+"""Schedules as pure functions of the step, checked against the record's boundary values and formulas."""
 import math
 
 import pytest
@@ -18,21 +18,65 @@ def test_totals():
 @pytest.mark.parametrize("step,bs", [(0, 131072), (574, 131072), (575, 262144), (1149, 262144), (1150, 393216),
                                      (1724, 393216), (1725, 393216), (1764, 393216)])
 def test_batch_size(step, bs):
-    assert tg.global_batch_size(step, NS, HP.train_bs_schedule) == bs
+    assert tg.global_batch_size(step, NS, HP.stages) == bs
 
 
 @pytest.mark.parametrize("step,ws", [(0, (1, 3)), (574, (1, 3)), (575, (3, 7)), (1149, (3, 7)), (1150, (5, 11)),
                                      (1724, (5, 11)), (1725, (6, 13)), (1764, (6, 13))])
 def test_windows(step, ws):
-    assert tg.window_sizes(step, NS, HP.ws_long_schedule, HP.ws_long_extension) == ws
+    assert tg.window_sizes(step, NS, HP.stages, HP.ws_long_extension) == ws
 
 
 @pytest.mark.parametrize("step,lr", [(0, 1.0), (575, 1.0), (576, 1.52), (862, 1.52), (863, 1.5191768),
                                      (1150, 1.0466667), (1151, 1.1847768), (1724, 0.1018899), (1725, 0.1),
                                      (1726, 0.1), (1764, 0.1)])
 def test_lr(step, lr):
-    got = tg.lr_factor(step, NS, HP.lr_peaks, HP.lr_min, HP.cooldown_frac)
+    got = tg.lr_factor(step, NS, HP.stages, HP.lr_min, HP.cooldown_frac)
     assert got == pytest.approx(lr, abs=5e-8)
+
+
+# The record's schedule as it writes it: three parallel triples and hard-coded thirds. The stage table must give
+# exactly these numbers (==, not approx) at every step, for any schedule length.
+def record_schedule(step, ns, ext_ws=13, lr_min=0.1, cooldown_frac=0.5):
+    bs_schedule, lr_peaks, ws_schedule, mtp_start = (131072, 262144, 393216), (1.0, 1.52, 1.73), (3, 7, 11), \
+        (1.0, 0.5, 0.25)
+    third = min(int(3 * (step / ns)), 2)
+    ws_long = ext_ws if step >= ns else ws_schedule[third]
+    x = step / ns
+    if step > ns:
+        lr = lr_min
+    else:
+        peak = lr_peaks[2] if x > 2 / 3 else lr_peaks[1] if x > 1 / 3 else lr_peaks[0]
+        w = (1 - x) / cooldown_frac
+        lr = peak * w + lr_min * (1 - w) if x >= 1 - cooldown_frac else peak
+    if x < 1 / 3:
+        mtp = (mtp_start[0], mtp_start[1], mtp_start[2] * (1 - 3 * x))
+    elif x < 2 / 3:
+        mtp = (mtp_start[0], mtp_start[1] * (2 - 3 * x))
+    else:
+        mtp = (mtp_start[0],)
+    return bs_schedule[third], (ws_long // 2, ws_long), lr, mtp
+
+
+def test_stage_table_is_the_records_schedule_exactly():
+    for ns in [3, 4, 5, 7, 9, 60, 100, 999, 1725, 1726, 2000]:
+        hp = tg.Hyperparameters(num_scheduled_iterations=ns)
+        for step in range(ns + 45):
+            s = tg.schedule_at(step, hp)
+            assert (s.global_batch, (s.ws_short, s.ws_long), s.lr_factor, s.mtp_weights) == \
+                record_schedule(step, ns), (ns, step)
+
+
+def test_a_four_stage_table():
+    stages = (tg.Stage(64, 1.0, 2, (1.0, 0.5)), tg.Stage(128, 2.0, 4, (1.0, 0.5)), tg.Stage(192, 3.0, 6, (1.0,)),
+              tg.Stage(256, 4.0, 8, (1.0, 0.25)))
+    got = [(tg.global_batch_size(s, 8, stages), tg.window_sizes(s, 8, stages, 10)[1],
+            tg.lr_factor(s, 8, stages, 0.0, 0.01), tg.mtp_weights(s, 8, stages)) for s in range(10)]
+    assert [g[0] for g in got] == [64, 64, 128, 128, 192, 192, 256, 256, 256, 256]
+    assert [g[1] for g in got] == [2, 2, 4, 4, 6, 6, 8, 8, 10, 10]
+    assert [g[2] for g in got[:8]] == [1.0, 1.0, 1.0, 2.0, 2.0, 3.0, 3.0, 4.0]    # one step later at exact starts
+    assert [g[3] for g in got[:4]] == [(1.0, 0.5), (1.0, 0.25), (1.0, 0.5), (1.0, 0.25)]
+    assert got[7][3] == (1.0, 0.125) and got[9][3] == (1.0, 0.0)     # the last stage fades too, to 0 at its end
 
 
 @pytest.mark.parametrize("step,mu", [(0, 0.85), (150, 0.90), (299, 0.85 + 0.1 * 299 / 300), (300, 0.95),
@@ -44,7 +88,7 @@ def test_momentum(step, mu):
 
 
 def test_mtp_weights():
-    w = lambda s: tg.mtp_weights(s, NS, HP.mtp_weights_start)
+    w = lambda s: tg.mtp_weights(s, NS, HP.stages)
     assert w(0) == (1.0, 0.5, 0.25)
     assert w(574)[2] == pytest.approx(0.000434783, abs=1e-9)
     assert w(575) == (1.0, 0.5)                       # 575/1725 is the double nearest 1/3: 3x rounds to 1
@@ -69,7 +113,7 @@ def test_warmup_steps_cover_every_transition_and_the_split():
     assert tiny.split_step in steps and all(0 <= s < tiny.num_iterations for s in steps)
 
 
-def test_attn_scale_after_yarn_matches_spec():
+def test_attn_scale_after_yarn_matches_the_record():
     # the schedule's window changes drive YaRN: scale *= 1 + 0.2 ln(b/a) at 3->7->11->13
     scale, prev = 0.1, 3
     expected = [0.11694596, 0.12751752, 0.13177799]

@@ -25,8 +25,7 @@ def load_model(path: str, device):
     import torch
     import train_gpt as tg
     state = load_state(path)
-    known = {f.name for f in dataclasses.fields(tg.Hyperparameters)}
-    hp = tg.Hyperparameters(**{k: v for k, v in state["hyperparameters"].items() if k in known})
+    hp = tg.hyperparameters_from_dict(state["hyperparameters"])
     # sdpa takes any length and any mask on any device; the training kernels' numerics do not matter here.
     model = tg.build_model(dataclasses.replace(hp, use_fp8=False), device, "sdpa")
     model.load_state_dict(state["model"])
