@@ -207,7 +207,8 @@ def test_kernels_torch_runs_an_edited_activation_and_loss_on_the_gpu(monkeypatch
     torch._dynamo.reset()
     relu, _ = _loss_and_grads("torch")
     print(f"\nloss {plain:.3f}; doubled loss {doubled:.3f}; ReLU instead of ReLU^2 {relu:.3f}")
-    assert len(traced) == 4 and abs(relu - plain) > 1e-2 * abs(plain)
+    assert len(traced) == 4, traced
+    assert abs(relu - plain) > 1e-3 * abs(plain)
 
 
 def test_optimizer_kernels_torch_on_cuda_is_the_fused_update():
