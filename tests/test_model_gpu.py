@@ -208,7 +208,7 @@ def test_kernels_torch_runs_an_edited_activation_and_loss_on_the_gpu(monkeypatch
     relu, _ = _loss_and_grads("torch")
     print(f"\nloss {plain:.3f}; doubled loss {doubled:.3f}; ReLU instead of ReLU^2 {relu:.3f}")
     assert len(traced) == 4, traced
-    assert abs(relu - plain) > 1e-4 * abs(plain)     # measured 7e-4 on an H200; fused vs torch: 1e-7
+    assert abs(relu - plain) > 1e-4 * abs(plain)     # measured 7e-4 on an H200; fused vs torch: 3e-6
 
 
 def test_optimizer_kernels_torch_on_cuda_is_the_fused_update():
