@@ -1,8 +1,10 @@
 """Hyperparameters: --name=value parsing, presets, and validation errors that name the fix."""
+import math
 import subprocess
 import sys
 
 import pytest
+import torch
 
 import train_gpt as tg
 
@@ -70,3 +72,32 @@ def test_import_starts_nothing():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env={"CUDA_VISIBLE_DEVICES": "", "PATH": "/usr/bin:/bin"}, cwd=tg.Path(tg.__file__).parent)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+@pytest.mark.parametrize("argv", [["--preset=tiny"], ["--model_dim=1024", "--num_heads=8"]])
+def test_configs_build_and_take_a_step_on_cpu(argv):
+    """What a newcomer tries first: the tiny preset, and a wider model from the command line alone (the optimizer's
+    matrix shapes and the banks follow the model). float32, so the step is exact arithmetic on any CPU."""
+    hp = tg.parse_args([*argv, "--dtype=float32", "--use_fp8=false", "--attn_backend=sdpa"])
+    tg.validate_hyperparameters(hp, 1)
+    torch.manual_seed(0)
+    model = tg.build_model(hp, torch.device("cpu"), "sdpa")
+    opt = tg.build_optimizer(hp, model, 0, 1)
+    g = torch.Generator().manual_seed(1)
+    T = 256
+    inputs = torch.randint(0, 1000, (T,), generator=g, dtype=torch.int32)
+    targets = torch.randint(0, 1000, (T,), generator=g, dtype=torch.int64)
+    cu_seqlens = torch.tensor([0, 100, T, T], dtype=torch.int32)          # two documents, then padding
+    sched = tg.schedule_at(1, hp)                                          # an Adam step
+    loss = model(inputs, targets, cu_seqlens, sched.ws_short, sched.ws_long, torch.tensor(sched.mtp_weights), T)
+    loss.backward()
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    opt.step(do_adam=sched.do_adam, lr_factor=sched.lr_factor, momentum=sched.momentum)
+    assert torch.isfinite(loss)
+    assert 0.9 < loss.item() / (T * 1.75 * math.log(hp.vocab_size)) < 1.1    # near-uniform logits at init
+    for name, p in model.named_parameters():
+        assert torch.isfinite(p).all(), name
+    unchanged = {name for name, p in model.named_parameters() if torch.equal(p, before[name])}
+    # At init W_o is zero, so what acts only through the attention output (the value embeddings, their gates, the
+    # output gates) has no gradient yet, and smear_lambda = 0 silences the smear gate; everything else moved.
+    assert unchanged == {"ve0", "ve1", "ve2", "attn_gate_bank", "ve_gate_bank", "smear_gate"}
