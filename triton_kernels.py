@@ -1,20 +1,22 @@
 """Fused Triton kernels for the speedrun trainer, one section per operation.
 
-Each section has the kernel(s), a launcher that checks its inputs, a plain-PyTorch reference with the same contract,
-and the public op used by train_gpt.py. A public op runs the Triton kernel on CUDA tensors and the reference
-elsewhere (for the cross entropy, a chunked form of it, for speed), so the trainer runs unchanged on a CPU.
-Importing this file does nothing: no device queries, no compiles; autotuning happens on a kernel's first call for
-each new key.
+Each section has the kernel(s), a launcher that checks its inputs, a plain-PyTorch reference with
+the same contract, and the public op used by train_gpt.py. A public op runs the Triton kernel on
+CUDA tensors and the reference elsewhere (for the cross entropy, a chunked form of it, for speed),
+so the trainer runs unchanged on a CPU.
+Importing this file does nothing: no device queries, no compiles; autotuning happens on a kernel's
+first call for each new key.
 
-How the ops reach torch.compile: every kernel launch sits inside a `torch.library.triton_op` (namespace
-`nanogpt_kernels`) and goes through `torch.library.wrap_triton`, so `torch.compile(fullgraph=True)` traces through it
-with no graph break; the two differentiable ops wrap those in a `torch.autograd.Function`. Float scalars (b, c of
-`ba_plus_cAA`) are plain fp32 kernel arguments, so Triton never recompiles when they change; torch.compile bakes them
-into the graph as constants, which is what Polar Express wants (its coefficient table is fixed).
+How the ops reach torch.compile: every kernel launch sits inside a `torch.library.triton_op`
+(namespace `nanogpt_kernels`) and goes through `torch.library.wrap_triton`, so
+`torch.compile(fullgraph=True)` traces through it with no graph break; the two differentiable ops
+wrap those in a `torch.autograd.Function`. Float scalars (b, c of `ba_plus_cAA`) are plain fp32
+kernel arguments, so Triton never recompiles when they change; torch.compile bakes them into the
+graph as constants, which is what Polar Express wants (its coefficient table is fixed).
 
-Testing: the launchers also accept float32 tensors on the CPU, where they run under Triton's interpreter
-(TRITON_INTERPRET=1, whose bf16 arithmetic is not faithful); float32 inputs give float32 outputs with the same
-rounding points (a bf16 rounding point becomes a no-op).
+Testing: the launchers also accept float32 tensors on the CPU, where they run under Triton's
+interpreter (TRITON_INTERPRET=1, whose bf16 arithmetic is not faithful); float32 inputs give float32
+outputs with the same rounding points (a bf16 rounding point becomes a no-op).
 """
 from __future__ import annotations
 
@@ -27,13 +29,15 @@ import triton.language as tl
 from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
-_LIB = "nanogpt_kernels"  # torch.library namespace of the ops below: torch.ops.nanogpt_kernels.<name>
+_LIB = "nanogpt_kernels"  # torch.library namespace of the ops below:
+                          # torch.ops.nanogpt_kernels.<name>
 _KERNEL_DTYPES = (torch.bfloat16, torch.float32)  # bf16 in training; float32 for interpreter tests
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype the plain-PyTorch paths compute in: fp32 for bf16 and fp32 tensors (the kernels' accumulator), float64
-    for float64 ones (the trainer's --dtype=float64 CPU mode, whose point is that no step rounds to fp32)."""
+    """The dtype the plain-PyTorch paths compute in: fp32 for bf16 and fp32 tensors (the
+    kernels' accumulator), float64 for float64 ones (the trainer's --dtype=float64 CPU mode, whose
+    point is that no step rounds to fp32)."""
     return torch.promote_types(dtype, torch.float32)
 
 
@@ -43,21 +47,23 @@ def _check(cond: bool, msg: str) -> None:
 
 
 def _check_dtype(name: str, t: Tensor) -> None:
-    _check(t.dtype in _KERNEL_DTYPES, f"{name} has dtype {t.dtype}; pass bfloat16 (float32 only for interpreter tests)")
+    _check(t.dtype in _KERNEL_DTYPES,
+           f"{name} has dtype {t.dtype}; pass bfloat16 (float32 only for interpreter tests)")
 
 
 @functools.lru_cache(maxsize=None)
 def _num_programs_persistent(device: torch.device) -> int:
-    """Programs of a persistent kernel: one per SM on a GPU; a few on the CPU so the interpreter walks several tiles
-    per program (the code path that matters)."""
+    """Programs of a persistent kernel: one per SM on a GPU; a few on the CPU so the interpreter
+    walks several tiles per program (the code path that matters)."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 3
 
 
-# bf16 through its bits: bf16 is the high half of an fp32, rounded to nearest even on the way back (NaN -> 0x7FFF,
-# as CUDA's cvt.rn.bf16.f32 gives). The interpreter's own fp32->bf16 cast truncates; these helpers make the bf16
-# rounding points of sections 4-6 bit-exact there too, and cost a few integer operations on the GPU.
+# bf16 through its bits: bf16 is the high half of an fp32, rounded to nearest even on the way back
+# (NaN -> 0x7FFF, as CUDA's cvt.rn.bf16.f32 gives). The interpreter's own fp32->bf16 cast truncates;
+# these helpers make the bf16 rounding points of sections 4-6 bit-exact there too, and cost a few
+# integer operations on the GPU.
 
 @triton.jit
 def _load_as_fp32(ptrs, mask):
@@ -72,7 +78,8 @@ def _load_as_fp32(ptrs, mask):
 
 @triton.jit
 def _bf16_bits_rne(x):
-    """fp32 -> bf16 bits (uint32 holding 16 bits), round to nearest even; NaN -> 0x7FFF (CUDA's canonical bf16 NaN)."""
+    """fp32 -> bf16 bits (uint32 holding 16 bits), round to nearest even; NaN -> 0x7FFF (CUDA's
+    canonical bf16 NaN)."""
     u = x.to(tl.uint32, bitcast=True)
     r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
     return tl.where(x != x, 0x7FFF, r)
@@ -88,17 +95,18 @@ def _store_from_fp32(ptrs, x, mask):
         tl.store(ptrs, x, mask=mask)
 
 
-# =====================================================================================================================
+# ==================================================================================================
 # 1. Symmetric X @ X.T  (Polar Express.1); its epilogue flag also serves section 2
-# =====================================================================================================================
-# Only tiles with at least one element on or below the diagonal are computed; each stores its lower-triangle elements
-# (row >= col) as themselves and the strictly-lower ones again at the mirrored position. Every output element is
-# therefore written exactly once, from one fp32 dot product, so the output is exactly symmetric whatever the tile
-# shapes (also when BM != BN and tiles straddle the diagonal) and whatever the summation order inside tl.dot.
+# ==================================================================================================
+# Only tiles with at least one element on or below the diagonal are computed; each stores its
+# lower-triangle elements (row >= col) as themselves and the strictly-lower ones again at the
+# mirrored position. Every output element is therefore written exactly once, from one fp32 dot
+# product, so the output is exactly symmetric whatever the tile shapes (also when BM != BN and tiles
+# straddle the diagonal) and whatever the summation order inside tl.dot.
 
-# Tile ranges: BM in {64, 128}, BN in {64, 128, 256}, BK in {64, 128}. Six configs keep first-call tuning
-# to a few seconds; 128x128x64 is the usual Hopper winner for 768-wide outputs (36 tiles per matrix, 21 computed,
-# so 5 matrices fill most of 132 SMs).
+# Tile ranges: BM in {64, 128}, BN in {64, 128, 256}, BK in {64, 128}. Six configs keep first-call
+# tuning to a few seconds; 128x128x64 is the usual Hopper winner for 768-wide outputs (36 tiles per
+# matrix, 21 computed, so 5 matrices fill most of 132 SMs).
 _SYM_CONFIGS = [
     triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
     for bm, bn, bk, w, s in [
@@ -113,10 +121,11 @@ _SYM_CONFIGS = [
 
 
 @triton.jit
-def _sym_aat_kernel(a_ptr, out_ptr, M, K, stride_ab, stride_am, stride_ak, stride_ob, stride_om, stride_on,
-                    b_coef, c_coef, ADD_BA: tl.constexpr,
+def _sym_aat_kernel(a_ptr, out_ptr, M, K, stride_ab, stride_am, stride_ak, stride_ob, stride_om,
+                    stride_on, b_coef, c_coef, ADD_BA: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """out[bi] = A[bi] @ A[bi].T (ADD_BA=False) or c*(A@A.T) + b*A (ADD_BA=True, A square); grid (tiles, batch)."""
+    """out[bi] = A[bi] @ A[bi].T (ADD_BA=False) or c*(A@A.T) + b*A (ADD_BA=True, A square); grid
+    (tiles, batch)."""
     pid = tl.program_id(0)
     batch = tl.program_id(1).to(tl.int64)
     num_pid_n = tl.cdiv(M, BLOCK_N)
@@ -135,7 +144,8 @@ def _sym_aat_kernel(a_ptr, out_ptr, M, K, stride_ab, stride_am, stride_ak, strid
     a_ptrs = a_base + rm[:, None] * stride_am + rk[None, :] * stride_ak  # (BM, BK)
     b_ptrs = a_base + rn[:, None] * stride_am + rk[None, :] * stride_ak  # (BN, BK)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    # Full K tiles without masks (keeps the loop pipelined and loads vectorised), then one masked tail tile.
+    # Full K tiles without masks (keeps the loop pipelined and loads vectorised), then one masked
+    # tail tile.
     for _ in range(0, K // BLOCK_K):
         a = tl.load(a_ptrs)
         b = tl.load(b_ptrs)
@@ -159,24 +169,31 @@ def _sym_aat_kernel(a_ptr, out_ptr, M, K, stride_ab, stride_am, stride_ak, strid
         keep = in_bounds & (rows[:, None] >= cols[None, :])
         keep_mirror = in_bounds & (rows[:, None] > cols[None, :])
     if ADD_BA:
-        a_tile = tl.load(a_base + rows[:, None] * stride_am + cols[None, :] * stride_ak, mask=keep, other=0.0)
+        a_tile = tl.load(a_base + rows[:, None] * stride_am + cols[None, :] * stride_ak, mask=keep,
+                         other=0.0)
         acc = c_coef * acc + b_coef * a_tile.to(tl.float32)
     out = acc.to(out_ptr.dtype.element_ty)
     o_base = out_ptr + batch * stride_ob
     tl.store(o_base + rows[:, None] * stride_om + cols[None, :] * stride_on, out, mask=keep)
-    tl.store(o_base + cols[:, None] * stride_om + rows[None, :] * stride_on, tl.trans(out), mask=tl.trans(keep_mirror))
+    tl.store(o_base + cols[:, None] * stride_om + rows[None, :] * stride_on, tl.trans(out),
+             mask=tl.trans(keep_mirror))
 
 
-_sym_aat_kernel_tuned = triton.autotune(configs=_SYM_CONFIGS, key=["M", "K", "ADD_BA"])(_sym_aat_kernel)
+_sym_aat_kernel_tuned = triton.autotune(configs=_SYM_CONFIGS,
+                                        key=["M", "K", "ADD_BA"])(_sym_aat_kernel)
 
-# Interpreter tiles (CPU tests): small, with BM != BN so straddling tiles and the K tail are exercised.
+# Interpreter tiles (CPU tests): small, with BM != BN so straddling tiles and the K tail are
+# exercised.
 _SYM_INTERPRETER_TILES = (16, 32, 16)
 
 
-def _launch_sym_aat(A: Tensor, b: float, c: float, add_ba: bool, tiles: tuple[int, int, int] | None) -> Tensor:
-    """Shared launcher of sections 1 and 2: A (M, K) or (B, M, K), any strides -> new contiguous (..., M, M).
+def _launch_sym_aat(A: Tensor, b: float, c: float, add_ba: bool,
+                    tiles: tuple[int, int, int] | None) -> Tensor:
+    """Shared launcher of sections 1 and 2: A (M, K) or (B, M, K), any strides -> new contiguous
+    (..., M, M).
 
-    tiles=(BM, BN, BK) fixes the tiles (tests); None autotunes on CUDA and uses _SYM_INTERPRETER_TILES elsewhere."""
+    tiles=(BM, BN, BK) fixes the tiles (tests); None autotunes on CUDA and uses
+    _SYM_INTERPRETER_TILES elsewhere."""
     _check(A.ndim in (2, 3), f"expected A of shape (M, K) or (B, M, K), got {tuple(A.shape)}")
     _check_dtype("A", A)
     A3 = A if A.ndim == 3 else A.unsqueeze(0)
@@ -198,12 +215,14 @@ def _launch_sym_aat(A: Tensor, b: float, c: float, add_ba: bool, tiles: tuple[in
 
 
 def xxt_triton(A: Tensor) -> Tensor:
-    """Triton A @ A.mT for A (M, K) or (B, M, K) (bf16; float32 for tests), any strides; exactly symmetric."""
+    """Triton A @ A.mT for A (M, K) or (B, M, K) (bf16; float32 for tests), any strides; exactly
+    symmetric."""
     return _launch_sym_aat(A, 0.0, 1.0, add_ba=False, tiles=None)
 
 
 def xxt_reference(A: Tensor) -> Tensor:
-    """A @ A.mT for (M, K) or (B, M, K), fp32 accumulation (float64 for float64 A), one cast to A's dtype."""
+    """A @ A.mT for (M, K) or (B, M, K), fp32 accumulation (float64 for float64 A), one cast to A's
+    dtype."""
     Af = A.to(acc_dtype(A.dtype))
     return (Af @ Af.mT).to(A.dtype)
 
@@ -218,20 +237,22 @@ def xxt(A: Tensor) -> Tensor:
     return torch.ops.nanogpt_kernels.xxt(A) if A.is_cuda else xxt_reference(A)
 
 
-# =====================================================================================================================
+# ==================================================================================================
 # 2. b*A + c*A@A for symmetric A  (Polar Express.2)
-# =====================================================================================================================
-# Same kernel as section 1 with ADD_BA=True: the epilogue loads fp32(A) at the tile, forms c*acc + b*A in fp32 and
-# rounds once. For symmetric A, A @ A.T == A @ A.
+# ==================================================================================================
+# Same kernel as section 1 with ADD_BA=True: the epilogue loads fp32(A) at the tile, forms c*acc +
+# b*A in fp32 and rounds once. For symmetric A, A @ A.T == A @ A.
 
 
 def ba_plus_cAA_triton(A: Tensor, b: float, c: float) -> Tensor:
-    """Triton c*(A @ A.mT) + b*A for square symmetric A (..., M, M); b, c are fp32 runtime scalars."""
+    """Triton c*(A @ A.mT) + b*A for square symmetric A (..., M, M); b, c are fp32 runtime
+    scalars."""
     return _launch_sym_aat(A, b, c, add_ba=True, tiles=None)
 
 
 def ba_plus_cAA_reference(A: Tensor, b: float, c: float) -> Tensor:
-    """c * (A @ A.mT) + b * A for square symmetric A, fp32 math (float64 for float64 A), one cast to A's dtype."""
+    """c * (A @ A.mT) + b * A for square symmetric A, fp32 math (float64 for float64 A), one cast to
+    A's dtype."""
     Af = A.to(acc_dtype(A.dtype))
     return (c * (Af @ Af.mT) + b * Af).to(A.dtype)
 
@@ -243,36 +264,41 @@ def _ba_plus_cAA_op(A: Tensor, b: float, c: float) -> Tensor:
 
 def ba_plus_cAA(A: Tensor, b: float, c: float) -> Tensor:
     """c*(A @ A.mT) + b*A: the Triton kernel on CUDA, the reference elsewhere."""
-    return torch.ops.nanogpt_kernels.ba_plus_cAA(A, b, c) if A.is_cuda else ba_plus_cAA_reference(A, b, c)
+    return (torch.ops.nanogpt_kernels.ba_plus_cAA(A, b, c) if A.is_cuda
+            else ba_plus_cAA_reference(A, b, c))
 
 
-# =====================================================================================================================
+# ==================================================================================================
 # 3. Fused linear + relu^2 MLP 
-# =====================================================================================================================
-# One persistent kernel computes acc = a @ b.T (a (M, K), b (N, K), both row-major) tile by tile and applies one of
-# two epilogues:
-#   forward  (BACKWARD=False): pre = bf16(acc) and post = bf16(relu(pre)^2), relu^2 taken from the bf16 pre;
+# ==================================================================================================
+# One persistent kernel computes acc = a @ b.T (a (M, K), b (N, K), both row-major) tile by tile and
+# applies one of two epilogues:
+#   forward  (BACKWARD=False): pre = bf16(acc) and post = bf16(relu(pre)^2), relu^2 taken from the
+#                              bf16 pre;
 #   backward (BACKWARD=True):  d = bf16(2 * bf16(acc) * relu(pre)), pre read back from the forward.
 # The c_proj matmuls stay on cuBLAS.
 #
-# Tiles: 128x256 outputs with K-step 64, 8 warps. On H100 a 128x256 bf16 tile is the largest whose fp32 accumulator
-# fits in the registers of two warpgroups (128 regs/thread), giving the best operand reuse per byte of shared memory;
-# K-step 64 makes a 48 KiB pipeline stage, so 3-4 stages fit in the 227 KiB of shared memory. The grid is persistent
-# (one program per SM walking tiles in grouped order) so the ~400-1200 tiles of the training shapes run without wave
-# tails and consecutive tiles reuse the same b columns in L2. The autotuner only picks the stage count, with a
+# Tiles: 128x256 outputs with K-step 64, 8 warps. On H100 a 128x256 bf16 tile is the largest whose
+# fp32 accumulator fits in the registers of two warpgroups (128 regs/thread), giving the best
+# operand reuse per byte of shared memory; K-step 64 makes a 48 KiB pipeline stage, so 3-4 stages
+# fit in the 227 KiB of shared memory. The grid is persistent (one program per SM walking tiles in
+# grouped order) so the ~400-1200 tiles of the training shapes run without wave tails and
+# consecutive tiles reuse the same b columns in L2. The autotuner only picks the stage count, with a
 # 128x128 fallback in case a Triton version needs more shared memory for the epilogue.
 
 _MLP_CONFIGS = [
-    triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8, num_stages=s)
+    triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8,
+                  num_stages=s)
     for bm, bn, s in [(128, 256, 3), (128, 256, 4), (128, 128, 4)]
 ]
 
 
 @triton.jit
-def _relu2_linear_kernel(a_ptr, b_ptr, pre_ptr, out_ptr, M, N, K, stride_am, stride_bn, stride_pm, stride_om,
-                         BACKWARD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    """Persistent a @ b.T with the relu^2 epilogues above; K must be a multiple of BLOCK_K (checked by the launcher)."""
+def _relu2_linear_kernel(a_ptr, b_ptr, pre_ptr, out_ptr, M, N, K, stride_am, stride_bn, stride_pm,
+                         stride_om, BACKWARD: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """Persistent a @ b.T with the relu^2 epilogues above; K must be a multiple of BLOCK_K (checked
+    by the launcher)."""
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_tiles = num_pid_m * num_pid_n
@@ -287,7 +313,8 @@ def _relu2_linear_kernel(a_ptr, b_ptr, pre_ptr, out_ptr, M, N, K, stride_am, str
         pid_n = (tile % tiles_per_group) // group_rows
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        a_ptrs = a_ptr + (rows % M).to(tl.int64)[:, None] * stride_am + rk[None, :]  # (BM, BK), wrapped rows
+        a_ptrs = a_ptr + (rows % M).to(tl.int64)[:, None] * stride_am + rk[None, :]  # (BM, BK),
+                                                                                     # wrapped rows
         b_ptrs = b_ptr + (cols % N).to(tl.int64)[:, None] * stride_bn + rk[None, :]  # (BN, BK)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for _ in range(0, K // BLOCK_K):
@@ -297,7 +324,8 @@ def _relu2_linear_kernel(a_ptr, b_ptr, pre_ptr, out_ptr, M, N, K, stride_am, str
         mask = (rows[:, None] < M) & (cols[None, :] < N)
         pre_ptrs = pre_ptr + rows.to(tl.int64)[:, None] * stride_pm + cols[None, :]
         out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
-        h = acc.to(out_ptr.dtype.element_ty).to(tl.float32)  # bf16(acc), back in fp32 for the epilogue math
+        h = acc.to(out_ptr.dtype.element_ty).to(tl.float32)  # bf16(acc), back in fp32
+                                                             # for the epilogue math
         if BACKWARD:
             pre = tl.load(pre_ptrs, mask=mask, other=0.0).to(tl.float32)
             d = 2.0 * h * tl.maximum(pre, 0.0)
@@ -311,7 +339,8 @@ def _relu2_linear_kernel(a_ptr, b_ptr, pre_ptr, out_ptr, M, N, K, stride_am, str
 _relu2_linear_kernel_tuned = triton.autotune(configs=_MLP_CONFIGS, key=["M", "N", "K", "BACKWARD"])(
     _relu2_linear_kernel)
 
-# Interpreter tiles (BM, BN, BK, GROUP_M) for CPU tests: small, several tiles per persistent program.
+# Interpreter tiles (BM, BN, BK, GROUP_M) for CPU tests: small, several tiles per persistent
+# program.
 _MLP_INTERPRETER_TILES = (16, 32, 16, 2)
 
 
@@ -322,27 +351,32 @@ def _launch_relu2_linear(a: Tensor, b: Tensor, pre: Tensor, out: Tensor, backwar
     args = (a, b, pre, out, M, N, K, a.stride(0), b.stride(0), pre.stride(0), out.stride(0))
     n_programs = _num_programs_persistent(a.device)
     if tiles is None and a.is_cuda:
-        _check(K % 64 == 0, f"relu2_mlp needs the model dim ({K}) to be a multiple of 64 on CUDA (K-step 64)")
+        _check(K % 64 == 0,
+               f"relu2_mlp needs the model dim ({K}) to be a multiple of 64 on CUDA (K-step 64)")
 
         def grid(meta):
-            return (min(n_programs, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),)
+            return (min(n_programs,
+                        triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),)
         wrap_triton(_relu2_linear_kernel_tuned)[grid](*args, BACKWARD=backward)
     else:
         bm, bn, bk, group_m = tiles or _MLP_INTERPRETER_TILES
         _check(K % bk == 0, f"relu2_mlp: model dim {K} must be a multiple of BLOCK_K={bk}")
         grid = (min(n_programs, triton.cdiv(M, bm) * triton.cdiv(N, bn)),)
-        wrap_triton(_relu2_linear_kernel)[grid](*args, BACKWARD=backward, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                                                GROUP_M=group_m)
+        wrap_triton(_relu2_linear_kernel)[grid](*args, BACKWARD=backward, BLOCK_M=bm, BLOCK_N=bn,
+                                                BLOCK_K=bk, GROUP_M=group_m)
 
 
 def _check_mlp_operands(x: Tensor, w: Tensor, x_name: str, w_name: str) -> None:
     _check(x.ndim == 2 and w.ndim == 2 and x.shape[1] == w.shape[1],
-           f"expected {x_name} (M, D) and {w_name} (H, D), got {tuple(x.shape)} and {tuple(w.shape)}")
+           f"expected {x_name} (M, D) and {w_name} (H, D), got {tuple(x.shape)} and "
+           f"{tuple(w.shape)}")
     _check_dtype(x_name, x)
-    _check(x.dtype == w.dtype, f"{x_name} is {x.dtype} but {w_name} is {w.dtype}; cast both to bfloat16")
+    _check(x.dtype == w.dtype,
+           f"{x_name} is {x.dtype} but {w_name} is {w.dtype}; cast both to bfloat16")
     _check(x.device == w.device, f"{x_name} is on {x.device} but {w_name} on {w.device}")
     _check(x.stride(1) == 1 and w.is_contiguous(),
-           f"{x_name} needs unit stride along D and {w_name} must be contiguous; call .contiguous() first")
+           f"{x_name} needs unit stride along D and {w_name} must be contiguous; "
+           "call .contiguous() first")
 
 
 def relu2_mlp_fwd_triton(x: Tensor, c_fc: Tensor, tiles: tuple[int, int, int, int] | None = None
@@ -357,13 +391,15 @@ def relu2_mlp_fwd_triton(x: Tensor, c_fc: Tensor, tiles: tuple[int, int, int, in
     return pre, post
 
 
-def relu2_mlp_bwd_triton(g: Tensor, c_proj: Tensor, pre: Tensor, tiles: tuple[int, int, int, int] | None = None
-                         ) -> Tensor:
-    """g (M, D), c_proj (H, D), pre (M, H) from the forward -> dpre = bf16(2 * bf16(g @ c_proj.T) * relu(pre))."""
+def relu2_mlp_bwd_triton(g: Tensor, c_proj: Tensor, pre: Tensor,
+                         tiles: tuple[int, int, int, int] | None = None) -> Tensor:
+    """g (M, D), c_proj (H, D), pre (M, H) from the forward -> dpre = bf16(2 * bf16(g @ c_proj.T) *
+    relu(pre))."""
     _check_mlp_operands(g, c_proj, "g", "c_proj")
-    _check(pre.shape == (g.shape[0], c_proj.shape[0]) and pre.dtype == g.dtype and pre.stride(1) == 1,
-           f"pre must be the forward's ({g.shape[0]}, {c_proj.shape[0]}) {g.dtype} output, got {tuple(pre.shape)} "
-           f"{pre.dtype}")
+    _check(pre.shape == (g.shape[0], c_proj.shape[0]) and pre.dtype == g.dtype
+           and pre.stride(1) == 1,
+           f"pre must be the forward's ({g.shape[0]}, {c_proj.shape[0]}) {g.dtype} output, "
+           f"got {tuple(pre.shape)} {pre.dtype}")
     dpre = torch.empty_like(pre, memory_format=torch.contiguous_format)
     _launch_relu2_linear(g, c_proj, pre, dpre, backward=True, tiles=tiles)
     return dpre
@@ -380,7 +416,8 @@ def _relu2_mlp_bwd_op(g: Tensor, c_proj: Tensor, pre: Tensor) -> Tensor:
 
 
 class _Relu2MLPFunction(torch.autograd.Function):
-    """Autograd of the fused MLP: saves x, c_fc, c_proj, pre, post; the backward kernel gives dpre in one pass."""
+    """Autograd of the fused MLP: saves x, c_fc, c_proj, pre, post; the backward kernel gives dpre
+    in one pass."""
 
     @staticmethod
     def forward(ctx, x: Tensor, c_fc: Tensor, c_proj: Tensor) -> Tensor:
@@ -403,14 +440,17 @@ class _Relu2MLPFunction(torch.autograd.Function):
 
 
 def relu2_mlp_triton(x: Tensor, c_fc: Tensor, c_proj: Tensor) -> Tensor:
-    """Differentiable Triton path of relu2_mlp (any device the kernels can run on; CPU only under the interpreter)."""
+    """Differentiable Triton path of relu2_mlp (any device the kernels can run on; CPU only under
+    the interpreter)."""
     return _Relu2MLPFunction.apply(x, c_fc, c_proj)
 
 
 def relu2_mlp_reference(x: Tensor, c_fc: Tensor, c_proj: Tensor) -> Tensor:
-    """relu(x @ c_fc.T)^2 @ c_proj with bf16 rounding of pre and post; x (M, D), c_fc and c_proj (H, D).
+    """relu(x @ c_fc.T)^2 @ c_proj with bf16 rounding of pre and post; x (M, D), c_fc and c_proj
+    (H, D).
 
-    Autograd gives the backward the kernels compute: the square's gradient is g_post * (2 * relu(pre)), one rounding."""
+    Autograd gives the backward the kernels compute: the square's gradient is g_post *
+    (2 * relu(pre)), one rounding."""
     pre = x @ c_fc.mT
     post = F.relu(pre).square()
     return post @ c_proj
@@ -421,15 +461,19 @@ def relu2_mlp(x: Tensor, c_fc: Tensor, c_proj: Tensor) -> Tensor:
     return relu2_mlp_triton(x, c_fc, c_proj) if x.is_cuda else relu2_mlp_reference(x, c_fc, c_proj)
 
 
-# =====================================================================================================================
+# ==================================================================================================
 # 4. Fused softcapped multi-token cross entropy 
-# =====================================================================================================================
-# One program per row streams its logits in blocks of 1024 columns (2 KiB of bf16, 8 per thread with 4 warps).
-# Programs of 16-64 rows (the tiles a transposed FP8 store would want) ran 1.4-2x slower on an H200 in both passes.
-# The backward's QUANTIZE mode writes the FP8 head's e5m2 gradient directly: the bf16 gradient rounded through its
-# bits, times fp32(1/scale), clamped, cast: bitwise the bf16 backward followed by train_gpt.fp8_quantize.
-# The softcap constants are tl.constexpr and every loop carry starts as an explicit fp32 tensor, so no Python float
-# can promote a carried value to fp64 (which happened to the original kernel under torch 2.11 + triton 3.6).
+# ==================================================================================================
+# One program per row streams its logits in blocks of 1024 columns (2 KiB of bf16, 8 per thread with
+# 4 warps).
+# Programs of 16-64 rows (the tiles a transposed FP8 store would want) ran 1.4-2x slower on an H200
+# in both passes.
+# The backward's QUANTIZE mode writes the FP8 head's e5m2 gradient directly: the bf16 gradient
+# rounded through its bits, times fp32(1/scale), clamped, cast: bitwise the bf16 backward followed
+# by train_gpt.fp8_quantize.
+# The softcap constants are tl.constexpr and every loop carry starts as an explicit fp32 tensor, so
+# no Python float can promote a carried value to fp64 (which happened to the original kernel under
+# torch 2.11 + triton 3.6).
 
 SOFTCAP_A, SOFTCAP_B, SOFTCAP_C = 23.0, 5.0, 7.5
 _CE_BLOCK = 1024
@@ -437,8 +481,9 @@ _CE_WARPS = 4
 
 
 @triton.jit
-def _ce_fwd_kernel(logits_ptr, targets_ptr, weights_ptr, losses_ptr, lse_ptr, n_rows, n_cols, stride_row,
-                   n_weights, A: tl.constexpr, B: tl.constexpr, C: tl.constexpr, BLOCK: tl.constexpr):
+def _ce_fwd_kernel(logits_ptr, targets_ptr, weights_ptr, losses_ptr, lse_ptr, n_rows, n_cols,
+                   stride_row, n_weights, A: tl.constexpr, B: tl.constexpr, C: tl.constexpr,
+                   BLOCK: tl.constexpr):
     row = tl.program_id(0)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
     offs = tl.arange(0, BLOCK)
@@ -467,17 +512,19 @@ def _ce_fwd_kernel(logits_ptr, targets_ptr, weights_ptr, losses_ptr, lse_ptr, n_
 
 
 @triton.jit
-def _ce_bwd_kernel(grad_ptr, stride_grad, logits_ptr, targets_ptr, weights_ptr, lse_ptr, out_ptr, n_rows, n_cols,
-                   stride_row, n_weights, inv_scale, limit, A: tl.constexpr, B: tl.constexpr, C: tl.constexpr,
-                   QUANTIZE: tl.constexpr, BLOCK: tl.constexpr):
-    """One row's dlogits. QUANTIZE=False: out = dlogits in out's dtype. QUANTIZE=True: out = clamp(bf16(dlogits) *
-    inv_scale, +-limit) in out's dtype: the FP8 head's gradient quantiser applied to the bf16 gradient it would read."""
+def _ce_bwd_kernel(grad_ptr, stride_grad, logits_ptr, targets_ptr, weights_ptr, lse_ptr, out_ptr,
+                   n_rows, n_cols, stride_row, n_weights, inv_scale, limit, A: tl.constexpr,
+                   B: tl.constexpr, C: tl.constexpr, QUANTIZE: tl.constexpr, BLOCK: tl.constexpr):
+    """One row's dlogits. QUANTIZE=False: out = dlogits in out's dtype. QUANTIZE=True: out =
+    clamp(bf16(dlogits) * inv_scale, +-limit) in out's dtype: the FP8 head's gradient quantiser
+    applied to the bf16 gradient it would read."""
     row = tl.program_id(0)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
     out_row_ptr = out_ptr + row.to(tl.int64) * n_cols
     g_row = tl.load(grad_ptr + row * stride_grad).to(tl.float32)
     lse = tl.load(lse_ptr + row)
-    # S_w: sum of the weights whose target row exists (zero weights and target range not checked, as in the record).
+    # S_w: sum of the weights whose target row exists (zero weights and target range not checked, as
+    # in the record).
     sum_w = tl.zeros([], dtype=tl.float32)
     for k in range(0, n_weights):
         sum_w += tl.where(row + k < n_rows, tl.load(weights_ptr + k), 0.0)
@@ -492,7 +539,8 @@ def _ce_bwd_kernel(grad_ptr, stride_grad, logits_ptr, targets_ptr, weights_ptr, 
         sig = tl.sigmoid((logit + B) / C)
         z = A * sig
         p = tl.exp(z - lse)
-        t_weight = tl.zeros([BLOCK], dtype=tl.float32)  # T_c: weight of every offset whose target is this column
+        t_weight = tl.zeros([BLOCK], dtype=tl.float32)  # T_c: weight of every offset
+                                                        # whose target is this column
         for k in range(0, n_weights):
             has_target = row + k < n_rows
             target = tl.load(targets_ptr + row + k, mask=has_target, other=-1)
@@ -500,7 +548,8 @@ def _ce_bwd_kernel(grad_ptr, stride_grad, logits_ptr, targets_ptr, weights_ptr, 
             t_weight += tl.where(has_target & (cols == target), w, 0.0)
         dz = g_row * (sum_w * p - t_weight)
         dlogit = dz * inv_c * z * (1.0 - sig)
-        if QUANTIZE:  # the bf16 rounding through the bits (exact in the interpreter too), then the quantiser
+        if QUANTIZE:  # the bf16 rounding through the bits (exact in the interpreter too),
+                      # then the quantiser
             g_bf16 = (_bf16_bits_rne(dlogit) << 16).to(tl.float32, bitcast=True)
             q = tl.minimum(tl.maximum(g_bf16 * inv_scale, -limit), limit)
             tl.store(out_row_ptr + cols, q.to(out_ptr.dtype.element_ty), mask=in_row)
@@ -509,57 +558,70 @@ def _ce_bwd_kernel(grad_ptr, stride_grad, logits_ptr, targets_ptr, weights_ptr, 
 
 
 def _check_ce_inputs(logits: Tensor, targets: Tensor, mtp_weights: Tensor) -> None:
-    _check(logits.ndim == 2, f"logits must be (n_rows, n_cols), got {tuple(logits.shape)}; flatten the batch first")
+    _check(logits.ndim == 2,
+           f"logits must be (n_rows, n_cols), got {tuple(logits.shape)}; flatten the batch first")
     _check_dtype("logits", logits)
-    _check(logits.stride(1) == 1, "logits rows must be contiguous (stride 1 along the vocabulary); call .contiguous()")
+    _check(logits.stride(1) == 1,
+           "logits rows must be contiguous (stride 1 along the vocabulary); call .contiguous()")
     _check(targets.shape == (logits.shape[0],) and targets.dtype == torch.int64,
-           f"targets must be int64 of shape ({logits.shape[0]},), got {targets.dtype} {tuple(targets.shape)}")
-    _check(mtp_weights.ndim == 1 and mtp_weights.dtype == torch.float32 and mtp_weights.shape[0] >= 1,
-           f"mtp_weights must be a non-empty fp32 vector, got {mtp_weights.dtype} {tuple(mtp_weights.shape)}")
-    _check(targets.is_contiguous() and mtp_weights.is_contiguous(), "targets and mtp_weights must be contiguous")
+           f"targets must be int64 of shape ({logits.shape[0]},), got {targets.dtype} "
+           f"{tuple(targets.shape)}")
+    _check(mtp_weights.ndim == 1 and mtp_weights.dtype == torch.float32
+           and mtp_weights.shape[0] >= 1,
+           f"mtp_weights must be a non-empty fp32 vector, got {mtp_weights.dtype} "
+           f"{tuple(mtp_weights.shape)}")
+    _check(targets.is_contiguous() and mtp_weights.is_contiguous(),
+           "targets and mtp_weights must be contiguous")
     _check(logits.device == targets.device == mtp_weights.device,
-           "logits, targets and mtp_weights must be on the same device; move mtp_weights to the logits' device")
+           "logits, targets and mtp_weights must be on the same device; "
+           "move mtp_weights to the logits' device")
 
 
-def softcapped_mtp_ce_fwd_triton(logits: Tensor, targets: Tensor, mtp_weights: Tensor) -> tuple[Tensor, Tensor]:
-    """logits (n, V) bf16 (fp32 for tests), targets (n,) int64, mtp_weights (K,) fp32 -> (losses (n,), lse (n,)) fp32."""
+def softcapped_mtp_ce_fwd_triton(logits: Tensor, targets: Tensor,
+                                 mtp_weights: Tensor) -> tuple[Tensor, Tensor]:
+    """logits (n, V) bf16 (fp32 for tests), targets (n,) int64, mtp_weights (K,) fp32 ->
+    (losses (n,), lse (n,)) fp32."""
     _check_ce_inputs(logits, targets, mtp_weights)
     n_rows, n_cols = logits.shape
     losses = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
     lse = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
     if n_rows > 0:
         wrap_triton(_ce_fwd_kernel)[(n_rows,)](
-            logits, targets, mtp_weights, losses, lse, n_rows, n_cols, logits.stride(0), mtp_weights.shape[0],
-            A=SOFTCAP_A, B=SOFTCAP_B, C=SOFTCAP_C, BLOCK=_CE_BLOCK, num_warps=_CE_WARPS)
+            logits, targets, mtp_weights, losses, lse, n_rows, n_cols, logits.stride(0),
+            mtp_weights.shape[0], A=SOFTCAP_A, B=SOFTCAP_B, C=SOFTCAP_C, BLOCK=_CE_BLOCK,
+            num_warps=_CE_WARPS)
     return losses, lse
 
 
-def _launch_ce_bwd(grad_losses: Tensor, logits: Tensor, targets: Tensor, mtp_weights: Tensor, lse: Tensor,
-                   out: Tensor, quantize: bool, inv_scale: float, limit: float) -> None:
+def _launch_ce_bwd(grad_losses: Tensor, logits: Tensor, targets: Tensor, mtp_weights: Tensor,
+                   lse: Tensor, out: Tensor, quantize: bool, inv_scale: float,
+                   limit: float) -> None:
     _check_ce_inputs(logits, targets, mtp_weights)
     n_rows, n_cols = logits.shape
     _check(grad_losses.shape == (n_rows,) and lse.shape == (n_rows,) and lse.dtype == torch.float32
-           and lse.is_contiguous(), "grad_losses and lse must be (n_rows,), lse fp32 contiguous from the forward")
+           and lse.is_contiguous(),
+           "grad_losses and lse must be (n_rows,), lse fp32 contiguous from the forward")
     if n_rows > 0:
         wrap_triton(_ce_bwd_kernel)[(n_rows,)](
-            grad_losses, grad_losses.stride(0), logits, targets, mtp_weights, lse, out, n_rows, n_cols,
-            logits.stride(0), mtp_weights.shape[0], inv_scale, limit, A=SOFTCAP_A, B=SOFTCAP_B, C=SOFTCAP_C,
-            QUANTIZE=quantize, BLOCK=_CE_BLOCK, num_warps=_CE_WARPS)
+            grad_losses, grad_losses.stride(0), logits, targets, mtp_weights, lse, out, n_rows,
+            n_cols, logits.stride(0), mtp_weights.shape[0], inv_scale, limit, A=SOFTCAP_A,
+            B=SOFTCAP_B, C=SOFTCAP_C, QUANTIZE=quantize, BLOCK=_CE_BLOCK, num_warps=_CE_WARPS)
 
 
-def softcapped_mtp_ce_bwd_triton(grad_losses: Tensor, logits: Tensor, targets: Tensor, mtp_weights: Tensor,
-                                 lse: Tensor) -> Tensor:
-    """grad_losses (n,) (any stride, e.g. an expanded 1/A), the forward's inputs and lse -> dlogits (n, V) in
-    logits' dtype (bf16)."""
+def softcapped_mtp_ce_bwd_triton(grad_losses: Tensor, logits: Tensor, targets: Tensor,
+                                 mtp_weights: Tensor, lse: Tensor) -> Tensor:
+    """grad_losses (n,) (any stride, e.g. an expanded 1/A), the forward's inputs and lse -> dlogits
+    (n, V) in logits' dtype (bf16)."""
     dlogits = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
     _launch_ce_bwd(grad_losses, logits, targets, mtp_weights, lse, dlogits, False, 1.0, 0.0)
     return dlogits
 
 
-def softcapped_mtp_ce_bwd_fp8_triton(grad_losses: Tensor, logits: Tensor, targets: Tensor, mtp_weights: Tensor,
-                                     lse: Tensor, scale: float, out_dtype: torch.dtype = torch.float8_e5m2) -> Tensor:
-    """The backward above, quantised for the FP8 head: out_dtype(clamp(bf16(dlogits) * fp32(1/scale), +-57344)),
-    (n, V). out_dtype=float32 skips the final cast (tests)."""
+def softcapped_mtp_ce_bwd_fp8_triton(grad_losses: Tensor, logits: Tensor, targets: Tensor,
+                                     mtp_weights: Tensor, lse: Tensor, scale: float,
+                                     out_dtype: torch.dtype = torch.float8_e5m2) -> Tensor:
+    """The backward above, quantised for the FP8 head: out_dtype(clamp(bf16(dlogits) *
+    fp32(1/scale), +-57344)), (n, V). out_dtype=float32 skips the final cast (tests)."""
     out = torch.empty(logits.shape, dtype=out_dtype, device=logits.device)
     limit = torch.finfo(torch.float8_e5m2).max
     _launch_ce_bwd(grad_losses, logits, targets, mtp_weights, lse, out, True, 1.0 / scale, limit)
@@ -567,32 +629,35 @@ def softcapped_mtp_ce_bwd_fp8_triton(grad_losses: Tensor, logits: Tensor, target
 
 
 def softcapped_mtp_ce_bwd_fp8_reference(dlogits: Tensor, scale: float) -> Tensor:
-    """What the kernel's QUANTIZE epilogue computes from the bf16 gradient: e5m2 of dlogits * fp32(1/scale), clamped
-    to +-57344 (a compiled x / scale with a constant scale becomes this multiplication)."""
+    """What the kernel's QUANTIZE epilogue computes from the bf16 gradient: e5m2 of dlogits *
+    fp32(1/scale), clamped to +-57344 (a compiled x / scale with a constant scale becomes this
+    multiplication)."""
     limit = torch.finfo(torch.float8_e5m2).max
     inv = torch.tensor(1.0 / scale, dtype=torch.float32, device=dlogits.device)
     return (dlogits.bfloat16().float() * inv).clamp(-limit, limit).to(torch.float8_e5m2)
 
 
 @triton_op(f"{_LIB}::softcapped_mtp_ce_fwd", mutates_args=())
-def _softcapped_mtp_ce_fwd_op(logits: Tensor, targets: Tensor, mtp_weights: Tensor) -> tuple[Tensor, Tensor]:
+def _softcapped_mtp_ce_fwd_op(logits: Tensor, targets: Tensor,
+                              mtp_weights: Tensor) -> tuple[Tensor, Tensor]:
     return softcapped_mtp_ce_fwd_triton(logits, targets, mtp_weights)
 
 
 @triton_op(f"{_LIB}::softcapped_mtp_ce_bwd", mutates_args=())
-def _softcapped_mtp_ce_bwd_op(grad_losses: Tensor, logits: Tensor, targets: Tensor, mtp_weights: Tensor,
-                              lse: Tensor) -> Tensor:
+def _softcapped_mtp_ce_bwd_op(grad_losses: Tensor, logits: Tensor, targets: Tensor,
+                              mtp_weights: Tensor, lse: Tensor) -> Tensor:
     return softcapped_mtp_ce_bwd_triton(grad_losses, logits, targets, mtp_weights, lse)
 
 
 @triton_op(f"{_LIB}::softcapped_mtp_ce_bwd_fp8", mutates_args=())
-def _softcapped_mtp_ce_bwd_fp8_op(grad_losses: Tensor, logits: Tensor, targets: Tensor, mtp_weights: Tensor,
-                                  lse: Tensor, scale: float) -> Tensor:
+def _softcapped_mtp_ce_bwd_fp8_op(grad_losses: Tensor, logits: Tensor, targets: Tensor,
+                                  mtp_weights: Tensor, lse: Tensor, scale: float) -> Tensor:
     return softcapped_mtp_ce_bwd_fp8_triton(grad_losses, logits, targets, mtp_weights, lse, scale)
 
 
 class _SoftcappedMTPCEFunction(torch.autograd.Function):
-    """Autograd of the fused cross entropy: saves lse, logits, targets and weights; returns bf16 dlogits."""
+    """Autograd of the fused cross entropy: saves lse, logits, targets and weights; returns bf16
+    dlogits."""
 
     @staticmethod
     def forward(ctx, logits: Tensor, targets: Tensor, mtp_weights: Tensor) -> Tensor:
@@ -603,7 +668,8 @@ class _SoftcappedMTPCEFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_losses: Tensor):
         logits, targets, mtp_weights, lse = ctx.saved_tensors
-        dlogits = torch.ops.nanogpt_kernels.softcapped_mtp_ce_bwd(grad_losses, logits, targets, mtp_weights, lse)
+        dlogits = torch.ops.nanogpt_kernels.softcapped_mtp_ce_bwd(grad_losses, logits, targets,
+                                                                   mtp_weights, lse)
         return dlogits, None, None
 
 
@@ -613,16 +679,19 @@ def softcapped_mtp_ce_triton(logits: Tensor, targets: Tensor, mtp_weights: Tenso
 
 
 def softcap(logits: Tensor) -> Tensor:
-    """z = A * sigmoid((logit + B) / C), in fp32 (float64 for float64 logits): the scores the loss sees."""
+    """z = A * sigmoid((logit + B) / C), in fp32 (float64 for float64 logits): the scores the loss
+    sees."""
     return SOFTCAP_A * torch.sigmoid((logits.to(acc_dtype(logits.dtype)) + SOFTCAP_B) / SOFTCAP_C)
 
 
 def softcapped_mtp_ce_reference(logits: Tensor, targets: Tensor, mtp_weights: Tensor) -> Tensor:
-    """Per-row loss sum_k [row+k < n][w_k > 0] w_k (lse_row - z[row, targets[row+k]]), z = A*sigmoid((l+B)/C).
+    """Per-row loss sum_k [row+k < n][w_k > 0] w_k (lse_row - z[row, targets[row+k]]),
+    z = A*sigmoid((l+B)/C).
 
-    logits (n, V) bf16, targets (n,) int64, mtp_weights (K,) fp32 -> losses (n,) fp32 (float64 for float64 logits).
-    Autograd gives the kernels' backward for non-negative weights (a zero weight contributes nothing either way); the gradient reaches the
-    logits in their dtype (bf16).
+    logits (n, V) bf16, targets (n,) int64, mtp_weights (K,) fp32 -> losses (n,) fp32 (float64
+    for float64 logits).
+    Autograd gives the kernels' backward for non-negative weights (a zero weight contributes nothing
+    either way); the gradient reaches the logits in their dtype (bf16).
     """
     n = logits.shape[0]
     acc = acc_dtype(logits.dtype)
@@ -639,15 +708,17 @@ def softcapped_mtp_ce_reference(logits: Tensor, targets: Tensor, mtp_weights: Te
     return losses
 
 
-# ---- CPU path: the kernel's math in row chunks ----------------------------------------------------------------------
-# On a CPU the reference's autograd keeps several fp32 (n, V) temporaries; at V = 50,304 they fall out of cache and
-# were 70% of a tiny-preset step. This computes the same losses and gradient (the kernel's closed form.4)
-# a few rows at a time, so each temporary is a cache-sized (rows, V) block; tests hold it to the reference.
+# ---- CPU path: the kernel's math in row chunks ---------------------------------------------------
+# On a CPU the reference's autograd keeps several fp32 (n, V) temporaries; at V = 50,304 they fall
+# out of cache and were 70% of a tiny-preset step. This computes the same losses and gradient (the
+# kernel's closed form.4) a few rows at a time, so each temporary is a cache-sized (rows, V) block;
+# tests hold it to the reference.
 _CE_CPU_ROWS = 32
 
 
 def _mtp_targets_and_weights(targets: Tensor, mtp_weights: Tensor) -> tuple[Tensor, Tensor]:
-    """(n, K) target ids targets[row + k] and weights W[row, k] = [row + k < n][w_k > 0] w_k (0 past the end)."""
+    """(n, K) target ids targets[row + k] and weights W[row, k] = [row + k < n][w_k > 0] w_k
+    (0 past the end)."""
     n, K = targets.shape[0], mtp_weights.shape[0]
     idx = torch.arange(n, device=targets.device)[:, None] + torch.arange(K, device=targets.device)
     w = torch.where(mtp_weights > 0, mtp_weights, torch.zeros_like(mtp_weights)).float()
@@ -681,12 +752,14 @@ class _SoftcappedMTPCEChunked(torch.autograd.Function):
             # dL/dz = g (S_w softmax(z) - T), with T the weights scattered onto the target columns
             dz = torch.exp(sig * SOFTCAP_A - lse[rows, None]).mul_(gW.sum(1, keepdim=True))
             dz.scatter_add_(1, tgt[rows], -gW)
-            dlogits[rows] = dz.mul_(sig * (1 - sig) * (SOFTCAP_A / SOFTCAP_C))   # dz/dl = A s (1 - s) / C
+            # dz/dl = A s (1 - s) / C
+            dlogits[rows] = dz.mul_(sig * (1 - sig) * (SOFTCAP_A / SOFTCAP_C))
         return dlogits, None, None
 
 
 def softcapped_mtp_ce_cpu(logits: Tensor, targets: Tensor, mtp_weights: Tensor) -> Tensor:
-    """softcapped_mtp_ce in plain PyTorch, chunked over rows: the reference's numbers at a fraction of its memory."""
+    """softcapped_mtp_ce in plain PyTorch, chunked over rows: the reference's numbers at a fraction
+    of its memory."""
     return _SoftcappedMTPCEChunked.apply(logits, targets, mtp_weights)
 
 
@@ -697,38 +770,46 @@ def softcapped_mtp_ce(logits: Tensor, targets: Tensor, mtp_weights: Tensor) -> T
     return softcapped_mtp_ce_cpu(logits, targets, mtp_weights)
 
 
-# =====================================================================================================================
+# ==================================================================================================
 # 5. Fused Adam update  (train_gpt.adam_update)
-# =====================================================================================================================
-# One pass over param, grad, exp_avg and exp_avg_sq in place of the ~12 eager kernels (each a full read/write of the
-# 50304x768 tables). Every operation of the eager code is one fp32 operation here, in the eager order, so the result
-# is bitwise the eager update as PyTorch runs it on CUDA:
-#   m = fma(g, 1-beta1, m*beta1)      exp_avg.mul_(beta1).add_(g, alpha=1-beta1): the add's `self + alpha*other` is
-#                                     one FMA (nvcc contracts it; the CPU kernel calls vec::fmadd)
-#   v = fma(1-beta2, g*g, v*beta2)    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1-beta2): CUDA computes
-#                                     `self + value*(g*g)` with g*g rounded, one FMA for the rest. The CPU kernel
-#                                     rounds value*g first (fma(value*g, g, self)), so CPU and CUDA eager differ by an
-#                                     ulp of v here at a few % of the elements; the kernel follows CUDA.
-#   u = div_rn(m, sqrt_rn(v) + eps) * step_size          IEEE division and square root (tl.sqrt and `/` are the
-#                                                        approximate PTX instructions)
+# ==================================================================================================
+# One pass over param, grad, exp_avg and exp_avg_sq in place of the ~12 eager kernels (each a full
+# read/write of the 50304x768 tables). Every operation of the eager code is one fp32 operation here,
+# in the eager order, so the result is bitwise the eager update as PyTorch runs it on CUDA:
+#   m = fma(g, 1-beta1, m*beta1)      exp_avg.mul_(beta1).add_(g, alpha=1-beta1): the add's
+#                                     `self + alpha*other` is one FMA (nvcc contracts it; the CPU
+#                                     kernel calls vec::fmadd)
+#   v = fma(1-beta2, g*g, v*beta2)    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1-beta2): CUDA
+#                                     computes `self + value*(g*g)` with g*g rounded, one FMA for
+#                                     the rest. The CPU kernel rounds value*g first
+#                                     (fma(value*g, g, self)), so CPU and CUDA eager differ by an
+#                                     ulp of v here at a few % of the elements; the kernel follows
+#                                     CUDA.
+#   u = div_rn(m, sqrt_rn(v) + eps) * step_size          IEEE division and square root (tl.sqrt and
+#                                                        `/` are the approximate PTX instructions)
 #   u = u + (decay*p) * [u*p > 0];  param = round(p - u)
-# Scalars: 1-beta1 and 1-beta2 are computed in Python double and rounded to fp32 when passed, as torch rounds an
-# alpha/value Scalar to the fp32 compute type; all seven are fp32 runtime arguments (no recompiles as they change).
-# FMA contraction: the launch passes enable_fp_fusion=False, so no a*b+c is fused except the two explicit tl.fma
-# above (checked on the sm_90 PTX by tests/test_optimizer_kernels.py). NOTE: torch.compile drops that launch option
-# for user-defined kernels (torch/_higher_order_ops/triton_kernel_wrap.py pops backend options), so a compiled caller
-# gets Triton's default contraction: an fp32 rounding apart, not bitwise (on an H200 the compiled Adam still matched
-# eager bit for bit, the cautious update of section 6 did not; tests/test_kernels_gpu.py bounds both). It also passes
-# the Python floats as fp64, hence the casts at the top of the kernels. train_gpt calls these ops eagerly.
-# bf16 is read and written through its bits (the helpers above section 1), bit-exact in the interpreter too.
+# Scalars: 1-beta1 and 1-beta2 are computed in Python double and rounded to fp32 when passed, as
+# torch rounds an alpha/value Scalar to the fp32 compute type; all seven are fp32 runtime arguments
+# (no recompiles as they change).
+# FMA contraction: the launch passes enable_fp_fusion=False, so no a*b+c is fused except the two
+# explicit tl.fma above (checked on the sm_90 PTX by tests/test_optimizer_kernels.py). NOTE:
+# torch.compile drops that launch option for user-defined kernels
+# (torch/_higher_order_ops/triton_kernel_wrap.py pops backend options), so a compiled caller gets
+# Triton's default contraction: an fp32 rounding apart, not bitwise (on an H200 the compiled Adam
+# still matched eager bit for bit, the cautious update of section 6 did not;
+# tests/test_kernels_gpu.py bounds both). It also passes the Python floats as fp64, hence the casts
+# at the top of the kernels. train_gpt calls these ops eagerly.
+# bf16 is read and written through its bits (the helpers above section 1), bit-exact in the
+# interpreter too.
 #
-# Tiles: a flat BLOCK of 1024 elements per program with 4 warps, 8 consecutive elements per thread: one 16-byte
-# load/store per bf16 tensor and two per fp32 tensor, no reuse, so the kernel is a pure stream at the memory
-# bandwidth; the 37,728 programs of a 50304x768 table leave no tail worth a persistent loop. Measured on an H200
-# (50304x768 bf16): BLOCK 512-4096 with 4 or 8 warps all within 6%; this one ran at 0.207 ms, 97% of a D2D copy's
-# bandwidth (eager: 1.58 ms).
+# Tiles: a flat BLOCK of 1024 elements per program with 4 warps, 8 consecutive elements per thread:
+# one 16-byte load/store per bf16 tensor and two per fp32 tensor, no reuse, so the kernel is a pure
+# stream at the memory bandwidth; the 37,728 programs of a 50304x768 table leave no tail worth a
+# persistent loop. Measured on an H200 (50304x768 bf16): BLOCK 512-4096 with 4 or 8 warps all within
+# 6%; this one ran at 0.207 ms, 97% of a D2D copy's bandwidth (eager: 1.58 ms).
 
-# Launch options of sections 5-6: no FMA contraction, so every fp32 operation rounds where the eager code rounds.
+# Launch options of sections 5-6: no FMA contraction, so every fp32 operation rounds where the eager
+# code rounds.
 _EXACT_FP_OPTIONS = {"enable_fp_fusion": False}
 _ADAM_BLOCK = 1024
 _ADAM_WARPS = 4
@@ -737,14 +818,17 @@ _ADAM_PARAM_DTYPES = (torch.bfloat16, torch.float32)
 
 
 @triton.jit
-def _adam_kernel(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, n_elements, beta1, beta2, one_minus_beta1,
-                 one_minus_beta2, eps, step_size, decay, BLOCK: tl.constexpr):
-    """In place: exp_avg, exp_avg_sq (fp32) and param (bf16/fp32) from grad (bf16/fp32); flat contiguous tensors."""
-    # Python floats arrive as fp32 from a launch but as fp64 from torch.compile's wrapper: round them here (RNE, the
-    # same fp32 values) so the arithmetic below is fp32 either way.
+def _adam_kernel(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, n_elements, beta1, beta2,
+                 one_minus_beta1, one_minus_beta2, eps, step_size, decay, BLOCK: tl.constexpr):
+    """In place: exp_avg, exp_avg_sq (fp32) and param (bf16/fp32) from grad (bf16/fp32); flat
+    contiguous tensors."""
+    # Python floats arrive as fp32 from a launch but as fp64 from torch.compile's wrapper: round
+    # them here (RNE, the same fp32 values) so the arithmetic below is fp32 either way.
     beta1, beta2 = tl.cast(beta1, tl.float32), tl.cast(beta2, tl.float32)
-    one_minus_beta1, one_minus_beta2 = tl.cast(one_minus_beta1, tl.float32), tl.cast(one_minus_beta2, tl.float32)
-    eps, step_size, decay = tl.cast(eps, tl.float32), tl.cast(step_size, tl.float32), tl.cast(decay, tl.float32)
+    one_minus_beta1, one_minus_beta2 = (tl.cast(one_minus_beta1, tl.float32),
+                                        tl.cast(one_minus_beta2, tl.float32))
+    eps, step_size, decay = (tl.cast(eps, tl.float32), tl.cast(step_size, tl.float32),
+                             tl.cast(decay, tl.float32))
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_elements
     g = _load_as_fp32(grad_ptr + offs, mask)
@@ -760,11 +844,14 @@ def _adam_kernel(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, n_elements, b
     _store_from_fp32(param_ptr + offs, p - u, mask)
 
 
-def adam_update_triton(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, beta1: float, beta2: float,
-                       eps: float, step_size: float, decay: float, block: int | None = None) -> None:
-    """Triton Adam update in place (any shape, all four contiguous and of one shape): param and grad bf16 or fp32,
-    exp_avg and exp_avg_sq fp32. block fixes the elements per program (tests); None picks the CUDA/interpreter one."""
-    # The optimizer launches this for every Adam tensor each step: one cheap test, the messages only on failure.
+def adam_update_triton(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor,
+                       beta1: float, beta2: float, eps: float, step_size: float, decay: float,
+                       block: int | None = None) -> None:
+    """Triton Adam update in place (any shape, all four contiguous and of one shape): param and grad
+    bf16 or fp32, exp_avg and exp_avg_sq fp32. block fixes the elements per program (tests); None
+    picks the CUDA/interpreter one."""
+    # The optimizer launches this for every Adam tensor each step: one cheap test, the messages only
+    # on failure.
     ok = (param.dtype in _ADAM_PARAM_DTYPES and grad.dtype in _ADAM_PARAM_DTYPES
           and exp_avg.dtype == exp_avg_sq.dtype == torch.float32
           and all(t.shape == param.shape and t.is_contiguous() and t.device == param.device
@@ -772,29 +859,32 @@ def adam_update_triton(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq:
     if not ok:
         tensors = dict(param=param, grad=grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)
         for name, t in tensors.items():
-            _check(t.shape == param.shape, f"{name} has shape {tuple(t.shape)} but param {tuple(param.shape)}")
-            _check(t.is_contiguous(), f"{name} must be contiguous (the kernel walks the flat tensor); call "
-                                      f".contiguous()")
+            _check(t.shape == param.shape,
+                   f"{name} has shape {tuple(t.shape)} but param {tuple(param.shape)}")
+            _check(t.is_contiguous(), f"{name} must be contiguous (the kernel walks the flat "
+                                      "tensor); call .contiguous()")
             _check(t.device == param.device, f"{name} is on {t.device} but param on {param.device}")
         for name in ("param", "grad"):
-            _check(tensors[name].dtype in _ADAM_PARAM_DTYPES, f"{name} has dtype {tensors[name].dtype}; use "
-                                                               f"bfloat16 or float32")
+            _check(tensors[name].dtype in _ADAM_PARAM_DTYPES,
+                   f"{name} has dtype {tensors[name].dtype}; use bfloat16 or float32")
         for name in ("exp_avg", "exp_avg_sq"):
-            _check(tensors[name].dtype == torch.float32, f"{name} has dtype {tensors[name].dtype}; Adam state is "
-                                                         f"float32")
+            _check(tensors[name].dtype == torch.float32,
+                   f"{name} has dtype {tensors[name].dtype}; Adam state is float32")
     n = param.numel()
     if n == 0:
         return
     block = block or (_ADAM_BLOCK if param.is_cuda else _ADAM_INTERPRETER_BLOCK)
     wrap_triton(_adam_kernel)[(triton.cdiv(n, block),)](
-        param, grad, exp_avg, exp_avg_sq, n, float(beta1), float(beta2), float(1 - beta1), float(1 - beta2),
-        float(eps), float(step_size), float(decay), BLOCK=block, num_warps=_ADAM_WARPS, **_EXACT_FP_OPTIONS)
+        param, grad, exp_avg, exp_avg_sq, n, float(beta1), float(beta2), float(1 - beta1),
+        float(1 - beta2), float(eps), float(step_size), float(decay), BLOCK=block,
+        num_warps=_ADAM_WARPS, **_EXACT_FP_OPTIONS)
 
 
-def adam_update_reference(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, *, beta1: float,
-                          beta2: float, eps: float, step_size: float, decay: float) -> None:
-    """The eager Adam math (train_gpt.adam_update runs it off CUDA; the moments' dtype sets the precision): the
-    kernel's contract."""
+def adam_update_reference(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, *,
+                          beta1: float, beta2: float, eps: float, step_size: float,
+                          decay: float) -> None:
+    """The eager Adam math (train_gpt.adam_update runs it off CUDA; the moments' dtype sets the
+    precision): the kernel's contract."""
     g = grad.to(exp_avg.dtype)
     exp_avg.mul_(beta1).add_(g, alpha=1 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
@@ -805,42 +895,48 @@ def adam_update_reference(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_
 
 
 @triton_op(f"{_LIB}::adam_update", mutates_args={"param", "exp_avg", "exp_avg_sq"})
-def _adam_update_op(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, beta1: float, beta2: float,
-                    eps: float, step_size: float, decay: float) -> None:
+def _adam_update_op(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor,
+                    beta1: float, beta2: float, eps: float, step_size: float, decay: float) -> None:
     adam_update_triton(param, grad, exp_avg, exp_avg_sq, beta1, beta2, eps, step_size, decay)
 
 
-def adam_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, *, beta1: float, beta2: float,
-                eps: float, step_size: float, decay: float) -> None:
+def adam_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, *,
+                beta1: float, beta2: float, eps: float, step_size: float, decay: float) -> None:
     """One Adam update in place: the Triton kernel on CUDA, the reference elsewhere."""
     if param.is_cuda:
-        torch.ops.nanogpt_kernels.adam_update(param, grad, exp_avg, exp_avg_sq, beta1, beta2, eps, step_size, decay)
+        torch.ops.nanogpt_kernels.adam_update(param, grad, exp_avg, exp_avg_sq, beta1, beta2, eps,
+                                              step_size, decay)
     else:
         adam_update_reference(param, grad, exp_avg, exp_avg_sq, beta1=beta1, beta2=beta2, eps=eps,
                               step_size=step_size, decay=decay)
 
 
-# =====================================================================================================================
+# ==================================================================================================
 # 6. Fused NorMuon cautious update with mantissa  (train_gpt.cautious_update_with_mantissa_)
-# =====================================================================================================================
-# The fp32 master P = (bf16 bits << 16) | mantissa is assembled, updated and split again in registers:
-#   P' = (P - ((P * [O*P >= 0]) * wd) * lr) - O * lr      (non-strict mask: entries with O = 0 or P = 0 are decayed)
-# then param <- high 16 bits of P' (truncation), mantissa <- low 16 bits. The eager code rounds after every product
-# and difference and fuses nothing, so the kernel does the same seven fp32 operations with FMA contraction disabled
-# (enable_fp_fusion=False; the sm_90 PTX has no fma, see tests/test_optimizer_kernels.py): bitwise the eager update,
-# on CPU and CUDA alike. (Under torch.compile the option is dropped, as in section 5: the two subtractions could then fuse
-# with their products.) All loads and stores are bit moves, so the interpreter runs it exactly with bf16/uint16
-# storage.
+# ==================================================================================================
+# The fp32 master P = (bf16 bits << 16) | mantissa is assembled, updated and split
+# again in registers:
+#   P' = (P - ((P * [O*P >= 0]) * wd) * lr) - O * lr      (non-strict mask: entries with O = 0 or
+#                                                         P = 0 are decayed)
+# then param <- high 16 bits of P' (truncation), mantissa <- low 16 bits. The eager code rounds
+# after every product and difference and fuses nothing, so the kernel does the same seven fp32
+# operations with FMA contraction disabled (enable_fp_fusion=False; the sm_90 PTX has no fma, see
+# tests/test_optimizer_kernels.py): bitwise the eager update, on CPU and CUDA alike. (Under
+# torch.compile the option is dropped, as in section 5: the two subtractions could then fuse with
+# their products.) All loads and stores are bit moves, so the interpreter runs it exactly with
+# bf16/uint16 storage.
 #
-# lr is one fp32 scalar (LR_PER_MATRIX=False) or an fp32 (n, 1, 1) tensor read once per program by matrix index.
-# O may have any strides: NorMuon's orthogonalisation hands the MLP bank's O over as a transposed view (Polar
-# Express works on the short side), so a flat walk would read it with a stride of R elements. The grid is
-# (tiles of one matrix, matrices), each program a BLOCK_R x BLOCK_C tile; Triton specialises a unit stride, sees
-# which axis of O is contiguous and loads it coalesced, converting the layout through shared memory. 32x64 tiles
-# with 4 warps: 16 elements per thread, 128-byte rows of param and mantissa, 64-byte runs down a column of a
-# transposed O, 288 / 1152 tiles per 768x768 / 3072x768 matrix. Measured on an H200 (CUDA-graph GPU time): 0.059 ms
-# for the attn bank (40x768x768) and 0.147 ms for the MLP bank (24x3072x768, O transposed), 5% under 64x64 on the
-# latter and within 3% of 64x128 / 128x64 / 8 warps elsewhere (eager: 1.03 and 3.21 ms).
+# lr is one fp32 scalar (LR_PER_MATRIX=False) or an fp32 (n, 1, 1) tensor read once per program by
+# matrix index.
+# O may have any strides: NorMuon's orthogonalisation hands the MLP bank's O over as a transposed
+# view (Polar Express works on the short side), so a flat walk would read it with a stride of R
+# elements. The grid is (tiles of one matrix, matrices), each program a BLOCK_R x BLOCK_C tile;
+# Triton specialises a unit stride, sees which axis of O is contiguous and loads it coalesced,
+# converting the layout through shared memory. 32x64 tiles with 4 warps: 16 elements per thread,
+# 128-byte rows of param and mantissa, 64-byte runs down a column of a transposed O, 288 / 1152
+# tiles per 768x768 / 3072x768 matrix. Measured on an H200 (CUDA-graph GPU time): 0.059 ms for the
+# attn bank (40x768x768) and 0.147 ms for the MLP bank (24x3072x768, O transposed), 5% under 64x64
+# on the latter and within 3% of 64x128 / 128x64 / 8 warps elsewhere (eager: 1.03 and 3.21 ms).
 
 _CAUTIOUS_TILE = (32, 64)
 _CAUTIOUS_WARPS = 4
@@ -848,11 +944,11 @@ _CAUTIOUS_INTERPRETER_TILE = (8, 16)  # CPU tests: several tiles with partial on
 
 
 @triton.jit
-def _cautious_mantissa_kernel(param_ptr, mantissa_ptr, o_ptr, lr_ptr, R, C, stride_on, stride_or, stride_oc,
-                              lr_scalar, wd, LR_PER_MATRIX: tl.constexpr, BLOCK_R: tl.constexpr,
-                              BLOCK_C: tl.constexpr):
-    """In place on param (n, R, C) bf16 and mantissa (n, R, C) uint16 (both contiguous) from O (n, R, C) bf16 (any
-    strides); grid (tiles per matrix, n)."""
+def _cautious_mantissa_kernel(param_ptr, mantissa_ptr, o_ptr, lr_ptr, R, C, stride_on, stride_or,
+                              stride_oc, lr_scalar, wd, LR_PER_MATRIX: tl.constexpr,
+                              BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """In place on param (n, R, C) bf16 and mantissa (n, R, C) uint16 (both contiguous) from O
+    (n, R, C) bf16 (any strides); grid (tiles per matrix, n)."""
     pid = tl.program_id(0)
     mat = tl.program_id(1).to(tl.int64)
     tiles_c = tl.cdiv(C, BLOCK_C)
@@ -877,41 +973,48 @@ def _cautious_mantissa_kernel(param_ptr, mantissa_ptr, o_ptr, lr_ptr, R, C, stri
     tl.store(mantissa_ptr + offs, (bits & 0xFFFF).to(tl.uint16), mask=mask)
 
 
-def cautious_update_with_mantissa_triton(param: Tensor, mantissa: Tensor, O: Tensor, lr: float | Tensor, wd: float,
+def cautious_update_with_mantissa_triton(param: Tensor, mantissa: Tensor, O: Tensor,
+                                         lr: float | Tensor, wd: float,
                                          tile: tuple[int, int] | None = None) -> None:
-    """Triton cautious update in place: param (n, R, C) bf16 and mantissa (n, R, C) uint16, both contiguous; O
-    (n, R, C) bf16, any strides; lr a float or an fp32 (n, 1, 1) tensor; wd a float. tile=(BLOCK_R, BLOCK_C) fixes
-    the tile (tests)."""
+    """Triton cautious update in place: param (n, R, C) bf16 and mantissa (n, R, C) uint16, both
+    contiguous; O (n, R, C) bf16, any strides; lr a float or an fp32 (n, 1, 1) tensor; wd a float.
+    tile=(BLOCK_R, BLOCK_C) fixes the tile (tests)."""
     per_matrix = isinstance(lr, Tensor)
     ok = (param.ndim == 3 and param.dtype == torch.bfloat16 and param.is_contiguous()
-          and mantissa.shape == param.shape and mantissa.dtype == torch.uint16 and mantissa.is_contiguous()
-          and O.shape == param.shape and O.dtype == torch.bfloat16 and mantissa.device == param.device == O.device
+          and mantissa.shape == param.shape and mantissa.dtype == torch.uint16
+          and mantissa.is_contiguous()
+          and O.shape == param.shape and O.dtype == torch.bfloat16
+          and mantissa.device == param.device == O.device
           and (not per_matrix or (lr.shape == (param.shape[0], 1, 1) and lr.dtype == torch.float32
                                   and lr.is_contiguous() and lr.device == param.device)))
     if not ok:  # messages only on failure (launched for every NorMuon chunk each step)
         _check(param.ndim == 3 and param.dtype == torch.bfloat16 and param.is_contiguous(),
-               f"param must be a contiguous bf16 (n, R, C) stack, got {param.dtype} {tuple(param.shape)}")
-        _check(mantissa.shape == param.shape and mantissa.dtype == torch.uint16 and mantissa.is_contiguous(),
-               f"mantissa must be contiguous uint16 of param's shape {tuple(param.shape)}, got {mantissa.dtype} "
-               f"{tuple(mantissa.shape)}")
+               f"param must be a contiguous bf16 (n, R, C) stack, got {param.dtype} "
+               f"{tuple(param.shape)}")
+        _check(mantissa.shape == param.shape and mantissa.dtype == torch.uint16
+               and mantissa.is_contiguous(),
+               f"mantissa must be contiguous uint16 of param's shape {tuple(param.shape)}, "
+               f"got {mantissa.dtype} {tuple(mantissa.shape)}")
         _check(O.shape == param.shape and O.dtype == torch.bfloat16,
-               f"O must be bf16 of param's shape {tuple(param.shape)}, got {O.dtype} {tuple(O.shape)}")
-        _check(mantissa.device == param.device == O.device, "param, mantissa and O must be on one device")
-        _check(False, f"a per-matrix lr must be a contiguous fp32 ({param.shape[0]}, 1, 1) tensor on {param.device}, "
-                      f"got {lr.dtype} {tuple(lr.shape)} on {lr.device}")
+               f"O must be bf16 of param's shape {tuple(param.shape)}, got {O.dtype} "
+               f"{tuple(O.shape)}")
+        _check(mantissa.device == param.device == O.device,
+               "param, mantissa and O must be on one device")
+        _check(False, f"a per-matrix lr must be a contiguous fp32 ({param.shape[0]}, 1, 1) tensor "
+                      f"on {param.device}, got {lr.dtype} {tuple(lr.shape)} on {lr.device}")
     n, R, C = param.shape
     if param.numel() == 0:
         return
     block_r, block_c = tile or (_CAUTIOUS_TILE if param.is_cuda else _CAUTIOUS_INTERPRETER_TILE)
     grid = (triton.cdiv(R, block_r) * triton.cdiv(C, block_c), n)
     wrap_triton(_cautious_mantissa_kernel)[grid](
-        param, mantissa, O, lr if per_matrix else mantissa, R, C, *O.stride(), 0.0 if per_matrix else float(lr),
-        float(wd), LR_PER_MATRIX=per_matrix, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=_CAUTIOUS_WARPS,
-        **_EXACT_FP_OPTIONS)
+        param, mantissa, O, lr if per_matrix else mantissa, R, C, *O.stride(),
+        0.0 if per_matrix else float(lr), float(wd), LR_PER_MATRIX=per_matrix, BLOCK_R=block_r,
+        BLOCK_C=block_c, num_warps=_CAUTIOUS_WARPS, **_EXACT_FP_OPTIONS)
 
 
-def cautious_update_with_mantissa_reference(param: Tensor, mantissa: Tensor, O: Tensor, lr: float | Tensor,
-                                            wd: float) -> None:
+def cautious_update_with_mantissa_reference(param: Tensor, mantissa: Tensor, O: Tensor,
+                                            lr: float | Tensor, wd: float) -> None:
     """train_gpt.cautious_update_with_mantissa_'s eager math: the kernel's contract."""
     high = param.view(torch.int16).to(torch.int32) << 16
     low = mantissa.view(torch.int16).to(torch.int32) & 0xFFFF
@@ -924,18 +1027,21 @@ def cautious_update_with_mantissa_reference(param: Tensor, mantissa: Tensor, O: 
 
 
 @triton_op(f"{_LIB}::cautious_update_with_mantissa", mutates_args={"param", "mantissa"})
-def _cautious_update_with_mantissa_op(param: Tensor, mantissa: Tensor, O: Tensor, lr_per_matrix: Tensor | None,
-                                      lr: float, wd: float) -> None:
-    cautious_update_with_mantissa_triton(param, mantissa, O, lr if lr_per_matrix is None else lr_per_matrix, wd)
+def _cautious_update_with_mantissa_op(param: Tensor, mantissa: Tensor, O: Tensor,
+                                      lr_per_matrix: Tensor | None, lr: float, wd: float) -> None:
+    cautious_update_with_mantissa_triton(param, mantissa, O,
+                                         lr if lr_per_matrix is None else lr_per_matrix, wd)
 
 
 def cautious_update_with_mantissa(param: Tensor, mantissa: Tensor, O: Tensor, *, lr: float | Tensor,
                                   wd: float) -> None:
-    """NorMuon's cautious update of the bf16 + mantissa master in place: Triton on CUDA, the reference
-    elsewhere. lr: a float or an fp32 (n, 1, 1) tensor."""
+    """NorMuon's cautious update of the bf16 + mantissa master in place: Triton on CUDA, the
+    reference elsewhere. lr: a float or an fp32 (n, 1, 1) tensor."""
+
     if param.is_cuda:
         per_matrix = lr if isinstance(lr, Tensor) else None
-        torch.ops.nanogpt_kernels.cautious_update_with_mantissa(param, mantissa, O, per_matrix,
-                                                                0.0 if per_matrix is not None else float(lr), wd)
+        torch.ops.nanogpt_kernels.cautious_update_with_mantissa(
+            param, mantissa, O, per_matrix, 0.0 if per_matrix is not None else float(lr), wd)
+
     else:
         cautious_update_with_mantissa_reference(param, mantissa, O, lr, wd)
