@@ -432,10 +432,8 @@ def hyperparameters_from_dict(saved: dict) -> Hyperparameters:
 ATTN_BACKENDS = ("flex", "varlen", "fa3", "sdpa")
 # "auto" on CUDA takes the first available of these: FA3 (Hopper-native, the record's kernel), then
 # torch's FA2-based varlen and flex (`python3 bench/attention.py` ranks them alone at the training
-# shapes). Off CUDA "auto" means sdpa (the only backend with a CPU backward). Measured in the full
-# model: varlen 274 / 507 / 745 ms/step on an H100, flex 250 / 469 / 686 on an H200
-# (records/2026-11-21_synthetic_smoke). Different machines, so until both run on one, varlen stays
-# ahead of flex.
+# shapes). Off CUDA "auto" means sdpa (the only backend with a CPU backward). varlen comes before
+# flex because it measured faster in the full model (records/2026-11-21_synthetic_smoke).
 ATTN_AUTO_ORDER_CUDA = ("fa3", "varlen", "flex", "sdpa")
 FLEX_BLOCK_SIZE = 128  # tokens per flex sparse block (q and kv);
                        # flex's kernel tiles (64 or 128) divide it
@@ -1167,8 +1165,8 @@ class GPT(nn.Module):
         x = x0 = rms(torch.cat([e[:1], e[1:] + smear * e[:-1]]))
 
         # The banks as one view per slice. Indexing the bank per layer instead costs a backward
-        # kernel that reads every layer's gradient for every element of the bank (0.6 ms per
-        # micro-batch for the MLP bank on an H200); unbind's backward stacks each slice's gradient
+        # kernel that reads every layer's gradient for every element of the bank
+        # (records/2026-11-22_bank_unbind_1xH200); unbind's backward stacks each slice's gradient
         # once. The same numbers either way.
         attn_banks = self.attn.unbind(0)                 # (4D, D) per attention layer
         mlp_banks = self.mlp.flatten(0, 1).unbind(0)     # c_fc, c_proj of layer j at 2j, 2j + 1
@@ -1322,8 +1320,8 @@ def adam_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor
         return
     if param.device.type == "cpu" and param.dim() > 0 and param.numel() > CPU_CHUNK_ELEMENTS:
         # Element-wise math, so row blocks give the same bits; each block's temporaries stay in the
-        # CPU's cache (the whole-table form made Adam steps of the tiny preset 2x slower than the
-        # others).
+        # CPU's cache (the whole-table temporaries do not, which slowed the tiny preset's Adam
+        # steps).
         rows = max(1, CPU_CHUNK_ELEMENTS * param.shape[0] // param.numel())
         for p, g, m, v in zip(*(t.split(rows) for t in (param, grad, exp_avg, exp_avg_sq))):
             adam_update(p, g, m, v, beta1=beta1, beta2=beta2, eps=eps, step_size=step_size,
