@@ -368,6 +368,21 @@ def help_text() -> str:
     return "\n".join(lines)
 
 
+# Options of earlier versions that became part of another: what to write instead.
+_STAGES = (f"a column of --stages (batch:lr_peak:ws_long:w1/w2/... per stage; the default is "
+           f"{_show(Hyperparameters.stages)})")
+MOVED_OPTIONS = {
+    "train_bs_schedule": "the batches are " + _STAGES,
+    "lr_peaks": "the lr peaks are " + _STAGES,
+    "ws_long_schedule": "the long windows are " + _STAGES,
+    "mtp_weights_start": "the MTP weights are " + _STAGES,
+    "mlp_bank_pad": "the banks pad themselves (to a multiple of 8 matrices); drop the option",
+    "scatter_order": "the reductions follow the rows of DEFAULT_PARAM_TABLE; drop the option",
+    "work_order": "the update order is derived from DEFAULT_PARAM_TABLE; drop the option",
+    "softcap": "the softcap is SOFTCAP_A/B/C in triton_kernels.py; drop the option",
+}
+
+
 def parse_args(argv: Sequence[str]) -> Hyperparameters:
     """`--name=value` for any Hyperparameters field; `--preset=NAME` first applies a preset, then
     the rest.
@@ -381,6 +396,8 @@ def parse_args(argv: Sequence[str]) -> Hyperparameters:
                               "python3 train_gpt.py --help lists the options")
         name, eq, value = arg[2:].partition("=")
         name = name.replace("-", "_")
+        if name in MOVED_OPTIONS:
+            raise ConfigError(f"--{name} is gone: {MOVED_OPTIONS[name]}")
         if name not in fields:
             close = did_you_mean(name, list(fields))
             raise ConfigError(f"unknown option --{name}"
