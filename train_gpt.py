@@ -204,6 +204,11 @@ class Hyperparameters:
     preset: str = ""                       # "tiny": a few narrow layers for CPU tests and newcomers
     attn_backend: str = "auto"             # auto | flex | varlen | fa3 | sdpa
     compile: bool = True                   # torch.compile the model (ignored on CPU)
+    compile_cache: str = "~/.cache/nanogpt_speedrun/compile_cache.bin"  # the compiled code,
+                                           # saved after a warmup that compiled and loaded at start
+                                           # when made by the same code, torch, triton and GPU
+                                           # model: copy it to a new node to skip most compiling
+                                           # (README); empty: off
     kernels: str = "fused"                 # fused: the Triton kernels on CUDA (on a
                                            # CPU, a chunked loss); torch: the plain-PyTorch
                                            # definitions of every fused op, on any device
@@ -2638,6 +2643,80 @@ def atomic_torch_save(obj: Any, path: Path) -> None:
             tmp.unlink()
 
 
+# ---- the portable compile cache: torch's compiled artifacts in one file ---------------------
+COMPILE_CACHE_MAGIC = b"nanogpt-speedrun compile cache 1\n"
+
+
+def compile_cache_key(sources: Sequence[str], versions: str) -> str:
+    """What compiled code depends on: the text of both source files, and the torch / triton / CUDA
+    versions with the GPU model."""
+    import hashlib
+    digest = hashlib.sha256()
+    for text in (*sources, versions):
+        digest.update(hashlib.sha256(text.encode()).digest())
+    return digest.hexdigest()
+
+
+def compile_cache_versions(device: torch.device) -> str:
+    import triton
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return (f"torch {torch.__version__}, triton {triton.__version__}, CUDA {torch.version.cuda}, "
+            f"{gpu}")
+
+
+def save_compile_cache(path: Path, key: str, versions: str) -> str:
+    """Write what torch compiled in this process (torch.compiler.save_cache_artifacts) atomically;
+    returns the line for the log."""
+    import hashlib
+    import json
+    saved = torch.compiler.save_cache_artifacts()
+    if saved is None or not saved[0]:
+        return "compile cache: nothing was compiled, nothing saved"
+    payload = saved[0]
+    header = {"key": key, "versions": versions, "bytes": len(payload),
+              "sha256": hashlib.sha256(payload).hexdigest()}
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "wb") as f:
+            f.write(COMPILE_CACHE_MAGIC + json.dumps(header).encode() + b"\n" + payload)
+        os.replace(tmp, path)
+    except OSError as e:
+        return f"compile cache: could not write {path} ({e.strerror or e}); the run goes on"
+    finally:
+        if tmp.is_file():
+            tmp.unlink()
+    return f"compile cache: saved {path} ({len(payload) / 2**20:.1f} MiB)"
+
+
+def load_compile_cache(path: Path, key: str) -> tuple[bool, str]:
+    """Hand a saved cache to torch (torch.compiler.load_cache_artifacts) if it was made by this code
+    on this kind of machine. (loaded, the line for the log): a missing, stale or damaged file is
+    reported and ignored, never fatal."""
+    import hashlib
+    import json
+    if not path.is_file():
+        return False, f"compile cache: no {path} yet; it is written after the warmup"
+    try:
+        with open(path, "rb") as f:
+            if f.readline() != COMPILE_CACHE_MAGIC:
+                raise ValueError("not a compile cache file")
+            header = json.loads(f.readline())
+            payload = f.read()
+        if header.get("key") != key:
+            return False, (f"compile cache: {path} was made by other code or on another machine "
+                           f"({header.get('versions')}); ignored, replaced after the warmup")
+        if len(payload) != header.get("bytes") or (
+                hashlib.sha256(payload).hexdigest() != header.get("sha256")):
+            raise ValueError("truncated or damaged")
+        torch.compiler.load_cache_artifacts(payload)
+    except Exception as e:    # anything wrong in the file: compile as if it were absent
+        reason = type(e).__name__ + (f": {str(e).splitlines()[0][:120]}" if str(e) else "")
+        return False, (f"compile cache: {path} is unreadable ({reason}); ignored, replaced after "
+                       f"the warmup")
+    return True, f"compile cache: loaded {path} ({len(payload) / 2**20:.1f} MiB)"
+
+
 def snapshot_state(model: nn.Module, opt: Any) -> dict[str, Any]:
     """A detached copy of everything a step changes (used to undo warmup and as the last good
     state)."""
@@ -2670,7 +2749,7 @@ RUN_CONTROL_OPTIONS = frozenset({
     "train_files", "val_files", "val_loss_every", "val_loss_target", "train_loss_every",
     "dry_run", "device", "attn_backend", "warmup", "run_id", "log_dir", "save_checkpoint",
     "checkpoint_every", "checkpoint_keep", "resume", "nonfinite_check_every", "pg_timeout_s",
-    "profile_steps", "debug"})
+    "profile_steps", "debug", "compile_cache"})
 
 
 def checkpoint_path(folder: Path, step: int, rank: int, world_size: int) -> Path:
@@ -3165,6 +3244,7 @@ class Run:
     t_process: float                     # perf_counter at process start,
                                          # for the untimed phase lines
     resumed: dict | None                 # the checkpoint this run continues, if any
+    compile_cache: tuple | None = None   # (path, key, versions) to save after the warmup
 
     def sync(self) -> None:
         if self.device.type == "cuda":
@@ -3256,6 +3336,14 @@ def prepare_training(run: Run, argv_text: str) -> tuple[Trainer, Checkpointer]:
             dist.broadcast(p.detach(), 0)
     opt = build_optimizer(hp, model, run.rank, run.world_size)
     compiled = model
+    if compiling and hp.compile_cache:
+        sources = [Path(__file__).with_name(name).read_text()
+                   for name in ("train_gpt.py", "triton_kernels.py")]
+        path, versions = Path(hp.compile_cache).expanduser(), compile_cache_versions(device)
+        key = compile_cache_key(sources, versions)
+        loaded, note = load_compile_cache(path, key)
+        log(note)
+        run.compile_cache = None if loaded else (path, key, versions)
     if compiling:
         from torch import _dynamo
         _dynamo.config.recompile_limit = 64   # every window / batch-size /
@@ -3438,6 +3526,8 @@ def train(hp: Hyperparameters, argv_text: str, stops: StopSignals | None = None)
         trainer, checkpointer = prepare_training(run, argv_text)
         if hp.warmup:
             warmup_and_reset(trainer, run)
+            if run.compile_cache is not None and run.rank == 0:   # compiled: keep it for next time
+                run.log(save_compile_cache(*run.compile_cache))
         import gc
         gc.collect()
         start, train_ms = 0, 0.0

@@ -1,0 +1,92 @@
+"""The portable compile cache: its key, and a missing, stale, damaged or foreign file reported in one line
+and ignored, never fatal. torch's own save/load of compiled artifacts is replaced by a recorder here (a CPU
+compiles nothing worth caching); the GPU side is measured by bench runs."""
+from pathlib import Path
+
+import pytest
+import torch
+
+import train_gpt as tg
+
+VERSIONS = "torch 2.13.0, triton 3.9.0, CUDA 12.8, NVIDIA H200"
+
+
+@pytest.fixture
+def artifacts(monkeypatch):
+    """save_cache_artifacts returns these bytes; load_cache_artifacts records what it was given."""
+    loaded = []
+    payload = bytes(range(256)) * 40 + b"\n\x00tail"          # newlines and zeros inside, like real data
+    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (payload, None))
+    monkeypatch.setattr(torch.compiler, "load_cache_artifacts", loaded.append)
+    return payload, loaded
+
+
+def test_key_depends_on_each_source_and_the_versions():
+    key = tg.compile_cache_key(["a = 1\n", "b = 2\n"], VERSIONS)
+    assert key == tg.compile_cache_key(["a = 1\n", "b = 2\n"], VERSIONS)
+    assert key != tg.compile_cache_key(["a = 1 \n", "b = 2\n"], VERSIONS)     # one character of code
+    assert key != tg.compile_cache_key(["a = 1\n", "b = 3\n"], VERSIONS)      # the kernels file
+    assert key != tg.compile_cache_key(["a = 1\n", "b = 2\n"], VERSIONS.replace("H200", "H100"))
+    assert key != tg.compile_cache_key(["a = 1\nb = 2\n", ""], VERSIONS)      # not just the concatenation
+
+
+def test_saved_cache_loads_back_exactly(tmp_path, artifacts):
+    payload, loaded = artifacts
+    path = tmp_path / "cache" / "compile_cache.bin"
+    note = tg.save_compile_cache(path, "k1", VERSIONS)
+    assert note.startswith(f"compile cache: saved {path}")
+    assert [p.name for p in path.parent.iterdir()] == ["compile_cache.bin"]   # no temporary left
+    ok, note = tg.load_compile_cache(path, "k1")
+    assert ok and note.startswith(f"compile cache: loaded {path}") and loaded == [payload]
+
+
+def test_missing_stale_and_damaged_files_are_ignored(tmp_path, artifacts):
+    payload, loaded = artifacts
+    path = tmp_path / "compile_cache.bin"
+    ok, note = tg.load_compile_cache(path, "k1")
+    assert not ok and "no " in note and "written after the warmup" in note
+    tg.save_compile_cache(path, "k1", VERSIONS)
+    ok, note = tg.load_compile_cache(path, "k2")                              # other code or GPU
+    assert not ok and "made by other code or on another machine" in note and VERSIONS in note
+    whole = path.read_bytes()
+    cases = {"truncated": whole[:-10], "one byte flipped": whole[:-5] + b"X" + whole[-4:],
+             "no header": tg.COMPILE_CACHE_MAGIC, "foreign file": b"PK\x03\x04 a zip file",
+             "bad json": tg.COMPILE_CACHE_MAGIC + b"{not json\n" + payload, "empty": b""}
+    for name, data in cases.items():
+        path.write_bytes(data)
+        ok, note = tg.load_compile_cache(path, "k1")
+        assert not ok and "is unreadable" in note and "ignored" in note, (name, note)
+    assert loaded == []                                                      # torch never saw any of it
+    path.unlink()
+    path.mkdir()                                                             # a folder in its place
+    assert not tg.load_compile_cache(path, "k1")[0]
+
+
+def test_torch_rejecting_the_artifacts_is_not_fatal(tmp_path, monkeypatch, artifacts):
+    path = tmp_path / "compile_cache.bin"
+    tg.save_compile_cache(path, "k1", VERSIONS)
+
+    def reject(data):
+        raise RuntimeError("artifacts from another torch build")
+
+    monkeypatch.setattr(torch.compiler, "load_cache_artifacts", reject)
+    ok, note = tg.load_compile_cache(path, "k1")
+    assert not ok and "RuntimeError: artifacts from another torch build" in note
+
+
+def test_nothing_compiled_saves_nothing(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: None)
+    path = tmp_path / "compile_cache.bin"
+    assert "nothing saved" in tg.save_compile_cache(path, "k1", VERSIONS) and not path.exists()
+
+
+def test_an_unwritable_place_is_reported_not_fatal(tmp_path, artifacts):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    note = tg.save_compile_cache(blocker / "compile_cache.bin", "k1", VERSIONS)     # its folder is a file
+    assert note.startswith(f"compile cache: could not write {blocker}/compile_cache.bin")
+
+
+def test_the_cache_is_a_run_control_option():
+    # a different cache path (or none) on --resume changes no number
+    assert "compile_cache" in tg.RUN_CONTROL_OPTIONS
