@@ -2632,15 +2632,21 @@ def prepare_output(hp: Hyperparameters, run_id: str, rank: int) -> Path:
     return log_path
 
 
-def atomic_torch_save(obj: Any, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
+def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
+    """write(tmp) to a temporary name beside `path`, then rename it over `path`: a crash leaves the
+    old file or the new one, never half of one."""
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     try:
-        torch.save(obj, tmp)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write(tmp)
         os.replace(tmp, path)
     finally:
-        if tmp.exists():
+        if tmp.is_file():
             tmp.unlink()
+
+
+def atomic_torch_save(obj: Any, path: Path) -> None:
+    atomic_write(path, lambda tmp: torch.save(obj, tmp))
 
 
 # ---- the portable compile cache: torch's compiled artifacts in one file ---------------------
@@ -2669,23 +2675,21 @@ def save_compile_cache(path: Path, key: str, versions: str) -> str:
     returns the line for the log."""
     import hashlib
     import json
-    saved = torch.compiler.save_cache_artifacts()
+    try:
+        saved = torch.compiler.save_cache_artifacts()
+    except Exception as e:         # a cache is a convenience: never the reason a run fails
+        return (f"compile cache: torch could not collect the artifacts ({type(e).__name__}); "
+                f"not saved")
     if saved is None or not saved[0]:
         return "compile cache: nothing was compiled, nothing saved"
     payload = saved[0]
     header = {"key": key, "versions": versions, "bytes": len(payload),
               "sha256": hashlib.sha256(payload).hexdigest()}
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    record = COMPILE_CACHE_MAGIC + json.dumps(header).encode() + b"\n" + payload
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "wb") as f:
-            f.write(COMPILE_CACHE_MAGIC + json.dumps(header).encode() + b"\n" + payload)
-        os.replace(tmp, path)
+        atomic_write(path, lambda tmp: tmp.write_bytes(record))
     except OSError as e:
         return f"compile cache: could not write {path} ({e.strerror or e}); the run goes on"
-    finally:
-        if tmp.is_file():
-            tmp.unlink()
     return f"compile cache: saved {path} ({len(payload) / 2**20:.1f} MiB)"
 
 

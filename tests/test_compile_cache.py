@@ -80,6 +80,15 @@ def test_nothing_compiled_saves_nothing(tmp_path, monkeypatch):
     assert "nothing saved" in tg.save_compile_cache(path, "k1", VERSIONS) and not path.exists()
 
 
+def test_torch_failing_to_collect_the_artifacts_is_not_fatal(tmp_path, monkeypatch):
+    def fail():
+        raise RuntimeError("a cache backend error")
+
+    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", fail)
+    path = tmp_path / "compile_cache.bin"
+    assert "not saved" in tg.save_compile_cache(path, "k1", VERSIONS) and not path.exists()
+
+
 def test_an_unwritable_place_is_reported_not_fatal(tmp_path, artifacts):
     blocker = tmp_path / "file"
     blocker.write_text("x")
