@@ -444,6 +444,8 @@ def hyperparameters_from_dict(saved: dict) -> Hyperparameters:
 # document [c_j, c_{j+1}) sees keys t' with c_j <= t' <= t and t - window <= t' (window + 1 keys
 # at most, itself included); logits scale * <q_t, k_t'>, softmax in fp32, output (T, H, D) in
 # q's dtype.
+#   triton the project's own kernel (triton_kernels.py section 7): skips every key block outside
+#          the window and the document; CUDA only for training.
 #   fa3    FlashAttention-3 `flash_attn_varlen_func` (Hopper), when the module
 #          `flash_attn_interface` is installed.
 #   flex   torch flex_attention with a block mask built from cu_seqlens; fused only under
@@ -451,7 +453,7 @@ def hyperparameters_from_dict(saved: dict) -> Hyperparameters:
 #          it forward-only).
 #   varlen torch.nn.attention.varlen.varlen_attn (FlashAttention-2 inside torch), CUDA only.
 #   sdpa   a dense-mask reference (O(T^2) memory) for CPUs and tests.
-ATTN_BACKENDS = ("flex", "varlen", "fa3", "sdpa")
+ATTN_BACKENDS = ("triton", "flex", "varlen", "fa3", "sdpa")
 # "auto" on CUDA takes the first available of these: FA3 (Hopper-native, the record's kernel), then
 # torch's FA2-based varlen and flex (`python3 bench/attention.py` ranks them alone at the training
 # shapes). Off CUDA "auto" means sdpa (the only backend with a CPU backward). varlen comes before
@@ -498,6 +500,7 @@ def available_attn_backends(device: torch.device) -> list[str]:
     """Backends that can run on `device`, in ATTN_BACKENDS order."""
     on_cuda = torch.device(device).type == "cuda"
     usable = {
+        "triton": on_cuda,
         "flex": on_cuda and _import_flex() is not None,  # on CPU flex runs forward only
                                                          # (no backward in torch 2.13)
         "varlen": on_cuda and _import_torch_varlen() is not None,
@@ -521,7 +524,7 @@ def resolve_attn_backend(name: str, device: torch.device) -> str:
     if name not in available:
         raise ValueError(f"--attn_backend={name} cannot run on {device} here (fa3 needs the "
                          "flash_attn_interface module and CUDA; varlen needs torch >= 2.11 and "
-                         f"CUDA; flex needs CUDA); available: {', '.join(available)}; pass one "
+                         f"CUDA; triton and flex need CUDA); available: {', '.join(available)}; pass one "
                          "of these or --attn_backend=auto")
     return name
 
@@ -625,20 +628,6 @@ def _flex_varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, 
     return out[0].transpose(0, 1)
 
 
-def _sdpa_varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, window: int,
-                           scale: float) -> Tensor:
-    num_tokens = q.size(0)
-    doc_id = document_ids(cu_seqlens, num_tokens)
-    pos = torch.arange(num_tokens, device=q.device)
-    allowed = ((doc_id[:, None] == doc_id[None, :]) & (pos[None, :] <= pos[:, None])
-               & (pos[:, None] - pos[None, :] <= window))                          # (T_q, T_k) bool
-    # fp32 inputs (float64 ones stay float64) make the softmax fp32 whatever kernel SDPA picks;
-    # (H, T, D) layout
-    qh, kh, vh = (t.transpose(0, 1).to(tk.acc_dtype(q.dtype)) for t in (q, k, v))
-    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=allowed, scale=scale)
-    return out.transpose(0, 1).to(q.dtype)
-
-
 def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int,
                      window: int, scale: float, backend: str) -> Tensor:
     """Causal sliding-window attention within packed documents (see the top of this section),
@@ -647,22 +636,26 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_se
     positions."""
     # Plain imports here (the probing with try/inspect lives in available_attn_backends): this runs
     # inside the compiled model, where dynamo traces import statements but not inspect.signature.
+    if backend == "triton":
+        return tk.varlen_attention_triton(q, k, v, cu_seqlens, window, scale)
+    # v is a view into the qkv projection; FlashAttention wants it contiguous, the Triton kernel
+    # takes its strides.
     if backend == "fa3":
         import flash_attn_interface
         out = flash_attn_interface.flash_attn_varlen_func(
-            q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+            q, k, v.contiguous(), cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
             softmax_scale=scale, causal=True, window_size=(window, 0))
         return out[0] if isinstance(out, tuple) else out  # some FA3 builds also
                                                           # return the log-sum-exp
     if backend == "varlen":
         from torch.nn.attention.varlen import varlen_attn
         # window_size=(left, right): keys t - left .. t + right; right = 0 makes it causal
-        return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=scale,
+        return varlen_attn(q, k, v.contiguous(), cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=scale,
                            window_size=(window, 0))
     if backend == "flex":
         return _flex_varlen_attention(q, k, v, cu_seqlens, window, scale)
     if backend == "sdpa":
-        return _sdpa_varlen_attention(q, k, v, cu_seqlens, window, scale)
+        return tk.varlen_attention_reference(q, k, v, cu_seqlens, window, scale)
     raise ValueError(f"unknown attention backend {backend!r}; "
                      "resolve --attn_backend with resolve_attn_backend()")
 
@@ -1256,7 +1249,7 @@ class GPT(nn.Module):
                                  cfg.attn_backend)
             y = y.reshape(T, H, hd)
         else:
-            y = varlen_attention(q, k, v.contiguous(), cu_seqlens, max_seqlen, window,
+            y = varlen_attention(q, k, v, cu_seqlens, max_seqlen, window,
                                  self.attn_scale, cfg.attn_backend)
         # per-head output gate
         y = y * torch.sigmoid(gate_in @ self.attn_gate_bank[p.attn_slot].T)[..., None]

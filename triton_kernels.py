@@ -1045,3 +1045,384 @@ def cautious_update_with_mantissa(param: Tensor, mantissa: Tensor, O: Tensor, *,
 
     else:
         cautious_update_with_mantissa_reference(param, mantissa, O, lr, wd)
+
+
+# ==================================================================================================
+# 7. Varlen causal sliding-window attention  (train_gpt.varlen_attention, backend "triton")
+# ==================================================================================================
+# The contract of train_gpt section 2: q, k, v (T, H, D) hold documents packed back to back, with
+# boundaries cu_seqlens; query t of document [s, e) sees keys max(s, t - window) .. t (window + 1
+# keys at most, itself included); softmax(scale * q.k) in fp32; output (T, H, D) in q's dtype.
+#
+# Work. The grid runs over fixed query (or key) blocks of the packed sequence, not per document, so
+# the launch needs no host-side document list and is the same for every batch. Each token's
+# document start and end come from cu_seqlens (start[t], end[t], int32, non-decreasing in t).
+# A query block [m0, m0 + BM) needs keys from max(start[m0], m0 - window) up to its last row:
+# start[] is non-decreasing, so the first row's bound covers every row, and nothing left of it is
+# loaded. Within that range a key block is "full" when every (row, key) pair is allowed: key >=
+# start[last row], key >= last row - window, key <= first row. Full blocks skip the mask; the
+# blocks at the left edge (window or document starts inside the block) and at the diagonal apply
+# it per element. A key block [n0, n0 + BN) symmetrically needs queries up to min(end[last key],
+# last key + window + 1) and is full against a query block whose rows are all >= the last key,
+# <= n0 + window and < end[n0].
+# Forward: FlashAttention's online softmax in base 2 (the scale folded with log2(e)), p rounded to
+# v's dtype for the p @ v product (as in FlashAttention), and the base-2 log-sum-exp per row saved
+# for the backward. Backward: recompute p from it; one kernel per key block accumulates dK and dV
+# over its queries, one per query block accumulates dQ over its keys; delta = rowsum(dO * O) is
+# computed first, in fp32. No atomics, so the gradients are deterministic; FlashAttention-2's way
+# (dQ added in fp32 by the dK/dV kernel with atomics: 5 matmuls per block pair instead of 7)
+# measured 7-11% slower here.
+# Rows with no allowed key yet (a block left of their document) keep max = -inf; the masked step
+# substitutes 0 for it so exp2 gives 0, not NaN. Every real row sees itself, so its final sum >= 1.
+#
+# The interpreter runs the same kernels with small tiles in float32 (p and dS then stay fp32, so
+# the result is exact attention up to fp32 summation order).
+
+# Fixed tiles (BLOCK_M, BLOCK_N, num_warps, num_stages), chosen by bench/attention_tiles.py on an
+# H200 at T = 16k and 49k tokens, windows 384 to 1408, normal and paired layout: the same configs
+# won at every shape (records/2026-11-22_triton_attention_1xH200), so nothing is autotuned (no
+# tuning time at start). Small query tiles win: with windows of a few hundred keys and documents of
+# a few hundred tokens, a 64-row block wastes less on masked keys than a 128-row one, and the
+# short loops leave little to pipeline deeper.
+_ATTN_TILES = {"fwd": (64, 32, 4, 3), "dkdv": (64, 128, 8, 3), "dq": (64, 32, 4, 3)}
+_ATTN_INTERPRETER_TILES = (16, 32, 4, 1)  # CPU tests: BM != BN, several blocks per program
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _attn_block_ranges(lo, hi, full_lo, full_hi, BLOCK: tl.constexpr):
+    """Aligned block starts for the three loops over [lo, hi): masked [b0, f0), full [f0, f1),
+    masked [f1, b1). full_lo / full_hi are the unaligned bounds of the allowed-everywhere part."""
+    b0 = (lo // BLOCK) * BLOCK
+    b1 = tl.cdiv(hi, BLOCK) * BLOCK
+    f0 = tl.minimum(tl.maximum(tl.cdiv(full_lo, BLOCK) * BLOCK, b0), b1)
+    f1 = tl.maximum(tl.minimum((full_hi // BLOCK) * BLOCK, b1), f0)
+    return b0, f0, f1, b1
+
+
+@triton.jit
+def _attn_fwd_step(acc, l_i, m_i, q, k_ptrs, v_ptrs, n0, rows, row_start, window, qk_scale,
+                   stride_kt, stride_vt, T, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+    cols = n0 + tl.arange(0, BLOCK_N)
+    col_ok = (cols < T)[:, None]
+    k = tl.load(k_ptrs + n0 * stride_kt, mask=col_ok, other=0.0)
+    s = tl.dot(q, tl.trans(k)) * qk_scale                                   # (BM, BN), base 2
+    if MASKED:
+        keep = ((cols[None, :] >= row_start[:, None]) & (cols[None, :] <= rows[:, None])
+                & (cols[None, :] >= rows[:, None] - window))
+        s = tl.where(keep, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    if MASKED:
+        m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_new_safe = m_new
+    p = tl.exp2(s - m_new_safe[:, None])
+    alpha = tl.exp2(m_i - m_new_safe)
+    v = tl.load(v_ptrs + n0 * stride_vt, mask=col_ok, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc, l_i * alpha + tl.sum(p, 1), m_new
+
+
+@triton.jit
+def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, start_ptr, T, window, qk_scale,
+                     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot,
+                     stride_oh, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr):
+    """One (query block, head): o and the base-2 log-sum-exp of its rows."""
+    m0 = tl.program_id(0) * BLOCK_M
+    h = tl.program_id(1)
+    rows = m0 + tl.arange(0, BLOCK_M)
+    d = tl.arange(0, HEAD_DIM)
+    row_ok = rows < T
+    row_start = tl.load(start_ptr + rows, mask=row_ok, other=T)
+    last = tl.minimum(m0 + BLOCK_M, T) - 1
+    b0, f0, f1, b1 = _attn_block_ranges(
+        tl.maximum(tl.load(start_ptr + m0), m0 - window), last + 1,
+        tl.maximum(tl.load(start_ptr + last), last - window), m0 + 1, BLOCK_N)
+    q = tl.load(q_ptr + rows.to(tl.int64)[:, None] * stride_qt + h * stride_qh + d[None, :],
+                mask=row_ok[:, None], other=0.0)
+    cols0 = tl.arange(0, BLOCK_N)
+    k_ptrs = k_ptr + cols0.to(tl.int64)[:, None] * stride_kt + h * stride_kh + d[None, :]
+    v_ptrs = v_ptr + cols0.to(tl.int64)[:, None] * stride_vt + h * stride_vh + d[None, :]
+    acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    for n0 in range(b0, f0, BLOCK_N):
+        acc, l_i, m_i = _attn_fwd_step(acc, l_i, m_i, q, k_ptrs, v_ptrs, n0, rows, row_start,
+                                       window, qk_scale, stride_kt, stride_vt, T, BLOCK_N, True)
+    for n0 in range(f0, f1, BLOCK_N):
+        acc, l_i, m_i = _attn_fwd_step(acc, l_i, m_i, q, k_ptrs, v_ptrs, n0, rows, row_start,
+                                       window, qk_scale, stride_kt, stride_vt, T, BLOCK_N, False)
+    for n0 in range(f1, b1, BLOCK_N):
+        acc, l_i, m_i = _attn_fwd_step(acc, l_i, m_i, q, k_ptrs, v_ptrs, n0, rows, row_start,
+                                       window, qk_scale, stride_kt, stride_vt, T, BLOCK_N, True)
+    out = acc / l_i[:, None]
+    tl.store(o_ptr + rows.to(tl.int64)[:, None] * stride_ot + h * stride_oh + d[None, :],
+             out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(lse_ptr + h * T + rows, m_i + tl.log2(l_i), mask=row_ok)
+
+
+@triton.jit
+def _attn_dkdv_step(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, m0, cols, col_end, window,
+                    qk_scale, stride_qt, stride_dot, T, BLOCK_M: tl.constexpr,
+                    MASKED: tl.constexpr):
+    rows = m0 + tl.arange(0, BLOCK_M)
+    row_ok = rows < T
+    q = tl.load(q_ptrs + m0 * stride_qt, mask=row_ok[:, None], other=0.0)
+    do = tl.load(do_ptrs + m0 * stride_dot, mask=row_ok[:, None], other=0.0)
+    lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+    delta = tl.load(delta_ptr + rows, mask=row_ok, other=0.0)
+    p_t = tl.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse[None, :])          # (BN, BM)
+    if MASKED:
+        keep = ((rows[None, :] >= cols[:, None]) & (rows[None, :] <= cols[:, None] + window)
+                & (rows[None, :] < col_end[:, None]))
+        p_t = tl.where(keep, p_t, 0.0)
+    dv += tl.dot(p_t.to(do.dtype), do)
+    ds_t = (p_t * (tl.dot(v, tl.trans(do)) - delta[None, :])).to(q.dtype)
+    dk += tl.dot(ds_t, q)
+    return dk, dv
+
+
+@triton.jit
+def _attn_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, end_ptr, dk_ptr, dv_ptr,
+                      T, window, qk_scale, scale, stride_qt, stride_qh, stride_kt, stride_kh,
+                      stride_vt, stride_vh, stride_dot, stride_doh, stride_gt, stride_gh,
+                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One (key block, head): dK and dV over every query that sees one of its keys, written with
+    strides (stride_gt, stride_gh, 1)."""
+    n0 = tl.program_id(0) * BLOCK_N
+    h = tl.program_id(1)
+    cols = n0 + tl.arange(0, BLOCK_N)
+    d = tl.arange(0, HEAD_DIM)
+    col_ok = cols < T
+    col_end = tl.load(end_ptr + cols, mask=col_ok, other=0)
+    last = tl.minimum(n0 + BLOCK_N, T) - 1
+    b0, f0, f1, b1 = _attn_block_ranges(
+        n0, tl.minimum(tl.load(end_ptr + last), last + window + 1),
+        last, tl.minimum(tl.load(end_ptr + n0), n0 + window + 1), BLOCK_M)
+    k = tl.load(k_ptr + cols.to(tl.int64)[:, None] * stride_kt + h * stride_kh + d[None, :],
+                mask=col_ok[:, None], other=0.0)
+    v = tl.load(v_ptr + cols.to(tl.int64)[:, None] * stride_vt + h * stride_vh + d[None, :],
+                mask=col_ok[:, None], other=0.0)
+    rows0 = tl.arange(0, BLOCK_M)
+    q_ptrs = q_ptr + rows0.to(tl.int64)[:, None] * stride_qt + h * stride_qh + d[None, :]
+    do_ptrs = do_ptr + rows0.to(tl.int64)[:, None] * stride_dot + h * stride_doh + d[None, :]
+    lse_ptr += h * T
+    delta_ptr += h * T
+    dk = tl.zeros((BLOCK_N, HEAD_DIM), dtype=tl.float32)
+    dv = tl.zeros((BLOCK_N, HEAD_DIM), dtype=tl.float32)
+    for m0 in range(b0, f0, BLOCK_M):
+        dk, dv = _attn_dkdv_step(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, m0, cols,
+                                 col_end, window, qk_scale, stride_qt, stride_dot, T, BLOCK_M,
+                                 True)
+    for m0 in range(f0, f1, BLOCK_M):
+        dk, dv = _attn_dkdv_step(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, m0, cols,
+                                 col_end, window, qk_scale, stride_qt, stride_dot, T, BLOCK_M,
+                                 False)
+    for m0 in range(f1, b1, BLOCK_M):
+        dk, dv = _attn_dkdv_step(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, m0, cols,
+                                 col_end, window, qk_scale, stride_qt, stride_dot, T, BLOCK_M,
+                                 True)
+    g_offs = cols.to(tl.int64)[:, None] * stride_gt + h * stride_gh + d[None, :]
+    tl.store(dk_ptr + g_offs, (dk * scale).to(dk_ptr.dtype.element_ty), mask=col_ok[:, None])
+    tl.store(dv_ptr + g_offs, dv.to(dv_ptr.dtype.element_ty), mask=col_ok[:, None])
+
+
+@triton.jit
+def _attn_dq_step(dq, q, do, lse, delta, k_ptrs, v_ptrs, n0, rows, row_start, window, qk_scale,
+                  stride_kt, stride_vt, T, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+    cols = n0 + tl.arange(0, BLOCK_N)
+    col_ok = (cols < T)[:, None]
+    k = tl.load(k_ptrs + n0 * stride_kt, mask=col_ok, other=0.0)
+    v = tl.load(v_ptrs + n0 * stride_vt, mask=col_ok, other=0.0)
+    p = tl.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None])           # (BM, BN)
+    if MASKED:
+        keep = ((cols[None, :] >= row_start[:, None]) & (cols[None, :] <= rows[:, None])
+                & (cols[None, :] >= rows[:, None] - window))
+        p = tl.where(keep, p, 0.0)
+    ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
+    return dq + tl.dot(ds.to(k.dtype), k)
+
+
+@triton.jit
+def _attn_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, start_ptr, dq_ptr, T, window,
+                    qk_scale, scale, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
+                    stride_vh, stride_dot, stride_doh, stride_gt, stride_gh,
+                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One (query block, head): dQ over the keys its rows see (the forward's ranges)."""
+    m0 = tl.program_id(0) * BLOCK_M
+    h = tl.program_id(1)
+    rows = m0 + tl.arange(0, BLOCK_M)
+    d = tl.arange(0, HEAD_DIM)
+    row_ok = rows < T
+    row_start = tl.load(start_ptr + rows, mask=row_ok, other=T)
+    last = tl.minimum(m0 + BLOCK_M, T) - 1
+    b0, f0, f1, b1 = _attn_block_ranges(
+        tl.maximum(tl.load(start_ptr + m0), m0 - window), last + 1,
+        tl.maximum(tl.load(start_ptr + last), last - window), m0 + 1, BLOCK_N)
+    q = tl.load(q_ptr + rows.to(tl.int64)[:, None] * stride_qt + h * stride_qh + d[None, :],
+                mask=row_ok[:, None], other=0.0)
+    do = tl.load(do_ptr + rows.to(tl.int64)[:, None] * stride_dot + h * stride_doh + d[None, :],
+                 mask=row_ok[:, None], other=0.0)
+    lse = tl.load(lse_ptr + h * T + rows, mask=row_ok, other=0.0)
+    delta = tl.load(delta_ptr + h * T + rows, mask=row_ok, other=0.0)
+    cols0 = tl.arange(0, BLOCK_N)
+    k_ptrs = k_ptr + cols0.to(tl.int64)[:, None] * stride_kt + h * stride_kh + d[None, :]
+    v_ptrs = v_ptr + cols0.to(tl.int64)[:, None] * stride_vt + h * stride_vh + d[None, :]
+    dq = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
+    for n0 in range(b0, f0, BLOCK_N):
+        dq = _attn_dq_step(dq, q, do, lse, delta, k_ptrs, v_ptrs, n0, rows, row_start, window,
+                           qk_scale, stride_kt, stride_vt, T, BLOCK_N, True)
+    for n0 in range(f0, f1, BLOCK_N):
+        dq = _attn_dq_step(dq, q, do, lse, delta, k_ptrs, v_ptrs, n0, rows, row_start, window,
+                           qk_scale, stride_kt, stride_vt, T, BLOCK_N, False)
+    for n0 in range(f1, b1, BLOCK_N):
+        dq = _attn_dq_step(dq, q, do, lse, delta, k_ptrs, v_ptrs, n0, rows, row_start, window,
+                           qk_scale, stride_kt, stride_vt, T, BLOCK_N, True)
+    tl.store(dq_ptr + rows.to(tl.int64)[:, None] * stride_gt + h * stride_gh + d[None, :],
+             (dq * scale).to(dq_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+def document_bounds(cu_seqlens: Tensor, num_tokens: int) -> tuple[Tensor, Tensor]:
+    """(start, end) int32 (T,): the document [start[t], end[t]) that holds token t. cu_seqlens may
+    end in repeats of T and hold empty documents (repeated boundaries)."""
+    t = torch.arange(num_tokens, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
+    doc = torch.searchsorted(cu_seqlens, t, right=True) - 1       # last boundary <= t
+    return cu_seqlens[doc], cu_seqlens[doc + 1]
+
+
+def _check_attention_inputs(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor,
+                            window: int) -> None:
+    _check(q.ndim == 3 and q.shape == k.shape == v.shape,
+           f"expected q, k, v of one shape (T, H, D), got {tuple(q.shape)}, {tuple(k.shape)}, "
+           f"{tuple(v.shape)}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_dtype(name, t)
+        _check(t.dtype == q.dtype and t.device == q.device,
+               f"{name} is {t.dtype} on {t.device}, q is {q.dtype} on {q.device}")
+        _check(t.stride(2) == 1, f"{name} needs unit stride along D; call .contiguous() first")
+    D = q.shape[2]
+    _check(D >= 16 and D & (D - 1) == 0, f"head dim {D} must be a power of two >= 16")
+    _check(cu_seqlens.dtype == torch.int32 and cu_seqlens.ndim == 1
+           and cu_seqlens.device == q.device,
+           f"cu_seqlens must be a 1-D int32 tensor on {q.device}")
+    _check(window >= 0, f"window must be >= 0, got {window}")
+    # block offsets (block start x row stride) are int32 in the kernels
+    _check(max(t.shape[0] * t.stride(0) for t in (q, k, v)) < 2**31,
+           "q, k, v span 2^31 elements or more; split the batch")
+
+
+def _attn_launch(kernel, T: int, H: int, block_key: str, tiles: tuple[int, int, int, int],
+                 args: tuple, **constexprs) -> None:
+    """Launch over (blocks of T, heads) with tiles = (BLOCK_M, BLOCK_N, num_warps, num_stages)."""
+    bm, bn, warps, stages = tiles
+    grid = (triton.cdiv(T, bm if block_key == "BLOCK_M" else bn), H)
+    wrap_triton(kernel)[grid](*args, **constexprs, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
+                              num_stages=stages)
+
+
+def _attn_tiles(t: Tensor, kernel: str, tiles: tuple[int, int, int, int] | None):
+    """The launch config: given, the fixed GPU tiles, or the interpreter's on the CPU."""
+    return tiles or (_ATTN_TILES[kernel] if t.is_cuda else _ATTN_INTERPRETER_TILES)
+
+
+def varlen_attention_fwd_triton(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, window: int,
+                                scale: float, tiles: tuple[int, int, int, int] | None = None
+                                ) -> tuple[Tensor, Tensor]:
+    """-> out (T, H, D) in q's dtype, lse (H, T) fp32 (base 2, of the logits times scale * log2 e).
+
+    tiles=(BLOCK_M, BLOCK_N, num_warps, num_stages) overrides the launch (tests, benchmarks)."""
+    _check_attention_inputs(q, k, v, cu_seqlens, window)
+    T, H, D = q.shape
+    out = torch.empty((T, H, D), dtype=q.dtype, device=q.device)
+    lse = torch.empty((H, T), dtype=torch.float32, device=q.device)
+    if T == 0:
+        return out, lse
+    start, _ = document_bounds(cu_seqlens, T)
+    args = (q, k, v, out, lse, start, T, window, scale * _LOG2E, q.stride(0), q.stride(1),
+            k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1))
+    _attn_launch(_attn_fwd_kernel, T, H, "BLOCK_M", _attn_tiles(q, "fwd", tiles), args,
+                 HEAD_DIM=D)
+    return out, lse
+
+
+def varlen_attention_bwd_triton(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                                lse: Tensor, cu_seqlens: Tensor, window: int, scale: float,
+                                tiles: tuple[int, int, int, int] | None = None,
+                                dq_tiles: tuple[int, int, int, int] | None = None
+                                ) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients (dq, dk, dv), each (T, H, D) contiguous in q's dtype, from the forward's out and
+    lse. tiles overrides the dK/dV kernel's launch, and the dQ kernel's unless dq_tiles is
+    given."""
+    _check_attention_inputs(q, k, v, cu_seqlens, window)
+    _check(grad_out.shape == q.shape and grad_out.stride(2) == 1,
+           f"grad_out must be {tuple(q.shape)} with unit stride along D")
+    T, H, D = q.shape
+    dq, dk, dv = (torch.empty((T, H, D), dtype=q.dtype, device=q.device) for _ in range(3))
+    if T == 0:
+        return dq, dk, dv
+    start, end = document_bounds(cu_seqlens, T)
+    # delta = rowsum(dO * O) in fp32, (H, T) like lse
+    delta = (grad_out.to(torch.float32) * out.to(torch.float32)).sum(-1).T.contiguous()
+    strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+               grad_out.stride(0), grad_out.stride(1), dq.stride(0), dq.stride(1))
+    _attn_launch(_attn_dkdv_kernel, T, H, "BLOCK_N", _attn_tiles(q, "dkdv", tiles),
+                 (q, k, v, grad_out, lse, delta, end, dk, dv, T, window, scale * _LOG2E, scale,
+                  *strides), HEAD_DIM=D)
+    _attn_launch(_attn_dq_kernel, T, H, "BLOCK_M", _attn_tiles(q, "dq", dq_tiles or tiles),
+                 (q, k, v, grad_out, lse, delta, start, dq, T, window, scale * _LOG2E, scale,
+                  *strides), HEAD_DIM=D)
+    return dq, dk, dv
+
+
+@triton_op(f"{_LIB}::varlen_attention_fwd", mutates_args=())
+def _varlen_attention_fwd_op(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, window: int,
+                             scale: float) -> tuple[Tensor, Tensor]:
+    return varlen_attention_fwd_triton(q, k, v, cu_seqlens, window, scale)
+
+
+@triton_op(f"{_LIB}::varlen_attention_bwd", mutates_args=())
+def _varlen_attention_bwd_op(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                             lse: Tensor, cu_seqlens: Tensor, window: int, scale: float
+                             ) -> tuple[Tensor, Tensor, Tensor]:
+    return varlen_attention_bwd_triton(grad_out, q, k, v, out, lse, cu_seqlens, window, scale)
+
+
+class _VarlenAttentionFunction(torch.autograd.Function):
+    """Autograd of the Triton attention: saves q, k, v, out and the log-sum-exp."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, window: int,
+                scale: float) -> Tensor:
+        out, lse = torch.ops.nanogpt_kernels.varlen_attention_fwd(q, k, v, cu_seqlens, window,
+                                                                  scale)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
+        ctx.window, ctx.scale = window, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
+        dq, dk, dv = torch.ops.nanogpt_kernels.varlen_attention_bwd(
+            grad_out.contiguous(), q, k, v, out, lse, cu_seqlens, ctx.window, ctx.scale)
+        return dq, dk, dv, None, None, None
+
+
+def varlen_attention_triton(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, window: int,
+                            scale: float) -> Tensor:
+    """Differentiable Triton attention (CUDA; CPU only under the interpreter, in float32)."""
+    return _VarlenAttentionFunction.apply(q, k, v, cu_seqlens, window, scale)
+
+
+def varlen_attention_reference(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, window: int,
+                               scale: float) -> Tensor:
+    """The contract with a dense (T, T) mask: O(T^2) memory, for CPUs and tests. Softmax in fp32
+    (float64 inputs stay float64); output in q's dtype."""
+    T = q.shape[0]
+    start, _ = document_bounds(cu_seqlens, T)
+    pos = torch.arange(T, device=q.device)
+    allowed = ((pos[None, :] >= start[:, None]) & (pos[None, :] <= pos[:, None])
+               & (pos[None, :] >= pos[:, None] - window))                     # (T_q, T_k)
+    qh, kh, vh = (t.transpose(0, 1).to(acc_dtype(q.dtype)) for t in (q, k, v))  # (H, T, D)
+    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=allowed, scale=scale)
+    return out.transpose(0, 1).to(q.dtype)

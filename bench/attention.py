@@ -3,7 +3,8 @@
     python3 bench/attention.py                          # full grid (T in 16384, 32768, 49152)
     python3 bench/attention.py --seq_lens=16384         # one T (each T compiles flex ~11 times: split if slow)
 
-For each available backend: forward (training mode, inputs require grad) and forward+backward, do_bench medians,
+For each available backend: forward (training mode, inputs require grad) and forward+backward, GPU kernel time
+(gpu_ms: the profiler's kernel durations, so the Python launch cost of an uncompiled call is left out),
 on packed FineWeb-like documents (lognormal lengths, median ~400 tokens, cut at 2048). Layouts per window stage
 (short, long) in 128-token blocks: normal heads (T, 6, 128) with the short and the long window, and the paired
 layout (2T, 3, 128) with cu_seqlens * 2 and the short window measured in doubled positions.
@@ -46,6 +47,20 @@ def fineweb_like_cu_seqlens(num_tokens: int, gen: torch.Generator, max_doc: int 
     return torch.tensor(cu, dtype=torch.int32), lens
 
 
+def gpu_ms(fn, iters: int = 20) -> float:
+    """GPU time of fn() in ms: the summed durations of the CUDA kernels it launches (from the
+    profiler), per call. Launch overhead on the CPU is left out: in the compiled model the CPU runs
+    ahead of the GPU, and a Python launcher would otherwise dominate at small shapes."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    cuda = torch.autograd.DeviceType.CUDA
+    return sum(e.time_range.elapsed_us() for e in prof.events() if e.device_type == cuda) / iters / 1e3
+
+
 def attended_pairs(doc_lens: list, window: int) -> int:
     """Number of (query, key) pairs computed: a query at offset p in its document sees min(p, window) + 1 keys."""
     total = 0
@@ -60,7 +75,6 @@ def main() -> None:
     parser.add_argument("--seq_lens", default="16384,32768,49152", help="comma-separated T per GPU")
     parser.add_argument("--backends", default="", help="comma-separated subset (default: all available)")
     args = parser.parse_args()
-    from triton.testing import do_bench
 
     device = torch.device("cuda")
     torch._dynamo.config.recompile_limit = 256  # flex recompiles per (T, window); keep them all compiled
@@ -99,8 +113,8 @@ def main() -> None:
                 rel = 0.0 if ref_out is None else ((out - ref_out).norm() / ref_out.norm()).item()
                 if ref_out is None and backend != "sdpa":
                     ref_out = out
-                fwd_ms = do_bench(attn, grad_to_none=[q, k, v], return_mode="median")
-                fwdbwd_ms = do_bench(lambda: attn().backward(grad), grad_to_none=[q, k, v], return_mode="median")
+                fwd_ms = gpu_ms(attn)
+                fwdbwd_ms = gpu_ms(lambda: torch.autograd.grad(attn(), (q, k, v), grad))
                 tflops = 3.5 * flops_fwd / (fwdbwd_ms * 1e-3) / 1e12  # backward ~2.5x forward
                 rows.append((T, layout, window, backend, fwd_ms, fwdbwd_ms, tflops, rel))
                 print(f"  {layout:6s} window {window:5d} {backend:6s} fwd {fwd_ms:7.3f} ms  fwd+bwd {fwdbwd_ms:7.3f} ms"
@@ -112,6 +126,11 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     for T, layout, window, backend, fwd_ms, fwdbwd_ms, tflops, rel in rows:
         print(f"| {T} | {layout} | {window} | {backend} | {fwd_ms:.3f} | {fwdbwd_ms:.3f} | {tflops:.1f} | {rel:.1e} |")
+
+    if "triton" in backends:  # the tiles the autotuner chose, per (head dim, window)
+        for name in ("_attn_fwd_kernel_tuned", "_attn_dkdv_kernel_tuned", "_attn_dq_kernel_tuned"):
+            tuner = getattr(tg.tk, name)
+            print(f"{name}: " + "; ".join(f"{key[:2]} -> {cfg}" for key, cfg in sorted(tuner.cache.items())))
 
     # Record-weighted attention time (fwd+bwd, seconds over the run, one GPU's share) per backend.
     timing = {(T, layout, window, backend): fb for T, layout, window, backend, _, fb, _, _ in rows}

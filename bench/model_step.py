@@ -22,6 +22,8 @@ def main(argv: list[str] | None = None) -> int:
                     "131,072 / 8)")
     ap.add_argument("--doc_len", type=int, default=600, help="mean document length of the synthetic batch")
     ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--step", type=int, default=0, help="schedule step whose windows and MTP weights are used "
+                    "(the record's phases start at 0, 575 and 1150)")
     ap.add_argument("--root", default=str(Path(__file__).resolve().parent.parent), help="folder of train_gpt.py")
     args, trainer_args = ap.parse_known_args(argv)
     sys.path.insert(0, args.root)
@@ -33,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     model = tg.build_model(hp, device, tg.resolve_attn_backend(hp.attn_backend, device))
     compiled = torch.compile(model, dynamic=False, fullgraph=True)
-    sched = tg.schedule_at(0, hp)
+    sched = tg.schedule_at(args.step, hp)
     T = args.tokens
     gen = torch.Generator().manual_seed(0)
     inputs = torch.randint(0, tg.BOS_ID, (T,), generator=gen, dtype=torch.int32)
@@ -62,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
-    print(f"root {args.root}: {T} tokens, forward + backward median {statistics.median(times):.3f} ms "
+    print(f"root {args.root}: {T} tokens, windows {sched.ws_short}/{sched.ws_long} blocks, "
+          f"attention {model.cfg.attn_backend}, forward + backward median {statistics.median(times):.3f} ms "
           f"(min {min(times):.3f}, max {max(times):.3f}) over {args.iters}; "
           f"peak {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB; {torch.cuda.get_device_name()}")
     return 0

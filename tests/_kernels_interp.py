@@ -302,3 +302,91 @@ def test_ce_launcher_rejects_bad_input():
         tk.softcapped_mtp_ce_fwd_triton(logits, torch.zeros(4, dtype=torch.int64), torch.ones(1, dtype=torch.float64))
     with pytest.raises(ValueError, match="contiguous"):
         tk.softcapped_mtp_ce_fwd_triton(torch.randn(64, 4).T, torch.zeros(4, dtype=torch.int64), torch.ones(1))
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Section 7: varlen causal sliding-window attention
+# ------------------------------------------------------------------------------------------------------------------
+
+def attention_float64(q, k, v, doc_lens, window, scale):
+    """Per document and head, from explicit index comparisons: out and the base-2 log-sum-exp, float64, with
+    autograd (q, k, v may require grad)."""
+    outs, lses, start = [], [], 0
+    for n in doc_lens:
+        if n == 0:
+            continue
+        i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+        allowed = (j <= i) & (i - j <= window)
+        qd, kd, vd = (x[start:start + n].double().transpose(0, 1) for x in (q, k, v))   # (H, n, D)
+        logits = (scale * qd @ kd.mT).masked_fill(~allowed, float("-inf"))
+        outs.append((torch.softmax(logits, -1) @ vd).transpose(0, 1))
+        lses.append(torch.logsumexp(logits, -1) / torch.log(torch.tensor(2.0, dtype=torch.float64)))
+        start += n
+    return torch.cat(outs), torch.cat(lses, dim=1)
+
+
+# (document lengths, window, tiles=(BM, BN, warps, stages), q/k/v as views of one qkv buffer): documents shorter than
+# a block and longer than the window, an empty document (repeated boundary), a window larger than every document,
+# window 0 (each query sees itself only), and the paired layout's doubled positions (even lengths, 2x window).
+ATTN_CASES = [
+    ([1, 70, 1, 1, 30, 50, 7], 5, (16, 32, 4, 1), False),
+    ([100, 0, 60], 1000, (32, 16, 4, 1), True),
+    ([3, 80, 77], 0, (16, 16, 4, 1), False),
+    ([40, 1, 120, 39], 37, (16, 32, 4, 1), True),
+    ([2 * n for n in (9, 40, 1, 30)], 2 * 13, (32, 32, 4, 1), False),
+]
+
+
+@pytest.mark.parametrize("lens, window, tiles, strided", ATTN_CASES)
+def test_varlen_attention_matches_float64(lens, window, tiles, strided):
+    g = torch.Generator().manual_seed(sum(lens) + window)
+    T, H, D, scale = sum(lens), 2, 16, 0.3
+    cu = torch.tensor([0] + lens + [0, 0]).cumsum(0).to(torch.int32)           # two trailing empty documents
+    if strided:   # the model's layout: views into a (T, 3, H, D) projection, row stride 3HD
+        q, k, v = torch.randn(T, 3, H, D, generator=g).unbind(1)
+    else:
+        q, k, v = (torch.randn(T, H, D, generator=g) for _ in range(3))
+    grad = torch.randn(T, H, D, generator=g)
+    out, lse = tk.varlen_attention_fwd_triton(q, k, v, cu, window, scale, tiles=tiles)
+    dq, dk, dv = tk.varlen_attention_bwd_triton(grad, q, k, v, out, lse, cu, window, scale, tiles=tiles)
+    q64, k64, v64 = (x.double().requires_grad_() for x in (q, k, v))
+    ref, ref_lse = attention_float64(q64, k64, v64, lens, window, scale)
+    ref_grads = torch.autograd.grad(ref, (q64, k64, v64), grad.double())
+    # fp32 kernels vs float64: the errors are a few fp32 roundings per term (measured ~1e-7 of the norms below);
+    # one key too many or too few per query moves a tensor by O(1e-2) or more. Gradients are compared against the
+    # incoming gradient's norm, since dq and dk vanish at window 0 (each query attends to itself only).
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    assert ((lse.double() - ref_lse).abs().max() <= 1e-5), "lse"
+    for name, got, want, norm in [("out", out, ref, ref.norm()), *zip(("dq", "dk", "dv"), (dq, dk, dv), ref_grads,
+                                                                       [grad.norm()] * 3)]:
+        assert got.shape == want.shape and got.dtype == torch.float32, name
+        rel = ((got.double() - want).norm() / norm).item()
+        assert rel < 1e-6, f"{name}: relative error {rel:.2e}"
+
+
+def test_varlen_attention_autograd_op_is_the_launchers():
+    g = torch.Generator().manual_seed(3)
+    lens, window, scale = [20, 45, 3, 60], 24, 0.2
+    cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+    q, k, v = (torch.randn(sum(lens), 2, 16, generator=g).requires_grad_() for _ in range(3))
+    grad = torch.randn(sum(lens), 2, 16, generator=g)
+    out = tk.varlen_attention_triton(q, k, v, cu, window, scale)     # torch.ops.nanogpt_kernels, default tiles
+    grads = torch.autograd.grad(out, (q, k, v), grad)
+    out2, lse = tk.varlen_attention_fwd_triton(q.detach(), k.detach(), v.detach(), cu, window, scale)
+    grads2 = tk.varlen_attention_bwd_triton(grad, q.detach(), k.detach(), v.detach(), out2, lse, cu, window, scale)
+    assert torch.equal(out, out2)
+    for a, b in zip(grads, grads2):
+        assert torch.equal(a, b)
+
+
+def test_varlen_attention_launcher_rejects_bad_input():
+    q = torch.randn(10, 2, 16)
+    cu = torch.tensor([0, 10], dtype=torch.int32)
+    for args, match in [((q.double(), q.double(), q.double(), cu, 4), "bfloat16"),
+                        ((q, q, q[:9], cu, 4), "one shape"),
+                        ((q, q, torch.randn(10, 2, 32)[..., ::2], cu, 4), "unit stride"),
+                        ((q, q, q, cu.long(), 4), "int32"),
+                        ((q, q, q, cu, -1), "window"),
+                        ((torch.randn(10, 2, 24),) * 3 + (cu, 4), "power of two")]:
+        with pytest.raises(ValueError, match=match):
+            tk.varlen_attention_fwd_triton(*args, 0.1)

@@ -256,3 +256,4 @@ def test_gpu_backends_match_reference(paired, window_blocks):
                                                                      [2**-6] * 3)]:
             rel = (got.double() - want).norm() / want.norm()
             assert rel < band, f"{backend} {name}: relative L2 error {rel:.2e}"
+

@@ -1,0 +1,103 @@
+"""Time the Triton attention kernels (triton_kernels.py section 7) per fixed launch config at the
+training shapes, against torch's varlen_attn, to choose the tiles (one GPU). Times are GPU kernel
+time (bench/attention.py's gpu_ms).
+
+    python3 bench/attention_tiles.py                  # the default shapes below
+    python3 bench/attention_tiles.py --shapes=49152:normal:768
+
+Shapes are T:layout:window (normal: (T, 6, 128); paired: (2T, 3, 128) with cu_seqlens * 2), on the
+FineWeb-like documents of bench/attention.py. Prints, per shape: varlen_attn's forward and
+backward, then every forward config, the backward with every dQ config (first dK/dV config), and
+with every dK/dV config (best dQ config). Backward times exclude the forward.
+"""
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import attention as bench_attention  # noqa: E402
+from attention import gpu_ms  # noqa: E402
+import triton_kernels as tk  # noqa: E402
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages)
+FWD = [(64, 64, 4, 3), (64, 64, 4, 4), (64, 64, 4, 2), (64, 128, 4, 3), (64, 32, 4, 3),
+       (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (128, 32, 4, 3)]
+DKDV = [(64, 128, 8, 3), (32, 128, 4, 3), (32, 128, 8, 3), (64, 128, 8, 2), (64, 64, 4, 3),
+        (32, 64, 4, 3), (64, 64, 8, 3), (128, 128, 8, 2)]
+DQ = [(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3), (64, 32, 4, 3), (128, 128, 8, 2),
+      (64, 128, 4, 3)]
+DEFAULT_SHAPES = "49152:normal:768,49152:normal:1408,49152:paired:640,16384:normal:384"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shapes", default=DEFAULT_SHAPES)
+    args = parser.parse_args()
+    from torch.nn.attention.varlen import varlen_attn
+
+    device, scale = torch.device("cuda"), 0.12
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name(device)}", flush=True)
+    for shape in args.shapes.split(","):
+        T, layout, window = shape.split(":")
+        T, window = int(T), int(window)
+        cu, lens = bench_attention.fineweb_like_cu_seqlens(T, torch.Generator().manual_seed(T))
+        seq, heads = (T, 6) if layout == "normal" else (2 * T, 3)
+        if layout == "paired":
+            cu, lens = cu * 2, [2 * n for n in lens]
+        cu = cu.to(device)
+        gen = torch.Generator().manual_seed(0)
+        q, k, v, g = (torch.randn(seq, heads, 128, generator=gen).to(device, torch.bfloat16)
+                      for _ in range(4))
+        flops = 4 * bench_attention.attended_pairs(lens, window) * heads * 128   # forward
+        tflops = lambda ms, mult: mult * flops / (ms * 1e-3) / 1e12  # noqa: E731
+        print(f"\n{shape}: forward {flops / 1e9:.1f} GFLOP useful", flush=True)
+
+        qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+        run = lambda: varlen_attn(qg, kg, vg, cu, cu, 4096, 4096, scale=scale,  # noqa: E731
+                                  window_size=(window, 0))
+        fwd = gpu_ms(run)
+        both = gpu_ms(lambda: torch.autograd.grad(run(), (qg, kg, vg), g))
+        print(f"  varlen_attn          fwd {fwd:6.3f} ms ({tflops(fwd, 1):5.0f} TFLOP/s)"
+              f"  bwd {both - fwd:6.3f} ms ({tflops(both - fwd, 2.5):5.0f})  total {both:6.3f}")
+
+        best = (float("inf"), None)
+        for cfg in FWD:
+            try:
+                ms = gpu_ms(lambda: tk.varlen_attention_fwd_triton(q, k, v, cu, window, scale,
+                                                                   tiles=cfg))
+            except Exception as e:  # out of shared memory / registers for this config
+                print(f"  fwd  {cfg}: failed ({type(e).__name__})")
+                continue
+            best = min(best, (ms, cfg))
+            print(f"  fwd  {cfg}: {ms:6.3f} ms ({tflops(ms, 1):5.0f} TFLOP/s)", flush=True)
+        out, lse = tk.varlen_attention_fwd_triton(q, k, v, cu, window, scale, tiles=best[1])
+
+        def bwd(cfg, dq_cfg):
+            return gpu_ms(lambda: tk.varlen_attention_bwd_triton(
+                g, q, k, v, out, lse, cu, window, scale, tiles=cfg, dq_tiles=dq_cfg))
+
+        best_dq = (float("inf"), None)
+        for cfg in DQ:  # the whole backward, with the first dK/dV config
+            try:
+                ms = bwd(DKDV[0], cfg)
+            except Exception as e:  # out of shared memory / registers for this config
+                print(f"  dq   {cfg}: failed ({type(e).__name__})")
+                continue
+            best_dq = min(best_dq, (ms, cfg))
+            print(f"  bwd  dkdv {DKDV[0]} dq {cfg}: {ms:6.3f} ms", flush=True)
+        for cfg in DKDV:  # the whole backward, with the best dQ config
+            try:
+                ms = bwd(cfg, best_dq[1])
+            except Exception as e:
+                print(f"  dkdv {cfg}: failed ({type(e).__name__})")
+                continue
+            print(f"  bwd  dkdv {cfg} dq {best_dq[1]}: {ms:6.3f} ms "
+                  f"({tflops(ms, 2.5):5.0f} TFLOP/s)", flush=True)
+        print(f"  best fwd {best[1]} {best[0]:.3f} ms; best dq {best_dq[1]}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
