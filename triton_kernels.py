@@ -1129,6 +1129,8 @@ def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, start_ptr, T, window, 
                      stride_oh, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr):
     """One (query block, head): o and the base-2 log-sum-exp of its rows."""
+    # inductor may pass the float arguments as fp64 scalars; keep every product fp32
+    qk_scale = tl.cast(qk_scale, tl.float32)
     m0 = tl.program_id(0) * BLOCK_M
     h = tl.program_id(1)
     rows = m0 + tl.arange(0, BLOCK_M)
@@ -1190,6 +1192,8 @@ def _attn_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, end_ptr, 
                       HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One (key block, head): dK and dV over every query that sees one of its keys, written with
     strides (stride_gt, stride_gh, 1)."""
+    # inductor may pass the float arguments as fp64 scalars; keep every product fp32
+    qk_scale, scale = tl.cast(qk_scale, tl.float32), tl.cast(scale, tl.float32)
     n0 = tl.program_id(0) * BLOCK_N
     h = tl.program_id(1)
     cols = n0 + tl.arange(0, BLOCK_N)
@@ -1250,6 +1254,8 @@ def _attn_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, start_ptr, 
                     stride_vh, stride_dot, stride_doh, stride_gt, stride_gh,
                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One (query block, head): dQ over the keys its rows see (the forward's ranges)."""
+    # inductor may pass the float arguments as fp64 scalars; keep every product fp32
+    qk_scale, scale = tl.cast(qk_scale, tl.float32), tl.cast(scale, tl.float32)
     m0 = tl.program_id(0) * BLOCK_M
     h = tl.program_id(1)
     rows = m0 + tl.arange(0, BLOCK_M)
