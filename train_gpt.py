@@ -448,17 +448,23 @@ def hyperparameters_from_dict(saved: dict) -> Hyperparameters:
 #          the window and the document; CUDA only for training.
 #   fa3    FlashAttention-3 `flash_attn_varlen_func` (Hopper), when the module
 #          `flash_attn_interface` is installed.
+#   fa4    FlashAttention-4 (`pip install flash-attn-4`, module flash_attn.cute; Hopper and
+#          Blackwell), its forward and backward wrapped as custom ops so they compile.
 #   flex   torch flex_attention with a block mask built from cu_seqlens; fused only under
 #          torch.compile, CUDA only for training (its CPU path has no backward; the CPU tests call
 #          it forward-only).
 #   varlen torch.nn.attention.varlen.varlen_attn (FlashAttention-2 inside torch), CUDA only.
 #   sdpa   a dense-mask reference (O(T^2) memory) for CPUs and tests.
-ATTN_BACKENDS = ("triton", "flex", "varlen", "fa3", "sdpa")
-# "auto" on CUDA takes the first available of these: FA3 (Hopper-native, the record's kernel), then
-# torch's FA2-based varlen and flex (`python3 bench/attention.py` ranks them alone at the training
-# shapes). Off CUDA "auto" means sdpa (the only backend with a CPU backward). varlen comes before
-# flex because it measured faster in the full model (records/2026-11-21_synthetic_smoke).
-ATTN_AUTO_ORDER_CUDA = ("fa3", "varlen", "flex", "sdpa")
+ATTN_BACKENDS = ("triton", "flex", "varlen", "fa3", "fa4", "sdpa")
+# "auto" on CUDA takes the first available of these. triton before varlen: in the full model on an
+# H200 (bench/model_step.py) a forward + backward took 26.3 / 50.4 / 73.9 ms at 16k / 32k / 49k
+# tokens with it against 27.9 / 52.1 / 77.0 with varlen (records/2026-11-22_triton_attention_1xH200).
+# fa4 (optional) before both: 71.7 ms at 49k tokens, and 1.5-2.1x varlen's forward + backward
+# alone at every training shape. FA3 (the record's kernel, Hopper-native) stays first when
+# installed; it was not measured here.
+# varlen comes before flex because it measured faster in the full model
+# (records/2026-11-21_synthetic_smoke). Off CUDA "auto" means sdpa (the only CPU backward).
+ATTN_AUTO_ORDER_CUDA = ("fa3", "fa4", "triton", "varlen", "flex", "sdpa")
 FLEX_BLOCK_SIZE = 128  # tokens per flex sparse block (q and kv);
                        # flex's kernel tiles (64 or 128) divide it
 
@@ -471,6 +477,71 @@ def _import_fa3() -> Any:
     except Exception:  # ImportError, or OSError from a .so built for another torch/CUDA
         return None
     return flash_attn_interface
+
+
+def _import_fa4() -> Any:
+    """FlashAttention-4's interface module with the nanogpt_fa4 ops registered, or None when it is
+    not installed (or does not load)."""
+    try:
+        from flash_attn.cute import interface
+    except Exception:  # ImportError, or a CUDA / CuTe DSL library that does not load
+        return None
+    register_fa4_ops(interface)
+    return interface
+
+
+def register_fa4_ops(fa4: Any) -> None:
+    """torch.ops.nanogpt_fa4.fwd / .bwd: FA4's internal varlen forward and backward as custom ops
+    with fake implementations and autograd. Its public flash_attn_varlen_func is an
+    autograd.Function full of host-side Python (caches, device queries) that dynamo cannot trace.
+    The arguments are what that function passes for causal=True, window_size=(window, 0)."""
+    if hasattr(torch.ops.nanogpt_fa4, "fwd"):
+        return
+
+    @torch.library.custom_op("nanogpt_fa4::fwd", mutates_args=())
+    def fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, window: int,
+            scale: float) -> tuple[Tensor, Tensor]:
+        # return_lse=True: the public wrapper gets the lse only because its inputs require grad,
+        # which they do not inside a custom op
+        res = fa4._flash_attn_fwd(q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
+                                  max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen,
+                                  softmax_scale=scale, causal=True, window_size_left=window,
+                                  window_size_right=0, softcap=0.0, num_splits=1, pack_gqa=None,
+                                  return_lse=True)
+        return res[0], res[1]         # out (T, H, D); lse (H, T) fp32; later fields vary by version
+
+    @fwd.register_fake
+    def _(q, k, v, cu_seqlens, max_seqlen, window, scale):
+        return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+    @torch.library.custom_op("nanogpt_fa4::bwd", mutates_args=())
+    def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+            cu_seqlens: Tensor, max_seqlen: int, window: int, scale: float
+            ) -> tuple[Tensor, Tensor, Tensor]:
+        dq, dk, dv = fa4._flash_attn_bwd(q, k, v, out, dout, lse, scale, True, 0.0,
+                                         window_size_left=window, window_size_right=0,
+                                         cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
+                                         seqused_q=None, seqused_k=None, max_seqlen_q=max_seqlen,
+                                         max_seqlen_k=max_seqlen, deterministic=False, dlse=None)
+        return dq.contiguous(), dk.contiguous(), dv.contiguous()
+
+    @bwd.register_fake
+    def _(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, window, scale):
+        return tuple(torch.empty_like(t, memory_format=torch.contiguous_format)
+                     for t in (q, k, v))
+
+    def setup_context(ctx, inputs, output):
+        q, k, v, cu_seqlens, max_seqlen, window, scale = inputs
+        ctx.save_for_backward(q, k, v, output[0], output[1], cu_seqlens)
+        ctx.args = (max_seqlen, window, scale)
+
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
+        dq, dk, dv = torch.ops.nanogpt_fa4.bwd(dout.contiguous(), q, k, v, out, lse, cu_seqlens,
+                                               *ctx.args)
+        return dq, dk, dv, None, None, None, None
+
+    fwd.register_autograd(backward, setup_context=setup_context)
 
 
 def _import_torch_varlen() -> Callable | None:
@@ -505,6 +576,7 @@ def available_attn_backends(device: torch.device) -> list[str]:
                                                          # (no backward in torch 2.13)
         "varlen": on_cuda and _import_torch_varlen() is not None,
         "fa3": on_cuda and _import_fa3() is not None,
+        "fa4": on_cuda and _import_fa4() is not None,
         "sdpa": True,
     }
     return [name for name in ATTN_BACKENDS if usable[name]]
@@ -523,9 +595,10 @@ def resolve_attn_backend(name: str, device: torch.device) -> str:
                          f"choose auto or one of {', '.join(ATTN_BACKENDS)}")
     if name not in available:
         raise ValueError(f"--attn_backend={name} cannot run on {device} here (fa3 needs the "
-                         "flash_attn_interface module and CUDA; varlen needs torch >= 2.11 and "
-                         f"CUDA; triton and flex need CUDA); available: {', '.join(available)}; pass one "
-                         "of these or --attn_backend=auto")
+                         "flash_attn_interface module and CUDA; fa4 the flash-attn-4 package and "
+                         "CUDA; varlen needs torch >= 2.11 and CUDA; triton and flex need CUDA); "
+                         f"available: {', '.join(available)}; pass one of these or "
+                         "--attn_backend=auto")
     return name
 
 
@@ -647,6 +720,9 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_se
             softmax_scale=scale, causal=True, window_size=(window, 0))
         return out[0] if isinstance(out, tuple) else out  # some FA3 builds also
                                                           # return the log-sum-exp
+    if backend == "fa4":   # ops registered when the backend was resolved
+        return torch.ops.nanogpt_fa4.fwd(q.contiguous(), k.contiguous(), v.contiguous(),
+                                         cu_seqlens, max_seqlen, window, scale)[0]
     if backend == "varlen":
         from torch.nn.attention.varlen import varlen_attn
         # window_size=(left, right): keys t - left .. t + right; right = 0 makes it causal
@@ -1070,6 +1146,8 @@ class GPT(nn.Module):
             register_fp8_head_op()
         if cfg.attn_backend == "flex":
             _import_flex()
+        if cfg.attn_backend == "fa4":
+            _import_fa4()
 
     @staticmethod
     def _layer_plan(cfg: ModelConfig) -> tuple[LayerPlan, ...]:

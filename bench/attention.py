@@ -127,11 +127,6 @@ def main() -> None:
     for T, layout, window, backend, fwd_ms, fwdbwd_ms, tflops, rel in rows:
         print(f"| {T} | {layout} | {window} | {backend} | {fwd_ms:.3f} | {fwdbwd_ms:.3f} | {tflops:.1f} | {rel:.1e} |")
 
-    if "triton" in backends:  # the tiles the autotuner chose, per (head dim, window)
-        for name in ("_attn_fwd_kernel_tuned", "_attn_dkdv_kernel_tuned", "_attn_dq_kernel_tuned"):
-            tuner = getattr(tg.tk, name)
-            print(f"{name}: " + "; ".join(f"{key[:2]} -> {cfg}" for key, cfg in sorted(tuner.cache.items())))
-
     # Record-weighted attention time (fwd+bwd, seconds over the run, one GPU's share) per backend.
     timing = {(T, layout, window, backend): fb for T, layout, window, backend, _, fb, _, _ in rows}
     totals = {}
