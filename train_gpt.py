@@ -2792,6 +2792,240 @@ def load_compile_cache(path: Path, key: str) -> tuple[bool, str]:
     return True, f"compile cache: loaded {path} ({len(payload) / 2**20:.1f} MiB)"
 
 
+# ---- where the warmup's compile time goes: one row per compilation, with why it happened -----
+
+@dataclass(frozen=True)
+class CompiledGraph:
+    """One compilation seen during the warmup: a row of the compile table."""
+    compile_id: str     # torch's "frame/attempt" id, e.g. "0/3"; a backward shares its forward's
+    graph: str          # the compiled function (GPT.forward is "forward")
+    backward: bool      # the backward graph, compiled at the first backward of that forward
+    step: int           # the warmup step being run
+    phase: str          # "val" (validation, no grad) or "train" (forward, backward, optimizer)
+    seconds: float      # wall time of the compilation
+    cache: str          # "hit", "miss", "mixed" or "-": served by torch's on-disk caches (the
+                        # compile cache fills them), "-" where none was asked
+    reason: str         # "first", "backward", or the guard that failed against an earlier graph
+
+
+def recompile_reason(failures: Sequence[str]) -> str:
+    """Why torch compiled a function again, from the guard failures it recorded just before: one per
+    earlier graph of the function, newest first, each "<its id>: <first failed guard>  # source".
+    The warmup alternates validation (no grad) and training, so the newest graph usually differs
+    only in grad mode; the first failure against a graph of the same grad mode names what really
+    changed (a shape, a window, a constant)."""
+    if not failures:
+        return "first"
+    lines = [re.sub(r"\s+#.*$", "", f.strip().splitlines()[0]) if f.strip() else "?"
+             for f in failures]                         # drop the source-line comment torch adds
+    same_mode = [line for line in lines if "GLOBAL_STATE changed" not in line]
+    return " ".join((same_mode or lines)[0].split())
+
+
+# torch's cache counters on a compilation's metrics (the compile cache fills the local caches)
+_CACHE_COUNTERS = ("inductor_fx_local_cache", "aotautograd_local_cache",
+                   "inductor_fx_remote_cache", "aotautograd_remote_cache")
+
+
+def cache_state(hits: int, misses: int) -> str:
+    """Whether torch's FX-graph / AOTAutograd caches served a compilation."""
+    return {(True, False): "hit", (False, True): "miss", (True, True): "mixed"}.get(
+        (hits > 0, misses > 0), "-")
+
+
+def shorten(text: str, width: int) -> str:
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
+def compile_table(rows: Sequence[CompiledGraph], reason_width: int = 90) -> list[str]:
+    """The rows as fixed-width lines under one header line."""
+    lines = [f"{'#':>3} {'id':<6} {'graph':<20} {'step':>4} {'phase':<5} {'sec':>6} {'cache':<5} "
+             "reason"]
+    for i, r in enumerate(rows, 1):
+        graph = shorten(r.graph + (" (bw)" if r.backward else ""), 20)
+        lines.append(f"{i:>3} {r.compile_id:<6} {graph:<20} {r.step:>4} {r.phase:<5} "
+                     f"{r.seconds:>6.1f} {r.cache:<5} {shorten(r.reason, reason_width)}")
+    return lines
+
+
+def compile_summary(rows: Sequence[CompiledGraph], warmup_s: float, autotune_runs: int,
+                    autotune_s: float, eager_tunings: int) -> str:
+    """One line: how much of the warmup was compiling, what the compile cache saved, and Triton's
+    autotuning (inductor's, at the first run of a compiled graph; the eager autotuners', counted
+    only: triton keeps no total of their time)."""
+    total = sum(r.seconds for r in rows)
+    n_bw = sum(r.backward for r in rows)
+    cached = [r for r in rows if r.cache == "hit"]
+    return (f"compile: {len(rows)} graphs ({len(rows) - n_bw} forward, {n_bw} backward) took "
+            f"{total:.1f}s of the warmup's {warmup_s:.1f}s; {len(cached)} were cache hits "
+            f"({sum(r.seconds for r in cached):.1f}s); Triton autotuning: {autotune_runs} "
+            f"kernels in compiled graphs ({autotune_s:.1f}s), {eager_tunings} eager tunings")
+
+
+@dataclass
+class _Compilation:
+    compile_id: str
+    trigger: str                 # torch's CallbackTrigger name: DYNAMO, LAZY_BACKWARD, ...
+    step: int
+    phase: str
+    failures: list[str]          # the guard failures recorded just before it started
+    t0: float
+    t1: float | None = None
+
+
+class CompileLog:
+    """Records every torch.compile compilation while recording(): the warmup step and phase it ran
+    in (set by during()), its wall time and why it happened; report() turns that into the table.
+
+    The hooks, all present in torch 2.11 to 2.13:
+      torch._dynamo.callback_handler        calls us at the start and the end of every compilation
+                                            (a forward; a backward, compiled lazily at its first
+                                            backward) with torch's compile id;
+      torch._dynamo.utils.guard_failures    code -> the guard failures of each recompile, recorded
+                                            just before the compilation starts;
+      torch._dynamo.utils.get_compilation_metrics()   after it: the function's name and the cache
+                                            hits (a deque of the last 64, so read after each phase);
+      torch._dynamo.utils.compilation_time_metrics    the times of inductor's runtime autotuning.
+    A torch without one of them gets one log line and no table, never an error."""
+
+    AUTOTUNE_KEY = "CachingAutotuner.benchmark_all_configs"
+
+    def __init__(self, enabled: bool, autotuners: Sequence[Any] = ()):
+        """autotuners: eager triton.autotune kernels (their .cache gains a key per tuning)."""
+        self.enabled, self.autotuners = enabled, list(autotuners)
+        self.step, self.phase = -1, "-"
+        self.compilations: list[_Compilation] = []
+        self.metrics: dict[tuple[str, bool], Any] = {}   # (compile id, backward) -> torch's record
+        self.missing: str | None = None                  # the hook this torch lacks
+        self.autotune = (0, 0.0, 0)                      # runs, seconds, eager tunings
+        self._hooks: Any = None
+        self._failures_seen: dict[Any, int] = {}
+
+    @staticmethod
+    def _find_hooks() -> Any:
+        from types import SimpleNamespace
+        from torch._dynamo import callback, utils
+        hooks = SimpleNamespace(handler=callback.callback_handler,
+                                guard_failures=utils.guard_failures,
+                                metrics=utils.get_compilation_metrics,
+                                times=utils.compilation_time_metrics)
+        for name in ("register_start_callback", "register_end_callback",
+                     "remove_start_callback", "remove_end_callback"):
+            getattr(hooks.handler, name)
+        return hooks
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[None]:
+        if not self.enabled:
+            yield
+            return
+        try:
+            self._hooks = self._find_hooks()
+        except (ImportError, AttributeError) as e:
+            self.missing = str(e).splitlines()[0] if str(e) else type(e).__name__
+            yield
+            return
+        h = self._hooks
+        self._failures_seen = {code: len(f) for code, f in list(h.guard_failures.items())}
+        runs0, eager0 = len(h.times.get(self.AUTOTUNE_KEY, [])), self._eager_tunings()
+        h.handler.register_start_callback(self._on_start)
+        h.handler.register_end_callback(self._on_end)
+        try:
+            yield
+        finally:
+            h.handler.remove_start_callback(self._on_start)
+            h.handler.remove_end_callback(self._on_end)
+            self._read_metrics()
+            runs = h.times.get(self.AUTOTUNE_KEY, [])[runs0:]
+            self.autotune = (len(runs), float(sum(runs)), self._eager_tunings() - eager0)
+
+    @contextlib.contextmanager
+    def during(self, step: int, phase: str) -> Iterator[None]:
+        """Compilations from here on belong to this warmup step and phase."""
+        self.step, self.phase = step, phase
+        try:
+            yield
+        finally:
+            if self._hooks is not None:
+                self._read_metrics()
+
+    def _eager_tunings(self) -> int:
+        return sum(len(getattr(a, "cache", ())) for a in self.autotuners)
+
+    def _on_start(self, args: Any) -> None:
+        try:                   # a table is a convenience: never the reason a compilation fails
+            failures = []
+            for code, fails in list(self._hooks.guard_failures.items()):
+                failures += fails[self._failures_seen.get(code, 0):]
+                self._failures_seen[code] = len(fails)
+            self.compilations.append(_Compilation(
+                str(args.compile_id), getattr(args.callback_trigger, "name", "?"), self.step,
+                self.phase, [str(f) for f in failures], time.perf_counter()))
+        except Exception:
+            pass
+
+    def _on_end(self, args: Any) -> None:
+        try:
+            for c in reversed(self.compilations):
+                if c.compile_id == str(args.compile_id) and c.t1 is None:
+                    c.t1 = time.perf_counter()
+                    break
+        except Exception:
+            pass
+
+    def _read_metrics(self) -> None:
+        # getattr: this runs in `finally` blocks, where an error would hide the warmup's own
+        for m in self._hooks.metrics():
+            compile_id = getattr(m, "compile_id", None)
+            if compile_id and not getattr(m, "is_runtime", False):
+                self.metrics[(compile_id, getattr(m, "is_forward", None) is False)] = m
+
+    def rows(self) -> list[CompiledGraph]:
+        rows = []
+        for c in self.compilations:
+            backward = c.trigger == "LAZY_BACKWARD"
+            m = self.metrics.get((c.compile_id, backward))
+            forward = self.metrics.get((c.compile_id, False))
+            hits = sum(getattr(m, f"{k}_hit_count", None) or 0 for k in _CACHE_COUNTERS)
+            misses = sum(getattr(m, f"{k}_miss_count", None) or 0 for k in _CACHE_COUNTERS)
+            if backward:
+                reason = "backward"
+            elif c.trigger != "DYNAMO":
+                reason = c.trigger.lower()
+            elif getattr(m, "fail_type", None):
+                reason = f"failed: {m.fail_type}"
+            else:
+                reason = recompile_reason(c.failures)
+            t1 = c.t1 if c.t1 is not None else c.t0
+            rows.append(CompiledGraph(c.compile_id, getattr(forward, "co_name", None) or "?",
+                                      backward, c.step, c.phase, t1 - c.t0,
+                                      cache_state(hits, misses), reason))
+        return rows
+
+    def report(self, warmup_s: float) -> list[str]:
+        """The log lines: nothing when not enabled; one line when this torch lacks a hook."""
+        if not self.enabled:
+            return []
+        if self.missing is not None:
+            return [f"compile table: not available with torch {torch.__version__} "
+                    f"({self.missing})"]
+        rows = self.rows()
+        return (["compile table: one row per compilation in the warmup (val: validation; train: "
+                 "forward, backward, optimizer)"] + compile_table(rows)
+                + [compile_summary(rows, warmup_s, *self.autotune)])
+
+
+def eager_autotuners(module: Any) -> list[Any]:
+    """The triton.autotune kernels a module defines (the optimizer runs its kernels outside the
+    compiled graphs, so their tuning is no compilation)."""
+    try:
+        from triton.runtime.autotuner import Autotuner
+    except ImportError:
+        return []
+    return [v for v in vars(module).values() if isinstance(v, Autotuner)]
+
+
+
 def snapshot_state(model: nn.Module, opt: Any) -> dict[str, Any]:
     """A detached copy of everything a step changes (used to undo warmup and as the last good
     state)."""
@@ -3320,6 +3554,7 @@ class Run:
                                          # for the untimed phase lines
     resumed: dict | None                 # the checkpoint this run continues, if any
     compile_cache: tuple | None = None   # (path, key, versions) to save after the warmup
+    compiling: bool = False              # torch.compile is on (CUDA and --compile)
 
     def sync(self) -> None:
         if self.device.type == "cuda":
@@ -3390,7 +3625,7 @@ def prepare_training(run: Run, argv_text: str) -> tuple[Trainer, Checkpointer]:
         attn_backend = resolve_attn_backend(hp.attn_backend, device)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    compiling = hp.compile and device.type == "cuda"
+    compiling = run.compiling = hp.compile and device.type == "cuda"
     log(f"world_size:{run.world_size} grad_accum:{hp.batch_slices // run.world_size} "
         f"device:{device} attn_backend:{attn_backend} (asked: {hp.attn_backend}) "
         f"compile:{compiling} dtype:{hp.dtype}")
@@ -3439,13 +3674,22 @@ def warmup_and_reset(trainer: Trainer, run: Run) -> None:
     initial = snapshot_state(model, opt)
     steps = warmup_steps(trainer.hp)
     run.log(f"warmup: compiling on steps {steps}")
-    for i, step in enumerate(steps):
-        sched = schedule_at(step, trainer.hp)
-        batch_change = trainer.advance_schedule(sched)
-        trainer.validate(sched.ws_short, sched.ws_long, max_batches=1)
-        trainer.train_step(sched, batch_change)
-        run.log(f"  warmup {i + 1}/{len(steps)} step {step} done at "
-                f"{time.perf_counter() - t0:.1f}s")
+    compile_log = CompileLog(run.compiling, eager_autotuners(tk))
+    with compile_log.recording():
+        for i, step in enumerate(steps):
+            sched = schedule_at(step, trainer.hp)
+            batch_change = trainer.advance_schedule(sched)
+            with compile_log.during(step, "val"):
+                trainer.validate(sched.ws_short, sched.ws_long, max_batches=1)
+            with compile_log.during(step, "train"):
+                trainer.train_step(sched, batch_change)
+            run.log(f"  warmup {i + 1}/{len(steps)} step {step} done at "
+                    f"{time.perf_counter() - t0:.1f}s")
+    report = compile_log.report(time.perf_counter() - t0)
+    for line in report[:-1]:                  # the table in the file, its summary on the console too
+        run.log(line, console=False)
+    if report:
+        run.log(report[-1])
     model.load_state_dict(initial["model"])
     opt.load_state_dict(initial["optimizer"])
     for p in model.parameters():
