@@ -257,3 +257,45 @@ def test_gpu_backends_match_reference(paired, window_blocks):
             rel = (got.double() - want).norm() / want.norm()
             assert rel < band, f"{backend} {name}: relative L2 error {rel:.2e}"
 
+
+
+def test_fa4_ops_pass_the_contract_and_their_gradients():
+    # FlashAttention-4 is optional and GPU-only; a stand-in module with its two internal functions (dense float64
+    # math, argument names as in flash-attn-4 4.0.0b36) checks what register_fa4_ops passes and how autograd is wired:
+    # causal with a left window, one cu_seqlens for q and k, the scale, out and lse handed from forward to backward,
+    # and the backward's three outputs returned as the gradients of q, k, v.
+    import types
+    try:
+        import flash_attn.cute  # noqa: F401
+        pytest.skip("the real flash-attn-4 is installed: its ops are registered against it")
+    except ImportError:
+        pass
+    import triton_kernels as tk
+    calls = []
+
+    def fwd(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+            window_size_left, window_size_right, softcap, num_splits, pack_gqa, return_lse):
+        assert cu_seqlens_q is cu_seqlens_k and causal and window_size_right == 0 and return_lse
+        calls.append(("fwd", window_size_left, softmax_scale, max_seqlen_q))
+        out = tk.varlen_attention_reference(q, k, v, cu_seqlens_q, window_size_left, softmax_scale)
+        return out, torch.full((q.shape[1], q.shape[0]), 7.0), None, None, None
+
+    def bwd(q, k, v, out, dout, lse, softmax_scale, causal, softcap, *, window_size_left, window_size_right,
+            cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k, deterministic, dlse):
+        assert causal and window_size_right == 0 and (lse == 7.0).all() and cu_seqlens_q is cu_seqlens_k
+        calls.append(("bwd", window_size_left, softmax_scale, max_seqlen_q))
+        torch.testing.assert_close(out, tk.varlen_attention_reference(q, k, v, cu_seqlens_q, window_size_left,
+                                                                      softmax_scale))
+        return dout * 1.0, dout * 2.0, dout * 3.0     # distinct, so a swapped gradient shows
+
+    tg.register_fa4_ops(types.SimpleNamespace(_flash_attn_fwd=fwd, _flash_attn_bwd=bwd))
+    q, k, v, cu = make_case(300, 37, 120, torch.float64)
+    qkv = [t.requires_grad_() for t in (q, k, v)]
+    out = tg.varlen_attention(*qkv, cu, 120, 37, 0.12, "fa4")
+    ref, _ = reference_attention(q.detach(), k.detach(), v.detach(), cu, 37, 0.12)
+    torch.testing.assert_close(out.detach(), ref)
+    grad = torch.randn_like(out)
+    grads = torch.autograd.grad(out, qkv, grad)
+    for i, got in enumerate(grads):   # the backward op's outputs, in q, k, v order, from the incoming gradient
+        torch.testing.assert_close(got, grad * (i + 1))
+    assert calls == [("fwd", 37, 0.12, 120), ("bwd", 37, 0.12, 120)]
