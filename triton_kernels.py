@@ -1101,6 +1101,20 @@ def _attn_block_ranges(lo, hi, full_lo, full_hi, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _attn_query_block(start_ptr, m0, T, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The rows of the query block at m0, their document starts, and the three key loops' ranges
+    (shared by the forward and the dQ kernel, which must visit the same keys)."""
+    rows = m0 + tl.arange(0, BLOCK_M)
+    row_ok = rows < T
+    row_start = tl.load(start_ptr + rows, mask=row_ok, other=T)
+    last = tl.minimum(m0 + BLOCK_M, T) - 1
+    b0, f0, f1, b1 = _attn_block_ranges(
+        tl.maximum(tl.load(start_ptr + m0), m0 - window), last + 1,
+        tl.maximum(tl.load(start_ptr + last), last - window), m0 + 1, BLOCK_N)
+    return rows, row_ok, row_start, b0, f0, f1, b1
+
+
+@triton.jit
 def _attn_fwd_step(acc, l_i, m_i, q, k_ptrs, v_ptrs, n0, rows, row_start, window, qk_scale,
                    stride_kt, stride_vt, T, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
     cols = n0 + tl.arange(0, BLOCK_N)
@@ -1133,14 +1147,9 @@ def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, start_ptr, T, window, 
     qk_scale = tl.cast(qk_scale, tl.float32)
     m0 = tl.program_id(0) * BLOCK_M
     h = tl.program_id(1)
-    rows = m0 + tl.arange(0, BLOCK_M)
     d = tl.arange(0, HEAD_DIM)
-    row_ok = rows < T
-    row_start = tl.load(start_ptr + rows, mask=row_ok, other=T)
-    last = tl.minimum(m0 + BLOCK_M, T) - 1
-    b0, f0, f1, b1 = _attn_block_ranges(
-        tl.maximum(tl.load(start_ptr + m0), m0 - window), last + 1,
-        tl.maximum(tl.load(start_ptr + last), last - window), m0 + 1, BLOCK_N)
+    rows, row_ok, row_start, b0, f0, f1, b1 = _attn_query_block(start_ptr, m0, T, window, BLOCK_M,
+                                                                BLOCK_N)
     q = tl.load(q_ptr + rows.to(tl.int64)[:, None] * stride_qt + h * stride_qh + d[None, :],
                 mask=row_ok[:, None], other=0.0)
     cols0 = tl.arange(0, BLOCK_N)
@@ -1258,14 +1267,9 @@ def _attn_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, start_ptr, 
     qk_scale, scale = tl.cast(qk_scale, tl.float32), tl.cast(scale, tl.float32)
     m0 = tl.program_id(0) * BLOCK_M
     h = tl.program_id(1)
-    rows = m0 + tl.arange(0, BLOCK_M)
     d = tl.arange(0, HEAD_DIM)
-    row_ok = rows < T
-    row_start = tl.load(start_ptr + rows, mask=row_ok, other=T)
-    last = tl.minimum(m0 + BLOCK_M, T) - 1
-    b0, f0, f1, b1 = _attn_block_ranges(
-        tl.maximum(tl.load(start_ptr + m0), m0 - window), last + 1,
-        tl.maximum(tl.load(start_ptr + last), last - window), m0 + 1, BLOCK_N)
+    rows, row_ok, row_start, b0, f0, f1, b1 = _attn_query_block(start_ptr, m0, T, window, BLOCK_M,
+                                                                BLOCK_N)
     q = tl.load(q_ptr + rows.to(tl.int64)[:, None] * stride_qt + h * stride_qh + d[None, :],
                 mask=row_ok[:, None], other=0.0)
     do = tl.load(do_ptr + rows.to(tl.int64)[:, None] * stride_dot + h * stride_doh + d[None, :],
