@@ -17,7 +17,7 @@ commands:
   smoke [OPTION ...] the GPU tests (the data is made meanwhile), then train
   backends [OPTION ...]
                      the attention backends this machine has, then NS (default 60) + 10 steps with each backend in
-                     BACKENDS (default "flex varlen")
+                     BACKENDS (default "triton varlen")
   overhead [OPTION ...]
                      the cost of the NaN check: NS (default 90) + 6 steps with each --nonfinite_check_every in
                      CHECKS (default "0 25": off, and the default)
@@ -137,7 +137,7 @@ case "$command" in
   backends)
     make_data
     "$PY" -c "import torch, train_gpt as t; print('backends:', t.available_attn_backends(torch.device('cuda')))" || true
-    for backend in ${BACKENDS:-flex varlen}; do
+    for backend in ${BACKENDS:-triton varlen}; do
       train_run "$backend" --num_scheduled_iterations="${NS:-60}" --num_extension_iterations=10 --val_loss_every=0 \
         --attn_backend="$backend" "$@"
     done ;;
