@@ -202,7 +202,7 @@ class Hyperparameters:
         default_factory=lambda: copy.deepcopy(DEFAULT_PARAM_TABLE))
     # ---- system ----
     preset: str = ""                       # "tiny": a few narrow layers for CPU tests and newcomers
-    attn_backend: str = "auto"             # auto | flex | varlen | fa3 | sdpa
+    attn_backend: str = "auto"             # auto | triton | flex | varlen | fa3 | fa4 | sdpa
     compile: bool = True                   # torch.compile the model (ignored on CPU)
     compile_cache: str = "~/.cache/nanogpt_speedrun/compile_cache.bin"  # the compiled code,
                                            # saved after a warmup that compiled and loaded at start

@@ -187,7 +187,7 @@ def test_resolve_auto_and_explicit():
     assert tg.resolve_attn_backend("sdpa", cpu) == "sdpa"
 
 
-@pytest.mark.parametrize("name", ["varlen", "fa3", "flex"])
+@pytest.mark.parametrize("name", ["triton", "varlen", "fa3", "fa4", "flex"])
 def test_resolve_unavailable_names_option_and_choices(name):
     with pytest.raises(ValueError, match=rf"--attn_backend={name} cannot run on cpu.*available: sdpa;"):
         tg.resolve_attn_backend(name, torch.device("cpu"))
