@@ -458,9 +458,10 @@ def hyperparameters_from_dict(saved: dict) -> Hyperparameters:
 ATTN_BACKENDS = ("triton", "flex", "varlen", "fa3", "fa4", "sdpa")
 # "auto" on CUDA takes the first available of these. triton before varlen: in the full model on an
 # H200 (bench/model_step.py) a forward + backward took 26.3 / 50.4 / 73.9 ms at 16k / 32k / 49k
-# tokens with it against 27.9 / 52.1 / 77.0 with varlen (records/2026-11-22_triton_attention_1xH200).
-# fa4 (optional) before both: 71.7 ms at 49k tokens, and 1.5-2.1x varlen's forward + backward
-# alone at every training shape. FA3 (the record's kernel, Hopper-native) stays first when
+# tokens with it against 27.9 / 52.1 / 77.0 with varlen
+# (records/2026-11-22_triton_attention_1xH200). fa4 (optional) before both: 71.7 ms at 49k
+# tokens, and 1.49-2.13x varlen's forward + backward alone per training shape on an H200
+# (1.32-2.04x on an H100). FA3 (the record's kernel, Hopper-native) stays first when
 # installed; it was not measured here.
 # varlen comes before flex because it measured faster in the full model
 # (records/2026-11-21_synthetic_smoke). Off CUDA "auto" means sdpa (the only CPU backward).
@@ -726,8 +727,8 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_se
     if backend == "varlen":
         from torch.nn.attention.varlen import varlen_attn
         # window_size=(left, right): keys t - left .. t + right; right = 0 makes it causal
-        return varlen_attn(q, k, v.contiguous(), cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=scale,
-                           window_size=(window, 0))
+        return varlen_attn(q, k, v.contiguous(), cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                           scale=scale, window_size=(window, 0))
     if backend == "flex":
         return _flex_varlen_attention(q, k, v, cu_seqlens, window, scale)
     if backend == "sdpa":
@@ -3686,7 +3687,7 @@ def warmup_and_reset(trainer: Trainer, run: Run) -> None:
             run.log(f"  warmup {i + 1}/{len(steps)} step {step} done at "
                     f"{time.perf_counter() - t0:.1f}s")
     report = compile_log.report(time.perf_counter() - t0)
-    for line in report[:-1]:                  # the table in the file, its summary on the console too
+    for line in report[:-1]:     # the table in the file, its summary on the console too
         run.log(line, console=False)
     if report:
         run.log(report[-1])
