@@ -215,6 +215,9 @@ class Hyperparameters:
                                            # (compiled with the model on a GPU), so an edit
                                            # to them takes effect (README: Tweaking)
     warmup: bool = True                    # compile every schedule variant before the clock starts
+    compile_split: bool = True             # with several GPUs, each rank first compiles its share
+                                           # of the variants alone; the warmup then loads the
+                                           # rest from torch's on-disk caches, shared on a node
     device: str = "auto"                   # auto | cuda | cpu
     seed: int = -1                         # -1: unseeded init, like the record;
                                            # else torch.manual_seed(seed)
@@ -2840,11 +2843,11 @@ def shorten(text: str, width: int) -> str:
 
 def compile_table(rows: Sequence[CompiledGraph], reason_width: int = 90) -> list[str]:
     """The rows as fixed-width lines under one header line."""
-    lines = [f"{'#':>3} {'id':<6} {'graph':<20} {'step':>4} {'phase':<5} {'sec':>6} {'cache':<5} "
+    lines = [f"{'#':>3} {'id':<6} {'graph':<20} {'step':>4} {'phase':<6} {'sec':>6} {'cache':<5} "
              "reason"]
     for i, r in enumerate(rows, 1):
         graph = shorten(r.graph + (" (bw)" if r.backward else ""), 20)
-        lines.append(f"{i:>3} {r.compile_id:<6} {graph:<20} {r.step:>4} {r.phase:<5} "
+        lines.append(f"{i:>3} {r.compile_id:<6} {graph:<20} {r.step:>4} {r.phase:<6} "
                      f"{r.seconds:>6.1f} {r.cache:<5} {shorten(r.reason, reason_width)}")
     return lines
 
@@ -3012,8 +3015,21 @@ class CompileLog:
                     f"({self.missing})"]
         rows = self.rows()
         return (["compile table: one row per compilation in the warmup (val: validation; train: "
-                 "forward, backward, optimizer)"] + compile_table(rows)
+                 "forward, backward, optimizer; val* / train*: this rank compiling its share "
+                 "alone, no optimizer)"] + compile_table(rows)
                 + [compile_summary(rows, warmup_s, *self.autotune)])
+
+
+def configure_compiler() -> None:
+    """The process-wide torch.compile settings of a compiled run."""
+    from torch import _dynamo
+    from torch._functorch import config as functorch_config
+    _dynamo.config.recompile_limit = 64   # every window / batch-size / YaRN variant is its own graph
+    # The model's autograd Functions (the FP8 head with its loss, the Triton ops) are traced whole,
+    # backward included, so their graphs are as cacheable as any. Without this torch does not put a
+    # graph that contains one in its autograd cache: every start traces and partitions each
+    # training graph again (7-10 s of each 8-10 s cache hit on an H200).
+    functorch_config.autograd_cache_allow_custom_autograd_functions = True
 
 
 def eager_autotuners(module: Any) -> list[Any]:
@@ -3057,7 +3073,8 @@ CHECKPOINT_NAME = re.compile(r"state_step(\d{6,})(?:_rank(\d+))?\.pt")
 # other option must equal the checkpoint's, and so must what these resolve to (see run_facts).
 RUN_CONTROL_OPTIONS = frozenset({
     "train_files", "val_files", "val_loss_every", "val_loss_target", "train_loss_every",
-    "dry_run", "device", "attn_backend", "warmup", "run_id", "log_dir", "save_checkpoint",
+    "dry_run", "device", "attn_backend", "warmup", "compile_split", "run_id", "log_dir",
+    "save_checkpoint",
     "checkpoint_every", "checkpoint_keep", "resume", "nonfinite_check_every", "pg_timeout_s",
     "profile_steps", "debug", "compile_cache"})
 
@@ -3190,15 +3207,29 @@ def check_resume(saved: dict, hp: Hyperparameters, facts: dict) -> None:
 # ==================================================================================================
 
 
-def warmup_steps(hp: Hyperparameters) -> list[int]:
-    """Steps that exercise every compiled variant: the start, both sides of every change of the
-    window, batch size or number of MTP weights (each is its own graph), and the split."""
-    shapes = [(sc.ws_long, sc.global_batch, len(sc.mtp_weights))
+def variant_starts(hp: Hyperparameters) -> list[int]:
+    """The first step of each compiled variant of the model: step 0 and every change of the
+    windows, batch size or number of MTP weights (each is its own pair of graphs)."""
+    shapes = [(sc.ws_short, sc.ws_long, sc.global_batch, len(sc.mtp_weights))
               for sc in (schedule_at(s, hp) for s in range(hp.num_iterations))]
-    transitions = [s for s in range(1, hp.num_iterations) if shapes[s] != shapes[s - 1]]
+    return [0] + [s for s in range(1, hp.num_iterations) if shapes[s] != shapes[s - 1]]
+
+
+def warmup_steps(hp: Hyperparameters) -> list[int]:
+    """Steps that exercise every compiled variant: the start, both sides of every variant change,
+    and the split."""
     steps = ({0, 1, 2, hp.split_step, hp.split_step - 1}
-             | {t + d for t in transitions for d in (-1, 0, 1)})
+             | {t + d for t in variant_starts(hp)[1:] for d in (-1, 0, 1)})
     return sorted(s for s in steps if 0 <= s < hp.num_iterations)
+
+
+def split_compile_tasks(hp: Hyperparameters, ranks: int) -> list[list[tuple[int, str]]]:
+    """What each of `ranks` ranks of one machine compiles alone before the warmup: (variant start,
+    "train" or "val") pairs, dealt round-robin, the longer training graphs (forward and backward)
+    first. With 4 variants, 4 ranks each take both graphs of one variant; 8 ranks one graph each."""
+    tasks = ([(s, "train") for s in variant_starts(hp)]
+             + [(s, "val") for s in variant_starts(hp)])
+    return [tasks[r::ranks] for r in range(ranks)]
 
 
 class TrainClock:
@@ -3324,6 +3355,47 @@ class Trainer:
             return (sched.global_batch, self.hp.train_max_seq_len, self.grad_accum)
         return None
 
+    def train_loss(self, batch: tuple[Tensor, Tensor, Tensor], sched: StepSchedule,
+                   mtp: Tensor) -> Tensor:
+        """One training micro-batch's summed loss (the forward; the caller runs the backward)."""
+        inputs, targets, cu_seqlens = batch
+        return self.compiled(inputs, targets, cu_seqlens, sched.ws_short, sched.ws_long, mtp,
+                             self.hp.train_max_seq_len)
+
+    def val_loss(self, batch: tuple[Tensor, Tensor, Tensor], ws_short: int,
+                 ws_long: int) -> Tensor:
+        """One validation batch's mean loss (the model in eval mode, no grad)."""
+        inputs, targets, cu_seqlens = batch
+        one = torch.ones(1, device=self.device)
+        return self.compiled(inputs, targets, cu_seqlens, ws_short, ws_long, one,
+                             self.hp.val_batch_size // self.hp.batch_slices)
+
+    def val_batches(self) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
+        hp = self.hp
+        return val_batches(self.val_files, hp.val_batch_size, hp.val_tokens, self.grad_accum,
+                           self.rank, self.world_size, self.device, hp.tokens_per_doc_bound)
+
+    def compile_alone(self, step: int, phase: str) -> None:
+        """Compile the graphs of `step`'s variant for "val" (one validation forward) or "train" (one
+        training micro-batch forward and backward) without the other ranks: no optimizer step, no
+        collective, so that ranks can compile different variants at once. The weights stay as they
+        are; gradients accumulate and the rotary state moves to `step`: reset both afterwards
+        (reset_schedule_state, grads to None)."""
+        hp, sched = self.hp, schedule_at(step, self.hp)
+        replay_yarn(self.model, hp, step + 1)    # the rotary state and attention scale of `step`
+        if phase == "val":
+            self.model.eval()
+            with torch.no_grad():
+                self.val_loss(next(iter(self.val_batches())), sched.ws_short, sched.ws_long)
+            self.model.train()
+            return
+        batches = train_batches(self.train_files, sched.global_batch, self.grad_accum, self.rank,
+                                self.world_size, self.device, hp.train_max_seq_len,
+                                hp.tokens_per_doc_bound, hp.vocab_size, TrainPosition())
+        mtp = torch.tensor(sched.mtp_weights, dtype=torch.float32, device=self.device)
+        self.train_loss(next(batches), sched, mtp).backward()
+        batches.close()
+
     def train_step(self, sched: StepSchedule, message: tuple | None) -> Tensor:
         """A micro-steps of forward/backward, then the optimizer step; returns this rank's summed
         loss (on device)."""
@@ -3332,9 +3404,7 @@ class Trainer:
                            dtype=torch.float32).to(self.device, non_blocking=True)
         total = torch.zeros((), device=self.device)
         for _ in range(self.grad_accum):
-            inputs, targets, cu_seqlens = self.loader.send(message)
-            loss = self.compiled(inputs, targets, cu_seqlens, sched.ws_short, sched.ws_long, mtp,
-                                 hp.train_max_seq_len)
+            loss = self.train_loss(self.loader.send(message), sched, mtp)
             (loss / self.grad_accum).backward()
             total += loss.detach()
         # a label for bench/profile_step.py; free otherwise
@@ -3353,15 +3423,10 @@ class Trainer:
 
     @torch.no_grad()
     def validate(self, ws_short: int, ws_long: int, max_batches: int | None = None) -> float:
-        hp = self.hp
         self.model.eval()
-        n_val = hp.val_batch_size // hp.batch_slices
-        batches = val_batches(self.val_files, hp.val_batch_size, hp.val_tokens, self.grad_accum,
-                              self.rank, self.world_size, self.device, hp.tokens_per_doc_bound)
-        mtp = torch.ones(1, device=self.device)
         total, count = torch.zeros((), device=self.device), 0
-        for inputs, targets, cu_seqlens in batches:
-            total += self.compiled(inputs, targets, cu_seqlens, ws_short, ws_long, mtp, n_val)
+        for batch in self.val_batches():
+            total += self.val_loss(batch, ws_short, ws_long)
             count += 1
             if max_batches is not None and count >= max_batches:
                 break
@@ -3391,6 +3456,25 @@ def launch_environment() -> tuple[int, int, int]:
     return rank, world_size, local_rank
 
 
+def isolate_gpu(local_rank: int, env: dict[str, str] = os.environ) -> str | None:
+    """Before CUDA starts, let this process see only its own GPU (the LOCAL_RANK-th of those
+    visible), which it then calls cuda:0. torch's compile caches key on the device index: with
+    every rank on cuda:0 the ranks share what each compiles, and a saved compile cache serves every
+    rank. Returns the CUDA_VISIBLE_DEVICES entry chosen; None where nothing was changed (CUDA
+    already started, or no GPU visible)."""
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if torch.cuda.is_initialized() or (visible is not None and not visible.strip()):
+        return None
+    entries = ([e.strip() for e in visible.split(",")] if visible is not None
+               else [str(i) for i in range(local_rank + 1)])
+    if local_rank >= len(entries):
+        raise ConfigError(f"LOCAL_RANK={local_rank} but CUDA_VISIBLE_DEVICES={visible} lists "
+                          f"{len(entries)} GPU(s): start one process per GPU (./run.sh does), or "
+                          "list more GPUs")
+    env["CUDA_VISIBLE_DEVICES"] = entries[local_rank]
+    return entries[local_rank]
+
+
 def setup_distributed(hp: Hyperparameters) -> tuple[int, int, int, torch.device]:
     import datetime
     rank, world_size, local_rank = launch_environment()
@@ -3401,18 +3485,23 @@ def setup_distributed(hp: Hyperparameters) -> tuple[int, int, int, torch.device]
                           f"{'is' if len(missing) == 1 else 'are'} not: start multi-GPU runs with "
                           "./run.sh (torchrun sets them all), or unset WORLD_SIZE to run one "
                           "process")
+    gpu = isolate_gpu(local_rank) if world_size > 1 and hp.device != "cpu" else None
     want_cuda = hp.device == "cuda" or (hp.device == "auto" and torch.cuda.is_available())
     if want_cuda and not torch.cuda.is_available():
-        raise ConfigError("--device=cuda but no CUDA GPU is visible: check nvidia-smi, "
+        raise ConfigError(f"LOCAL_RANK={local_rank} has no GPU (CUDA_VISIBLE_DEVICES={gpu} shows "
+                          "none): start one process per GPU (./run.sh does), or check "
+                          "nvidia-smi" if gpu is not None else
+                          "--device=cuda but no CUDA GPU is visible: check nvidia-smi, "
                           "or run with --device=cpu")
-    if want_cuda and local_rank >= torch.cuda.device_count():
+    if gpu is None and want_cuda and local_rank >= torch.cuda.device_count():
         raise ConfigError(f"LOCAL_RANK={local_rank} but {torch.cuda.device_count()} GPU(s) are "
                           "visible: start one process per GPU (./run.sh does), or check "
                           "CUDA_VISIBLE_DEVICES")
     if want_cuda and hp.dtype != "bfloat16":
         raise ConfigError(f"--dtype={hp.dtype} runs on a CPU only (the GPU kernels are bf16): "
                           "add --device=cpu, or drop --dtype")
-    device = torch.device("cuda", local_rank) if want_cuda else torch.device("cpu")
+    device = (torch.device("cuda", 0 if gpu is not None else local_rank) if want_cuda
+              else torch.device("cpu"))
     if want_cuda:
         torch.cuda.set_device(device)
     if world_size > 1:
@@ -3656,9 +3745,7 @@ def prepare_training(run: Run, argv_text: str) -> tuple[Trainer, Checkpointer]:
         log(note)
         run.compile_cache = None if loaded else (path, key, versions)
     if compiling:
-        from torch import _dynamo
-        _dynamo.config.recompile_limit = 64   # every window / batch-size /
-                                              # YaRN variant is its own graph
+        configure_compiler()
         compiled = torch.compile(model, dynamic=False, fullgraph=True)
     trainer = Trainer(hp, model, compiled, opt, device, run.rank, run.world_size, train_files,
                       val_files)
@@ -3674,9 +3761,12 @@ def warmup_and_reset(trainer: Trainer, run: Run) -> None:
     model, opt = trainer.model, trainer.opt
     initial = snapshot_state(model, opt)
     steps = warmup_steps(trainer.hp)
-    run.log(f"warmup: compiling on steps {steps}")
     compile_log = CompileLog(run.compiling, eager_autotuners(tk))
+    split = run.compiling and trainer.hp.compile_split and run.world_size > 1
     with compile_log.recording():
+        if split:
+            compile_split(trainer, run, compile_log, t0)
+        run.log(f"warmup: compiling on steps {steps}")
         for i, step in enumerate(steps):
             sched = schedule_at(step, trainer.hp)
             batch_change = trainer.advance_schedule(sched)
@@ -3702,6 +3792,27 @@ def warmup_and_reset(trainer: Trainer, run: Run) -> None:
     run.sync()
     run.log(f"phase:warmup time:{1000 * (time.perf_counter() - t0):.0f}ms "
             "(state reset and checked)")
+
+
+def compile_split(trainer: Trainer, run: Run, compile_log: CompileLog, t0: float) -> None:
+    """Each rank of this machine compiles its share of the variants (split_compile_tasks) alone and
+    at the same time as the others; torch writes each graph to its on-disk caches, which the ranks
+    of a machine share (the same code on cuda:0 everywhere, isolate_gpu), so the warmup that
+    follows loads instead of compiling. Leaves the weights, gradients and schedule state as it
+    found them."""
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", run.world_size))
+    shares = split_compile_tasks(trainer.hp, ranks)
+    run.log(f"warmup: {ranks} ranks compile their share alone first (rank 0: "
+            f"{', '.join(f'{ph} of step {s}' for s, ph in shares[0]) or 'nothing'})")
+    for step, phase in shares[run.rank % ranks]:
+        with compile_log.during(step, f"{phase}*"):
+            trainer.compile_alone(step, phase)
+    for p in trainer.model.parameters():
+        p.grad = None
+    trainer.reset_schedule_state()
+    run.sync()
+    dist.barrier()
+    run.log(f"  shares compiled on every rank at {time.perf_counter() - t0:.1f}s")
 
 
 class Bookkeeping:
@@ -3891,7 +4002,8 @@ def short_environment(device: torch.device) -> str:
     parts = [f"torch {torch.__version__}", f"triton {triton.__version__}"]
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        parts = [f"{torch.cuda.device_count()}x {props.name} "
+        used = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        parts = [f"{used}x {props.name} "
                  f"({props.total_memory / 2**30:.0f} GiB)"] + parts
         parts.append(f"CUDA {torch.version.cuda}")
         if dist.is_available() and hasattr(torch.cuda, "nccl"):

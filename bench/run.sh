@@ -28,6 +28,11 @@ commands:
   profile [OPTION ...]
                      GPU time per bucket of a step late in each batch phase of an NS-step run (default 60;
                      bench/profile_step.py --run)
+  startup [OPTION ...]
+                     start-up times: NS (default 30) + 3 steps three times with torch's caches in $OUT/startup_cache:
+                     cold (no caches, no compile cache file), second (everything kept), fresh (only the compile cache
+                     file, as on a new node); each run's start-up lines and compile summary, then its time per step.
+                     SAMPLE=1 runs the second one under bench/stack_sampler.py (one GPU only)
 
 OPTIONs are train_gpt.py's --name=value and go to every training run. Each step's output is kept in $OUT (default
 ./out), with the training logs; the console gets a summary. The exit status is the first failed step's.
@@ -45,7 +50,7 @@ example: the attention tests, then a FlexAttention run
 EOF
 }
 
-COMMANDS="tests kernels train smoke backends overhead resume profile"
+COMMANDS="tests kernels train smoke backends overhead resume profile startup"
 command=${1:-}
 case "$command" in
   -h|--help|help) usage; exit 0 ;;
@@ -169,5 +174,24 @@ case "$command" in
     step profile "$PY" bench/profile_step.py --run --out="$OUT/profile" --scheduled="${NS:-60}" \
       --train_files="$DATA/fineweb_train_*.bin" --val_files="$DATA/fineweb_val_*.bin" "$@"
     grep -E "^\||error" "$OUT/profile.txt" || true ;;
+  startup)
+    make_data
+    cache="$OUT/startup_cache"
+    rm -rf "$cache"
+    export TORCHINDUCTOR_CACHE_DIR="$cache/inductor" TRITON_CACHE_DIR="$cache/triton"
+    opts=(--num_scheduled_iterations="${NS:-30}" --num_extension_iterations=3 --val_loss_every=0
+          --compile_cache="$cache/compile_cache.bin" "$@")
+    for run in cold second fresh; do
+      [ "$run" = fresh ] && rm -rf "$cache/inductor" "$cache/triton"
+      if [ "$run" = second ] && [ -n "${SAMPLE:-}" ]; then
+        mkdir -p "$OUT/second"
+        step second/console "$PY" bench/stack_sampler.py --out="$OUT/second/stacks.txt" -- train_gpt.py \
+          --train_files="$DATA/fineweb_train_*.bin" --val_files="$DATA/fineweb_val_*.bin" \
+          --log_dir="$OUT/second" "${opts[@]}"
+      else
+        train_run "$run" "${opts[@]}"
+      fi
+      grep -hE "^phase:(startup|warmup|process_start)|^compile:|^compile cache" "$OUT/$run/console.txt" || true
+    done ;;
 esac
 exit "$status"

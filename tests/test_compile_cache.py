@@ -99,3 +99,43 @@ def test_an_unwritable_place_is_reported_not_fatal(tmp_path, artifacts):
 def test_the_cache_is_a_run_control_option():
     # a different cache path (or none) on --resume changes no number
     assert "compile_cache" in tg.RUN_CONTROL_OPTIONS
+
+
+class _Scaled(torch.autograd.Function):
+    """A custom autograd Function, as the model's FP8 head and Triton ops are."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return 2 * g * x
+
+
+def test_graphs_with_autograd_functions_come_back_from_torchs_autograd_cache(tmp_path, monkeypatch):
+    """configure_compiler lets torch's autograd cache keep a graph holding an autograd Function. Without
+    that torch bypasses it, and every start re-traces and re-partitions each training graph (the bulk
+    of a warm start on a GPU). Real inductor compilations on the CPU, in a fresh cache folder."""
+    from torch._dynamo.utils import counters
+    from torch._functorch import config as functorch_config
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(functorch_config, "autograd_cache_allow_custom_autograd_functions", False)
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", torch._dynamo.config.recompile_limit)
+
+    def fresh_compile():
+        torch._dynamo.reset()
+        counters.clear()
+        x = torch.linspace(-1, 1, 8, requires_grad=True)
+        torch.compile(lambda t: _Scaled.apply(t).sum(), fullgraph=True)(x).backward()
+        assert torch.equal(x.grad, 2 * x.detach())
+        return dict(counters["aot_autograd"])
+
+    assert fresh_compile().get("autograd_cache_bypass") == 1          # torch's default
+    tg.configure_compiler()
+    assert functorch_config.autograd_cache_allow_custom_autograd_functions
+    assert fresh_compile().get("autograd_cache_miss") == 1            # compiled and saved
+    assert fresh_compile().get("autograd_cache_hit") == 1             # a new start loads it
+    torch._dynamo.reset()

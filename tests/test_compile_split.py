@@ -1,0 +1,120 @@
+"""Compiling with several GPUs: each rank first compiles its share of the schedule's variants alone
+(Trainer.compile_alone), then the warmup loads the rest from torch's on-disk caches. That works
+only if compile_alone calls the model exactly as the warmup's own steps do (same shapes, Python
+arguments, mode and rotary state: what torch.compile guards on and keys its caches by), and if
+every rank names its GPU cuda:0 (isolate_gpu). Both are checked here on a CPU, where the model runs
+uncompiled and a recorder stands in for the compiled callable."""
+import dataclasses
+
+import pytest
+import torch
+
+import train_gpt as tg
+from _shards import make_dataset
+
+
+def test_variant_starts_and_warmup_steps_of_the_record_schedule():
+    hp = tg.Hyperparameters()
+    # three stages, then the extension's longer window
+    assert tg.variant_starts(hp) == [0, 575, 1150, 1725]
+    assert tg.warmup_steps(hp) == [0, 1, 2, 574, 575, 576, 1149, 1150, 1151, 1724, 1725, 1726]
+    shapes = {s: (sc.ws_short, sc.ws_long, sc.global_batch, len(sc.mtp_weights))
+              for s, sc in ((s, tg.schedule_at(s, hp)) for s in range(hp.num_iterations))}
+    starts = tg.variant_starts(hp)
+    assert len({shapes[s] for s in starts}) == len(starts)           # each start is a new variant
+    assert {shapes[s] for s in starts} == set(shapes.values())       # and every step has one
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4, 8])
+def test_split_compile_tasks_deal_every_graph_once(ranks):
+    hp = tg.Hyperparameters()
+    shares = tg.split_compile_tasks(hp, ranks)
+    assert len(shares) == ranks
+    dealt = [task for share in shares for task in share]
+    assert sorted(dealt) == sorted((s, ph) for s in tg.variant_starts(hp) for ph in ("train", "val"))
+    assert max(map(len, shares)) - min(map(len, shares)) <= 1
+    # the longer training graphs are spread first: no rank holds two while another holds none
+    trains = [sum(ph == "train" for _, ph in share) for share in shares]
+    assert max(trains) - min(trains) <= 1
+
+
+def test_isolate_gpu_picks_the_local_ranks_entry():
+    env = {}
+    assert tg.isolate_gpu(2, env) == "2" and env["CUDA_VISIBLE_DEVICES"] == "2"
+    env = {"CUDA_VISIBLE_DEVICES": "4, 5,6,7"}
+    assert tg.isolate_gpu(1, env) == "5" and env["CUDA_VISIBLE_DEVICES"] == "5"
+    env = {"CUDA_VISIBLE_DEVICES": "GPU-aa,GPU-bb"}
+    assert tg.isolate_gpu(1, env) == "GPU-bb"
+    env = {"CUDA_VISIBLE_DEVICES": ""}                               # no GPU: nothing to choose
+    assert tg.isolate_gpu(1, env) is None and env["CUDA_VISIBLE_DEVICES"] == ""
+    with pytest.raises(tg.ConfigError, match="LOCAL_RANK=2 but CUDA_VISIBLE_DEVICES=0,1 lists 2"):
+        tg.isolate_gpu(2, {"CUDA_VISIBLE_DEVICES": "0,1"})
+
+
+def _meta(t):
+    return (tuple(t.shape), t.dtype, t.stride(), t.device.type)
+
+
+class Recorder:
+    """The compiled model's stand-in: records what torch.compile would guard on, then runs the
+    model."""
+
+    def __init__(self, model):
+        self.model, self.calls = model, []
+
+    def __call__(self, inputs, targets, cu_seqlens, ws_short, ws_long, mtp, max_seqlen):
+        m = self.model
+        self.calls.append((_meta(inputs), _meta(targets), _meta(cu_seqlens), ws_short, ws_long,
+                           _meta(mtp), tuple(mtp.tolist()), max_seqlen, m.training,
+                           torch.is_grad_enabled(), m.attn_scale, tuple(m.rotary_omega.tolist()),
+                           m.rotary_cos.double().sum().item()))
+        return m(inputs, targets, cu_seqlens, ws_short, ws_long, mtp, max_seqlen)
+
+
+@pytest.fixture(scope="module")
+def tiny_trainer(tmp_path_factory):
+    train, val = make_dataset(tmp_path_factory.mktemp("data"), train_tokens=60_000)
+    hp = tg.parse_args(["--preset=tiny", f"--train_files={train}", f"--val_files={val}",
+                        "--seed=0"])
+    torch.manual_seed(0)
+    model = tg.build_model(hp, torch.device("cpu"), "sdpa")
+    opt = tg.build_optimizer(hp, model, 0, 1)
+    trainer = tg.Trainer(hp, model, Recorder(model), opt, torch.device("cpu"), 0, 1,
+                         tg.resolve_shards(hp.train_files, "train"),
+                         tg.resolve_shards(hp.val_files, "val"))
+    return hp, trainer
+
+
+def test_compile_alone_calls_the_model_as_the_warmup_does(tiny_trainer):
+    hp, trainer = tiny_trainer
+    rec, model = trainer.compiled, trainer.model
+    starts = tg.variant_starts(hp)
+    assert len(starts) == 4
+    warmup = {}
+    for step in tg.warmup_steps(hp):              # the warmup's own sequence of steps
+        sched = tg.schedule_at(step, hp)
+        change = trainer.advance_schedule(sched)
+        rec.calls.clear()
+        trainer.validate(sched.ws_short, sched.ws_long, max_batches=1)
+        warmup[(step, "val")] = rec.calls[0]
+        rec.calls.clear()
+        trainer.train_step(sched, change)
+        warmup[(step, "train")] = rec.calls[0]
+    assert len({warmup[(s, "train")] for s in starts}) == len(starts)
+
+    for p in model.parameters():
+        p.grad = None
+    trainer.reset_schedule_state()
+    before = tg.snapshot_state(model, trainer.opt)
+    for step in starts:
+        for phase in ("train", "val"):
+            rec.calls.clear()
+            trainer.compile_alone(step, phase)
+            assert rec.calls == [warmup[(step, phase)]], (step, phase)
+    assert any(p.grad is not None for p in model.parameters())
+    # the weights and the optimizer are untouched; the reset brings back the rotary state
+    assert tg.states_equal(tg.snapshot_state(model, trainer.opt), before)
+    trainer.reset_schedule_state()
+    rec.calls.clear()
+    trainer.validate(*dataclasses.astuple(tg.schedule_at(0, hp))[2:4], max_batches=1)
+    assert rec.calls == [warmup[(0, "val")]]
