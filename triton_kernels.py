@@ -104,20 +104,24 @@ def _store_from_fp32(ptrs, x, mask):
 # product, so the output is exactly symmetric whatever the tile shapes (also when BM != BN and tiles
 # straddle the diagonal) and whatever the summation order inside tl.dot.
 
-# Tile ranges: BM in {64, 128}, BN in {64, 128, 256}, BK in {64, 128}. Six configs keep first-call
-# tuning to a few seconds; 128x128x64 is the usual Hopper winner for 768-wide outputs (36 tiles per
-# matrix, 21 computed, so 5 matrices fill most of 132 SMs).
-_SYM_CONFIGS = [
-    triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
-    for bm, bn, bk, w, s in [
-        (128, 128, 64, 8, 3),
-        (128, 128, 128, 8, 3),
-        (64, 128, 64, 4, 4),
-        (64, 64, 64, 4, 4),
-        (128, 64, 64, 4, 4),
-        (128, 256, 64, 8, 3),
-    ]
-]
+# Fixed tiles (BM, BN, BK, warps, stages), no autotuning: autotuning compiled and timed six configs
+# at each of the three shapes at every start (about 20 s on an H200). bench/optimizer_tiles.py timed
+# those six at the shapes Polar Express gives the kernel (1 and 8 GPUs' shares of the banks): 64x64
+# tiles are the fastest or within 1% everywhere except X X^T of the MLP's 768 x 3072 matrices with
+# enough 128x128 tiles to fill the GPU, where 128x128 is 6-14% faster (records/
+# 2026-11-22_startup_1xH200_4xH200/optimizer_tiles.txt).
+_SYM_SMALL_TILES = (64, 64, 64, 4, 4)
+_SYM_LARGE_TILES = (128, 128, 64, 8, 3)
+_SYM_LARGE_MIN_K = 2048
+
+
+def _sym_tiles(M: int, K: int, n_batch: int, device: torch.device) -> tuple[int, ...]:
+    """The tiles for n_batch (M, K) inputs: 128x128 for long rows whose tiles fill every SM."""
+    bm = _SYM_LARGE_TILES[0]
+    if K >= _SYM_LARGE_MIN_K and (M + bm - 1) // bm * ((M + bm - 1) // bm) * n_batch >= \
+            _num_programs_persistent(device):
+        return _SYM_LARGE_TILES
+    return _SYM_SMALL_TILES
 
 
 @triton.jit
@@ -179,9 +183,6 @@ def _sym_aat_kernel(a_ptr, out_ptr, M, K, stride_ab, stride_am, stride_ak, strid
              mask=tl.trans(keep_mirror))
 
 
-_sym_aat_kernel_tuned = triton.autotune(configs=_SYM_CONFIGS,
-                                        key=["M", "K", "ADD_BA"])(_sym_aat_kernel)
-
 # Interpreter tiles (CPU tests): small, with BM != BN so straddling tiles and the K tail are
 # exercised.
 _SYM_INTERPRETER_TILES = (16, 32, 16)
@@ -192,8 +193,8 @@ def _launch_sym_aat(A: Tensor, b: float, c: float, add_ba: bool,
     """Shared launcher of sections 1 and 2: A (M, K) or (B, M, K), any strides -> new contiguous
     (..., M, M).
 
-    tiles=(BM, BN, BK) fixes the tiles (tests); None autotunes on CUDA and uses
-    _SYM_INTERPRETER_TILES elsewhere."""
+    tiles=(BM, BN, BK) fixes the tiles (tests); None: _sym_tiles on CUDA, _SYM_INTERPRETER_TILES
+    elsewhere."""
     _check(A.ndim in (2, 3), f"expected A of shape (M, K) or (B, M, K), got {tuple(A.shape)}")
     _check_dtype("A", A)
     A3 = A if A.ndim == 3 else A.unsqueeze(0)
@@ -204,13 +205,13 @@ def _launch_sym_aat(A: Tensor, b: float, c: float, add_ba: bool,
     out = torch.empty((n_batch, M, M), dtype=A.dtype, device=A.device)
     args = (A3, out, M, K, *A3.stride(), *out.stride(), float(b), float(c))
     if tiles is None and A.is_cuda:
-        def grid(meta):
-            return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(M, meta["BLOCK_N"]), n_batch)
-        wrap_triton(_sym_aat_kernel_tuned)[grid](*args, ADD_BA=add_ba)
+        bm, bn, bk, warps, stages = _sym_tiles(M, K, n_batch, A.device)
+        launch = dict(num_warps=warps, num_stages=stages)
     else:
-        bm, bn, bk = tiles or _SYM_INTERPRETER_TILES
-        grid = (triton.cdiv(M, bm) * triton.cdiv(M, bn), n_batch)
-        wrap_triton(_sym_aat_kernel)[grid](*args, ADD_BA=add_ba, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+        (bm, bn, bk), launch = tiles or _SYM_INTERPRETER_TILES, {}
+    grid = (triton.cdiv(M, bm) * triton.cdiv(M, bn), n_batch)
+    wrap_triton(_sym_aat_kernel)[grid](*args, ADD_BA=add_ba, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                                       **launch)
     return out if A.ndim == 3 else out.squeeze(0)
 
 

@@ -32,7 +32,8 @@ commands:
                      start-up times: NS (default 30) + 3 steps three times with torch's caches in $OUT/startup_cache:
                      cold (no caches, no compile cache file), second (everything kept), fresh (only the compile cache
                      file, as on a new node); each run's start-up lines and compile summary, then its time per step.
-                     SAMPLE=1 runs the second one under bench/stack_sampler.py (one GPU only)
+                     RUNS picks some of them (default "cold second fresh"); SAMPLE=1 runs the second one under
+                     bench/stack_sampler.py (one GPU only)
 
 OPTIONs are train_gpt.py's --name=value and go to every training run. Each step's output is kept in $OUT (default
 ./out), with the training logs; the console gets a summary. The exit status is the first failed step's.
@@ -42,7 +43,7 @@ environment:
   DATA      synthetic shards (default /tmp/syn_bench), made with `data/synthetic.py --preset=bench` unless it holds
             a val shard; give another folder rather than one with shards of other sizes
   NPROC     GPUs to use (./run.sh's default: all of them, if their count divides 8)
-  NS, BACKENDS, CHECKS   see the commands
+  NS, BACKENDS, CHECKS, RUNS, SAMPLE   see the commands
   LIMIT_S   a time limit in seconds for each step (default none)
 
 example: the attention tests, then a FlexAttention run
@@ -181,7 +182,7 @@ case "$command" in
     export TORCHINDUCTOR_CACHE_DIR="$cache/inductor" TRITON_CACHE_DIR="$cache/triton"
     opts=(--num_scheduled_iterations="${NS:-30}" --num_extension_iterations=3 --val_loss_every=0
           --compile_cache="$cache/compile_cache.bin" "$@")
-    for run in cold second fresh; do
+    for run in ${RUNS:-cold second fresh}; do
       [ "$run" = fresh ] && rm -rf "$cache/inductor" "$cache/triton"
       if [ "$run" = second ] && [ -n "${SAMPLE:-}" ]; then
         mkdir -p "$OUT/second"

@@ -186,11 +186,11 @@ def _sm90_cases():
                "K": "i32", "stride_am": "i32", "stride_bn": "i32", "stride_pm": "i32", "stride_om": "i32"}
     ce_consts = {"A": tk.SOFTCAP_A, "B": tk.SOFTCAP_B, "C": tk.SOFTCAP_C, "BLOCK": tk._CE_BLOCK}
     cases = []
-    for cfg in tk._SYM_CONFIGS:  # the largest-tile configs are the ones at risk of running out of shared memory
-        if cfg.kwargs["BLOCK_M"] * cfg.kwargs["BLOCK_N"] >= 128 * 128:
-            opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
-            cases.append(("sym", tk._sym_aat_kernel, sym_sig, {"ADD_BA": True, **cfg.kwargs}, opts,
-                          ("stride_ak", "stride_on"), ("a_ptr", "out_ptr", "M", "K", "stride_ab", "stride_am", "stride_ob", "stride_om")))
+    for bm, bn, bk, warps, stages in (tk._SYM_SMALL_TILES, tk._SYM_LARGE_TILES):
+        tiles = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}
+        cases.append(("sym", tk._sym_aat_kernel, sym_sig, {"ADD_BA": True, **tiles},
+                      {"num_warps": warps, "num_stages": stages}, ("stride_ak", "stride_on"),
+                      ("a_ptr", "out_ptr", "M", "K", "stride_ab", "stride_am", "stride_ob", "stride_om")))
     for cfg in tk._MLP_CONFIGS:
         opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
         for backward in (False, True):
@@ -262,3 +262,15 @@ def test_kernels_compile_for_h100_without_fp64(case):
         stages = opts["num_stages"]
         tile_bytes = 2 * consts["BLOCK_K"] * (consts["BLOCK_M"] + consts["BLOCK_N"])
         assert compiled.metadata.shared >= (stages - 1) * tile_bytes, f"{name}: K loop not pipelined"
+
+
+def test_sym_tiles_follow_the_measured_rule(monkeypatch):
+    """bench/optimizer_tiles.py on an H200: 128x128 tiles win only for X X^T of 768 x 3072 matrices when their
+    128x128 tiles fill the SMs; 64x64 everywhere else."""
+    monkeypatch.setattr(tk, "_num_programs_persistent", lambda device: 132)
+    gpu = torch.device("cuda")
+    assert tk._sym_tiles(768, 3072, 40, gpu) == tk._SYM_LARGE_TILES
+    assert tk._sym_tiles(768, 3072, 4, gpu) == tk._SYM_LARGE_TILES        # 36 tiles each: 144 >= 132
+    assert tk._sym_tiles(768, 3072, 3, gpu) == tk._SYM_SMALL_TILES        # 108 < 132
+    assert tk._sym_tiles(768, 768, 40, gpu) == tk._SYM_SMALL_TILES        # short rows
+    assert tk._sym_tiles(768, 2047, 40, gpu) == tk._SYM_SMALL_TILES
