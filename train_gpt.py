@@ -3985,8 +3985,6 @@ def train(hp: Hyperparameters, argv_text: str, stops: StopSignals | None = None)
                                                                   # micro-batch, optimizer
             book.after_step(step + 1, loss, sched)                # NaN guard, step line,
                                                                   # checkpoint, stop signals
-        if run.compile_cache is not None and run.rank == 0:       # again, now with the final
-            run.log(save_compile_cache(*run.compile_cache))       # validation's graph
         return book.finish(val_loss)
 
 
