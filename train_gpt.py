@@ -3456,22 +3456,33 @@ def launch_environment() -> tuple[int, int, int]:
     return rank, world_size, local_rank
 
 
-def isolate_gpu(local_rank: int, env: dict[str, str] = os.environ) -> str | None:
+def isolate_gpu(local_rank: int, env: dict[str, str] = os.environ,
+                count_gpus: Callable[[], int] = torch.cuda.device_count) -> str | None:
     """Before CUDA starts, let this process see only its own GPU (the LOCAL_RANK-th of those
     visible), which it then calls cuda:0. torch's compile caches key on the device index: with
     every rank on cuda:0 the ranks share what each compiles, and a saved compile cache serves every
-    rank. Returns the CUDA_VISIBLE_DEVICES entry chosen; None where nothing was changed (CUDA
-    already started, or no GPU visible)."""
+    rank. Returns the CUDA_VISIBLE_DEVICES entry chosen; None where nothing changed (no GPU, or
+    CUDA already started: then cuda:LOCAL_RANK as usual).
+    count_gpus: torch.cuda.device_count, which reads the GPUs through NVML without starting CUDA
+    and honours CUDA_VISIBLE_DEVICES."""
     visible = env.get("CUDA_VISIBLE_DEVICES")
     if torch.cuda.is_initialized() or (visible is not None and not visible.strip()):
         return None
+    count = count_gpus()
+    if count == 0:
+        return None
+    if local_rank >= count:
+        raise ConfigError(f"LOCAL_RANK={local_rank} but {count} GPU(s) are visible: start one "
+                          "process per GPU (./run.sh does), or check CUDA_VISIBLE_DEVICES")
     entries = ([e.strip() for e in visible.split(",")] if visible is not None
-               else [str(i) for i in range(local_rank + 1)])
-    if local_rank >= len(entries):
-        raise ConfigError(f"LOCAL_RANK={local_rank} but CUDA_VISIBLE_DEVICES={visible} lists "
-                          f"{len(entries)} GPU(s): start one process per GPU (./run.sh does), or "
-                          "list more GPUs")
+               else [str(i) for i in range(count)])
     env["CUDA_VISIBLE_DEVICES"] = entries[local_rank]
+    if count_gpus() != 1:    # CUDA had started (no NVML) and read the variable already: undo
+        if visible is None:
+            del env["CUDA_VISIBLE_DEVICES"]
+        else:
+            env["CUDA_VISIBLE_DEVICES"] = visible
+        return None
     return entries[local_rank]
 
 
@@ -3488,10 +3499,7 @@ def setup_distributed(hp: Hyperparameters) -> tuple[int, int, int, torch.device]
     gpu = isolate_gpu(local_rank) if world_size > 1 and hp.device != "cpu" else None
     want_cuda = hp.device == "cuda" or (hp.device == "auto" and torch.cuda.is_available())
     if want_cuda and not torch.cuda.is_available():
-        raise ConfigError(f"LOCAL_RANK={local_rank} has no GPU (CUDA_VISIBLE_DEVICES={gpu} shows "
-                          "none): start one process per GPU (./run.sh does), or check "
-                          "nvidia-smi" if gpu is not None else
-                          "--device=cuda but no CUDA GPU is visible: check nvidia-smi, "
+        raise ConfigError("--device=cuda but no CUDA GPU is visible: check nvidia-smi, "
                           "or run with --device=cpu")
     if gpu is None and want_cuda and local_rank >= torch.cuda.device_count():
         raise ConfigError(f"LOCAL_RANK={local_rank} but {torch.cuda.device_count()} GPU(s) are "

@@ -128,16 +128,16 @@ def test_table_rows_and_summary():
             row(1, phase="train", seconds=52.0, cache="miss",
                 reason="0/0: GLOBAL_STATE changed: grad_mode"),
             row(1, backward=True, phase="train", seconds=30.5, cache="hit", reason="backward"),
-            row(2, graph="_quantize_act_with_a_long_name", step=12, phase="train", seconds=0.44,
+            row(2, graph="_quantize_act_with_a_long_name", step=12, phase="train*", seconds=0.44,
                 reason=size * 3)]
     lines = tg.compile_table(rows)
     assert lines == [
-        "  # id     graph                step phase    sec cache reason",
-        "  1 0/0    forward                 0 val     41.2 miss  first",
-        "  2 0/1    forward                 0 train   52.0 miss  "
+        "  # id     graph                step phase     sec cache reason",
+        "  1 0/0    forward                 0 val      41.2 miss  first",
+        "  2 0/1    forward                 0 train    52.0 miss  "
         "0/0: GLOBAL_STATE changed: grad_mode",
-        "  3 0/1    forward (bw)            0 train   30.5 hit   backward",
-        "  4 0/2    _quantize_act_wit...   12 train    0.4 -     " + size + "0/1: tenso...",
+        "  3 0/1    forward (bw)            0 train    30.5 hit   backward",
+        "  4 0/2    _quantize_act_wit...   12 train*    0.4 -     " + size + "0/1: tenso...",
     ]
     assert len(lines[4]) == len(lines[1]) - len("first") + 90
     assert tg.compile_summary(rows, 200.0, 7, 3.25, 4) == (

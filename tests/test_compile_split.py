@@ -38,17 +38,39 @@ def test_split_compile_tasks_deal_every_graph_once(ranks):
     assert max(trains) - min(trains) <= 1
 
 
+def _machine(gpus, cuda_started=False):
+    """A stand-in for torch.cuda.device_count on a machine with `gpus` GPUs: like NVML it honours
+    CUDA_VISIBLE_DEVICES, unless CUDA had already started (then the count it started with)."""
+    def count(env):
+        visible = env.get("CUDA_VISIBLE_DEVICES")
+        if cuda_started or visible is None:
+            return gpus
+        return len([e for e in visible.split(",") if e.strip()])
+    return count
+
+
 def test_isolate_gpu_picks_the_local_ranks_entry():
+    def isolate(rank, env, **machine):
+        return tg.isolate_gpu(rank, env, lambda: _machine(**machine)(env))
+
     env = {}
-    assert tg.isolate_gpu(2, env) == "2" and env["CUDA_VISIBLE_DEVICES"] == "2"
+    assert isolate(2, env, gpus=4) == "2" and env["CUDA_VISIBLE_DEVICES"] == "2"
     env = {"CUDA_VISIBLE_DEVICES": "4, 5,6,7"}
-    assert tg.isolate_gpu(1, env) == "5" and env["CUDA_VISIBLE_DEVICES"] == "5"
+    assert isolate(1, env, gpus=8) == "5" and env["CUDA_VISIBLE_DEVICES"] == "5"
     env = {"CUDA_VISIBLE_DEVICES": "GPU-aa,GPU-bb"}
-    assert tg.isolate_gpu(1, env) == "GPU-bb"
+    assert isolate(1, env, gpus=8) == "GPU-bb"
     env = {"CUDA_VISIBLE_DEVICES": ""}                               # no GPU: nothing to choose
-    assert tg.isolate_gpu(1, env) is None and env["CUDA_VISIBLE_DEVICES"] == ""
-    with pytest.raises(tg.ConfigError, match="LOCAL_RANK=2 but CUDA_VISIBLE_DEVICES=0,1 lists 2"):
-        tg.isolate_gpu(2, {"CUDA_VISIBLE_DEVICES": "0,1"})
+    assert isolate(1, env, gpus=8) is None and env["CUDA_VISIBLE_DEVICES"] == ""
+    env = {}
+    assert isolate(1, env, gpus=0) is None and env == {}             # a machine without GPUs
+    env = {}                                                         # too late: left as it was
+    assert isolate(1, env, gpus=4, cuda_started=True) is None and env == {}
+    env = {"CUDA_VISIBLE_DEVICES": "2,3"}
+    assert isolate(1, env, gpus=4, cuda_started=True) is None and env["CUDA_VISIBLE_DEVICES"] == "2,3"
+    with pytest.raises(tg.ConfigError, match="LOCAL_RANK=2 but 2 GPU"):   # more processes than GPUs
+        isolate(2, {"CUDA_VISIBLE_DEVICES": "0,1"}, gpus=8)
+    with pytest.raises(tg.ConfigError, match="LOCAL_RANK=4 but 4 GPU"):
+        isolate(4, {}, gpus=4)
 
 
 def _meta(t):
