@@ -215,9 +215,12 @@ class Hyperparameters:
                                            # (compiled with the model on a GPU), so an edit
                                            # to them takes effect (README: Tweaking)
     warmup: bool = True                    # compile every schedule variant before the clock starts
-    compile_split: bool = True             # with several GPUs, each rank first compiles its share
-                                           # of the variants alone; the warmup then loads the
-                                           # rest from torch's on-disk caches, shared on a node
+    compile_split: bool = True             # each GPU's processes first compile their share of
+                                           # the variants alone; the warmup then loads the rest
+                                           # from torch's on-disk caches, shared on a node
+    compile_helpers: int = -1              # helper processes per GPU that compile a share of
+                                           # the split beside its rank (-1: auto, at most 3,
+                                           # fewer with more GPUs; 0: none)
     device: str = "auto"                   # auto | cuda | cpu
     seed: int = -1                         # -1: unseeded init, like the record;
                                            # else torch.manual_seed(seed)
@@ -2435,6 +2438,8 @@ def validate_hyperparameters(hp: Hyperparameters, world_size: int) -> None:
                  "nonfinite_check_every", "checkpoint_every", "train_loss_every", "lr_min",
                  "adam_lr", "adam_wd", "muon_lr", "muon_wd", "yarn_alpha"):
         need(getattr(hp, name) >= 0, f"--{name}={getattr(hp, name)} must be >= 0")
+    need(hp.compile_helpers >= -1, f"--compile_helpers={hp.compile_helpers} must be -1 (auto), "
+         "0 (none) or a count")
     need(len(hp.fp8_scales) == 3 and all(v > 0 for v in hp.fp8_scales),
          f"--fp8_scales={_show(hp.fp8_scales)} needs 3 positive scales (x, w, grad)")
     need(len(hp.stages) >= 1, "--stages needs at least one stage")
@@ -3073,9 +3078,8 @@ CHECKPOINT_NAME = re.compile(r"state_step(\d{6,})(?:_rank(\d+))?\.pt")
 # other option must equal the checkpoint's, and so must what these resolve to (see run_facts).
 RUN_CONTROL_OPTIONS = frozenset({
     "train_files", "val_files", "val_loss_every", "val_loss_target", "train_loss_every",
-    "dry_run", "device", "attn_backend", "warmup", "compile_split", "run_id", "log_dir",
-    "save_checkpoint",
-    "checkpoint_every", "checkpoint_keep", "resume", "nonfinite_check_every", "pg_timeout_s",
+    "dry_run", "device", "attn_backend", "warmup", "compile_split", "compile_helpers", "run_id",
+    "log_dir", "save_checkpoint", "checkpoint_every", "checkpoint_keep", "resume", "nonfinite_check_every", "pg_timeout_s",
     "profile_steps", "debug", "compile_cache"})
 
 
@@ -3223,13 +3227,25 @@ def warmup_steps(hp: Hyperparameters) -> list[int]:
     return sorted(s for s in steps if 0 <= s < hp.num_iterations)
 
 
-def split_compile_tasks(hp: Hyperparameters, ranks: int) -> list[list[tuple[int, str]]]:
-    """What each of `ranks` ranks of one machine compiles alone before the warmup: (variant start,
-    "train" or "val") pairs, dealt round-robin, the longer training graphs (forward and backward)
-    first. With 4 variants, 4 ranks each take both graphs of one variant; 8 ranks one graph each."""
+def split_compile_tasks(hp: Hyperparameters, workers: int) -> list[list[tuple[int, str]]]:
+    """What each of `workers` processes of one machine compiles alone before the warmup: (variant
+    start, "train" or "val") pairs, dealt round-robin, the longer training graphs (forward and
+    backward) first. With 4 variants, 4 workers each take both graphs of one variant; 8 workers one
+    graph each. Worker w runs on GPU w % ranks: the ranks themselves come first and take the
+    training graphs, their helpers the rest."""
     tasks = ([(s, "train") for s in variant_starts(hp)]
              + [(s, "val") for s in variant_starts(hp)])
-    return [tasks[r::ranks] for r in range(ranks)]
+    return [tasks[w::workers] for w in range(workers)]
+
+
+def split_processes_per_gpu(hp: Hyperparameters, ranks: int) -> int:
+    """How many processes compile on each GPU in the split: its rank and --compile_helpers
+    helpers. Auto: one graph per process where that needs at most 4 per GPU (1 GPU: 4, each with a
+    variant's two graphs; 4 GPUs: 2; 8 GPUs: 1, the ranks alone)."""
+    if hp.compile_helpers >= 0:
+        return 1 + hp.compile_helpers
+    graphs = 2 * len(variant_starts(hp))
+    return max(1, min(4, -(-graphs // ranks)))
 
 
 class TrainClock:
@@ -3770,10 +3786,12 @@ def warmup_and_reset(trainer: Trainer, run: Run) -> None:
     initial = snapshot_state(model, opt)
     steps = warmup_steps(trainer.hp)
     compile_log = CompileLog(run.compiling, eager_autotuners(tk))
-    split = run.compiling and trainer.hp.compile_split and run.world_size > 1
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", run.world_size))   # GPUs of this machine
+    split = (run.compiling and trainer.hp.compile_split
+             and ranks * split_processes_per_gpu(trainer.hp, ranks) > 1)
     with compile_log.recording():
         if split:
-            compile_split(trainer, run, compile_log, t0)
+            compile_split(trainer, run, ranks, compile_log, t0)
         run.log(f"warmup: compiling on steps {steps}")
         for i, step in enumerate(steps):
             sched = schedule_at(step, trainer.hp)
@@ -3802,25 +3820,114 @@ def warmup_and_reset(trainer: Trainer, run: Run) -> None:
             "(state reset and checked)")
 
 
-def compile_split(trainer: Trainer, run: Run, compile_log: CompileLog, t0: float) -> None:
-    """Each rank of this machine compiles its share of the variants (split_compile_tasks) alone and
-    at the same time as the others; torch writes each graph to its on-disk caches, which the ranks
-    of a machine share (the same code on cuda:0 everywhere, isolate_gpu), so the warmup that
-    follows loads instead of compiling. Leaves the weights, gradients and schedule state as it
-    found them."""
-    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", run.world_size))
-    shares = split_compile_tasks(trainer.hp, ranks)
-    run.log(f"warmup: {ranks} ranks compile their share alone first (rank 0: "
-            f"{', '.join(f'{ph} of step {s}' for s, ph in shares[0]) or 'nothing'})")
-    for step, phase in shares[run.rank % ranks]:
-        with compile_log.during(step, f"{phase}*"):
-            trainer.compile_alone(step, phase)
+def compile_split(trainer: Trainer, run: Run, ranks: int, compile_log: CompileLog,
+                  t0: float) -> None:
+    """Each GPU's processes (its rank and the rank's helpers) compile their share of the variants
+    (split_compile_tasks) alone and at the same time; torch writes each graph to its on-disk
+    caches, which every process of a machine shares (the same code on cuda:0 everywhere,
+    isolate_gpu), so the warmup that follows loads instead of compiling. Compiling is mostly
+    single-threaded Python, so even one GPU gains from several processes. Leaves the weights,
+    gradients and schedule state as it found them."""
+    hp = trainer.hp
+    per_gpu = split_processes_per_gpu(hp, ranks)
+    shares = split_compile_tasks(hp, ranks * per_gpu)
+    local = run.rank % ranks
+    mine, theirs = shares[local], [share for share in shares[local + ranks::ranks] if share]
+    run.log(f"warmup: {ranks} rank(s), {per_gpu} process(es) per GPU, compile a share alone "
+            f"first (rank 0: {describe_share(mine)}"
+            + "".join(f"; helper {i + 1}: {describe_share(sh)}" for i, sh in enumerate(theirs))
+            + ")")
+    helpers = [CompileHelper(trainer, share) for share in theirs]
+    try:
+        for step, phase in mine:
+            with compile_log.during(step, f"{phase}*"):
+                trainer.compile_alone(step, phase)
+        for i, helper in enumerate(helpers):
+            run.log(f"  helper {i + 1}: {helper.wait()}")
+    finally:
+        for helper in helpers:
+            helper.stop()
     for p in trainer.model.parameters():
         p.grad = None
     trainer.reset_schedule_state()
     run.sync()
-    dist.barrier()
-    run.log(f"  shares compiled on every rank at {time.perf_counter() - t0:.1f}s")
+    if run.world_size > 1:
+        dist.barrier()
+    run.log(f"  shares compiled on every GPU at {time.perf_counter() - t0:.1f}s")
+
+
+def describe_share(share: list[tuple[int, str]]) -> str:
+    return ", ".join(f"{phase} of step {step}" for step, phase in share) or "nothing"
+
+
+class CompileHelper:
+    """A process beside a rank that compiles a share of the split on the rank's GPU
+    (compile_helper_main). It starts fresh (spawn), builds the same model, and reports its time
+    and peak memory, or its error, through a pipe. A helper that fails costs nothing but time:
+    the warmup compiles whatever is not in the caches."""
+
+    def __init__(self, trainer: Trainer, share: list[tuple[int, str]], compile: bool = True):
+        import multiprocessing
+        ctx = multiprocessing.get_context("spawn")
+        self.reader, writer = ctx.Pipe(duplex=False)
+        t = trainer
+        self.process = ctx.Process(
+            target=compile_helper_main, name="compile-helper",
+            args=(writer, t.hp, t.device, t.model.cfg.attn_backend, t.rank, t.world_size,
+                  t.train_files, t.val_files, share, compile))
+        self.process.start()
+        writer.close()      # the child holds the only writer: its exit ends the pipe
+
+    def wait(self) -> str:
+        """Block until the helper is done; one line saying how it went."""
+        try:
+            result = self.reader.recv()
+        except EOFError:    # it died without a word (killed, out of memory)
+            result = None
+        self.process.join()
+        if result is None:
+            return (f"failed (exit code {self.process.exitcode}); the warmup compiles its "
+                    "graphs")
+        if "error" in result:
+            return f"failed ({result['error']}); the warmup compiles its graphs"
+        return (f"done in {result['seconds']:.1f}s, peak memory reserved "
+                f"{result['peak_bytes'] / 2**20:,.0f} MiB")
+
+    def stop(self) -> None:
+        if self.process.is_alive():
+            self.process.terminate()
+        self.process.join()
+        self.reader.close()
+
+
+def compile_helper_main(report: Any, hp: Hyperparameters, device: torch.device,
+                        attn_backend: str, rank: int, world_size: int, train_files: list[str],
+                        val_files: list[str], share: list[tuple[int, str]],
+                        compile: bool = True) -> None:
+    """A CompileHelper's process: the rank's model, built again on the rank's GPU with the same
+    compiler settings, runs `share` through Trainer.compile_alone (so its graphs are exactly the
+    rank's), then the process sends {seconds, peak_bytes} or {error} and ends. No optimizer and no
+    process group: compile_alone needs neither."""
+    t0 = time.perf_counter()
+    try:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        model = build_model(hp, device, attn_backend)
+        compiled = model
+        if compile:
+            configure_compiler()
+            compiled = torch.compile(model, dynamic=False, fullgraph=True)
+        trainer = Trainer(hp, model, compiled, None, device, rank, world_size, train_files,
+                          val_files)
+        for step, phase in share:
+            trainer.compile_alone(step, phase)
+        peak = torch.cuda.max_memory_reserved(device) if device.type == "cuda" else 0
+        result = {"seconds": time.perf_counter() - t0, "peak_bytes": peak}
+    except BaseException as e:  # Ctrl-C too: the rank reports it, the helper leaves quietly
+        result = {"error": f"{type(e).__name__}: {e}"}
+    with contextlib.suppress(OSError):
+        report.send(result)
+    report.close()
 
 
 class Bookkeeping:

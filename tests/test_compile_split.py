@@ -5,6 +5,7 @@ arguments, mode and rotary state: what torch.compile guards on and keys its cach
 every rank names its GPU cuda:0 (isolate_gpu). Both are checked here on a CPU, where the model runs
 uncompiled and a recorder stands in for the compiled callable."""
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -25,15 +26,35 @@ def test_variant_starts_and_warmup_steps_of_the_record_schedule():
     assert {shapes[s] for s in starts} == set(shapes.values())       # and every step has one
 
 
-@pytest.mark.parametrize("ranks", [1, 2, 3, 4, 8])
-def test_split_compile_tasks_deal_every_graph_once(ranks):
+@pytest.mark.parametrize("ranks, helpers, per_gpu", [(1, -1, 4), (2, -1, 4), (4, -1, 2), (8, -1, 1),
+                                                      (1, 0, 1), (4, 0, 1), (1, 7, 8)])
+def test_processes_per_gpu(ranks, helpers, per_gpu):
+    hp = tg.Hyperparameters(compile_helpers=helpers)
+    assert tg.split_processes_per_gpu(hp, ranks) == per_gpu
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 4, 8])
+def test_the_ranks_take_the_training_graphs(ranks):
     hp = tg.Hyperparameters()
-    shares = tg.split_compile_tasks(hp, ranks)
-    assert len(shares) == ranks
+    per_gpu = tg.split_processes_per_gpu(hp, ranks)
+    shares = tg.split_compile_tasks(hp, ranks * per_gpu)
+    def trains(share):
+        return sum(ph == "train" for _, ph in share)
+    for rank in range(ranks):
+        for helper in shares[rank + ranks::ranks]:   # the helpers of the rank's GPU
+            assert trains(helper) <= trains(shares[rank]) and len(helper) <= len(shares[rank])
+    assert all(trains(shares[r]) for r in range(min(ranks, len(tg.variant_starts(hp)))))
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3, 4, 8])
+def test_split_compile_tasks_deal_every_graph_once(workers):
+    hp = tg.Hyperparameters()
+    shares = tg.split_compile_tasks(hp, workers)
+    assert len(shares) == workers
     dealt = [task for share in shares for task in share]
     assert sorted(dealt) == sorted((s, ph) for s in tg.variant_starts(hp) for ph in ("train", "val"))
     assert max(map(len, shares)) - min(map(len, shares)) <= 1
-    # the longer training graphs are spread first: no rank holds two while another holds none
+    # the longer training graphs are spread first: no worker holds two while another holds none
     trains = [sum(ph == "train" for _, ph in share) for share in shares]
     assert max(trains) - min(trains) <= 1
 
@@ -140,3 +161,23 @@ def test_compile_alone_calls_the_model_as_the_warmup_does(tiny_trainer):
     rec.calls.clear()
     trainer.validate(*dataclasses.astuple(tg.schedule_at(0, hp))[2:4], max_batches=1)
     assert rec.calls == [warmup[(0, "val")]]
+
+
+def test_compile_helper_processes_report_back(tiny_trainer, tmp_path):
+    """A helper is a fresh process that builds the model again and runs its share through
+    compile_alone (uncompiled on a CPU): it reports its time, or its error as one line, which the
+    rank logs; a failure is not fatal (the warmup compiles what is missing)."""
+    hp, trainer = tiny_trainer
+    ok = tg.CompileHelper(trainer, [(0, "train"), (0, "val")], compile=False)
+    missing = tg.Trainer(hp, trainer.model, trainer.compiled, None, trainer.device, 0, 1,
+                         [str(tmp_path / "gone.bin")], trainer.val_files)
+    bad = tg.CompileHelper(missing, [(0, "train")], compile=False)
+    try:
+        assert re.fullmatch(r"done in \d+\.\ds, peak memory reserved 0 MiB", ok.wait())
+        line = bad.wait()
+        assert line.startswith("failed (") and "gone.bin" in line and "\n" not in line
+        assert line.endswith("the warmup compiles its graphs")
+    finally:
+        ok.stop()
+        bad.stop()
+    assert ok.process.exitcode == 0
