@@ -3826,8 +3826,9 @@ def compile_split(trainer: Trainer, run: Run, ranks: int, compile_log: CompileLo
     (split_compile_tasks) alone and at the same time; torch writes each graph to its on-disk
     caches, which every process of a machine shares (the same code on cuda:0 everywhere,
     isolate_gpu), so the warmup that follows loads instead of compiling. Compiling is mostly
-    single-threaded Python, so even one GPU gains from several processes. Leaves the weights,
-    gradients and schedule state as it found them."""
+    single-threaded Python, so even one GPU gains from several processes; they take turns to run
+    (GpuTurns). Leaves the weights, gradients and schedule state as it found them."""
+    import tempfile
     hp = trainer.hp
     per_gpu = split_processes_per_gpu(hp, ranks)
     shares = split_compile_tasks(hp, ranks * per_gpu)
@@ -3837,18 +3838,21 @@ def compile_split(trainer: Trainer, run: Run, ranks: int, compile_log: CompileLo
             f"first (rank 0: {describe_share(mine)}"
             + "".join(f"; helper {i + 1}: {describe_share(sh)}" for i, sh in enumerate(theirs))
             + ")")
-    helpers = [CompileHelper(trainer, share) for share in theirs]
-    try:
-        for step, phase in mine:
-            with compile_log.during(step, f"{phase}*"):
-                trainer.compile_alone(step, phase)
-        for i, helper in enumerate(helpers):
-            run.log(f"  helper {i + 1}: {helper.wait()}")
-    finally:
-        for helper in helpers:
-            helper.stop()
-    for p in trainer.model.parameters():
-        p.grad = None
+    with tempfile.TemporaryDirectory(prefix="compile_split_") as folder:
+        turns = GpuTurns(Path(folder) / "gpu.lock", trainer.device)
+        helpers = [CompileHelper(trainer, share, Path(folder) / f"helper{i + 1}", turns.path)
+                   for i, share in enumerate(theirs)]
+        try:
+            with turns.taken_after_compiling():
+                for step, phase in mine:
+                    with compile_log.during(step, f"{phase}*"):
+                        trainer.compile_alone(step, phase)
+                    turns.give(trainer.model)
+            for i, helper in enumerate(helpers):
+                run.log(f"  helper {i + 1}: {helper.wait()}")
+        finally:
+            for helper in helpers:
+                helper.stop()
     trainer.reset_schedule_state()
     run.sync()
     if run.world_size > 1:
@@ -3860,74 +3864,126 @@ def describe_share(share: list[tuple[int, str]]) -> str:
     return ", ".join(f"{phase} of step {step}" for step, phase in share) or "nothing"
 
 
-class CompileHelper:
-    """A process beside a rank that compiles a share of the split on the rank's GPU
-    (compile_helper_main). It starts fresh (spawn), builds the same model, and reports its time
-    and peak memory, or its error, through a pipe. A helper that fails costs nothing but time:
-    the warmup compiles whatever is not in the caches."""
+class GpuTurns:
+    """The processes of one GPU in the split compile at the same time but run one at a time. A
+    process takes the turn (an flock on a file they share) when one of its compilations ends, since
+    running the graph is what follows, and gives it back after its task, with the task's memory
+    freed. So the split needs about one training micro-batch of GPU memory (45 GiB at the record's
+    sizes on one GPU), not one per process, and inductor times its autotuning candidates without
+    another process's kernels on the GPU."""
 
-    def __init__(self, trainer: Trainer, share: list[tuple[int, str]], compile: bool = True):
-        import multiprocessing
-        ctx = multiprocessing.get_context("spawn")
-        self.reader, writer = ctx.Pipe(duplex=False)
+    def __init__(self, path: Path, device: torch.device):
+        import fcntl
+        self.path, self.device, self._flock = path, device, fcntl
+        self.file = open(path, "a+b")
+        self.held = False
+
+    def take(self, *_: Any) -> None:
+        if not self.held:
+            self._flock.flock(self.file, self._flock.LOCK_EX)
+            self.held = True
+
+    def give(self, model: nn.Module) -> None:
+        for p in model.parameters():
+            p.grad = None
+        if self.held:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+                torch.cuda.empty_cache()
+            self._flock.flock(self.file, self._flock.LOCK_UN)
+            self.held = False
+
+    @contextlib.contextmanager
+    def taken_after_compiling(self) -> Iterator[None]:
+        """Take the turn at the end of every compilation (torch's callback, CompileLog's hook)."""
+        from torch._dynamo.callback import callback_handler
+        callback_handler.register_end_callback(self.take)
+        try:
+            yield
+        finally:
+            callback_handler.remove_end_callback(self.take)
+            self.file.close()     # an flock still held goes with it
+
+
+# The variable that makes `python train_gpt.py` a compile helper: the path of its task file.
+COMPILE_HELPER_ENV = "TRAIN_GPT_COMPILE_HELPER"
+
+
+class CompileHelper:
+    """A process beside a rank that compiles a share of the split on the rank's GPU. It runs this
+    script again, as __main__ like the rank (torch's cache keys hold the module names of the
+    model's classes, so a multiprocessing child, __mp_main__, would compile graphs the rank cannot
+    load), with a task file instead of options (compile_helper_main). A helper that fails costs
+    nothing but time: the warmup compiles whatever is not in the caches."""
+
+    def __init__(self, trainer: Trainer, share: list[tuple[int, str]], stem: Path, lock: Path,
+                 compile: bool = True):
+        import pickle
+        import subprocess
         t = trainer
-        self.process = ctx.Process(
-            target=compile_helper_main, name="compile-helper",
-            args=(writer, t.hp, t.device, t.model.cfg.attn_backend, t.rank, t.world_size,
-                  t.train_files, t.val_files, share, compile))
-        self.process.start()
-        writer.close()      # the child holds the only writer: its exit ends the pipe
+        self.task, self.result, self.output = (stem.with_suffix(".task"),
+                                               stem.with_suffix(".result"),
+                                               stem.with_suffix(".out"))
+        self.task.write_bytes(pickle.dumps(dict(
+            hp=t.hp, device=str(t.device), attn_backend=t.model.cfg.attn_backend, rank=t.rank,
+            world_size=t.world_size, train_files=t.train_files, val_files=t.val_files,
+            share=share, compile=compile, lock=str(lock), result=str(self.result))))
+        with open(self.output, "wb") as out:
+            self.process = subprocess.Popen(
+                [sys.executable, str(Path(__file__).resolve())], stdout=out,
+                stderr=subprocess.STDOUT, env={**os.environ, COMPILE_HELPER_ENV: str(self.task)})
 
     def wait(self) -> str:
         """Block until the helper is done; one line saying how it went."""
+        import pickle
+        code = self.process.wait()
         try:
-            result = self.reader.recv()
-        except EOFError:    # it died without a word (killed, out of memory)
-            result = None
-        self.process.join()
-        if result is None:
-            return (f"failed (exit code {self.process.exitcode}); the warmup compiles its "
-                    "graphs")
+            result = pickle.loads(self.result.read_bytes())
+        except (OSError, EOFError, pickle.UnpicklingError):
+            lines = self.output.read_text(errors="replace").strip().splitlines()
+            result = {"error": f"exit code {code}" + (f": {lines[-1]}" if lines else "")}
         if "error" in result:
             return f"failed ({result['error']}); the warmup compiles its graphs"
         return (f"done in {result['seconds']:.1f}s, peak memory reserved "
                 f"{result['peak_bytes'] / 2**20:,.0f} MiB")
 
     def stop(self) -> None:
-        if self.process.is_alive():
+        if self.process.poll() is None:
             self.process.terminate()
-        self.process.join()
-        self.reader.close()
+            self.process.wait()
 
 
-def compile_helper_main(report: Any, hp: Hyperparameters, device: torch.device,
-                        attn_backend: str, rank: int, world_size: int, train_files: list[str],
-                        val_files: list[str], share: list[tuple[int, str]],
-                        compile: bool = True) -> None:
+def compile_helper_main(task_path: str) -> int:
     """A CompileHelper's process: the rank's model, built again on the rank's GPU with the same
-    compiler settings, runs `share` through Trainer.compile_alone (so its graphs are exactly the
-    rank's), then the process sends {seconds, peak_bytes} or {error} and ends. No optimizer and no
-    process group: compile_alone needs neither."""
+    compiler settings, runs its share through Trainer.compile_alone (so its graphs are exactly the
+    rank's), taking GPU turns with the rank; it writes {seconds, peak_bytes} or {error} to the
+    result file. No optimizer and no process group: compile_alone needs neither."""
+    import pickle
     t0 = time.perf_counter()
+    task = pickle.loads(Path(task_path).read_bytes())
     try:
+        device = torch.device(task["device"])
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        model = build_model(hp, device, attn_backend)
+        hp = task["hp"]
+        model = build_model(hp, device, task["attn_backend"])
         compiled = model
-        if compile:
+        if task["compile"]:
             configure_compiler()
             compiled = torch.compile(model, dynamic=False, fullgraph=True)
-        trainer = Trainer(hp, model, compiled, None, device, rank, world_size, train_files,
-                          val_files)
-        for step, phase in share:
-            trainer.compile_alone(step, phase)
+        trainer = Trainer(hp, model, compiled, None, device, task["rank"], task["world_size"],
+                          task["train_files"], task["val_files"])
+        turns = GpuTurns(Path(task["lock"]), device)
+        with turns.taken_after_compiling():
+            for step, phase in task["share"]:
+                trainer.compile_alone(step, phase)
+                turns.give(model)
         peak = torch.cuda.max_memory_reserved(device) if device.type == "cuda" else 0
         result = {"seconds": time.perf_counter() - t0, "peak_bytes": peak}
     except BaseException as e:  # Ctrl-C too: the rank reports it, the helper leaves quietly
         result = {"error": f"{type(e).__name__}: {e}"}
-    with contextlib.suppress(OSError):
-        report.send(result)
-    report.close()
+    atomic_write(Path(task["result"]), lambda tmp: tmp.write_bytes(pickle.dumps(result)))
+    return 0 if "seconds" in result else 1
 
 
 class Bookkeeping:
@@ -4169,6 +4225,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run from the command line: one `error: ...` line and an exit code for every failure
     (see EXIT_* above)."""
 
+    if COMPILE_HELPER_ENV in os.environ:   # started by a rank's compile split, not by a user
+        return compile_helper_main(os.environ.pop(COMPILE_HELPER_ENV))
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help", "help") for a in argv):
         print(help_text())

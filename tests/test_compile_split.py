@@ -164,14 +164,17 @@ def test_compile_alone_calls_the_model_as_the_warmup_does(tiny_trainer):
 
 
 def test_compile_helper_processes_report_back(tiny_trainer, tmp_path):
-    """A helper is a fresh process that builds the model again and runs its share through
-    compile_alone (uncompiled on a CPU): it reports its time, or its error as one line, which the
-    rank logs; a failure is not fatal (the warmup compiles what is missing)."""
+    """A helper is this script started again (as __main__, like the rank) with a task file: it
+    builds the model and runs its share through compile_alone (uncompiled on a CPU), then reports
+    its time, or its error as one line, which the rank logs; a failure is not fatal (the warmup
+    compiles what is missing)."""
     hp, trainer = tiny_trainer
-    ok = tg.CompileHelper(trainer, [(0, "train"), (0, "val")], compile=False)
+    lock = tmp_path / "gpu.lock"
+    ok = tg.CompileHelper(trainer, [(0, "train"), (0, "val")], tmp_path / "ok", lock,
+                          compile=False)
     missing = tg.Trainer(hp, trainer.model, trainer.compiled, None, trainer.device, 0, 1,
                          [str(tmp_path / "gone.bin")], trainer.val_files)
-    bad = tg.CompileHelper(missing, [(0, "train")], compile=False)
+    bad = tg.CompileHelper(missing, [(0, "train")], tmp_path / "bad", lock, compile=False)
     try:
         assert re.fullmatch(r"done in \d+\.\ds, peak memory reserved 0 MiB", ok.wait())
         line = bad.wait()
@@ -180,4 +183,27 @@ def test_compile_helper_processes_report_back(tiny_trainer, tmp_path):
     finally:
         ok.stop()
         bad.stop()
-    assert ok.process.exitcode == 0
+    assert ok.process.returncode == 0 and bad.process.returncode == 1
+
+
+def test_gpu_turns_one_process_at_a_time(tmp_path):
+    """The turn is taken when a compilation ends and held until given back; a second holder (another
+    open file, as in another process) waits for it."""
+    import threading
+    model = torch.nn.Linear(2, 2)
+    first = tg.GpuTurns(tmp_path / "gpu.lock", torch.device("cpu"))
+    second = tg.GpuTurns(tmp_path / "gpu.lock", torch.device("cpu"))
+    with first.taken_after_compiling():
+        assert not first.held
+        torch.compile(lambda x: x * 2, backend="eager")(torch.ones(3))
+        assert first.held                       # the compilation's end took it
+        waiter = threading.Thread(target=second.take)
+        waiter.start()
+        waiter.join(timeout=0.5)
+        assert waiter.is_alive() and not second.held
+        model(torch.ones(2)).sum().backward()
+        first.give(model)
+        assert not first.held and model.weight.grad is None
+        waiter.join(timeout=10)
+        assert second.held
+        second.give(model)
