@@ -2888,8 +2888,9 @@ class CompileLog:
 
     The hooks, all present in torch 2.11 to 2.13:
       torch._dynamo.callback_handler        calls us at the start and the end of every compilation
-                                            (a forward; a backward, compiled lazily at its first
-                                            backward) with torch's compile id;
+                                            (a forward; a backward where it is compiled lazily, at
+                                            its first backward: not in our runs, configure_compiler)
+                                            with torch's compile id;
       torch._dynamo.utils.guard_failures    code -> the guard failures of each recompile, recorded
                                             just before the compilation starts;
       torch._dynamo.utils.get_compilation_metrics()   after it: the function's name and the cache
@@ -3035,6 +3036,10 @@ def configure_compiler() -> None:
     # graph that contains one in its autograd cache: every start traces and partitions each
     # training graph again (7-10 s of each 8-10 s cache hit on an H200).
     functorch_config.autograd_cache_allow_custom_autograd_functions = True
+    # A training graph's backward is compiled with its forward instead of at its first backward
+    # (the same code, compiled earlier): in the compile split, a process then holds its GPU turn
+    # only while it runs the graph (GpuTurns).
+    functorch_config.force_non_lazy_backward_lowering = True
 
 
 def eager_autotuners(module: Any) -> list[Any]:
@@ -3867,8 +3872,8 @@ def describe_share(share: list[tuple[int, str]]) -> str:
 class GpuTurns:
     """The processes of one GPU in the split compile at the same time but run one at a time. A
     process takes the turn (an flock on a file they share) when one of its compilations ends, since
-    running the graph is what follows, and gives it back after its task, with the task's memory
-    freed. So the split needs about one training micro-batch of GPU memory (45 GiB at the record's
+    running the graph is what follows (a training graph's backward is compiled with its forward,
+    configure_compiler), and gives it back after its task, with the task's memory freed. So the split needs about one training micro-batch of GPU memory (45 GiB at the record's
     sizes on one GPU), not one per process, and inductor times its autotuning candidates without
     another process's kernels on the GPU."""
 
