@@ -219,8 +219,9 @@ class Hyperparameters:
                                            # the variants alone; the warmup then loads the rest
                                            # from torch's on-disk caches, shared on a node
     compile_helpers: int = -1              # helper processes per GPU that compile a share of
-                                           # the split beside its rank (-1: auto, at most 3,
-                                           # fewer with more GPUs; 0: none)
+                                           # the split beside its rank (-1: auto, 3 on one
+                                           # GPU, 1 on two, none on more or when the compile
+                                           # cache file was loaded; 0: none)
     device: str = "auto"                   # auto | cuda | cpu
     seed: int = -1                         # -1: unseeded init, like the record;
                                            # else torch.manual_seed(seed)
@@ -3084,7 +3085,8 @@ CHECKPOINT_NAME = re.compile(r"state_step(\d{6,})(?:_rank(\d+))?\.pt")
 RUN_CONTROL_OPTIONS = frozenset({
     "train_files", "val_files", "val_loss_every", "val_loss_target", "train_loss_every",
     "dry_run", "device", "attn_backend", "warmup", "compile_split", "compile_helpers", "run_id",
-    "log_dir", "save_checkpoint", "checkpoint_every", "checkpoint_keep", "resume", "nonfinite_check_every", "pg_timeout_s",
+    "log_dir", "save_checkpoint", "checkpoint_every", "checkpoint_keep", "resume",
+    "nonfinite_check_every", "pg_timeout_s",
     "profile_steps", "debug", "compile_cache"})
 
 
@@ -3243,14 +3245,16 @@ def split_compile_tasks(hp: Hyperparameters, workers: int) -> list[list[tuple[in
     return [tasks[w::workers] for w in range(workers)]
 
 
-def split_processes_per_gpu(hp: Hyperparameters, ranks: int) -> int:
+def split_processes_per_gpu(hp: Hyperparameters, ranks: int, cache_loaded: bool) -> int:
     """How many processes compile on each GPU in the split: its rank and --compile_helpers
-    helpers. Auto: one graph per process where that needs at most 4 per GPU (1 GPU: 4, each with a
-    variant's two graphs; 4 GPUs: 2; 8 GPUs: 1, the ranks alone)."""
+    helpers. Auto: one variant (its two graphs) per process, at most 4 per GPU (1 GPU: 4; 2 GPUs:
+    2; 4 or 8 GPUs: 1, the ranks alone), and no helpers when the compile cache file was loaded:
+    the caches hold every graph, and a helper would only load graphs that its rank loads again."""
     if hp.compile_helpers >= 0:
         return 1 + hp.compile_helpers
-    graphs = 2 * len(variant_starts(hp))
-    return max(1, min(4, -(-graphs // ranks)))
+    if cache_loaded:
+        return 1
+    return max(1, min(4, -(-len(variant_starts(hp)) // ranks)))
 
 
 class TrainClock:
@@ -3673,6 +3677,7 @@ class Run:
                                          # for the untimed phase lines
     resumed: dict | None                 # the checkpoint this run continues, if any
     compile_cache: tuple | None = None   # (path, key, versions) to save after the warmup
+    cache_loaded: bool = False           # the compile cache file filled torch's caches
     compiling: bool = False              # torch.compile is on (CUDA and --compile)
 
     def sync(self) -> None:
@@ -3773,6 +3778,7 @@ def prepare_training(run: Run, argv_text: str) -> tuple[Trainer, Checkpointer]:
         loaded, note = load_compile_cache(path, key)
         log(note)
         run.compile_cache = None if loaded else (path, key, versions)
+        run.cache_loaded = loaded
     if compiling:
         configure_compiler()
         compiled = torch.compile(model, dynamic=False, fullgraph=True)
@@ -3792,11 +3798,10 @@ def warmup_and_reset(trainer: Trainer, run: Run) -> None:
     steps = warmup_steps(trainer.hp)
     compile_log = CompileLog(run.compiling, eager_autotuners(tk))
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", run.world_size))   # GPUs of this machine
-    split = (run.compiling and trainer.hp.compile_split
-             and ranks * split_processes_per_gpu(trainer.hp, ranks) > 1)
+    per_gpu = split_processes_per_gpu(trainer.hp, ranks, run.cache_loaded)
     with compile_log.recording():
-        if split:
-            compile_split(trainer, run, ranks, compile_log, t0)
+        if run.compiling and trainer.hp.compile_split and ranks * per_gpu > 1:
+            compile_split(trainer, run, ranks, per_gpu, compile_log, t0)
         run.log(f"warmup: compiling on steps {steps}")
         for i, step in enumerate(steps):
             sched = schedule_at(step, trainer.hp)
@@ -3825,7 +3830,7 @@ def warmup_and_reset(trainer: Trainer, run: Run) -> None:
             "(state reset and checked)")
 
 
-def compile_split(trainer: Trainer, run: Run, ranks: int, compile_log: CompileLog,
+def compile_split(trainer: Trainer, run: Run, ranks: int, per_gpu: int, compile_log: CompileLog,
                   t0: float) -> None:
     """Each GPU's processes (its rank and the rank's helpers) compile their share of the variants
     (split_compile_tasks) alone and at the same time; torch writes each graph to its on-disk
@@ -3835,7 +3840,6 @@ def compile_split(trainer: Trainer, run: Run, ranks: int, compile_log: CompileLo
     (GpuTurns). Leaves the weights, gradients and schedule state as it found them."""
     import tempfile
     hp = trainer.hp
-    per_gpu = split_processes_per_gpu(hp, ranks)
     shares = split_compile_tasks(hp, ranks * per_gpu)
     local = run.rank % ranks
     mine, theirs = shares[local], [share for share in shares[local + ranks::ranks] if share]
@@ -3873,9 +3877,10 @@ class GpuTurns:
     """The processes of one GPU in the split compile at the same time but run one at a time. A
     process takes the turn (an flock on a file they share) when one of its compilations ends, since
     running the graph is what follows (a training graph's backward is compiled with its forward,
-    configure_compiler), and gives it back after its task, with the task's memory freed. So the split needs about one training micro-batch of GPU memory (45 GiB at the record's
-    sizes on one GPU), not one per process, and inductor times its autotuning candidates without
-    another process's kernels on the GPU."""
+    configure_compiler), and gives it back after its task, with the task's memory freed. So the
+    split needs one process's memory for a training micro-batch (34 GiB reserved at the record's
+    sizes on one GPU) and a few GiB for each other process, not a micro-batch each; and inductor
+    times its autotuning candidates without another process's kernels on the GPU."""
 
     def __init__(self, path: Path, device: torch.device):
         import fcntl

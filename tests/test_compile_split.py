@@ -26,17 +26,20 @@ def test_variant_starts_and_warmup_steps_of_the_record_schedule():
     assert {shapes[s] for s in starts} == set(shapes.values())       # and every step has one
 
 
-@pytest.mark.parametrize("ranks, helpers, per_gpu", [(1, -1, 4), (2, -1, 4), (4, -1, 2), (8, -1, 1),
-                                                      (1, 0, 1), (4, 0, 1), (1, 7, 8)])
+@pytest.mark.parametrize("ranks, helpers, per_gpu", [(1, -1, 4), (2, -1, 2), (4, -1, 1), (8, -1, 1),
+                                                      (1, 0, 1), (4, 0, 1), (1, 7, 8), (8, 1, 2)])
 def test_processes_per_gpu(ranks, helpers, per_gpu):
     hp = tg.Hyperparameters(compile_helpers=helpers)
-    assert tg.split_processes_per_gpu(hp, ranks) == per_gpu
+    assert tg.split_processes_per_gpu(hp, ranks, cache_loaded=False) == per_gpu
+    # a loaded compile cache file: the auto count has no helpers, an explicit one stands
+    assert tg.split_processes_per_gpu(hp, ranks, cache_loaded=True) == (
+        1 if helpers == -1 else per_gpu)
 
 
 @pytest.mark.parametrize("ranks", [1, 2, 4, 8])
 def test_the_ranks_take_the_training_graphs(ranks):
     hp = tg.Hyperparameters()
-    per_gpu = tg.split_processes_per_gpu(hp, ranks)
+    per_gpu = tg.split_processes_per_gpu(hp, ranks, cache_loaded=False)
     shares = tg.split_compile_tasks(hp, ranks * per_gpu)
     def trains(share):
         return sum(ph == "train" for _, ph in share)
