@@ -123,6 +123,8 @@ def test_graphs_with_autograd_functions_come_back_from_torchs_autograd_cache(tmp
     from torch._functorch import config as functorch_config
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(functorch_config, "autograd_cache_allow_custom_autograd_functions", False)
+    monkeypatch.setattr(functorch_config, "force_non_lazy_backward_lowering",
+                        functorch_config.force_non_lazy_backward_lowering)
     monkeypatch.setattr(torch._dynamo.config, "recompile_limit", torch._dynamo.config.recompile_limit)
 
     def fresh_compile():

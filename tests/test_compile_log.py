@@ -34,10 +34,12 @@ def test_a_recompile_is_recorded_with_the_guard_that_failed():
     assert all(0 < r.seconds < 30 for r in rows)
 
 
-def test_backward_rows_and_a_shape_change_behind_a_grad_mode_change():
+def test_backward_rows_and_a_shape_change_behind_a_grad_mode_change(monkeypatch):
     """Validation (no grad) between two training calls: the reason is the shape against the training
-    graph, not the grad mode against the newer validation graph; the backward compiled at the first
-    backward gets its own row."""
+    graph, not the grad mode against the newer validation graph; a backward compiled lazily, at the
+    first backward (torch's default; configure_compiler changes it), gets its own row."""
+    from torch._functorch import config as functorch_config
+    monkeypatch.setattr(functorch_config, "force_non_lazy_backward_lowering", False)
     def loss(x):
         return (x.sin() * 2).sum()
 

@@ -212,35 +212,34 @@ def test_gpu_turns_one_process_at_a_time(tmp_path):
         second.give(model)
 
 
-def test_a_training_graph_takes_its_turn_once_compiled_with_its_backward(tmp_path):
+def test_a_training_graph_takes_its_turn_once_compiled_with_its_backward(tmp_path, monkeypatch):
     """configure_compiler compiles a backward with its forward, so the turn taken when the
     forward's compilation ends covers the whole training task: no compilation starts while a
     process holds it (which would keep the others waiting for a compile, not for the GPU)."""
     from torch._functorch import config as functorch_config
     from torch._dynamo import config as dynamo_config
-    saved = (functorch_config.autograd_cache_allow_custom_autograd_functions,
-             functorch_config.force_non_lazy_backward_lowering, dynamo_config.recompile_limit)
+    for config, name in ((functorch_config, "autograd_cache_allow_custom_autograd_functions"),
+                         (functorch_config, "force_non_lazy_backward_lowering"),
+                         (dynamo_config, "recompile_limit")):
+        monkeypatch.setattr(config, name, getattr(config, name))   # restored after the test
     turns = tg.GpuTurns(tmp_path / "gpu.lock", torch.device("cpu"))
     log = tg.CompileLog(enabled=True)
     held_at_start = []
-    try:
-        tg.configure_compiler()
-        compiled = torch.compile(lambda x: (x.cos() * 3).sum(), backend="aot_eager",
-                                 dynamic=False, fullgraph=True)
-        with log.recording(), turns.taken_after_compiling(), log.during(0, "train*"):
-            handler = torch._dynamo.callback.callback_handler
-            def on_start(*_):
-                held_at_start.append(turns.held)
-            handler.register_start_callback(on_start)
-            try:
-                compiled(torch.ones(5, requires_grad=True)).backward()
-                assert turns.held
-            finally:
-                handler.remove_start_callback(on_start)
-            turns.give(torch.nn.Linear(1, 1))
-    finally:
-        (functorch_config.autograd_cache_allow_custom_autograd_functions,
-         functorch_config.force_non_lazy_backward_lowering, dynamo_config.recompile_limit) = saved
+    tg.configure_compiler()
+    compiled = torch.compile(lambda x: (x.cos() * 3).sum(), backend="aot_eager",
+                             dynamic=False, fullgraph=True)
+    handler = torch._dynamo.callback.callback_handler
+
+    def on_start(*_):
+        held_at_start.append(turns.held)
+    with log.recording(), turns.taken_after_compiling(), log.during(0, "train*"):
+        handler.register_start_callback(on_start)
+        try:
+            compiled(torch.ones(5, requires_grad=True)).backward()
+            assert turns.held
+        finally:
+            handler.remove_start_callback(on_start)
+        turns.give(torch.nn.Linear(1, 1))
     rows = [r for r in log.rows() if r.phase == "train*"]
     assert [r.backward for r in rows] == [False]          # no lazy backward compilation
     assert held_at_start == [False]
