@@ -3883,24 +3883,25 @@ class GpuTurns:
     times its autotuning candidates without another process's kernels on the GPU."""
 
     def __init__(self, path: Path, device: torch.device):
-        import fcntl
-        self.path, self.device, self._flock = path, device, fcntl
+        self.path, self.device = path, device
         self.file = open(path, "a+b")
         self.held = False
 
     def take(self, *_: Any) -> None:
+        import fcntl
         if not self.held:
-            self._flock.flock(self.file, self._flock.LOCK_EX)
+            fcntl.flock(self.file, fcntl.LOCK_EX)
             self.held = True
 
     def give(self, model: nn.Module) -> None:
+        import fcntl
         for p in model.parameters():
             p.grad = None
         if self.held:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
                 torch.cuda.empty_cache()
-            self._flock.flock(self.file, self._flock.LOCK_UN)
+            fcntl.flock(self.file, fcntl.LOCK_UN)
             self.held = False
 
     @contextlib.contextmanager
@@ -3991,7 +3992,8 @@ def compile_helper_main(task_path: str) -> int:
         peak = torch.cuda.max_memory_reserved(device) if device.type == "cuda" else 0
         result = {"seconds": time.perf_counter() - t0, "peak_bytes": peak}
     except BaseException as e:  # Ctrl-C too: the rank reports it, the helper leaves quietly
-        result = {"error": f"{type(e).__name__}: {e}"}
+        first_line = (str(e).strip().splitlines() or [""])[0]      # the rank's log line is one line
+        result = {"error": f"{type(e).__name__}: {first_line}"}
     atomic_write(Path(task["result"]), lambda tmp: tmp.write_bytes(pickle.dumps(result)))
     return 0 if "seconds" in result else 1
 
