@@ -38,5 +38,6 @@ def test_reports_the_scripts_functions_and_keeps_its_exit_code(tmp_path, monkeyp
         inclusive[name.split(" (")[0]] = (float(total.rstrip("s")), float(own.rstrip("s")))
     # every sample inside spin is inside outer too; the script's own frame holds both
     assert inclusive["outer"][0] >= inclusive["spin"][0] > 0
-    assert inclusive["outer"][1] == 0.0
+    # outer only calls spin: its own time is at most the odd sample taken between the two frames
+    assert inclusive["outer"][1] <= 0.1 * inclusive["outer"][0]
     assert inclusive["<module>"][0] >= inclusive["outer"][0]
