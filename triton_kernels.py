@@ -465,20 +465,39 @@ def relu2_mlp(x: Tensor, c_fc: Tensor, c_proj: Tensor) -> Tensor:
 # ==================================================================================================
 # 4. Fused softcapped multi-token cross entropy 
 # ==================================================================================================
-# One program per row streams its logits in blocks of 1024 columns (2 KiB of bf16, 8 per thread with
-# 4 warps).
-# Programs of 16-64 rows (the tiles a transposed FP8 store would want) ran 1.4-2x slower on an H200
-# in both passes.
-# The backward's QUANTIZE mode writes the FP8 head's e5m2 gradient directly: the bf16 gradient
-# rounded through its bits, times fp32(1/scale), clamped, cast: bitwise the bf16 backward followed
-# by train_gpt.fp8_quantize.
+# Both passes: one program per row streams its logits in blocks of 1024 columns (2 KiB of bf16, 8 per
+# thread with 4 warps). Programs of 16-128 rows (the tiles a transposed FP8 store would want) ran
+# 1.4-2x slower on an H200 (bench/ce.py --sweep).
+# Forward: every score z = A*sigmoid((l+B)/C) lies in [0, A], so exp(z - A) can neither overflow nor
+# vanish (it is at least e^-A): the sum needs no running maximum, and each lane keeps its own partial
+# sum until one reduction after the last block, lse = A + log(sum).
+# Backward: the row's columns without the target term -T_c (the weights of the offsets whose target
+# is that column), so the streaming loop compares no column with any target; a second small kernel
+# then rewrites the n_rows * K target elements in full.
+# QUANTIZE writes the FP8 head's e5m2 gradient directly: the bf16 gradient rounded through its bits,
+# times fp32(1/scale), clamped, cast: bitwise the bf16 backward followed by train_gpt.fp8_quantize.
+#
+# Rounding: (l + B) is multiplied by fp32(1/C) rather than divided by C, and the forward sums without
+# a running maximum in per-lane order. Both change fp32 roundings only, and both are for speed: the
+# kernels are bound by the special-function unit, and a division costs a reciprocal there (two
+# exponentials and a reciprocal per element remain); the running maximum cost a rescaling
+# exponential and two cross-warp reductions per block. On an H200 at 49,152 rows the forward went
+# from 2.64 to 2.11 ms and the backward from 6.26 to about 3.5 ms. tests/_kernels_interp.py holds
+# losses, lse and gradients to a float64 transcription of the formulas.
 # The softcap constants are tl.constexpr and every loop carry starts as an explicit fp32 tensor, so
-# no Python float can promote a carried value to fp64 (which happened to the original kernel under
+# no Python float can promote a carried value to fp64 (which happened to an earlier kernel under
 # torch 2.11 + triton 3.6).
 
 SOFTCAP_A, SOFTCAP_B, SOFTCAP_C = 23.0, 5.0, 7.5
 _CE_BLOCK = 1024
 _CE_WARPS = 4
+
+
+@triton.jit
+def _ce_sigmoid(logit, B: tl.constexpr, C: tl.constexpr):
+    """sigmoid((logit + B) / C) with the division as a multiplication by fp32(1/C)."""
+    inv_c = tl.full([], 1.0, tl.float32) / C
+    return tl.sigmoid((logit + B) * inv_c)
 
 
 @triton.jit
@@ -488,17 +507,13 @@ def _ce_fwd_kernel(logits_ptr, targets_ptr, weights_ptr, losses_ptr, lse_ptr, n_
     row = tl.program_id(0)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
     offs = tl.arange(0, BLOCK)
-    run_max = tl.full([], float("-inf"), tl.float32)
-    run_sum = tl.zeros([], dtype=tl.float32)
+    lane_sum = tl.zeros([BLOCK], dtype=tl.float32)
     for start in range(0, n_cols, BLOCK):
         cols = start + offs
         logit = _load_as_fp32(row_ptr + cols, cols < n_cols)
-        z = A * tl.sigmoid((logit + B) / C)
-        z = tl.where(cols < n_cols, z, float("-inf"))  # lanes past the last column
-        new_max = tl.maximum(run_max, tl.max(z, axis=0))
-        run_sum = run_sum * tl.exp(run_max - new_max) + tl.sum(tl.exp(z - new_max), axis=0)
-        run_max = new_max
-    lse = run_max + tl.log(run_sum)
+        z = A * _ce_sigmoid(logit, B, C)
+        lane_sum += tl.where(cols < n_cols, tl.exp(z - A), 0.0)
+    lse = A + tl.log(tl.sum(lane_sum, axis=0))
     tl.store(lse_ptr + row, lse)
     loss = tl.zeros([], dtype=tl.float32)
     for k in range(0, n_weights):
@@ -507,16 +522,52 @@ def _ce_fwd_kernel(logits_ptr, targets_ptr, weights_ptr, losses_ptr, lse_ptr, n_
         w = tl.load(weights_ptr + k)
         ok = has_target & (w > 0) & (target >= 0) & (target < n_cols)
         logit_t = _load_as_fp32(row_ptr + target, ok)
-        z_t = A * tl.sigmoid((logit_t + B) / C)
+        z_t = A * _ce_sigmoid(logit_t, B, C)
         loss += tl.where(ok, w * (lse - z_t), 0.0)
     tl.store(losses_ptr + row, loss)
 
 
 @triton.jit
-def _ce_bwd_kernel(grad_ptr, stride_grad, logits_ptr, targets_ptr, weights_ptr, lse_ptr, out_ptr,
-                   n_rows, n_cols, stride_row, n_weights, inv_scale, limit, A: tl.constexpr,
-                   B: tl.constexpr, C: tl.constexpr, QUANTIZE: tl.constexpr, BLOCK: tl.constexpr):
-    """One row's dlogits. QUANTIZE=False: out = dlogits in out's dtype. QUANTIZE=True: out =
+def _ce_dlogit(logit, g_row, sum_w, t_weight, lse, A: tl.constexpr, B: tl.constexpr,
+               C: tl.constexpr):
+    """dL/dlogit = g (S_w p - T_c) * z (1 - sigma) / C, p = exp(z - lse), in fp32."""
+    sig = _ce_sigmoid(logit, B, C)
+    z = A * sig
+    p = tl.exp(z - lse)
+    inv_c = tl.full([], 1.0, tl.float32) / C
+    return g_row * (sum_w * p - t_weight) * inv_c * z * (1.0 - sig)
+
+
+@triton.jit
+def _ce_out(dlogit, out_ptr, inv_scale, limit, QUANTIZE: tl.constexpr):
+    """What the backward stores, cast to out_ptr's dtype: the gradient rounded to bf16 through the
+    bits (exact in the interpreter too; skipped for an fp32 output of the plain backward), then
+    (QUANTIZE) the quantiser."""
+    out_ty: tl.constexpr = out_ptr.dtype.element_ty
+    g = dlogit
+    if QUANTIZE or out_ty == tl.bfloat16:
+        g = (_bf16_bits_rne(dlogit) << 16).to(tl.float32, bitcast=True)
+    if QUANTIZE:
+        g = tl.minimum(tl.maximum(g * inv_scale, -limit), limit)
+    return g.to(out_ty)
+
+
+@triton.jit
+def _ce_sum_w(weights_ptr, rows, n_rows, n_weights):
+    """S_w per row: the sum of the weights whose target row exists (zero weights and the target
+    range not checked, as in the record)."""
+    sum_w = tl.zeros(rows.shape, dtype=tl.float32)
+    for k in range(0, n_weights):
+        sum_w += tl.where(rows + k < n_rows, tl.load(weights_ptr + k), 0.0)
+    return sum_w
+
+
+@triton.jit
+def _ce_bwd_kernel(grad_ptr, stride_grad, logits_ptr, weights_ptr, lse_ptr, out_ptr, n_rows, n_cols,
+                   stride_row, n_weights, inv_scale, limit, A: tl.constexpr, B: tl.constexpr,
+                   C: tl.constexpr, QUANTIZE: tl.constexpr, BLOCK: tl.constexpr):
+    """One row's dlogits without the target term T_c (_ce_targets_kernel writes those columns
+    afterwards). QUANTIZE=False: out = dlogits in out's dtype. QUANTIZE=True: out =
     clamp(bf16(dlogits) * inv_scale, +-limit) in out's dtype: the FP8 head's gradient quantiser
     applied to the bf16 gradient it would read."""
     row = tl.program_id(0)
@@ -524,38 +575,46 @@ def _ce_bwd_kernel(grad_ptr, stride_grad, logits_ptr, targets_ptr, weights_ptr, 
     out_row_ptr = out_ptr + row.to(tl.int64) * n_cols
     g_row = tl.load(grad_ptr + row * stride_grad).to(tl.float32)
     lse = tl.load(lse_ptr + row)
-    # S_w: sum of the weights whose target row exists (zero weights and target range not checked, as
-    # in the record).
-    sum_w = tl.zeros([], dtype=tl.float32)
-    for k in range(0, n_weights):
-        sum_w += tl.where(row + k < n_rows, tl.load(weights_ptr + k), 0.0)
-    inv_c = tl.full([], 1.0, tl.float32) / C  # 1/C rounded in fp32
+    sum_w = _ce_sum_w(weights_ptr, row, n_rows, n_weights)
     inv_scale = tl.cast(inv_scale, tl.float32)
     limit = tl.cast(limit, tl.float32)
     offs = tl.arange(0, BLOCK)
     for start in range(0, n_cols, BLOCK):
         cols = start + offs
-        in_row = cols < n_cols
-        logit = _load_as_fp32(row_ptr + cols, in_row)
-        sig = tl.sigmoid((logit + B) / C)
-        z = A * sig
-        p = tl.exp(z - lse)
-        t_weight = tl.zeros([BLOCK], dtype=tl.float32)  # T_c: weight of every offset
-                                                        # whose target is this column
-        for k in range(0, n_weights):
-            has_target = row + k < n_rows
-            target = tl.load(targets_ptr + row + k, mask=has_target, other=-1)
-            w = tl.load(weights_ptr + k)
-            t_weight += tl.where(has_target & (cols == target), w, 0.0)
-        dz = g_row * (sum_w * p - t_weight)
-        dlogit = dz * inv_c * z * (1.0 - sig)
-        if QUANTIZE:  # the bf16 rounding through the bits (exact in the interpreter too),
-                      # then the quantiser
-            g_bf16 = (_bf16_bits_rne(dlogit) << 16).to(tl.float32, bitcast=True)
-            q = tl.minimum(tl.maximum(g_bf16 * inv_scale, -limit), limit)
-            tl.store(out_row_ptr + cols, q.to(out_ptr.dtype.element_ty), mask=in_row)
-        else:
-            _store_from_fp32(out_row_ptr + cols, dlogit, in_row)
+        logit = _load_as_fp32(row_ptr + cols, cols < n_cols)
+        dlogit = _ce_dlogit(logit, g_row, sum_w, 0.0, lse, A, B, C)
+        tl.store(out_row_ptr + cols, _ce_out(dlogit, out_ptr, inv_scale, limit, QUANTIZE),
+                 mask=cols < n_cols)
+
+
+@triton.jit
+def _ce_targets_kernel(grad_ptr, stride_grad, logits_ptr, targets_ptr, weights_ptr, lse_ptr,
+                       out_ptr, n_rows, n_cols, stride_row, n_weights, inv_scale, limit,
+                       A: tl.constexpr, B: tl.constexpr, C: tl.constexpr,
+                       QUANTIZE: tl.constexpr):
+    """One row's target columns in full: T_c = the weights of every offset whose target is c. A
+    column that is the target of several offsets is written once per offset, the same value."""
+    row = tl.program_id(0)
+    row64 = row.to(tl.int64)
+    g_row = tl.load(grad_ptr + row * stride_grad).to(tl.float32)
+    lse = tl.load(lse_ptr + row)
+    sum_w = _ce_sum_w(weights_ptr, row, n_rows, n_weights)
+    inv_scale = tl.cast(inv_scale, tl.float32)
+    limit = tl.cast(limit, tl.float32)
+    for k in range(0, n_weights):
+        has_target = row + k < n_rows
+        target = tl.load(targets_ptr + row + k, mask=has_target, other=-1)
+        ok = has_target & (target >= 0) & (target < n_cols)
+        t_weight = tl.zeros([], dtype=tl.float32)
+        for j in range(0, n_weights):
+            has_j = row + j < n_rows
+            target_j = tl.load(targets_ptr + row + j, mask=has_j, other=-1)
+            t_weight += tl.where(has_j & (target_j == target), tl.load(weights_ptr + j), 0.0)
+        col = tl.where(ok, target, 0).to(tl.int64)
+        logit = _load_as_fp32(logits_ptr + row64 * stride_row + col, ok)
+        dlogit = _ce_dlogit(logit, g_row, sum_w, t_weight, lse, A, B, C)
+        tl.store(out_ptr + row64 * n_cols + col,
+                 _ce_out(dlogit, out_ptr, inv_scale, limit, QUANTIZE), mask=ok)
 
 
 def _check_ce_inputs(logits: Tensor, targets: Tensor, mtp_weights: Tensor) -> None:
@@ -597,16 +656,22 @@ def softcapped_mtp_ce_fwd_triton(logits: Tensor, targets: Tensor,
 def _launch_ce_bwd(grad_losses: Tensor, logits: Tensor, targets: Tensor, mtp_weights: Tensor,
                    lse: Tensor, out: Tensor, quantize: bool, inv_scale: float,
                    limit: float) -> None:
+    """Every column, then the target columns (in this order on the stream: the second kernel
+    overwrites what the first wrote there)."""
     _check_ce_inputs(logits, targets, mtp_weights)
     n_rows, n_cols = logits.shape
     _check(grad_losses.shape == (n_rows,) and lse.shape == (n_rows,) and lse.dtype == torch.float32
            and lse.is_contiguous(),
            "grad_losses and lse must be (n_rows,), lse fp32 contiguous from the forward")
-    if n_rows > 0:
-        wrap_triton(_ce_bwd_kernel)[(n_rows,)](
-            grad_losses, grad_losses.stride(0), logits, targets, mtp_weights, lse, out, n_rows,
-            n_cols, logits.stride(0), mtp_weights.shape[0], inv_scale, limit, A=SOFTCAP_A,
-            B=SOFTCAP_B, C=SOFTCAP_C, QUANTIZE=quantize, BLOCK=_CE_BLOCK, num_warps=_CE_WARPS)
+    if n_rows == 0:
+        return
+    args = (grad_losses, grad_losses.stride(0), logits)
+    common = (lse, out, n_rows, n_cols, logits.stride(0), mtp_weights.shape[0], inv_scale, limit)
+    flags = dict(A=SOFTCAP_A, B=SOFTCAP_B, C=SOFTCAP_C, QUANTIZE=quantize)
+    wrap_triton(_ce_bwd_kernel)[(n_rows,)](*args, mtp_weights, *common, BLOCK=_CE_BLOCK,
+                                           num_warps=_CE_WARPS, **flags)
+    wrap_triton(_ce_targets_kernel)[(n_rows,)](*args, targets, mtp_weights, *common, num_warps=1,
+                                               **flags)
 
 
 def softcapped_mtp_ce_bwd_triton(grad_losses: Tensor, logits: Tensor, targets: Tensor,

@@ -218,6 +218,27 @@ def test_softcapped_mtp_ce_forward_and_backward(n, V, weights):
     torch.testing.assert_close(dlogits.double(), exact, rtol=1e-4, atol=1e-6 * exact.abs().max().item())
 
 
+def test_softcapped_mtp_ce_backward_sums_the_weights_of_repeated_targets():
+    """The backward's second kernel writes the target columns: a column that is the target of several offsets of one
+    row gets all their weights (rows 1-3 share one target, so row 1 has it at offsets 0, 1 and 2), and a target in
+    the last, partial block of columns is written too."""
+    n, V = 8, 1500
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(n, V, generator=g) * 8
+    targets = torch.randint(0, V, (n,), generator=g)
+    targets[1:4] = 17
+    targets[5] = V - 2
+    w = torch.tensor([1.0, 0.5, 0.25])
+    _, lse = tk.softcapped_mtp_ce_fwd_triton(logits, targets, w)
+    grad_rows = torch.rand(n, generator=g) + 0.5
+    dlogits = tk.softcapped_mtp_ce_bwd_triton(grad_rows, logits, targets, w, lse)
+    exact = ce_grad_float64(grad_rows, logits, targets, w)
+    torch.testing.assert_close(dlogits.double(), exact, rtol=1e-4, atol=1e-6 * exact.abs().max().item())
+    tw = lambda row: sum(  # the weight at column 17: the case is the one described
+        wk for k, wk in enumerate(w.tolist()) if row + k < n and targets[row + k] == 17)
+    assert tw(1) == 1.75 and tw(3) == 1.0
+
+
 def test_softcapped_mtp_ce_skips_out_of_range_targets_and_takes_strided_grad():
     n, V = 6, 700
     g = torch.Generator().manual_seed(3)

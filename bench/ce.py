@@ -1,0 +1,61 @@
+"""Time the FP8 head's cross entropy kernels at the training shapes: forward, and the backward that writes the e5m2
+gradient in both layouts the head's FP8 matmuls need.
+
+    python3 bench/ce.py [--root=DIR]
+
+One CUDA GPU, about a minute. --root imports triton_kernels.py from another checkout (a baseline made with
+`git worktree` or `git archive`), so before and after run the same script; run each in its own process. A backward
+that returns one layout is timed with the transpose the trainer makes (compiled, as the trainer compiles it); one
+that returns both layouts is timed alone. Rows of 16,384 / 32,768 / 49,152
+tokens (the micro-batches of the three batch phases on one GPU), vocabulary 50,304, three MTP weights; GPU time is
+the median of triton.testing.do_bench.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+ROWS = (16384, 32768, 49152)
+VOCAB = 50304
+S_G = 0.75 / 448  # the FP8 head's gradient scale
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--root", default=str(Path(__file__).resolve().parent.parent),
+                    help="folder of triton_kernels.py")
+    args = ap.parse_args(argv)
+    sys.path.insert(0, args.root)
+    import torch
+    from triton.testing import do_bench
+    import triton_kernels as tk
+
+    def ms(fn) -> float:
+        return do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+    transpose = torch.compile(lambda q: q.t().contiguous(), dynamic=False, fullgraph=True)
+
+    def backward(grad, logits, targets, w, lse):
+        out = tk.softcapped_mtp_ce_bwd_fp8_triton(grad, logits, targets, w, lse, S_G)
+        return out if isinstance(out, tuple) else (out, transpose(out))
+
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, kernels from {args.root}")
+    print(f"{'rows':>7} {'fwd ms':>8} {'bwd+both layouts ms':>20} {'total':>8}")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w = torch.tensor([1.0, 0.5, 0.25], device="cuda")
+    for n in ROWS:
+        logits = (torch.randn(n, VOCAB, device="cuda", generator=g) * 10).bfloat16()
+        targets = torch.randint(0, VOCAB, (n,), device="cuda", generator=g)
+        grad = torch.full((1,), 1 / 8, device="cuda").expand(n)
+        _, lse = tk.softcapped_mtp_ce_fwd_triton(logits, targets, w)
+        fwd = ms(lambda: tk.softcapped_mtp_ce_fwd_triton(logits, targets, w))
+        bwd = ms(lambda: backward(grad, logits, targets, w, lse))
+        print(f"{n:>7} {fwd:8.3f} {bwd:20.3f} {fwd + bwd:8.3f}", flush=True)
+        del logits
+        torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
