@@ -836,6 +836,48 @@ def softcapped_mtp_ce(logits: Tensor, targets: Tensor, mtp_weights: Tensor) -> T
     return softcapped_mtp_ce_cpu(logits, targets, mtp_weights)
 
 
+# ---- The FP8 gradient's second layout ------------------------------------------------------------
+# The FP8 head's weight gradient needs the e5m2 logit gradient contiguous along the rows as well
+# (torch._scaled_mm takes both operands K-major), so it is transposed once per micro-batch: (T, V)
+# bytes in, (V, T) out, 2.5 GB each way at 49,152 rows. One tile per program through a register
+# transpose; bench/ce.py times it against torch.compile's transpose.
+_TRANSPOSE_TILES = (64, 64, 4)  # rows, columns, warps
+_TRANSPOSE_INTERPRETER_TILES = (8, 16, 1)
+
+
+@triton.jit
+def _transpose_kernel(x_ptr, out_ptr, M, N, BM: tl.constexpr, BN: tl.constexpr):
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :], mask=mask)
+    tl.store(out_ptr + cols.to(tl.int64)[:, None] * M + rows[None, :], tl.trans(x),
+             mask=tl.trans(mask))
+
+
+def transpose_bytes_triton(x: Tensor, tiles: tuple[int, int, int] | None = None) -> Tensor:
+    """x (M, N) contiguous, of a 1-byte dtype (the FP8 gradient) -> x.t().contiguous(), (N, M)."""
+    _check(x.ndim == 2 and x.is_contiguous() and x.element_size() == 1,
+           f"expected a contiguous 2D tensor of a 1-byte dtype, got {x.dtype} {tuple(x.shape)}")
+    M, N = x.shape
+    out = torch.empty((N, M), dtype=x.dtype, device=x.device)
+    bm, bn, warps = tiles or (_TRANSPOSE_TILES if x.is_cuda else _TRANSPOSE_INTERPRETER_TILES)
+    if x.numel():
+        # as bytes: the interpreter has no FP8 arithmetic, and a copy needs none
+        _transpose_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](
+            x.view(torch.uint8), out.view(torch.uint8), M, N, BM=bm, BN=bn, num_warps=warps)
+    return out
+
+
+def transpose_bytes_reference(x: Tensor) -> Tensor:
+    return x.t().contiguous()
+
+
+def transpose_bytes(x: Tensor) -> Tensor:
+    """x.t().contiguous() of a 1-byte (M, N) tensor: Triton on CUDA, PyTorch elsewhere."""
+    return transpose_bytes_triton(x) if x.is_cuda else transpose_bytes_reference(x)
+
+
 # ==================================================================================================
 # 5. Fused Adam update  (train_gpt.adam_update)
 # ==================================================================================================

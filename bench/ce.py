@@ -1,7 +1,7 @@
 """Time the FP8 head's cross entropy kernels at the training shapes: forward, and the backward that writes the e5m2
 gradient in both layouts the head's FP8 matmuls need.
 
-    python3 bench/ce.py [--root=DIR]
+    python3 bench/ce.py [--root=DIR] [--transpose_tiles]
 
 One CUDA GPU, about a minute. --root imports triton_kernels.py from another checkout (a baseline made with
 `git worktree` or `git archive`), so before and after run the same script; run each in its own process. A backward
@@ -19,12 +19,16 @@ from pathlib import Path
 ROWS = (16384, 32768, 49152)
 VOCAB = 50304
 S_G = 0.75 / 448  # the FP8 head's gradient scale
+TRANSPOSE_TILES = ((64, 64, 4), (128, 64, 4), (64, 128, 4), (128, 128, 4), (128, 128, 8), (256, 64, 8), (64, 256, 8),
+                   (32, 128, 4))
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--root", default=str(Path(__file__).resolve().parent.parent),
                     help="folder of triton_kernels.py")
+    ap.add_argument("--transpose_tiles", action="store_true",
+                    help="also time the gradient's transpose: compiled, and triton_kernels' at TRANSPOSE_TILES")
     args = ap.parse_args(argv)
     sys.path.insert(0, args.root)
     import torch
@@ -52,6 +56,13 @@ def main(argv: list[str] | None = None) -> int:
         fwd = ms(lambda: tk.softcapped_mtp_ce_fwd_triton(logits, targets, w))
         bwd = ms(lambda: backward(grad, logits, targets, w, lse))
         print(f"{n:>7} {fwd:8.3f} {bwd:20.3f} {fwd + bwd:8.3f}", flush=True)
+        if args.transpose_tiles:
+            q = tk.softcapped_mtp_ce_bwd_fp8_triton(grad, logits, targets, w, lse, S_G)
+            q = q[0] if isinstance(q, tuple) else q
+            line = f"compiled {ms(lambda: transpose(q)):.3f}"
+            for tiles in TRANSPOSE_TILES:
+                line += f", {tiles} {ms(lambda: tk.transpose_bytes_triton(q, tiles)):.3f}"
+            print(f"{'':>7} transpose ms: {line}", flush=True)
         del logits
         torch.cuda.empty_cache()
     return 0

@@ -411,3 +411,14 @@ def test_varlen_attention_launcher_rejects_bad_input():
                         ((torch.randn(10, 2, 24),) * 3 + (cu, 4), "power of two")]:
         with pytest.raises(ValueError, match=match):
             tk.varlen_attention_fwd_triton(*args, 0.1)
+
+
+@pytest.mark.parametrize("shape", [(37, 50), (8, 16), (1, 70), (20, 1)])
+def test_transpose_bytes_matches_reference(shape):
+    """Partial tiles in both directions; every byte value, FP8 and uint8 views alike."""
+    g = torch.Generator().manual_seed(shape[0] * 100 + shape[1])
+    x = torch.randint(0, 256, shape, dtype=torch.uint8, generator=g)
+    assert torch.equal(tk.transpose_bytes_triton(x), tk.transpose_bytes_reference(x))
+    x8 = x.view(torch.float8_e5m2)
+    got = tk.transpose_bytes_triton(x8)
+    assert got.dtype == torch.float8_e5m2 and torch.equal(got.view(torch.uint8), x.t().contiguous())
