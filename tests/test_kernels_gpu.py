@@ -180,6 +180,17 @@ def test_ce_bwd_fp8_is_the_bf16_gradient_quantised(n, weights):
     assert (q.float() != 0).float().mean() > 0.5  # the scale keeps most gradients above e5m2's underflow
 
 
+@pytest.mark.parametrize("rows", [37, 43000])
+def test_transpose_bytes_of_the_fp8_gradient(rows):
+    """The gradient's second layout at the vocabulary width, with partial tiles (37 rows), and past 2**31 elements
+    (43,000 rows), where 32-bit offsets would wrap."""
+    g = torch.randint(0, 256, (rows, 50304), dtype=torch.uint8, device="cuda", generator=gen(23))
+    q = g.view(torch.float8_e5m2)
+    got = tk.transpose_bytes(q)
+    assert got.dtype == torch.float8_e5m2 and got.shape == (50304, rows)
+    assert torch.equal(got.view(torch.uint8), g.t().contiguous())
+
+
 def test_compiled_fp8_quantiser_multiplies_by_the_reciprocal():
     """The trainer's compiled FP8 quantisers (train_gpt._quantize_act/_weight) see the scale as a constant and
     multiply by its fp32 reciprocal; the fused gradient quantiser does the same, so the FP8 head's math is one
