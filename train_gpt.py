@@ -2731,13 +2731,33 @@ COMPILE_CACHE_MAGIC = b"nanogpt-speedrun compile cache 1\n"
 
 
 def compile_cache_key(sources: Sequence[str], versions: str) -> str:
-    """What compiled code depends on: the text of both source files, and the torch / triton / CUDA
-    versions with the GPU model."""
+    """What compiled code depends on: the text of both source files and the settings
+    (compile_cache_settings), and the torch / triton / CUDA versions with the GPU model."""
     import hashlib
     digest = hashlib.sha256()
     for text in (*sources, versions):
         digest.update(hashlib.sha256(text.encode()).digest())
     return digest.hexdigest()
+
+
+# Settings that cannot change a compiled graph: where data and logs go, how often to validate, log,
+# check or save, and how the compiling itself is organised. Every other setting (a new one too) is
+# part of the compile cache's key, so a file made with another --attn_backend or model shape is not
+# taken for this run's (it would cover none of its graphs and turn off the compile helpers).
+CACHE_NEUTRAL_SETTINGS = frozenset({
+    "train_files", "val_files", "val_loss_every", "val_loss_target", "train_loss_every", "seed",
+    "run_id", "log_dir", "save_checkpoint", "checkpoint_every", "checkpoint_keep", "resume",
+    "nonfinite_check_every", "pg_timeout_s", "profile_steps", "debug", "compile_cache",
+    "compile_split", "compile_helpers", "warmup"})
+
+
+def compile_cache_settings(hp: Hyperparameters, attn_backend: str) -> str:
+    """The settings part of the compile cache's key: every setting outside CACHE_NEUTRAL_SETTINGS,
+    with the attention backend resolved (auto picks differ between machines)."""
+    fields = {f.name: getattr(hp, f.name) for f in dataclasses.fields(hp)
+              if f.name not in CACHE_NEUTRAL_SETTINGS}
+    fields["attn_backend"] = attn_backend
+    return repr(sorted(fields.items()))
 
 
 def compile_cache_versions(device: torch.device) -> str:
@@ -2785,8 +2805,9 @@ def load_compile_cache(path: Path, key: str) -> tuple[bool, str]:
             header = json.loads(f.readline())
             payload = f.read()
         if header.get("key") != key:
-            return False, (f"compile cache: {path} was made by other code or on another machine "
-                           f"({header.get('versions')}); ignored, replaced after the warmup")
+            return False, (f"compile cache: {path} was made by other code, with other settings or "
+                           f"on another machine ({header.get('versions')}); ignored, replaced "
+                           f"after the warmup")
         if len(payload) != header.get("bytes") or (
                 hashlib.sha256(payload).hexdigest() != header.get("sha256")):
             raise ValueError("truncated or damaged")
@@ -3770,7 +3791,7 @@ def prepare_training(run: Run, argv_text: str) -> tuple[Trainer, Checkpointer]:
         sources = [Path(__file__).with_name(name).read_text()
                    for name in ("train_gpt.py", "triton_kernels.py")]
         path, versions = Path(hp.compile_cache).expanduser(), compile_cache_versions(device)
-        key = compile_cache_key(sources, versions)
+        key = compile_cache_key([*sources, compile_cache_settings(hp, attn_backend)], versions)
         loaded, note = load_compile_cache(path, key)
         log(note)
         run.compile_cache = None if loaded else (path, key, versions)

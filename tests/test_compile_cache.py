@@ -1,6 +1,7 @@
 """The portable compile cache: its key, and a missing, stale, damaged or foreign file reported in one line
 and ignored, never fatal. torch's own save/load of compiled artifacts is replaced by a recorder here (a CPU
 compiles nothing worth caching); the GPU side is measured by bench runs."""
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,19 @@ def test_key_depends_on_each_source_and_the_versions():
     assert key != tg.compile_cache_key(["a = 1\nb = 2\n", ""], VERSIONS)      # not just the concatenation
 
 
+def test_key_settings_hold_what_changes_graphs_and_not_where_logs_go():
+    """A cache file made with another attention backend or model shape covers none of this run's graphs (and would
+    turn the compile helpers off), so those settings are in the key; where logs and data live is not."""
+    hp = tg.Hyperparameters()
+    base = tg.compile_cache_settings(hp, "triton")
+    assert base == tg.compile_cache_settings(dataclasses.replace(hp, run_id="other", log_dir="/tmp/x", seed=3,
+                                                                 val_loss_every=7), "triton")
+    assert base != tg.compile_cache_settings(hp, "varlen")
+    assert base != tg.compile_cache_settings(dataclasses.replace(hp, num_layers=hp.num_layers + 1), "triton")
+    assert base != tg.compile_cache_settings(dataclasses.replace(hp, num_scheduled_iterations=60), "triton")
+    assert tg.CACHE_NEUTRAL_SETTINGS <= {f.name for f in dataclasses.fields(hp)}   # no stale names
+
+
 def test_saved_cache_loads_back_exactly(tmp_path, artifacts):
     payload, loaded = artifacts
     path = tmp_path / "cache" / "compile_cache.bin"
@@ -47,7 +61,7 @@ def test_missing_stale_and_damaged_files_are_ignored(tmp_path, artifacts):
     assert not ok and "no " in note and "written after the warmup" in note
     tg.save_compile_cache(path, "k1", VERSIONS)
     ok, note = tg.load_compile_cache(path, "k2")                              # other code or GPU
-    assert not ok and "made by other code or on another machine" in note and VERSIONS in note
+    assert not ok and "made by other code, with other settings or on another machine" in note and VERSIONS in note
     whole = path.read_bytes()
     cases = {"truncated": whole[:-10], "one byte flipped": whole[:-5] + b"X" + whole[-4:],
              "no header": tg.COMPILE_CACHE_MAGIC, "foreign file": b"PK\x03\x04 a zip file",
