@@ -465,25 +465,27 @@ def relu2_mlp(x: Tensor, c_fc: Tensor, c_proj: Tensor) -> Tensor:
 # ==================================================================================================
 # 4. Fused softcapped multi-token cross entropy 
 # ==================================================================================================
-# Both passes: one program per row streams its logits in blocks of 1024 columns (2 KiB of bf16, 8 per
-# thread with 4 warps). Programs of 16-128 rows (the tiles a transposed FP8 store would want) ran
-# 1.4-2x slower on an H200 (bench/ce.py --sweep).
-# Forward: every score z = A*sigmoid((l+B)/C) lies in [0, A], so exp(z - A) can neither overflow nor
-# vanish (it is at least e^-A): the sum needs no running maximum, and each lane keeps its own partial
-# sum until one reduction after the last block, lse = A + log(sum).
-# Backward: the row's columns without the target term -T_c (the weights of the offsets whose target
-# is that column), so the streaming loop compares no column with any target; a second small kernel
-# then rewrites the n_rows * K target elements in full.
-# QUANTIZE writes the FP8 head's e5m2 gradient directly: the bf16 gradient rounded through its bits,
-# times fp32(1/scale), clamped, cast: bitwise the bf16 backward followed by train_gpt.fp8_quantize.
+# Both passes: one program per row streams its logits in blocks of 1024 columns (2 KiB of bf16, 8
+# per thread with 4 warps). Tiles of 16-128 rows that also stored the transposed FP8 layout ran
+# 1.5-2.4x slower on an H200 than this plus a separate transpose (10 tile shapes, records/
+# 2026-11-24_ce_kernels_1xH200).
+# Forward: every score z = A*sigmoid((l+B)/C) lies in [0, A], so exp(z - A) can neither overflow
+# nor vanish (it is at least e^-A): the sum needs no running maximum, and each lane keeps its own
+# partial sum until one reduction after the last block, lse = A + log(sum).
+# Backward: the row's columns without the target term -T_c (the weights of the offsets whose
+# target is that column), so the streaming loop compares no column with any target; a second small
+# kernel then rewrites the n_rows * K target elements in full.
+# QUANTIZE writes the FP8 head's e5m2 gradient directly: the gradient rounded to bf16, times
+# fp32(1/scale), clamped, cast: bitwise the bf16 backward followed by train_gpt.fp8_quantize.
 #
-# Rounding: (l + B) is multiplied by fp32(1/C) rather than divided by C, and the forward sums without
-# a running maximum in per-lane order. Both change fp32 roundings only, and both are for speed: the
-# kernels are bound by the special-function unit, and a division costs a reciprocal there (two
-# exponentials and a reciprocal per element remain); the running maximum cost a rescaling
-# exponential and two cross-warp reductions per block. On an H200 at 49,152 rows the forward went
-# from 2.64 to 2.11 ms and the backward from 6.26 to about 3.5 ms. tests/_kernels_interp.py holds
-# losses, lse and gradients to a float64 transcription of the formulas.
+# Rounding: (l + B) is multiplied by fp32(1/C) rather than divided by C, and the forward sums
+# without a running maximum in per-lane order. Both change fp32 roundings only, and both are for
+# speed: the kernels are bound by the special-function unit, and a division costs a reciprocal
+# there (two exponentials and a reciprocal per element remain); the running maximum cost a
+# rescaling exponential and two cross-warp reductions per block. On an H200 at 49,152 rows the
+# forward went from 2.64 to 2.11 ms and the backward from 6.26 to about 3.5 ms.
+# tests/_kernels_interp.py holds losses, lse and gradients to a float64 transcription of the
+# formulas.
 # The softcap constants are tl.constexpr and every loop carry starts as an explicit fp32 tensor, so
 # no Python float can promote a carried value to fp64 (which happened to an earlier kernel under
 # torch 2.11 + triton 3.6).
@@ -539,14 +541,20 @@ def _ce_dlogit(logit, g_row, sum_w, t_weight, lse, A: tl.constexpr, B: tl.conste
 
 
 @triton.jit
-def _ce_out(dlogit, out_ptr, inv_scale, limit, QUANTIZE: tl.constexpr):
-    """What the backward stores, cast to out_ptr's dtype: the gradient rounded to bf16 through the
-    bits (exact in the interpreter too; skipped for an fp32 output of the plain backward), then
-    (QUANTIZE) the quantiser."""
+def _ce_out(dlogit, out_ptr, inv_scale, limit, QUANTIZE: tl.constexpr,
+            NATIVE_BF16: tl.constexpr):
+    """What the backward stores, cast to out_ptr's dtype: the gradient rounded to bf16 (skipped for
+    an fp32 output of the plain backward), then (QUANTIZE) the quantiser. NATIVE_BF16 (CUDA): the
+    hardware's round-to-nearest-even conversion, one instruction where the rounding through the bits
+    takes about eight (the backward is bound by instruction issue as much as by its exponentials);
+    off: through the bits, exact in the interpreter too. The two agree on every non-NaN value."""
     out_ty: tl.constexpr = out_ptr.dtype.element_ty
     g = dlogit
     if QUANTIZE or out_ty == tl.bfloat16:
-        g = (_bf16_bits_rne(dlogit) << 16).to(tl.float32, bitcast=True)
+        if NATIVE_BF16:
+            g = dlogit.to(tl.bfloat16).to(tl.float32)
+        else:
+            g = (_bf16_bits_rne(dlogit) << 16).to(tl.float32, bitcast=True)
     if QUANTIZE:
         g = tl.minimum(tl.maximum(g * inv_scale, -limit), limit)
     return g.to(out_ty)
@@ -565,7 +573,8 @@ def _ce_sum_w(weights_ptr, rows, n_rows, n_weights):
 @triton.jit
 def _ce_bwd_kernel(grad_ptr, stride_grad, logits_ptr, weights_ptr, lse_ptr, out_ptr, n_rows, n_cols,
                    stride_row, n_weights, inv_scale, limit, A: tl.constexpr, B: tl.constexpr,
-                   C: tl.constexpr, QUANTIZE: tl.constexpr, BLOCK: tl.constexpr):
+                   C: tl.constexpr, QUANTIZE: tl.constexpr, NATIVE_BF16: tl.constexpr,
+                   BLOCK: tl.constexpr):
     """One row's dlogits without the target term T_c (_ce_targets_kernel writes those columns
     afterwards). QUANTIZE=False: out = dlogits in out's dtype. QUANTIZE=True: out =
     clamp(bf16(dlogits) * inv_scale, +-limit) in out's dtype: the FP8 head's gradient quantiser
@@ -583,7 +592,8 @@ def _ce_bwd_kernel(grad_ptr, stride_grad, logits_ptr, weights_ptr, lse_ptr, out_
         cols = start + offs
         logit = _load_as_fp32(row_ptr + cols, cols < n_cols)
         dlogit = _ce_dlogit(logit, g_row, sum_w, 0.0, lse, A, B, C)
-        tl.store(out_row_ptr + cols, _ce_out(dlogit, out_ptr, inv_scale, limit, QUANTIZE),
+        tl.store(out_row_ptr + cols,
+                 _ce_out(dlogit, out_ptr, inv_scale, limit, QUANTIZE, NATIVE_BF16),
                  mask=cols < n_cols)
 
 
@@ -591,7 +601,7 @@ def _ce_bwd_kernel(grad_ptr, stride_grad, logits_ptr, weights_ptr, lse_ptr, out_
 def _ce_targets_kernel(grad_ptr, stride_grad, logits_ptr, targets_ptr, weights_ptr, lse_ptr,
                        out_ptr, n_rows, n_cols, stride_row, n_weights, inv_scale, limit,
                        A: tl.constexpr, B: tl.constexpr, C: tl.constexpr,
-                       QUANTIZE: tl.constexpr):
+                       QUANTIZE: tl.constexpr, NATIVE_BF16: tl.constexpr):
     """One row's target columns in full: T_c = the weights of every offset whose target is c. A
     column that is the target of several offsets is written once per offset, the same value."""
     row = tl.program_id(0)
@@ -614,7 +624,7 @@ def _ce_targets_kernel(grad_ptr, stride_grad, logits_ptr, targets_ptr, weights_p
         logit = _load_as_fp32(logits_ptr + row64 * stride_row + col, ok)
         dlogit = _ce_dlogit(logit, g_row, sum_w, t_weight, lse, A, B, C)
         tl.store(out_ptr + row64 * n_cols + col,
-                 _ce_out(dlogit, out_ptr, inv_scale, limit, QUANTIZE), mask=ok)
+                 _ce_out(dlogit, out_ptr, inv_scale, limit, QUANTIZE, NATIVE_BF16), mask=ok)
 
 
 def _check_ce_inputs(logits: Tensor, targets: Tensor, mtp_weights: Tensor) -> None:
@@ -667,7 +677,8 @@ def _launch_ce_bwd(grad_losses: Tensor, logits: Tensor, targets: Tensor, mtp_wei
         return
     args = (grad_losses, grad_losses.stride(0), logits)
     common = (lse, out, n_rows, n_cols, logits.stride(0), mtp_weights.shape[0], inv_scale, limit)
-    flags = dict(A=SOFTCAP_A, B=SOFTCAP_B, C=SOFTCAP_C, QUANTIZE=quantize)
+    flags = dict(A=SOFTCAP_A, B=SOFTCAP_B, C=SOFTCAP_C, QUANTIZE=quantize,
+                 NATIVE_BF16=logits.is_cuda)
     wrap_triton(_ce_bwd_kernel)[(n_rows,)](*args, mtp_weights, *common, BLOCK=_CE_BLOCK,
                                            num_warps=_CE_WARPS, **flags)
     wrap_triton(_ce_targets_kernel)[(n_rows,)](*args, targets, mtp_weights, *common, num_warps=1,

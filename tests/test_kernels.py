@@ -204,11 +204,12 @@ def _sm90_cases():
                   "lse_ptr": "*fp32", "n_rows": "i32", "n_cols": "i32", "stride_row": "i32", "n_weights": "i32",
                   "inv_scale": "fp32", "limit": "fp32"}
     for quantize, out in ((False, "*bf16"), (True, "*fp8e5")):
-        cases.append(("ce_bwd", tk._ce_bwd_kernel, {**ce_bwd_sig, "out_ptr": out}, {**ce_consts, "QUANTIZE": quantize},
+        flags = {"QUANTIZE": quantize, "NATIVE_BF16": True}
+        cases.append(("ce_bwd", tk._ce_bwd_kernel, {**ce_bwd_sig, "out_ptr": out}, {**ce_consts, **flags},
                       {"num_warps": tk._CE_WARPS}, ("stride_grad",), ("logits_ptr", "out_ptr", "n_cols")))
         softcap = {k: v for k, v in ce_consts.items() if k != "BLOCK"}
         cases.append(("ce_targets", tk._ce_targets_kernel, {**ce_bwd_sig, "out_ptr": out, "targets_ptr": "*i64"},
-                      {**softcap, "QUANTIZE": quantize}, {"num_warps": 1}, ("stride_grad",),
+                      {**softcap, **flags}, {"num_warps": 1}, ("stride_grad",),
                       ("logits_ptr", "out_ptr", "n_cols")))
     strides = ("stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh")
     attn = {"fwd": (tk._attn_fwd_kernel, {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "o_ptr": "*bf16",
