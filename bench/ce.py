@@ -5,8 +5,8 @@ gradient in both layouts the head's FP8 matmuls need.
 
 One CUDA GPU, about a minute. --root imports triton_kernels.py from another checkout (a baseline made with
 `git worktree` or `git archive`), so before and after run the same script; run each in its own process. A backward
-that returns one layout is timed with the transpose the trainer makes (compiled, as the trainer compiles it); one
-that returns both layouts is timed alone. Rows of 16,384 / 32,768 / 49,152
+that returns one layout is timed with the transpose that checkout's trainer makes: triton_kernels.transpose_bytes
+where it exists, else torch.compile's; one that returns both layouts is timed alone. Rows of 16,384 / 32,768 / 49,152
 tokens (the micro-batches of the three batch phases on one GPU), vocabulary 50,304, three MTP weights; GPU time is
 the median of triton.testing.do_bench.
 """
@@ -40,9 +40,12 @@ def main(argv: list[str] | None = None) -> int:
 
     transpose = torch.compile(lambda q: q.t().contiguous(), dynamic=False, fullgraph=True)
 
+    # the second layout as the trainer of that checkout makes it
+    second_layout = getattr(tk, "transpose_bytes", transpose)
+
     def backward(grad, logits, targets, w, lse):
         out = tk.softcapped_mtp_ce_bwd_fp8_triton(grad, logits, targets, w, lse, S_G)
-        return out if isinstance(out, tuple) else (out, transpose(out))
+        return out if isinstance(out, tuple) else (out, second_layout(out))
 
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, kernels from {args.root}")
     print(f"{'rows':>7} {'fwd ms':>8} {'bwd+both layouts ms':>20} {'total':>8}")
