@@ -3981,6 +3981,19 @@ class CompileHelper:
             self.process.wait()
 
 
+def exit_with_parent(interval_s: float = 1.0) -> None:
+    """Leave at once (exit status 1) when the process that started this one is gone: a daemon
+    thread polls the parent pid, which changes when the parent dies and this process is adopted. So
+    a helper does not go on compiling for a rank killed with SIGKILL, which runs no cleanup."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(interval_s)
+        os._exit(1)
+    threading.Thread(target=watch, name="exit_with_parent", daemon=True).start()
+
+
 def compile_helper_main(task_path: str) -> int:
     """A CompileHelper's process: the rank's model, built again on the rank's GPU with the same
     compiler settings, runs its share through Trainer.compile_alone (so its graphs are exactly the
@@ -3988,6 +4001,7 @@ def compile_helper_main(task_path: str) -> int:
     result file. No optimizer and no process group: compile_alone needs neither."""
     import pickle
     t0 = time.perf_counter()
+    exit_with_parent()
     task = pickle.loads(Path(task_path).read_bytes())
     try:
         device = torch.device(task["device"])

@@ -5,6 +5,7 @@ arguments, mode and rotary state: what torch.compile guards on and keys its cach
 every rank names its GPU cuda:0 (isolate_gpu). Both are checked here on a CPU, where the model runs
 uncompiled and a recorder stands in for the compiled callable."""
 import dataclasses
+import os
 import re
 
 import pytest
@@ -12,6 +13,8 @@ import torch
 
 import train_gpt as tg
 from _shards import make_dataset
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_variant_starts_and_warmup_steps_of_the_record_schedule():
@@ -187,6 +190,49 @@ def test_compile_helper_processes_report_back(tiny_trainer, tmp_path):
         ok.stop()
         bad.stop()
     assert ok.process.returncode == 0 and bad.process.returncode == 1
+
+
+def _gone(pid: int) -> bool:
+    """The process has exited (a zombie counts: a container's init may not reap adopted children)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads process states from /proc (Linux)")
+def test_a_helper_exits_when_its_rank_is_killed(tmp_path):
+    """A rank killed with SIGKILL runs no cleanup; its helpers (exit_with_parent) notice that they were adopted and
+    leave instead of compiling on. Here a stand-in rank starts a stand-in helper, then is killed."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    ready = tmp_path / "helper_ready"
+    helper = (f"import sys, time; sys.path.insert(0, {ROOT!r}); import train_gpt as tg; tg.exit_with_parent(0.1); "
+              f"open({str(ready)!r}, 'w').close(); time.sleep(120)")
+    rank_code = (f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', {helper!r}]); "
+                 f"print(p.pid, flush=True); time.sleep(120)")
+    rank = subprocess.Popen([sys.executable, "-c", rank_code], stdout=subprocess.PIPE, text=True)
+    pid = int(rank.stdout.readline())
+    try:
+        deadline = time.time() + 120
+        while not ready.exists() and time.time() < deadline:
+            time.sleep(0.1)
+        assert ready.exists(), "the stand-in helper did not start"
+        time.sleep(0.5)
+        assert not _gone(pid)                       # a living parent keeps it
+        rank.send_signal(signal.SIGKILL)
+        rank.wait()
+        deadline = time.time() + 15
+        while not _gone(pid) and time.time() < deadline:
+            time.sleep(0.1)
+        assert _gone(pid), "the helper outlived its killed rank"
+    finally:
+        rank.kill()
+        if not _gone(pid):
+            os.kill(pid, signal.SIGKILL)
 
 
 def test_gpu_turns_one_process_at_a_time(tmp_path):
