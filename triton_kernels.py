@@ -4,8 +4,8 @@ Each section has the kernel(s), a launcher that checks its inputs, a plain-PyTor
 the same contract, and the public op used by train_gpt.py. A public op runs the Triton kernel on
 CUDA tensors and the reference elsewhere (for the cross entropy, a chunked form of it, for speed),
 so the trainer runs unchanged on a CPU.
-Importing this file does nothing: no device queries, no compiles; autotuning happens on a kernel's
-first call for each new key.
+Importing this file does nothing: no device queries, no compiles. Nothing autotunes at start-up:
+each launcher's tiles are fixed, chosen by a bench/ script whose output is in records/.
 
 How the ops reach torch.compile: every kernel launch sits inside a `torch.library.triton_op`
 (namespace `nanogpt_kernels`) and goes through `torch.library.wrap_triton`, so
@@ -270,7 +270,7 @@ def ba_plus_cAA(A: Tensor, b: float, c: float) -> Tensor:
 
 
 # ==================================================================================================
-# 3. Fused linear + relu^2 MLP 
+# 3. Fused linear + relu^2 MLP
 # ==================================================================================================
 # One persistent kernel computes acc = a @ b.T (a (M, K), b (N, K), both row-major) tile by tile and
 # applies one of two epilogues:
@@ -279,49 +279,60 @@ def ba_plus_cAA(A: Tensor, b: float, c: float) -> Tensor:
 #   backward (BACKWARD=True):  d = bf16(2 * bf16(acc) * relu(pre)), pre read back from the forward.
 # The c_proj matmuls stay on cuBLAS.
 #
-# Tiles: 128x256 outputs with K-step 64, 8 warps. On H100 a 128x256 bf16 tile is the largest whose
-# fp32 accumulator fits in the registers of two warpgroups (128 regs/thread), giving the best
-# operand reuse per byte of shared memory; K-step 64 makes a 48 KiB pipeline stage, so 3-4 stages
-# fit in the 227 KiB of shared memory. The grid is persistent (one program per SM walking tiles in
-# grouped order) so the ~400-1200 tiles of the training shapes run without wave tails and
-# consecutive tiles reuse the same b columns in L2. The autotuner only picks the stage count, with a
-# 128x128 fallback in case a Triton version needs more shared memory for the epilogue.
+# The model's K is short (768: 12 K-steps of 64), so a tile that fills its software pipeline, runs
+# and drains it, then stores 2 x 64 KiB before the next tile's first load spends a large share of
+# its time waiting. The tile loop is therefore flattened into the K loop (`tl.range(flatten=True)`):
+# the pipeline runs straight across tiles, so the next tile's operands are in flight while this
+# tile's epilogue stores. The fixed tiles (_MLP_TILES) are bench/mlp_tiles.py's fastest on an H200
+# at the training shapes (records/2026-11-25_mlp_kernel_1xH200), with no autotuning at start-up.
+# Tiles (BM, BN, BK, GROUP_M, warps, stages, flatten): 128 x 256 outputs is the largest tile whose
+# fp32 accumulator fits in two warpgroups' registers (128 per thread), the best operand reuse per
+# byte of shared memory; K-step 64 makes a 48 KiB pipeline stage.
+_MLP_TILES = (128, 256, 64, 8, 8, 3, True)
+# Interpreter tiles for CPU tests: small, several tiles per persistent program.
+_MLP_INTERPRETER_TILES = (16, 32, 16, 2, 4, 2, True)
 
-_MLP_CONFIGS = [
-    triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8,
-                  num_stages=s)
-    for bm, bn, s in [(128, 256, 3), (128, 256, 4), (128, 128, 4)]
-]
+
+@triton.jit
+def _grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """Tile index -> (row block, column block) in grouped order: GROUP_M row blocks sweep the
+    columns together, so their a rows stay in L2."""
+    tiles_per_group = GROUP_M * num_pid_n
+    first_m = (tile // tiles_per_group) * GROUP_M
+    group_rows = min(num_pid_m - first_m, GROUP_M)
+    return first_m + (tile % tiles_per_group) % group_rows, (tile % tiles_per_group) // group_rows
 
 
 @triton.jit
 def _relu2_linear_kernel(a_ptr, b_ptr, pre_ptr, out_ptr, M, N, K, stride_am, stride_bn, stride_pm,
                          stride_om, BACKWARD: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                         FLATTEN: tl.constexpr):
     """Persistent a @ b.T with the relu^2 epilogues above; K must be a multiple of BLOCK_K (checked
     by the launcher)."""
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_tiles = num_pid_m * num_pid_n
-    tiles_per_group = GROUP_M * num_pid_n
+    k_steps = K // BLOCK_K
     rk = tl.arange(0, BLOCK_K)
-    for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0)):
-        # Grouped order: GROUP_M row-blocks sweep the columns together, so their a rows stay in L2.
-        group = tile // tiles_per_group
-        first_m = group * GROUP_M
-        group_rows = min(num_pid_m - first_m, GROUP_M)
-        pid_m = first_m + (tile % tiles_per_group) % group_rows
-        pid_n = (tile % tiles_per_group) // group_rows
+    # The epilogue keeps its own tile counter instead of reusing the loop's: in the flattened loop
+    # the loads of the next tile are issued before this tile's epilogue runs.
+    stored = tl.program_id(0) - tl.num_programs(0)
+    for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=FLATTEN):
+        pid_m, pid_n = _grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         a_ptrs = a_ptr + (rows % M).to(tl.int64)[:, None] * stride_am + rk[None, :]  # (BM, BK),
                                                                                      # wrapped rows
         b_ptrs = b_ptr + (cols % N).to(tl.int64)[:, None] * stride_bn + rk[None, :]  # (BN, BK)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for _ in range(0, K // BLOCK_K):
-            acc = tl.dot(tl.load(a_ptrs), tl.trans(tl.load(b_ptrs)), acc)
-            a_ptrs += BLOCK_K
-            b_ptrs += BLOCK_K
+        for k in range(0, k_steps):
+            acc = tl.dot(tl.load(a_ptrs + k * BLOCK_K), tl.trans(tl.load(b_ptrs + k * BLOCK_K)), acc)
+
+        stored += tl.num_programs(0)
+        pid_m, pid_n = _grouped_tile(stored, num_pid_m, num_pid_n, GROUP_M)
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         mask = (rows[:, None] < M) & (cols[None, :] < N)
         pre_ptrs = pre_ptr + rows.to(tl.int64)[:, None] * stride_pm + cols[None, :]
         out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
@@ -337,34 +348,20 @@ def _relu2_linear_kernel(a_ptr, b_ptr, pre_ptr, out_ptr, M, N, K, stride_am, str
             tl.store(out_ptrs, (r * r).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-_relu2_linear_kernel_tuned = triton.autotune(configs=_MLP_CONFIGS, key=["M", "N", "K", "BACKWARD"])(
-    _relu2_linear_kernel)
-
-# Interpreter tiles (BM, BN, BK, GROUP_M) for CPU tests: small, several tiles per persistent
-# program.
-_MLP_INTERPRETER_TILES = (16, 32, 16, 2)
-
-
 def _launch_relu2_linear(a: Tensor, b: Tensor, pre: Tensor, out: Tensor, backward: bool,
-                         tiles: tuple[int, int, int, int] | None) -> None:
+                         tiles: tuple | None) -> None:
     M, K = a.shape
     N = b.shape[0]
-    args = (a, b, pre, out, M, N, K, a.stride(0), b.stride(0), pre.stride(0), out.stride(0))
-    n_programs = _num_programs_persistent(a.device)
-    if tiles is None and a.is_cuda:
-        _check(K % 64 == 0,
-               f"relu2_mlp needs the model dim ({K}) to be a multiple of 64 on CUDA (K-step 64)")
-
-        def grid(meta):
-            return (min(n_programs,
-                        triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),)
-        wrap_triton(_relu2_linear_kernel_tuned)[grid](*args, BACKWARD=backward)
-    else:
-        bm, bn, bk, group_m = tiles or _MLP_INTERPRETER_TILES
-        _check(K % bk == 0, f"relu2_mlp: model dim {K} must be a multiple of BLOCK_K={bk}")
-        grid = (min(n_programs, triton.cdiv(M, bm) * triton.cdiv(N, bn)),)
-        wrap_triton(_relu2_linear_kernel)[grid](*args, BACKWARD=backward, BLOCK_M=bm, BLOCK_N=bn,
-                                                BLOCK_K=bk, GROUP_M=group_m)
+    bm, bn, bk, group_m, warps, stages, flatten = tiles or (
+        _MLP_TILES if a.is_cuda else _MLP_INTERPRETER_TILES)
+    _check(K % bk == 0, f"relu2_mlp needs the model dim ({K}) to be a multiple of {bk} (the "
+                        "kernel's K-step)")
+    launch = dict(num_warps=warps, num_stages=stages) if a.is_cuda else {}
+    grid = (min(_num_programs_persistent(a.device), triton.cdiv(M, bm) * triton.cdiv(N, bn)),)
+    wrap_triton(_relu2_linear_kernel)[grid](
+        a, b, pre, out, M, N, K, a.stride(0), b.stride(0), pre.stride(0), out.stride(0),
+        BACKWARD=backward, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, FLATTEN=flatten,
+        **launch)
 
 
 def _check_mlp_operands(x: Tensor, w: Tensor, x_name: str, w_name: str) -> None:
@@ -380,11 +377,12 @@ def _check_mlp_operands(x: Tensor, w: Tensor, x_name: str, w_name: str) -> None:
            "call .contiguous() first")
 
 
-def relu2_mlp_fwd_triton(x: Tensor, c_fc: Tensor, tiles: tuple[int, int, int, int] | None = None
+def relu2_mlp_fwd_triton(x: Tensor, c_fc: Tensor, tiles: tuple | None = None
                          ) -> tuple[Tensor, Tensor]:
     """x (M, D), c_fc (H, D) -> pre = bf16(x @ c_fc.T), post = bf16(relu(pre)^2), each (M, H).
 
-    tiles=(BM, BN, BK, GROUP_M) fixes the tiles (tests); None autotunes on CUDA."""
+    tiles=(BM, BN, BK, GROUP_M, warps, stages, flatten) fixes the tiles (tests, bench/mlp_tiles.py);
+    None: _MLP_TILES on CUDA, _MLP_INTERPRETER_TILES elsewhere."""
     _check_mlp_operands(x, c_fc, "x", "c_fc")
     pre = torch.empty((x.shape[0], c_fc.shape[0]), dtype=x.dtype, device=x.device)
     post = torch.empty_like(pre)
@@ -392,8 +390,8 @@ def relu2_mlp_fwd_triton(x: Tensor, c_fc: Tensor, tiles: tuple[int, int, int, in
     return pre, post
 
 
-def relu2_mlp_bwd_triton(g: Tensor, c_proj: Tensor, pre: Tensor,
-                         tiles: tuple[int, int, int, int] | None = None) -> Tensor:
+def relu2_mlp_bwd_triton(g: Tensor, c_proj: Tensor, pre: Tensor, tiles: tuple | None = None
+                         ) -> Tensor:
     """g (M, D), c_proj (H, D), pre (M, H) from the forward -> dpre = bf16(2 * bf16(g @ c_proj.T) *
     relu(pre))."""
     _check_mlp_operands(g, c_proj, "g", "c_proj")

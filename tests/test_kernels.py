@@ -191,11 +191,11 @@ def _sm90_cases():
         cases.append(("sym", tk._sym_aat_kernel, sym_sig, {"ADD_BA": True, **tiles},
                       {"num_warps": warps, "num_stages": stages}, ("stride_ak", "stride_on"),
                       ("a_ptr", "out_ptr", "M", "K", "stride_ab", "stride_am", "stride_ob", "stride_om")))
-    for cfg in tk._MLP_CONFIGS:
-        opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
-        for backward in (False, True):
-            cases.append(("mlp", tk._relu2_linear_kernel, mlp_sig, {"BACKWARD": backward, **cfg.kwargs}, opts, (),
-                          tuple(mlp_sig)))
+    bm, bn, bk, group_m, warps, stages, flatten = tk._MLP_TILES
+    for backward in (False, True):
+        tiles = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m, "FLATTEN": flatten}
+        cases.append(("mlp", tk._relu2_linear_kernel, mlp_sig, {"BACKWARD": backward, **tiles},
+                      {"num_warps": warps, "num_stages": stages}, (), tuple(mlp_sig)))
     cases.append(("ce_fwd", tk._ce_fwd_kernel,
                   {"logits_ptr": "*bf16", "targets_ptr": "*i64", "weights_ptr": "*fp32", "losses_ptr": "*fp32",
                    "lse_ptr": "*fp32", "n_rows": "i32", "n_cols": "i32", "stride_row": "i32", "n_weights": "i32"},
