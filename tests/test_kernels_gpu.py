@@ -97,6 +97,27 @@ def test_relu2_mlp_forward_backward_bf16(M, lead):
     assert rel_err(dc_proj, post.T @ g64) < BF16_TOL
 
 
+@pytest.mark.parametrize("backward", [False, True])
+def test_relu2_mlp_flattened_loop_is_bitwise_the_plain_loop(backward):
+    """The trainer's tiles run the tile loop flattened into the K loop; that reorders loads and stores, never a sum:
+    the outputs equal the unflattened loop's bit for bit, partial last tiles included (rows not a multiple of 128)."""
+    x, c_fc, _ = (t.detach() for t in mlp_inputs(3 * 1024 + 37, 5))
+    g = torch.randn_like(x)
+    plain = tk._MLP_TILES[:-1] + (False,)
+    outs = []
+    for tiles in (tk._MLP_TILES, plain):
+        pre = torch.full((x.shape[0], 3072), float("nan"), device="cuda", dtype=torch.bfloat16)
+        out = torch.full_like(pre, float("nan"))
+        if backward:
+            tk._launch_relu2_linear(x, c_fc, pre, torch.empty_like(pre), False, plain)
+        tk._launch_relu2_linear(g if backward else x, c_fc, pre, out, backward, tiles)
+        outs.append((pre, out))
+    assert tk._MLP_TILES[-1], "the trainer's tiles are expected to flatten the loop"
+    for a, b in zip(*outs):
+        assert not a.isnan().any(), "an element was not written"
+        assert torch.equal(a, b)
+
+
 def test_relu2_mlp_kernel_rounding_points():
     """post = bf16(relu(pre)^2) from the stored bf16 pre, exactly; dpre = bf16(2 * bf16(g @ c_proj.T) * relu(pre))."""
     x, c_fc, c_proj = (t.detach() for t in mlp_inputs(1024, 3))
