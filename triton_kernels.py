@@ -290,6 +290,8 @@ def ba_plus_cAA(A: Tensor, b: float, c: float) -> Tensor:
 # thread), the best operand reuse per byte of shared memory; K-step 64 makes a 48 KiB stage; 3
 # stages (176 KiB of shared memory flattened) tie with 4 (224 KiB, at the H100's limit).
 # bench/mlp_tiles.py times the candidates (records/2026-11-25_mlp_kernel_flattened_1xH100).
+# The grid is persistent (one program per SM walking the tiles in grouped order), so the ~400-1200
+# tiles of the training shapes run without wave tails and consecutive tiles reuse b's rows in L2.
 _MLP_TILES = (128, 256, 64, 8, 8, 3, True)
 # Interpreter tiles for CPU tests: small, several tiles per persistent program.
 _MLP_INTERPRETER_TILES = (16, 32, 16, 2, 4, 2, True)
