@@ -19,6 +19,9 @@ One table row per trace (the steps it covers, e.g. one step of each batch phase)
     step        the step window: first kernel start to last kernel end, divided by the number of steps
 Buckets are GPU busy time on the compute stream(s); communication that overlaps compute is not counted.
 A kernel is attributed to the optimizer or the FP8 op through the CPU range (record_function / op) that launched it.
+--owners=REGEX lists, for the kernels and copies whose name matches, the CPU ops around their launch (an autograd node,
+an aten op: where in the code a copy comes from); --gaps=N lists the N longest stretches with no kernel running and
+the ops that launched the kernel after each.
 """
 from __future__ import annotations
 
@@ -108,6 +111,65 @@ def analyse(path: str) -> dict[str, float]:
     return out
 
 
+def owners(path: str, pattern: str, depth: int = 4) -> list[tuple[float, int, str, str]]:
+    """The CPU ops that launched the kernels / copies whose name matches `pattern`: (ms per step, launches per step,
+    kernel name, the innermost `depth` enclosing ops, outermost first), most time first. This is how a copy or an
+    element-wise kernel that no bucket explains is traced back to the code (an autograd node, an aten op)."""
+    trace = json.loads(Path(path).read_text())
+    events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    launches = {e["args"].get("correlation"): e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")
+                and "args" in e and "correlation" in e["args"]}
+    ops: dict[int, list[tuple[float, float, str]]] = {}
+    for e in events:
+        if e.get("cat") in ("user_annotation", "cpu_op"):
+            ops.setdefault(e["tid"], []).append((e["ts"], e["ts"] + e["dur"], e.get("name", "")))
+    steps = max(1, len([e for e in events if e.get("name") == "optimizer_step" and e.get("cat") == "user_annotation"]))
+    found: dict[tuple[str, str], list] = {}
+    regex = re.compile(pattern)
+    for k in events:
+        if k.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset") or not regex.search(k.get("name", "")):
+            continue
+        launch = launches.get(k.get("args", {}).get("correlation"))
+        chain = [r for r in ops.get(launch["tid"], []) if r[0] <= launch["ts"] <= r[1]] if launch else []
+        chain.sort(key=lambda r: (r[0], -r[1]))                      # outermost first
+        key = (k["name"][:60], " > ".join(r[2][:50] for r in chain[-depth:]) or "(no CPU op)")
+        found.setdefault(key, [0.0, 0])
+        found[key][0] += k["dur"]
+        found[key][1] += 1
+    return sorted(((us / 1000 / steps, n // steps, name, chain) for (name, chain), (us, n) in found.items()),
+                  reverse=True)
+
+
+def idle_gaps(path: str, top: int = 10) -> list[tuple[float, str, str, str]]:
+    """The longest stretches in the step window where no kernel runs: (ms, the kernel before, the kernel after, the CPU
+    ops that launched the one after, innermost 3). A gap the launch of the next kernel explains (a sync, a Python loop,
+    a data copy) points at what the GPU waited for."""
+    trace = json.loads(Path(path).read_text())
+    events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    kernels = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+                     key=lambda e: e["ts"])
+    launches = {e["args"].get("correlation"): e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")
+                and "args" in e and "correlation" in e["args"]}
+    ops: dict[int, list[tuple[float, float, str]]] = {}
+    for e in events:
+        if e.get("cat") in ("user_annotation", "cpu_op"):
+            ops.setdefault(e["tid"], []).append((e["ts"], e["ts"] + e["dur"], e.get("name", "")))
+    gaps, busy_until, before = [], None, None
+    for k in kernels:
+        if busy_until is not None and k["ts"] > busy_until:
+            gaps.append((k["ts"] - busy_until, before, k))
+        if busy_until is None or k["ts"] + k["dur"] > busy_until:
+            busy_until, before = k["ts"] + k["dur"], k
+    rows = []
+    for us, prev, k in sorted(gaps, key=lambda g: -g[0])[:top]:
+        launch = launches.get(k.get("args", {}).get("correlation"))
+        chain = sorted((r for r in ops.get(launch["tid"], []) if r[0] <= launch["ts"] <= r[1]),
+                       key=lambda r: (r[0], -r[1])) if launch else []
+        rows.append((us / 1000, prev["name"][:40], k["name"][:40],
+                     " > ".join(r[2][:40] for r in chain[-3:]) or "(no CPU op)"))
+    return rows
+
+
 def run_and_profile(out: str, scheduled: int, extra: list[str]) -> list[str]:
     """./run.sh on a short schedule (scheduled steps + 6 extension steps), profiling two steps late in each third."""
     import subprocess
@@ -133,6 +195,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="logs/profile", help="log folder of --run")
     ap.add_argument("--scheduled", type=int, default=60, help="scheduled steps of --run")
     ap.add_argument("--top", type=int, default=0, help="also list the N kernels with the most time per step")
+    ap.add_argument("--gaps", type=int, default=0, help="also list the N longest idle stretches of each trace")
+    ap.add_argument("--owners", default="", help="also list the CPU ops that launched the kernels matching this "
+                    "regular expression (e.g. 'Memcpy|CUDAFunctor_add')")
     args, rest = ap.parse_known_args(argv)
     if args.run:
         args.traces = run_and_profile(args.out, args.scheduled, rest + args.traces)
@@ -151,6 +216,14 @@ def main(argv: list[str] | None = None) -> int:
         print("| " + " | ".join([name, str(r["steps"])] + [f"{r[b]:.1f}" for b in (*BUCKETS, "step")]) + " |")
         for ms, n, bucket, kernel_name in r["kernels"][:args.top]:
             print(f"    {ms:7.2f} ms  {n:5d}x  {bucket:<11} {kernel_name}")
+        if args.gaps:
+            print(f"  longest idle stretches (ms; the kernel before -> the kernel after <- its launching ops):")
+            for ms, prev, nxt, chain in idle_gaps(path, args.gaps):
+                print(f"    {ms:7.3f} ms  {prev} -> {nxt}  <-  {chain}")
+        if args.owners:
+            print(f"  launched by (kernels matching {args.owners!r}; ms per step, launches per step):")
+            for ms, n, kernel_name, chain in owners(path, args.owners)[:20]:
+                print(f"    {ms:7.2f} ms  {n:5d}x  {kernel_name}  <-  {chain}")
     print("ms per step, GPU time (see the module docstring for the buckets)")
     return 0
 

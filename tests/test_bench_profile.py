@@ -60,3 +60,39 @@ def test_run_and_profile_returns_only_its_own_traces(tmp_path, monkeypatch):
     traces = profile_step.run_and_profile(str(tmp_path), 60, ["--run_id=mine"])
     assert [t.rsplit("/", 1)[1] for t in traces] == ["mine_rank0_steps16-17_trace.json",
                                                      "mine_rank0_steps36-37_trace.json"]
+
+
+def test_owners_names_the_innermost_enclosing_ops(tmp_path):
+    """Each matching kernel or copy is traced to the CPU ops around its launch, on the launching thread only."""
+    def op(name, ts, dur, tid=1):
+        return {"ph": "X", "cat": "cpu_op", "name": name, "ts": ts, "dur": dur, "tid": tid}
+    events = [
+        {"ph": "X", "cat": "user_annotation", "name": "optimizer_step", "ts": 0, "dur": 1000, "tid": 5},  # one step
+        op("AccumulateGrad", 0, 100), op("aten::add_", 10, 20), launch(15, 1),
+        kernel("vectorized_elementwise_kernel<CUDAFunctor_add>", 200, 30, 1),
+        op("aten::copy_", 50, 20), launch(55, 2),
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoD (Device -> Device)", "ts": 300, "dur": 8, "tid": 7,
+         "args": {"correlation": 2}},
+        op("elsewhere", 0, 1000, tid=2),                                  # another thread: never an owner
+        launch(60, 3), kernel("triton_poi_fused_add_0", 400, 5, 3),      # does not match
+        launch(500, 4), kernel("vectorized_elementwise_kernel<CUDAFunctor_add>", 600, 10, 4),  # launched by no op
+    ]
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    rows = profile_step.owners(str(path), "Memcpy|CUDAFunctor_add")
+    assert [(round(ms, 6), n, chain) for ms, n, _, chain in rows] == [
+        (0.03, 1, "AccumulateGrad > aten::add_"), (0.01, 1, "(no CPU op)"), (0.008, 1, "AccumulateGrad > aten::copy_")]
+
+
+def test_idle_gaps_are_the_stretches_no_kernel_covers(tmp_path):
+    """Overlapping kernels (two streams) leave no gap; the longest gaps come first, named by their neighbours."""
+    events = [
+        launch(0, 1), kernel("a", 100, 50, 1),
+        launch(1, 2), kernel("b", 120, 80, 2, stream=8),                 # overlaps a: busy until 200
+        {"ph": "X", "cat": "cpu_op", "name": "aten::item", "ts": 2, "dur": 300, "tid": 1}, launch(250, 3),
+        kernel("c", 230, 10, 3),                                          # 30 us after b
+        launch(260, 4), kernel("d", 300, 5, 4),                           # 60 us after c
+    ]
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    assert profile_step.idle_gaps(str(path)) == [(0.06, "c", "d", "aten::item"), (0.03, "b", "c", "aten::item")]
