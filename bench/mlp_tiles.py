@@ -36,8 +36,9 @@ CANDIDATES = [(128, 256, 64, 8, 8, 3, True), (128, 256, 64, 8, 8, 3, False), (12
               (128, 256, 64, 4, 8, 3, True), (128, 256, 64, 16, 8, 3, True)]
 # (tiles, programs per SM): two resident programs per SM, so that one's epilogue stores overlap the other's
 # matmul; tiles that fit twice in shared memory (<= 113 KiB) and the register file
-TWO_PER_SM = [((128, 128, 64, 8, 4, 3, False), 2), ((128, 128, 64, 8, 4, 3, True), 2), ((128, 128, 64, 8, 4, 2, True), 2),
-              ((128, 128, 64, 8, 8, 3, False), 2), ((128, 128, 64, 8, 4, 3, False), 1)]
+TWO_PER_SM = [((128, 128, 64, 8, 4, 3, False), 2), ((128, 128, 64, 8, 4, 3, True), 2),
+              ((128, 128, 64, 8, 4, 2, True), 2), ((128, 128, 64, 8, 8, 3, False), 2),
+              ((128, 128, 64, 8, 4, 3, False), 1)]
 # (tiles, warp_specialize): on sm_90 triton 3.9 ignores warp_specialize here (the same shared memory, no
 # setmaxnreg in the PTX), so only the plain loops are listed; the flag stays for later Triton versions
 TMA_CANDIDATES = [((128, 256, 64, 8, 8, 3, True), False), ((128, 256, 64, 8, 8, 4, True), False),
@@ -132,9 +133,9 @@ def main(argv):
                 finally:
                     tk._num_programs_persistent = saved
             return call
-        variants.append((f"{per_sm}/SM " + name(tiles),
-                         with_programs(lambda x, w, pre, out, t=tiles: tk._launch_relu2_linear(x, w, pre, out, False, t)),
-                         with_programs(lambda g, w, pre, out, t=tiles: tk._launch_relu2_linear(g, w, pre, out, True, t))))
+        fwd = with_programs(lambda x, w, pre, out, t=tiles: tk._launch_relu2_linear(x, w, pre, out, False, t))
+        bwd = with_programs(lambda g, w, pre, out, t=tiles: tk._launch_relu2_linear(g, w, pre, out, True, t))
+        variants.append((f"{per_sm}/SM " + name(tiles), fwd, bwd))
     if args.tma:
         triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
         for tiles, ws in TMA_CANDIDATES:
