@@ -111,31 +111,42 @@ def analyse(path: str) -> dict[str, float]:
     return out
 
 
+class _Trace:
+    """A chrome trace's complete events, with each kernel's launch (by correlation id) and the CPU ops per thread."""
+
+    def __init__(self, path: str):
+        self.events = [e for e in json.loads(Path(path).read_text())["traceEvents"] if e.get("ph") == "X"]
+        self.kernels = sorted((e for e in self.events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+                              key=lambda e: e["ts"])
+        self.launches = {e["args"].get("correlation"): e for e in self.events
+                         if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+        self.ops: dict[int, list[tuple[float, float, str]]] = {}
+        for e in self.events:
+            if e.get("cat") in ("user_annotation", "cpu_op"):
+                self.ops.setdefault(e["tid"], []).append((e["ts"], e["ts"] + e["dur"], e.get("name", "")))
+
+    def launched_by(self, kernel: dict, depth: int, width: int) -> str:
+        """The innermost `depth` CPU ops around the kernel's launch, outermost first, each cut to `width`."""
+        launch = self.launches.get(kernel.get("args", {}).get("correlation"))
+        chain = sorted((r for r in self.ops.get(launch["tid"], []) if r[0] <= launch["ts"] <= r[1]),
+                       key=lambda r: (r[0], -r[1])) if launch else []
+        return " > ".join(r[2][:width] for r in chain[-depth:]) or "(no CPU op)"
+
+
 def owners(path: str, pattern: str, depth: int = 4) -> list[tuple[float, int, str, str]]:
     """The CPU ops that launched the kernels / copies whose name matches `pattern`: (ms per step, launches per step,
     kernel name, the innermost `depth` enclosing ops, outermost first), most time first. This is how a copy or an
     element-wise kernel that no bucket explains is traced back to the code (an autograd node, an aten op)."""
-    trace = json.loads(Path(path).read_text())
-    events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
-    launches = {e["args"].get("correlation"): e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")
-                and "args" in e and "correlation" in e["args"]}
-    ops: dict[int, list[tuple[float, float, str]]] = {}
-    for e in events:
-        if e.get("cat") in ("user_annotation", "cpu_op"):
-            ops.setdefault(e["tid"], []).append((e["ts"], e["ts"] + e["dur"], e.get("name", "")))
-    steps = max(1, len([e for e in events if e.get("name") == "optimizer_step" and e.get("cat") == "user_annotation"]))
+    trace = _Trace(path)
+    steps = max(1, sum(e.get("name") == "optimizer_step" and e.get("cat") == "user_annotation" for e in trace.events))
     found: dict[tuple[str, str], list] = {}
     regex = re.compile(pattern)
-    for k in events:
-        if k.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset") or not regex.search(k.get("name", "")):
-            continue
-        launch = launches.get(k.get("args", {}).get("correlation"))
-        chain = [r for r in ops.get(launch["tid"], []) if r[0] <= launch["ts"] <= r[1]] if launch else []
-        chain.sort(key=lambda r: (r[0], -r[1]))                      # outermost first
-        key = (k["name"][:60], " > ".join(r[2][:50] for r in chain[-depth:]) or "(no CPU op)")
-        found.setdefault(key, [0.0, 0])
-        found[key][0] += k["dur"]
-        found[key][1] += 1
+    for k in trace.kernels:
+        if regex.search(k.get("name", "")):
+            key = (k["name"][:60], trace.launched_by(k, depth, 50))
+            found.setdefault(key, [0.0, 0])
+            found[key][0] += k["dur"]
+            found[key][1] += 1
     return sorted(((us / 1000 / steps, n // steps, name, chain) for (name, chain), (us, n) in found.items()),
                   reverse=True)
 
@@ -144,30 +155,15 @@ def idle_gaps(path: str, top: int = 10) -> list[tuple[float, str, str, str]]:
     """The longest stretches in the step window where no kernel runs: (ms, the kernel before, the kernel after, the CPU
     ops that launched the one after, innermost 3). A gap the launch of the next kernel explains (a sync, a Python loop,
     a data copy) points at what the GPU waited for."""
-    trace = json.loads(Path(path).read_text())
-    events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
-    kernels = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
-                     key=lambda e: e["ts"])
-    launches = {e["args"].get("correlation"): e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")
-                and "args" in e and "correlation" in e["args"]}
-    ops: dict[int, list[tuple[float, float, str]]] = {}
-    for e in events:
-        if e.get("cat") in ("user_annotation", "cpu_op"):
-            ops.setdefault(e["tid"], []).append((e["ts"], e["ts"] + e["dur"], e.get("name", "")))
+    trace = _Trace(path)
     gaps, busy_until, before = [], None, None
-    for k in kernels:
+    for k in trace.kernels:
         if busy_until is not None and k["ts"] > busy_until:
             gaps.append((k["ts"] - busy_until, before, k))
         if busy_until is None or k["ts"] + k["dur"] > busy_until:
             busy_until, before = k["ts"] + k["dur"], k
-    rows = []
-    for us, prev, k in sorted(gaps, key=lambda g: -g[0])[:top]:
-        launch = launches.get(k.get("args", {}).get("correlation"))
-        chain = sorted((r for r in ops.get(launch["tid"], []) if r[0] <= launch["ts"] <= r[1]),
-                       key=lambda r: (r[0], -r[1])) if launch else []
-        rows.append((us / 1000, prev["name"][:40], k["name"][:40],
-                     " > ".join(r[2][:40] for r in chain[-3:]) or "(no CPU op)"))
-    return rows
+    return [(us / 1000, prev["name"][:40], k["name"][:40], trace.launched_by(k, 3, 40))
+            for us, prev, k in sorted(gaps, key=lambda g: -g[0])[:top]]
 
 
 def run_and_profile(out: str, scheduled: int, extra: list[str]) -> list[str]:
@@ -199,6 +195,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--owners", default="", help="also list the CPU ops that launched the kernels matching this "
                     "regular expression (e.g. 'Memcpy|CUDAFunctor_add')")
     args, rest = ap.parse_known_args(argv)
+    try:
+        re.compile(args.owners)
+    except re.error as e:
+        print(f"error: --owners={args.owners!r} is not a regular expression ({e}); e.g. --owners='Memcpy|add'",
+              file=sys.stderr)
+        return 2
     if args.run:
         args.traces = run_and_profile(args.out, args.scheduled, rest + args.traces)
     elif rest:

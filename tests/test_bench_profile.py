@@ -96,3 +96,9 @@ def test_idle_gaps_are_the_stretches_no_kernel_covers(tmp_path):
     path = tmp_path / "t.json"
     path.write_text(json.dumps({"traceEvents": events}))
     assert profile_step.idle_gaps(str(path)) == [(0.06, "c", "d", "aten::item"), (0.03, "b", "c", "aten::item")]
+
+
+def test_a_bad_owners_pattern_is_one_error_line(capsys):
+    assert profile_step.main(["--owners=(", "unused_trace.json"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --owners='(' is not a regular expression") and err.count("\n") == 1
