@@ -1185,29 +1185,38 @@ def cautious_update_with_mantissa(param: Tensor, mantissa: Tensor, O: Tensor, *,
 # loaded. Within that range a key block is "full" when every (row, key) pair is allowed: key >=
 # start[last row], key >= last row - window, key <= first row. Full blocks skip the mask; the
 # blocks at the left edge (window or document starts inside the block) and at the diagonal apply
-# it per element. A key block [n0, n0 + BN) symmetrically needs queries up to min(end[last key],
-# last key + window + 1) and is full against a query block whose rows are all >= the last key,
-# <= n0 + window and < end[n0].
+# it per element. A key block [n0, n0 + BN) symmetrically needs queries from n0 up to
+# min(end[last key], last key + window + 1).
 # Forward: FlashAttention's online softmax in base 2 (the scale folded with log2(e)), p rounded to
 # v's dtype for the p @ v product (as in FlashAttention), and the base-2 log-sum-exp per row saved
-# for the backward. Backward: recompute p from it; one kernel per key block accumulates dK and dV
-# over its queries, one per query block accumulates dQ over its keys; delta = rowsum(dO * O) is
-# computed first, in fp32. No atomics, so the gradients are deterministic; FlashAttention-2's way
-# (dQ added in fp32 by the dK/dV kernel with atomics: 5 matmuls per block pair instead of 7)
-# measured 7-8% slower here (best config against best config, on an H200).
+# for the backward. Backward: recompute p from it; one kernel per query block accumulates dQ over
+# its keys and first computes delta = rowsum(dO * O) of its rows in fp32 (it loads dO anyway; a
+# separate pass of eager torch ops cost 0.44 ms of a 1.31 ms backward at 49k tokens), then one
+# kernel per key block accumulates dK and dV over its queries, reading delta. No atomics, so the
+# gradients are deterministic; FlashAttention-2's way (dQ added in fp32 by the dK/dV kernel with
+# atomics: 5 matmuls per block pair instead of 7) measured 7-8% slower here (best config against
+# best config, on an H200).
+# Loops: the forward and dQ kernels run three loops (masked left edge, unmasked middle, masked
+# diagonal), the dK/dV kernel one loop that masks every block: its loops are a few blocks long,
+# and each loop fills and drains its own software pipeline, which cost more than the mask saves
+# (dK/dV kernel 0.49 -> 0.40 ms at 49k tokens, window 768, on an H100; the forward and dQ kernels
+# were 3-12% slower with one loop). In both backward kernels the two products that depend only on
+# the loaded blocks (q k^T and dO v^T) are issued back to back.
 # Rows with no allowed key yet (a block left of their document) keep max = -inf; the masked step
 # substitutes 0 for it so exp2 gives 0, not NaN. Every real row sees itself, so its final sum >= 1.
 #
 # The interpreter runs the same kernels with small tiles in float32 (p and dS then stay fp32, so
 # the result is exact attention up to fp32 summation order).
 
-# Fixed tiles (BLOCK_M, BLOCK_N, num_warps, num_stages), chosen by bench/attention_tiles.py on an
-# H200 at T = 16k and 49k tokens, windows 384 to 1408, normal and paired layout: the same configs
-# won at every shape (records/2026-11-22_triton_attention_1xH200), so nothing is autotuned (no
-# tuning time at start). Small query tiles win: with windows of a few hundred keys and documents of
-# a few hundred tokens, a 64-row block wastes less on masked keys than a 128-row one, and the
-# short loops leave little to pipeline deeper.
-_ATTN_TILES = {"fwd": (64, 32, 4, 3), "dkdv": (64, 128, 8, 3), "dq": (64, 32, 4, 3)}
+# Fixed tiles (BLOCK_M, BLOCK_N, num_warps, num_stages), chosen by bench/attention_tiles.py at
+# T = 16k to 49k tokens, windows 384 to 1408, normal and paired layout: the same configs won at
+# every shape, so nothing is autotuned (no tuning time at start). Forward and dQ on an H200
+# (records/2026-11-22_triton_attention_1xH200); dK/dV on an H100 with the one-loop kernel
+# (records/2026-11-25_attention_backward_1xH100): 64 keys x 32 queries per step, 4 warps, 1.1-1.2x
+# faster than the 128 x 64 tiles with 8 warps that the three-loop kernel used. Small tiles win:
+# with windows of a few hundred keys and documents of a few hundred tokens, a small block wastes
+# less on masked pairs, and the short loops leave little to pipeline deeper.
+_ATTN_TILES = {"fwd": (64, 32, 4, 3), "dkdv": (32, 64, 4, 3), "dq": (64, 32, 4, 3)}
 _ATTN_INTERPRETER_TILES = (16, 32, 4, 1)  # CPU tests: BM != BN, several blocks per program
 _LOG2E = 1.4426950408889634
 
@@ -1298,21 +1307,22 @@ def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, start_ptr, T, window, 
 
 @triton.jit
 def _attn_dkdv_step(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, m0, cols, col_end, window,
-                    qk_scale, stride_qt, stride_dot, T, BLOCK_M: tl.constexpr,
-                    MASKED: tl.constexpr):
+                    qk_scale, stride_qt, stride_dot, T, BLOCK_M: tl.constexpr):
     rows = m0 + tl.arange(0, BLOCK_M)
     row_ok = rows < T
     q = tl.load(q_ptrs + m0 * stride_qt, mask=row_ok[:, None], other=0.0)
     do = tl.load(do_ptrs + m0 * stride_dot, mask=row_ok[:, None], other=0.0)
     lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
     delta = tl.load(delta_ptr + rows, mask=row_ok, other=0.0)
-    p_t = tl.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse[None, :])          # (BN, BM)
-    if MASKED:
-        keep = ((rows[None, :] >= cols[:, None]) & (rows[None, :] <= cols[:, None] + window)
-                & (rows[None, :] < col_end[:, None]))
-        p_t = tl.where(keep, p_t, 0.0)
+    # the two products that need only the loads come first: the second is issued before the
+    # first is waited for
+    s_t = tl.dot(k, tl.trans(q))                                            # (BN, BM)
+    dp_t = tl.dot(v, tl.trans(do))
+    keep = ((rows[None, :] >= cols[:, None]) & (rows[None, :] <= cols[:, None] + window)
+            & (rows[None, :] < col_end[:, None]))
+    p_t = tl.where(keep, tl.exp2(s_t * qk_scale - lse[None, :]), 0.0)
+    ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
     dv += tl.dot(p_t.to(do.dtype), do)
-    ds_t = (p_t * (tl.dot(v, tl.trans(do)) - delta[None, :])).to(q.dtype)
     dk += tl.dot(ds_t, q)
     return dk, dv
 
@@ -1333,9 +1343,8 @@ def _attn_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, end_ptr, 
     col_ok = cols < T
     col_end = tl.load(end_ptr + cols, mask=col_ok, other=0)
     last = tl.minimum(n0 + BLOCK_N, T) - 1
-    b0, f0, f1, b1 = _attn_block_ranges(
-        n0, tl.minimum(tl.load(end_ptr + last), last + window + 1),
-        last, tl.minimum(tl.load(end_ptr + n0), n0 + window + 1), BLOCK_M)
+    b0 = (n0 // BLOCK_M) * BLOCK_M
+    b1 = tl.minimum(tl.load(end_ptr + last), last + window + 1)  # past the block's last query
     k = tl.load(k_ptr + cols.to(tl.int64)[:, None] * stride_kt + h * stride_kh + d[None, :],
                 mask=col_ok[:, None], other=0.0)
     v = tl.load(v_ptr + cols.to(tl.int64)[:, None] * stride_vt + h * stride_vh + d[None, :],
@@ -1347,18 +1356,9 @@ def _attn_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, end_ptr, 
     delta_ptr += h * T
     dk = tl.zeros((BLOCK_N, HEAD_DIM), dtype=tl.float32)
     dv = tl.zeros((BLOCK_N, HEAD_DIM), dtype=tl.float32)
-    for m0 in range(b0, f0, BLOCK_M):
+    for m0 in range(b0, b1, BLOCK_M):  # one loop, every block masked (see the header)
         dk, dv = _attn_dkdv_step(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, m0, cols,
-                                 col_end, window, qk_scale, stride_qt, stride_dot, T, BLOCK_M,
-                                 True)
-    for m0 in range(f0, f1, BLOCK_M):
-        dk, dv = _attn_dkdv_step(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, m0, cols,
-                                 col_end, window, qk_scale, stride_qt, stride_dot, T, BLOCK_M,
-                                 False)
-    for m0 in range(f1, b1, BLOCK_M):
-        dk, dv = _attn_dkdv_step(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, m0, cols,
-                                 col_end, window, qk_scale, stride_qt, stride_dot, T, BLOCK_M,
-                                 True)
+                                 col_end, window, qk_scale, stride_qt, stride_dot, T, BLOCK_M)
     g_offs = cols.to(tl.int64)[:, None] * stride_gt + h * stride_gh + d[None, :]
     tl.store(dk_ptr + g_offs, (dk * scale).to(dk_ptr.dtype.element_ty), mask=col_ok[:, None])
     tl.store(dv_ptr + g_offs, dv.to(dv_ptr.dtype.element_ty), mask=col_ok[:, None])
@@ -1371,21 +1371,25 @@ def _attn_dq_step(dq, q, do, lse, delta, k_ptrs, v_ptrs, n0, rows, row_start, wi
     col_ok = (cols < T)[:, None]
     k = tl.load(k_ptrs + n0 * stride_kt, mask=col_ok, other=0.0)
     v = tl.load(v_ptrs + n0 * stride_vt, mask=col_ok, other=0.0)
-    p = tl.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None])           # (BM, BN)
+    s = tl.dot(q, tl.trans(k))                                              # (BM, BN)
+    dp = tl.dot(do, tl.trans(v))
+    p = tl.exp2(s * qk_scale - lse[:, None])
     if MASKED:
         keep = ((cols[None, :] >= row_start[:, None]) & (cols[None, :] <= rows[:, None])
                 & (cols[None, :] >= rows[:, None] - window))
         p = tl.where(keep, p, 0.0)
-    ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
+    ds = p * (dp - delta[:, None])
     return dq + tl.dot(ds.to(k.dtype), k)
 
 
 @triton.jit
-def _attn_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, start_ptr, dq_ptr, T, window,
-                    qk_scale, scale, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
-                    stride_vh, stride_dot, stride_doh, stride_gt, stride_gh,
-                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One (query block, head): dQ over the keys its rows see (the forward's ranges)."""
+def _attn_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, o_ptr, lse_ptr, delta_ptr, start_ptr, dq_ptr, T,
+                    window, qk_scale, scale, stride_qt, stride_qh, stride_kt, stride_kh,
+                    stride_vt, stride_vh, stride_dot, stride_doh, stride_ot, stride_oh,
+                    stride_gt, stride_gh, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr):
+    """One (query block, head): delta = rowsum(dO * O) of its rows, stored for the dK/dV kernel,
+    and dQ over the keys its rows see (the forward's ranges)."""
     # inductor may pass the float arguments as fp64 scalars; keep every product fp32
     qk_scale, scale = tl.cast(qk_scale, tl.float32), tl.cast(scale, tl.float32)
     m0 = tl.program_id(0) * BLOCK_M
@@ -1398,7 +1402,10 @@ def _attn_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, start_ptr, 
     do = tl.load(do_ptr + rows.to(tl.int64)[:, None] * stride_dot + h * stride_doh + d[None, :],
                  mask=row_ok[:, None], other=0.0)
     lse = tl.load(lse_ptr + h * T + rows, mask=row_ok, other=0.0)
-    delta = tl.load(delta_ptr + h * T + rows, mask=row_ok, other=0.0)
+    o = tl.load(o_ptr + rows.to(tl.int64)[:, None] * stride_ot + h * stride_oh + d[None, :],
+                mask=row_ok[:, None], other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(delta_ptr + h * T + rows, delta, mask=row_ok)
     cols0 = tl.arange(0, BLOCK_N)
     k_ptrs = k_ptr + cols0.to(tl.int64)[:, None] * stride_kt + h * stride_kh + d[None, :]
     v_ptrs = v_ptr + cols0.to(tl.int64)[:, None] * stride_vt + h * stride_vh + d[None, :]
@@ -1488,23 +1495,23 @@ def varlen_attention_bwd_triton(grad_out: Tensor, q: Tensor, k: Tensor, v: Tenso
     lse. tiles overrides the dK/dV kernel's launch, and the dQ kernel's unless dq_tiles is
     given."""
     _check_attention_inputs(q, k, v, cu_seqlens, window)
-    _check(grad_out.shape == q.shape and grad_out.stride(2) == 1,
-           f"grad_out must be {tuple(q.shape)} with unit stride along D")
+    for name, t in (("grad_out", grad_out), ("out", out)):
+        _check(t.shape == q.shape and t.stride(2) == 1,
+               f"{name} must be {tuple(q.shape)} with unit stride along D")
     T, H, D = q.shape
     dq, dk, dv = (torch.empty((T, H, D), dtype=q.dtype, device=q.device) for _ in range(3))
     if T == 0:
         return dq, dk, dv
     start, end = document_bounds(cu_seqlens, T)
-    # delta = rowsum(dO * O) in fp32, (H, T) like lse
-    delta = (grad_out.to(torch.float32) * out.to(torch.float32)).sum(-1).T.contiguous()
+    delta = torch.empty((H, T), dtype=torch.float32, device=q.device)  # written by the dQ kernel
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-               grad_out.stride(0), grad_out.stride(1), dq.stride(0), dq.stride(1))
+               grad_out.stride(0), grad_out.stride(1))
+    _attn_launch(_attn_dq_kernel, T, H, "BLOCK_M", _attn_tiles(q, "dq", dq_tiles or tiles),
+                 (q, k, v, grad_out, out, lse, delta, start, dq, T, window, scale * _LOG2E, scale,
+                  *strides, out.stride(0), out.stride(1), dq.stride(0), dq.stride(1)), HEAD_DIM=D)
     _attn_launch(_attn_dkdv_kernel, T, H, "BLOCK_N", _attn_tiles(q, "dkdv", tiles),
                  (q, k, v, grad_out, lse, delta, end, dk, dv, T, window, scale * _LOG2E, scale,
-                  *strides), HEAD_DIM=D)
-    _attn_launch(_attn_dq_kernel, T, H, "BLOCK_M", _attn_tiles(q, "dq", dq_tiles or tiles),
-                 (q, k, v, grad_out, lse, delta, start, dq, T, window, scale * _LOG2E, scale,
-                  *strides), HEAD_DIM=D)
+                  *strides, dk.stride(0), dk.stride(1)), HEAD_DIM=D)
     return dq, dk, dv
 
 

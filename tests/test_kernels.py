@@ -219,8 +219,9 @@ def _sm90_cases():
                                             "lse_ptr": "*fp32", "delta_ptr": "*fp32", "end_ptr": "*i32",
                                             "dk_ptr": "*bf16", "dv_ptr": "*bf16", "scale": "fp32"}),
             "dq": (tk._attn_dq_kernel, {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "do_ptr": "*bf16",
-                                        "lse_ptr": "*fp32", "delta_ptr": "*fp32", "start_ptr": "*i32",
-                                        "dq_ptr": "*bf16", "scale": "fp32"})}
+                                        "o_ptr": "*bf16", "lse_ptr": "*fp32", "delta_ptr": "*fp32",
+                                        "start_ptr": "*i32", "dq_ptr": "*bf16", "scale": "fp32",
+                                        "stride_ot": "i32", "stride_oh": "i32"})}
     for name, (kernel, sig) in attn.items():
         bm, bn, warps, stages = tk._ATTN_TILES[name]
         params = inspect.signature(kernel.fn).parameters
