@@ -3058,6 +3058,20 @@ def configure_compiler() -> None:
     # (the same code, compiled earlier): in the compile split, a process then holds its GPU turn
     # only while it runs the graph (GpuTurns).
     functorch_config.force_non_lazy_backward_lowering = True
+    # torch's on-disk caches key a graph by its ops, and a Triton op of triton_kernels.py is one
+    # opaque op there, although its launch code and (for the attention ops, whose kernels torch's
+    # source scan does not find) its kernels are compiled into the graph. After an edit of that
+    # file they would hand back graphs with the old kernels. Its text is part of every key instead.
+    tag = kernels_cache_tag(Path(tk.__file__).read_text())
+    other = [t for t in torch.compiler.config.cache_key_tag.split("|")
+             if t and not t.startswith("triton_kernels:")]
+    torch.compiler.config.cache_key_tag = "|".join([*other, tag])
+
+
+def kernels_cache_tag(kernels_source: str) -> str:
+    """The tag of torch's compile-cache keys for this text of triton_kernels.py."""
+    import hashlib
+    return "triton_kernels:" + hashlib.sha256(kernels_source.encode()).hexdigest()[:16]
 
 
 def eager_autotuners(module: Any) -> list[Any]:

@@ -155,3 +155,36 @@ def test_graphs_with_autograd_functions_come_back_from_torchs_autograd_cache(tmp
     assert fresh_compile().get("autograd_cache_miss") == 1            # compiled and saved
     assert fresh_compile().get("autograd_cache_hit") == 1             # a new start loads it
     torch._dynamo.reset()
+
+
+def test_an_edit_of_triton_kernels_misses_torchs_caches(tmp_path, monkeypatch):
+    """torch keys a cached graph by its ops. A Triton op's launch code and kernels are compiled into the graph but
+    are not in that key (the attention ops' kernels not at all: torch's source scan does not find them), so an
+    edited triton_kernels.py got the old kernels back from the cache. configure_compiler puts a hash of the file's
+    text into every key: the same text hits, an edited one misses. Real inductor compilations on the CPU."""
+    from torch._dynamo.utils import counters
+    from torch._functorch import config as functorch_config
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
+    for config, name in ((functorch_config, "autograd_cache_allow_custom_autograd_functions"),
+                         (functorch_config, "force_non_lazy_backward_lowering"),
+                         (torch._dynamo.config, "recompile_limit"),
+                         (torch.compiler.config, "cache_key_tag")):
+        monkeypatch.setattr(config, name, getattr(config, name))
+    torch.compiler.config.cache_key_tag = "someone-elses-tag"
+    kernels = tmp_path / "triton_kernels.py"
+    monkeypatch.setattr(tg.tk, "__file__", str(kernels))
+
+    def start(kernels_text):
+        kernels.write_text(kernels_text)
+        tg.configure_compiler()
+        torch._dynamo.reset()
+        counters.clear()
+        x = torch.linspace(-1, 1, 8, requires_grad=True)
+        torch.compile(lambda t: _Scaled.apply(t).sum(), fullgraph=True)(x).backward()
+        return dict(counters["aot_autograd"])
+
+    assert start("BLOCK = 64\n").get("autograd_cache_miss") == 1
+    assert start("BLOCK = 64\n").get("autograd_cache_hit") == 1
+    assert start("BLOCK = 32\n").get("autograd_cache_miss") == 1      # the edit
+    assert torch.compiler.config.cache_key_tag == "someone-elses-tag|" + tg.kernels_cache_tag("BLOCK = 32\n")
+    torch._dynamo.reset()
