@@ -1194,14 +1194,15 @@ def cautious_update_with_mantissa(param: Tensor, mantissa: Tensor, O: Tensor, *,
 # separate pass of eager torch ops cost 0.44 ms of a 1.31 ms backward at 49k tokens), then one
 # kernel per key block accumulates dK and dV over its queries, reading delta. No atomics, so the
 # gradients are deterministic; FlashAttention-2's way (dQ added in fp32 by the dK/dV kernel with
-# atomics: 5 matmuls per block pair instead of 7) measured 7-8% slower here (best config against
-# best config, on an H200).
+# atomics: 5 matmuls per block pair instead of 7) measured 7-8% slower with the earlier
+# three-loop kernels (best config against best config, on an H200).
 # Loops: the forward and dQ kernels run three loops (masked left edge, unmasked middle, masked
 # diagonal), the dK/dV kernel one loop that masks every block: its loops are a few blocks long,
 # and each loop fills and drains its own software pipeline, which cost more than the mask saves
-# (dK/dV kernel 0.49 -> 0.40 ms at 49k tokens, window 768, on an H100; the forward and dQ kernels
-# were 3-12% slower with one loop). In both backward kernels the two products that depend only on
-# the loaded blocks (q k^T and dO v^T) are issued back to back.
+# (dK/dV kernel 0.49 -> 0.40 ms at 49k tokens, window 768, on an H100; with one loop the forward
+# was 3-15% slower and the dQ kernel between 2% faster and 6% slower). In both backward kernels the
+# two products that depend only on the loaded blocks (q k^T and dO v^T) are issued back to back
+# (about 1%).
 # Rows with no allowed key yet (a block left of their document) keep max = -inf; the masked step
 # substitutes 0 for it so exp2 gives 0, not NaN. Every real row sees itself, so its final sum >= 1.
 #
@@ -1212,10 +1213,10 @@ def cautious_update_with_mantissa(param: Tensor, mantissa: Tensor, O: Tensor, *,
 # T = 16k to 49k tokens, windows 384 to 1408, normal and paired layout: the same configs won at
 # every shape, so nothing is autotuned (no tuning time at start). Forward and dQ on an H200
 # (records/2026-11-22_triton_attention_1xH200); dK/dV on an H100 with the one-loop kernel
-# (records/2026-11-25_attention_backward_1xH100): 64 keys x 32 queries per step, 4 warps, 1.1-1.2x
-# faster than the 128 x 64 tiles with 8 warps that the three-loop kernel used. Small tiles win:
-# with windows of a few hundred keys and documents of a few hundred tokens, a small block wastes
-# less on masked pairs, and the short loops leave little to pipeline deeper.
+# (records/2026-11-25_attention_backward_1xH100): 64 keys x 32 queries per step, 4 warps,
+# 1.08-1.16x faster than the 128 x 64 tiles with 8 warps that the three-loop kernel used. Small
+# tiles win: with windows of a few hundred keys and documents of a few hundred tokens, a small
+# block wastes less on masked pairs, and the short loops leave little to pipeline deeper.
 _ATTN_TILES = {"fwd": (64, 32, 4, 3), "dkdv": (32, 64, 4, 3), "dq": (64, 32, 4, 3)}
 _ATTN_INTERPRETER_TILES = (16, 32, 4, 1)  # CPU tests: BM != BN, several blocks per program
 _LOG2E = 1.4426950408889634
