@@ -28,6 +28,11 @@ commands:
   profile [OPTION ...]
                      GPU time per bucket of a step late in each batch phase of an NS-step run (default 60;
                      bench/profile_step.py --run)
+  ab BASE [OPTION ...]
+                     before/after, both in this call: NS (default 60) + 6 steps of the code in the folder BASE (a
+                     checkout of the baseline, e.g. `git worktree add /tmp/base <commit>`), then the same run of this
+                     code (seed 0, validation every 20), then bench/phase_times.py's table of the two: ms/step per
+                     batch phase with the ratio to BASE, last validation, peak memory
   startup [OPTION ...]
                      start-up times: NS (default 30) + 3 steps three times with torch's caches in $OUT/startup_cache:
                      cold (no caches, no compile cache file), second (everything kept), fresh (only the compile cache
@@ -51,7 +56,7 @@ example: the attention tests, then a FlexAttention run
 EOF
 }
 
-COMMANDS="tests kernels train smoke backends overhead resume profile startup"
+COMMANDS="tests kernels train smoke backends overhead resume profile ab startup"
 command=${1:-}
 case "$command" in
   -h|--help|help) usage; exit 0 ;;
@@ -60,6 +65,11 @@ esac
 shift
 if [[ " $COMMANDS " != *" $command "* ]]; then
   echo "error: unknown command '$command'; use one of: $COMMANDS (bench/run.sh --help)" >&2
+  exit 2
+fi
+if [ "$command" = ab ] && { [ $# -eq 0 ] || [ ! -x "$1/run.sh" ]; }; then
+  echo "error: 'ab' needs the baseline's folder first, one with run.sh (got '${1:-}'): git worktree add /tmp/base" \
+    "<commit>, then bench/run.sh ab /tmp/base" >&2
   exit 2
 fi
 if [ "$command" = kernels ] && [ $# -gt 0 ]; then
@@ -106,15 +116,21 @@ gpu_tests() {
   grep -E "passed|failed|skipped|error" "$OUT/gpu_tests.txt" | tail -25 || true
 }
 
-# train_run NAME [OPTION ...]: ./run.sh on the synthetic shards with its log in $OUT/NAME/, then a summary of that log
+# newest_log DIR: the training log a run just wrote in DIR (the newest .txt that is not the console's)
+newest_log() {
+  ls -t "$1"/*.txt 2>/dev/null | grep -v '/console\.txt$' | head -1 || true
+}
+
+# train_run NAME [OPTION ...]: ./run.sh (or $RUNSH) on the synthetic shards with its log in $OUT/NAME/, then a summary
+# of that log
 train_run() {
   local name=$1 log
   shift
   mkdir -p "$OUT/$name"
-  step "$name/console" ./run.sh --train_files="$DATA/fineweb_train_*.bin" --val_files="$DATA/fineweb_val_*.bin" \
-    --log_dir="$OUT/$name" "$@"
+  step "$name/console" "${RUNSH:-./run.sh}" --train_files="$DATA/fineweb_train_*.bin" \
+    --val_files="$DATA/fineweb_val_*.bin" --log_dir="$OUT/$name" "$@"
   grep -E "error:|Error|val_loss|^result:" "$OUT/$name/console.txt" | tail -12 || true
-  log=$(ls -t "$OUT/$name"/*.txt | grep -v '/console\.txt$' | head -1 || true)   # this run's: the newest
+  log=$(newest_log "$OUT/$name")
   if [ -n "$log" ]; then "$PY" bench/phase_times.py "$log" || true; fi
 }
 
@@ -175,6 +191,16 @@ case "$command" in
     step profile "$PY" bench/profile_step.py --run --out="$OUT/profile" --scheduled="${NS:-60}" \
       --train_files="$DATA/fineweb_train_*.bin" --val_files="$DATA/fineweb_val_*.bin" "$@"
     grep -E "^\||error" "$OUT/profile.txt" || true ;;
+  ab)
+    base=$(cd "$1" && pwd)
+    shift
+    make_data
+    opts=(--num_scheduled_iterations="${NS:-60}" --num_extension_iterations=6 --val_loss_every=20 --seed=0 "$@")
+    RUNSH="$base/run.sh" train_run base "${opts[@]}"
+    train_run new "${opts[@]}"
+    if [ -n "$(newest_log "$OUT/base")" ] && [ -n "$(newest_log "$OUT/new")" ]; then
+      "$PY" bench/phase_times.py "$(newest_log "$OUT/base")" "$(newest_log "$OUT/new")" | sed -n '/^| |/,$p'
+    fi ;;
   startup)
     make_data
     cache="$OUT/startup_cache"
