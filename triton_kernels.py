@@ -1453,18 +1453,16 @@ def _check_attention_inputs(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor,
            "q, k, v span 2^31 elements or more; split the batch")
 
 
-def _attn_launch(kernel, T: int, H: int, block_key: str, tiles: tuple[int, int, int, int],
-                 args: tuple, **constexprs) -> None:
-    """Launch over (blocks of T, heads) with tiles = (BLOCK_M, BLOCK_N, num_warps, num_stages)."""
-    bm, bn, warps, stages = tiles
-    grid = (triton.cdiv(T, bm if block_key == "BLOCK_M" else bn), H)
-    wrap_triton(kernel)[grid](*args, **constexprs, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
-                              num_stages=stages)
-
-
-def _attn_tiles(t: Tensor, kernel: str, tiles: tuple[int, int, int, int] | None):
-    """The launch config: given, the fixed GPU tiles, or the interpreter's on the CPU."""
-    return tiles or (_ATTN_TILES[kernel] if t.is_cuda else _ATTN_INTERPRETER_TILES)
+def _attn_launch_config(t: Tensor, kernel: str, tiles: tuple[int, int, int, int] | None,
+                        H: int) -> tuple[tuple[int, int], dict]:
+    """The grid over (blocks of T, heads) and the launch options of a kernel ("fwd", "dq" walk query
+    blocks, "dkdv" key blocks) for tiles = (BLOCK_M, BLOCK_N, num_warps, num_stages): the given
+    ones, the fixed GPU tiles, or the interpreter's on the CPU.
+    The launches below name their kernel in wrap_triton(...) itself: torch finds a triton_op's
+    kernels by that pattern in its source and keys its compile caches on their text."""
+    bm, bn, warps, stages = tiles or (_ATTN_TILES[kernel] if t.is_cuda else _ATTN_INTERPRETER_TILES)
+    grid = (triton.cdiv(t.shape[0], bn if kernel == "dkdv" else bm), H)
+    return grid, dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
 
 
 def varlen_attention_fwd_triton(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, window: int,
@@ -1482,8 +1480,8 @@ def varlen_attention_fwd_triton(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Ten
     start, _ = document_bounds(cu_seqlens, T)
     args = (q, k, v, out, lse, start, T, window, scale * _LOG2E, q.stride(0), q.stride(1),
             k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1))
-    _attn_launch(_attn_fwd_kernel, T, H, "BLOCK_M", _attn_tiles(q, "fwd", tiles), args,
-                 HEAD_DIM=D)
+    grid, options = _attn_launch_config(q, "fwd", tiles, H)
+    wrap_triton(_attn_fwd_kernel)[grid](*args, HEAD_DIM=D, **options)
     return out, lse
 
 
@@ -1507,12 +1505,14 @@ def varlen_attention_bwd_triton(grad_out: Tensor, q: Tensor, k: Tensor, v: Tenso
     delta = torch.empty((H, T), dtype=torch.float32, device=q.device)  # written by the dQ kernel
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                grad_out.stride(0), grad_out.stride(1))
-    _attn_launch(_attn_dq_kernel, T, H, "BLOCK_M", _attn_tiles(q, "dq", dq_tiles or tiles),
-                 (q, k, v, grad_out, out, lse, delta, start, dq, T, window, scale * _LOG2E, scale,
-                  *strides, out.stride(0), out.stride(1), dq.stride(0), dq.stride(1)), HEAD_DIM=D)
-    _attn_launch(_attn_dkdv_kernel, T, H, "BLOCK_N", _attn_tiles(q, "dkdv", tiles),
-                 (q, k, v, grad_out, lse, delta, end, dk, dv, T, window, scale * _LOG2E, scale,
-                  *strides, dk.stride(0), dk.stride(1)), HEAD_DIM=D)
+    grid, options = _attn_launch_config(q, "dq", dq_tiles or tiles, H)
+    wrap_triton(_attn_dq_kernel)[grid](
+        q, k, v, grad_out, out, lse, delta, start, dq, T, window, scale * _LOG2E, scale, *strides,
+        out.stride(0), out.stride(1), dq.stride(0), dq.stride(1), HEAD_DIM=D, **options)
+    grid, options = _attn_launch_config(q, "dkdv", tiles, H)
+    wrap_triton(_attn_dkdv_kernel)[grid](
+        q, k, v, grad_out, lse, delta, end, dk, dv, T, window, scale * _LOG2E, scale, *strides,
+        dk.stride(0), dk.stride(1), HEAD_DIM=D, **options)
     return dq, dk, dv
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import train_gpt as tg
+import triton_kernels as tk
 
 VERSIONS = "torch 2.13.0, triton 3.9.0, CUDA 12.8, NVIDIA H200"
 
@@ -188,3 +189,20 @@ def test_an_edit_of_triton_kernels_misses_torchs_caches(tmp_path, monkeypatch):
     assert start("BLOCK = 32\n").get("autograd_cache_miss") == 1      # the edit
     assert torch.compiler.config.cache_key_tag == "someone-elses-tag|" + tg.kernels_cache_tag("BLOCK = 32\n")
     torch._dynamo.reset()
+
+
+def test_torch_finds_the_kernels_of_every_triton_op():
+    """torch puts the text of a triton_op's kernels into its cache keys, when it finds them: it scans the op's source
+    (and the functions it calls) for wrap_triton(<kernel name>). A launch helper that takes the kernel as an argument
+    hides it (the attention ops did), and the caches key such an op by its name alone. configure_compiler's tag
+    covers the trainer either way; this keeps the ops safe where they are compiled without it."""
+    triton_lib = pytest.importorskip("torch._library.triton")
+    if not hasattr(triton_lib, "triton_ops_to_kernels"):
+        pytest.skip("this torch keeps no table of triton_op kernels")
+    ours = {name: kernels for name, kernels in triton_lib.triton_ops_to_kernels.items()
+            if name.startswith(tk._LIB + "::")}
+    assert len(ours) >= 11
+    hidden = sorted(name for name, kernels in ours.items() if not kernels)
+    assert not hidden, f"torch finds no kernel in {hidden}: call wrap_triton(<kernel>) in the launcher itself"
+    for kernels in ours.values():
+        assert all(getattr(tk, k.fn.__name__) is k for k in kernels)
