@@ -1183,9 +1183,9 @@ def cautious_update_with_mantissa(param: Tensor, mantissa: Tensor, O: Tensor, *,
 # A query block [m0, m0 + BM) needs keys from max(start[m0], m0 - window) up to its last row:
 # start[] is non-decreasing, so the first row's bound covers every row, and nothing left of it is
 # loaded. Within that range a key block is "full" when every (row, key) pair is allowed: key >=
-# start[last row], key >= last row - window, key <= first row. Full blocks skip the mask; the
-# blocks at the left edge (window or document starts inside the block) and at the diagonal apply
-# it per element. A key block [n0, n0 + BN) symmetrically needs queries from n0 up to
+# start[last row], key >= last row - window, key <= first row. In the forward and dQ kernels full
+# blocks skip the mask; the blocks at the left edge (window or document starts inside the block)
+# and at the diagonal apply it per element. A key block [n0, n0 + BN) symmetrically needs queries from n0 up to
 # min(end[last key], last key + window + 1).
 # Forward: FlashAttention's online softmax in base 2 (the scale folded with log2(e)), p rounded to
 # v's dtype for the p @ v product (as in FlashAttention), and the base-2 log-sum-exp per row saved
