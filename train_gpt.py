@@ -3058,10 +3058,11 @@ def configure_compiler() -> None:
     # (the same code, compiled earlier): in the compile split, a process then holds its GPU turn
     # only while it runs the graph (GpuTurns).
     functorch_config.force_non_lazy_backward_lowering = True
-    # torch's on-disk caches key a graph by its ops, and a Triton op of triton_kernels.py is one
-    # opaque op there, although its launch code and (for the attention ops, whose kernels torch's
-    # source scan does not find) its kernels are compiled into the graph. After an edit of that
-    # file they would hand back graphs with the old kernels. Its text is part of every key instead.
+    # torch's on-disk caches key a graph by its ops, and a Triton op of triton_kernels.py is one op
+    # there, although its launch code (tiles, arguments) is compiled into the graph; its kernels
+    # count only where torch's source scan finds them (it missed the attention ops' until their
+    # launchers named them). After an edit of that file the caches could hand back graphs of the
+    # old code, so the file's text is part of every key.
     tag = kernels_cache_tag(Path(tk.__file__).read_text())
     other = [t for t in torch.compiler.config.cache_key_tag.split("|")
              if t and not t.startswith("triton_kernels:")]
