@@ -2,6 +2,7 @@
 
     python3 bench/attention.py                          # full grid (T in 16384, 32768, 49152)
     python3 bench/attention.py --seq_lens=16384         # one T (each T compiles flex ~11 times: split if slow)
+    python3 bench/attention.py --backends=triton --split   # also the time of each kernel (where the time goes)
 
 For each available backend: forward (training mode, inputs require grad) and forward+backward, GPU kernel time
 (gpu_ms: the profiler's kernel durations, so the Python launch cost of an uncompiled call is left out),
@@ -47,18 +48,49 @@ def fineweb_like_cu_seqlens(num_tokens: int, gen: torch.Generator, max_doc: int 
     return torch.tensor(cu, dtype=torch.int32), lens
 
 
-def gpu_ms(fn, iters: int = 20) -> float:
-    """GPU time of fn() in ms: the summed durations of the CUDA kernels it launches (from the
-    profiler), per call. Launch overhead on the CPU is left out: in the compiled model the CPU runs
-    ahead of the GPU, and a Python launcher would otherwise dominate at small shapes."""
+def gpu_kernel_ms(fn, iters: int = 20) -> dict[str, float]:
+    """GPU time of fn() per CUDA kernel it launches, in ms per call, from the profiler, by kernel name. Launch
+    overhead on the CPU is left out: in the compiled model the CPU runs ahead of the GPU, and a Python launcher would
+    otherwise dominate at small shapes."""
     fn()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):
             fn()
         torch.cuda.synchronize()
+    return kernel_times(prof.events(), iters)
+
+
+def kernel_times(events, iters: int) -> dict[str, float]:
+    """ms per call of each CUDA kernel among profiler events, summed by short name (short_kernel_name)."""
     cuda = torch.autograd.DeviceType.CUDA
-    return sum(e.time_range.elapsed_us() for e in prof.events() if e.device_type == cuda) / iters / 1e3
+    times: dict[str, float] = {}
+    for e in events:
+        if e.device_type == cuda:
+            name = short_kernel_name(e.name)
+            times[name] = times.get(name, 0.0) + e.time_range.elapsed_us() / iters / 1e3
+    return times
+
+
+def short_kernel_name(name: str) -> str:
+    """A kernel's name without its return type, namespaces, template and argument lists: `void at::native::
+    (anonymous namespace)::reduce_kernel<512, 1, ...>(...)` -> `reduce_kernel`. Other names (Triton kernels,
+    `Memcpy DtoD (Device -> Device)`) stay as they are."""
+    if "::" not in name and "<" not in name:
+        return name
+    depth, cut = 0, []
+    for ch in name:   # drop everything inside <...> and (...), nested
+        depth += ch in "<("
+        if depth == 0:
+            cut.append(ch)
+        depth -= ch in ">)" and depth > 0
+    words = "".join(cut).split()
+    return (words[-1] if words else name).split("::")[-1] or name
+
+
+def gpu_ms(fn, iters: int = 20) -> float:
+    """GPU time of fn() in ms per call: its kernels' summed durations (gpu_kernel_ms)."""
+    return sum(gpu_kernel_ms(fn, iters).values())
 
 
 def attended_pairs(doc_lens: list, window: int) -> int:
@@ -74,6 +106,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seq_lens", default="16384,32768,49152", help="comma-separated T per GPU")
     parser.add_argument("--backends", default="", help="comma-separated subset (default: all available)")
+    parser.add_argument("--split", action="store_true",
+                        help="also print each backend's forward+backward time per kernel")
     args = parser.parse_args()
 
     device = torch.device("cuda")
@@ -114,11 +148,15 @@ def main() -> None:
                 if ref_out is None and backend != "sdpa":
                     ref_out = out
                 fwd_ms = gpu_ms(attn)
-                fwdbwd_ms = gpu_ms(lambda: torch.autograd.grad(attn(), (q, k, v), grad))
+                per_kernel = gpu_kernel_ms(lambda: torch.autograd.grad(attn(), (q, k, v), grad))
+                fwdbwd_ms = sum(per_kernel.values())
                 tflops = 3.5 * flops_fwd / (fwdbwd_ms * 1e-3) / 1e12  # backward ~2.5x forward
                 rows.append((T, layout, window, backend, fwd_ms, fwdbwd_ms, tflops, rel))
                 print(f"  {layout:6s} window {window:5d} {backend:6s} fwd {fwd_ms:7.3f} ms  fwd+bwd {fwdbwd_ms:7.3f} ms"
                       f"  {tflops:6.1f} TFLOP/s  vs ref {rel:.1e}  (first call {first_s:.1f} s)", flush=True)
+                if args.split:
+                    print("    per kernel (ms): " + ", ".join(
+                        f"{name} {ms:.3f}" for name, ms in sorted(per_kernel.items(), key=lambda kv: -kv[1])))
             del q, k, v, grad, out, ref_out
         torch.cuda.empty_cache()
 
