@@ -159,9 +159,9 @@ def test_graphs_with_autograd_functions_come_back_from_torchs_autograd_cache(tmp
 
 
 def test_an_edit_of_triton_kernels_misses_torchs_caches(tmp_path, monkeypatch):
-    """torch keys a cached graph by its ops. A Triton op's launch code and kernels are compiled into the graph but
-    are not in that key (the attention ops' kernels not at all: torch's source scan does not find them), so an
-    edited triton_kernels.py got the old kernels back from the cache. configure_compiler puts a hash of the file's
+    """torch keys a cached graph by its ops. A Triton op's launch code is compiled into the graph but is not in that
+    key, and its kernels are only where torch's source scan finds them (it missed the attention ops' once), so an
+    edited triton_kernels.py could get old code back from the cache. configure_compiler puts a hash of the file's
     text into every key: the same text hits, an edited one misses. Real inductor compilations on the CPU."""
     from torch._dynamo.utils import counters
     from torch._functorch import config as functorch_config
@@ -173,7 +173,7 @@ def test_an_edit_of_triton_kernels_misses_torchs_caches(tmp_path, monkeypatch):
         monkeypatch.setattr(config, name, getattr(config, name))
     torch.compiler.config.cache_key_tag = "someone-elses-tag"
     kernels = tmp_path / "triton_kernels.py"
-    monkeypatch.setattr(tg.tk, "__file__", str(kernels))
+    monkeypatch.setattr(tk, "__file__", str(kernels))
 
     def start(kernels_text):
         kernels.write_text(kernels_text)
