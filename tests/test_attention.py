@@ -240,6 +240,7 @@ def test_gpu_backends_match_reference(paired, window_blocks):
     grad_out = torch.randn(T, heads, dim, generator=gen).to(device, torch.bfloat16)
     ref = dense_reference_autograd(*qkv, cu, window, 0.12)
     ref_grads = torch.autograd.grad(ref, qkv, grad_out.double())
+    errors = {}
     for backend in tg.available_attn_backends(device):
         if backend == "sdpa":
             continue
@@ -256,6 +257,15 @@ def test_gpu_backends_match_reference(paired, window_blocks):
                                                                      [2**-6] * 3)]:
             rel = (got.double() - want).norm() / want.norm()
             assert rel < band, f"{backend} {name}: relative L2 error {rel:.2e}"
+            errors[backend, name] = rel.item()
+    # Ours rounds at the same points as FlashAttention (bf16 P before P V, bf16 dS), so its errors are FA2's to a few
+    # percent (measured: equal to three digits, records/2026-11-25_attention_backward_1xH100/errors.txt). A rounding
+    # point added or moved (P or dS in a coarser type, delta from a rounded product) shows here long before the bands
+    # above.
+    if "varlen" in tg.available_attn_backends(device):
+        for name in ("out", "dq", "dk", "dv"):
+            ours, fa2 = errors["triton", name], errors["varlen", name]
+            assert ours < 1.1 * fa2, f"triton {name}: relative L2 error {ours:.3e}, varlen_attn's {fa2:.3e}"
 
 
 

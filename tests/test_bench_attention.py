@@ -37,3 +37,28 @@ def test_short_kernel_name_keeps_the_function_name_only():
         == "vectorized_elementwise_kernel"
     assert f("nvjet_hsh_128x256_64x4_1x2_h_bz_coopA_NNT") == "nvjet_hsh_128x256_64x4_1x2_h_bz_coopA_NNT"
     assert f("Memcpy DtoD (Device -> Device)") == "Memcpy DtoD (Device -> Device)"
+
+
+# bench/attention_error.py: the float64 values computed one document at a time must be the contract's values, or
+# every error it prints is measured against the wrong thing.
+
+def test_exact_attention_by_document_is_the_dense_contract():
+    import attention_error
+    import triton_kernels as tk
+    gen = torch.Generator().manual_seed(3)
+    T, H, D, window, scale = 150, 2, 16, 23, 0.3
+    cu = torch.tensor([0, 7, 60, 61, 150, 150, 150], dtype=torch.int32)    # a 1-token document, empty ones at the end
+    q, k, v, g = (torch.randn(T, H, D, generator=gen, dtype=torch.float64) for _ in range(4))
+    out, grads = attention_error.exact_attention(q, k, v, g, cu, window, scale)
+    qkv = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = tk.varlen_attention_reference(*qkv, cu, window, scale)
+    torch.testing.assert_close(out, ref.detach(), rtol=1e-12, atol=1e-12)
+    for got, want in zip(grads, torch.autograd.grad(ref, qkv, g)):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_relative_errors_are_norm_ratios():
+    import attention_error
+    exact = {"out": torch.tensor([3.0, 4.0], dtype=torch.float64)}
+    got = {"out": torch.tensor([3.0, 4.5], dtype=torch.bfloat16)}
+    assert attention_error.relative_errors(got, exact) == pytest.approx({"out": 0.1}, rel=1e-12)
