@@ -463,13 +463,12 @@ def hyperparameters_from_dict(saved: dict) -> Hyperparameters:
 #   varlen torch.nn.attention.varlen.varlen_attn (FlashAttention-2 inside torch), CUDA only.
 #   sdpa   a dense-mask reference (O(T^2) memory) for CPUs and tests.
 ATTN_BACKENDS = ("triton", "flex", "varlen", "fa3", "fa4", "sdpa")
-# "auto" on CUDA takes the first available of these. triton before varlen: in the full model on an
-# H200 (bench/model_step.py) a forward + backward took 26.3 / 50.4 / 73.9 ms at 16k / 32k / 49k
-# tokens with it against 27.9 / 52.1 / 77.0 with varlen
-# (records/2026-11-22_triton_attention_1xH200). fa4 (optional) before both: 71.7 ms at 49k
-# tokens, and 1.49-2.13x varlen's forward + backward alone per training shape on an H200
-# (1.32-2.04x on an H100). FA3 (the record's kernel, Hopper-native) stays first when
-# installed; it was not measured here.
+# "auto" on CUDA takes the first available of these. triton before varlen: whole training runs on
+# an H100, both in one call, took 0.954 / 0.958 / 0.955 of varlen's ms/step at 131k / 262k / 393k
+# tokens with it (records/2026-11-25_backends_profile_1xH100). fa4 (optional) before both: its
+# forward + backward alone, weighted over a run, took 9.9 s per GPU on an H100 against triton's
+# 11.5 s and varlen's 16.5 s (README, attention table). FA3 (the record's kernel, Hopper-native)
+# stays first when installed; it was not measured here.
 # varlen comes before flex because it measured faster in the full model
 # (records/2026-11-21_synthetic_smoke). Off CUDA "auto" means sdpa (the only CPU backward).
 ATTN_AUTO_ORDER_CUDA = ("fa3", "fa4", "triton", "varlen", "flex", "sdpa")
