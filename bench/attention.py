@@ -48,6 +48,20 @@ def fineweb_like_cu_seqlens(num_tokens: int, gen: torch.Generator, max_doc: int 
     return torch.tensor(cu, dtype=torch.int32), lens
 
 
+def shape_case(spec: str) -> tuple[int, int, int, torch.Tensor, list]:
+    """A "T:layout:window" spec of the tile and error benches -> (rows, heads, window, cu_seqlens, doc lengths) on the
+    CPU, with the FineWeb-like documents of T tokens (seeded by T). normal: (T, 6, 128); paired: (2T, 3, 128), the
+    documents (boundaries and lengths) doubled; the window is taken as given (in the layout's positions)."""
+    T, layout, window = spec.split(":")
+    if layout not in ("normal", "paired"):
+        raise ValueError(f"shape {spec!r}: the layout is normal or paired")
+    T, window = int(T), int(window)
+    cu, lens = fineweb_like_cu_seqlens(T, torch.Generator().manual_seed(T))
+    if layout == "normal":
+        return T, 6, window, cu, lens
+    return 2 * T, 3, window, cu * 2, [2 * n for n in lens]
+
+
 def gpu_kernel_ms(fn, iters: int = 20) -> dict[str, float]:
     """GPU time of fn() per CUDA kernel it launches, in ms per call, from the profiler, by kernel name. Launch
     overhead on the CPU is left out: in the compiled model the CPU runs ahead of the GPU, and a Python launcher would

@@ -53,6 +53,8 @@ def main() -> None:
     root = os.path.abspath(args.root)
     if not os.path.isfile(os.path.join(root, "triton_kernels.py")):
         sys.exit(f"error: no triton_kernels.py in --root={args.root}; give a checkout of this project")
+    if not torch.cuda.is_available():
+        sys.exit("error: bench/attention_error.py needs a CUDA GPU (the backends under test are GPU kernels)")
     sys.path.insert(0, HERE)
     sys.path.insert(0, root)
     import triton_kernels as tk
@@ -68,12 +70,7 @@ def main() -> None:
     scale = 0.12
     print("| shape | backend | out | dq | dk | dv |\n|---|---|---|---|---|---|")
     for shape in args.shapes.split(","):
-        T, layout, window = shape.split(":")
-        T, window = int(T), int(window)
-        cu, _ = bench_attention.fineweb_like_cu_seqlens(T, torch.Generator().manual_seed(T))
-        seq, heads = (T, 6) if layout == "normal" else (2 * T, 3)
-        if layout == "paired":
-            cu = cu * 2
+        seq, heads, window, cu, _ = bench_attention.shape_case(shape)
         cu = cu.cuda()
         gen = torch.Generator().manual_seed(0)
         q, k, v, g = ((torch.randn(seq, heads, 128, generator=gen) / 3).cuda().bfloat16() for _ in range(4))

@@ -41,12 +41,7 @@ def main() -> None:
     device, scale = torch.device("cuda"), 0.12
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name(device)}", flush=True)
     for shape in args.shapes.split(","):
-        T, layout, window = shape.split(":")
-        T, window = int(T), int(window)
-        cu, lens = bench_attention.fineweb_like_cu_seqlens(T, torch.Generator().manual_seed(T))
-        seq, heads = (T, 6) if layout == "normal" else (2 * T, 3)
-        if layout == "paired":
-            cu, lens = cu * 2, [2 * n for n in lens]
+        seq, heads, window, cu, lens = bench_attention.shape_case(shape)
         cu = cu.to(device)
         gen = torch.Generator().manual_seed(0)
         q, k, v, g = (torch.randn(seq, heads, 128, generator=gen).to(device, torch.bfloat16)

@@ -62,3 +62,13 @@ def test_relative_errors_are_norm_ratios():
     exact = {"out": torch.tensor([3.0, 4.0], dtype=torch.float64)}
     got = {"out": torch.tensor([3.0, 4.5], dtype=torch.bfloat16)}
     assert attention_error.relative_errors(got, exact) == pytest.approx({"out": 0.1}, rel=1e-12)
+
+
+def test_shape_case_doubles_the_documents_of_the_paired_layout():
+    rows, heads, window, cu, lens = bench_attention.shape_case("4096:normal:384")
+    assert (rows, heads, window) == (4096, 6, 384) and sum(lens) == 4096 and int(cu[-1]) == 4096
+    prows, pheads, pwindow, pcu, plens = bench_attention.shape_case("4096:paired:640")
+    assert (prows, pheads, pwindow) == (8192, 3, 640)
+    assert torch.equal(pcu, cu * 2) and plens == [2 * n for n in lens]
+    with pytest.raises(ValueError, match="normal or paired"):
+        bench_attention.shape_case("4096:pairs:640")
