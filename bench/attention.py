@@ -52,10 +52,10 @@ def shape_case(spec: str) -> tuple[int, int, int, torch.Tensor, list]:
     """A "T:layout:window" spec of the tile and error benches -> (rows, heads, window, cu_seqlens, doc lengths) on the
     CPU, with the FineWeb-like documents of T tokens (seeded by T). normal: (T, 6, 128); paired: (2T, 3, 128), the
     documents (boundaries and lengths) doubled; the window is taken as given (in the layout's positions)."""
-    T, layout, window = spec.split(":")
-    if layout not in ("normal", "paired"):
-        raise ValueError(f"shape {spec!r}: the layout is normal or paired")
-    T, window = int(T), int(window)
+    parts = spec.split(":")
+    if len(parts) != 3 or parts[1] not in ("normal", "paired") or not (parts[0].isdigit() and parts[2].isdigit()):
+        raise ValueError(f"shape {spec!r} is not T:layout:window (layout normal or paired), e.g. 49152:normal:768")
+    T, layout, window = int(parts[0]), parts[1], int(parts[2])
     cu, lens = fineweb_like_cu_seqlens(T, torch.Generator().manual_seed(T))
     if layout == "normal":
         return T, 6, window, cu, lens

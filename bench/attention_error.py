@@ -53,12 +53,16 @@ def main() -> None:
     root = os.path.abspath(args.root)
     if not os.path.isfile(os.path.join(root, "triton_kernels.py")):
         sys.exit(f"error: no triton_kernels.py in --root={args.root}; give a checkout of this project")
-    if not torch.cuda.is_available():
-        sys.exit("error: bench/attention_error.py needs a CUDA GPU (the backends under test are GPU kernels)")
     sys.path.insert(0, HERE)
     sys.path.insert(0, root)
-    import triton_kernels as tk
+    import triton_kernels as tk   # first: train_gpt, which attention imports, then uses ROOT's kernels too
     import attention as bench_attention
+    try:
+        shapes = [bench_attention.shape_case(spec) for spec in args.shapes.split(",")]
+    except ValueError as e:
+        sys.exit(f"error: --shapes: {e}")
+    if not torch.cuda.is_available():
+        sys.exit("error: bench/attention_error.py needs a CUDA GPU (the backends under test are GPU kernels)")
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, Triton kernels from {tk.__file__}")
     backends = {"triton": lambda q, k, v, cu, w, s: tk.varlen_attention_triton(q, k, v, cu, w, s)}
     try:
@@ -69,8 +73,7 @@ def main() -> None:
         pass
     scale = 0.12
     print("| shape | backend | out | dq | dk | dv |\n|---|---|---|---|---|---|")
-    for shape in args.shapes.split(","):
-        seq, heads, window, cu, _ = bench_attention.shape_case(shape)
+    for shape, (seq, heads, window, cu, lens) in zip(args.shapes.split(","), shapes):
         cu = cu.cuda()
         gen = torch.Generator().manual_seed(0)
         q, k, v, g = ((torch.randn(seq, heads, 128, generator=gen) / 3).cuda().bfloat16() for _ in range(4))

@@ -36,12 +36,15 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shapes", default=DEFAULT_SHAPES)
     args = parser.parse_args()
+    try:
+        shapes = [bench_attention.shape_case(spec) for spec in args.shapes.split(",")]
+    except ValueError as e:
+        sys.exit(f"error: --shapes: {e}")
     from torch.nn.attention.varlen import varlen_attn
 
     device, scale = torch.device("cuda"), 0.12
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name(device)}", flush=True)
-    for shape in args.shapes.split(","):
-        seq, heads, window, cu, lens = bench_attention.shape_case(shape)
+    for shape, (seq, heads, window, cu, lens) in zip(args.shapes.split(","), shapes):
         cu = cu.to(device)
         gen = torch.Generator().manual_seed(0)
         q, k, v, g = (torch.randn(seq, heads, 128, generator=gen).to(device, torch.bfloat16)

@@ -70,5 +70,5 @@ def test_shape_case_doubles_the_documents_of_the_paired_layout():
     prows, pheads, pwindow, pcu, plens = bench_attention.shape_case("4096:paired:640")
     assert (prows, pheads, pwindow) == (8192, 3, 640)
     assert torch.equal(pcu, cu * 2) and plens == [2 * n for n in lens]
-    with pytest.raises(ValueError, match="normal or paired"):
+    with pytest.raises(ValueError, match="not T:layout:window"):
         bench_attention.shape_case("4096:pairs:640")
