@@ -451,7 +451,7 @@ def hyperparameters_from_dict(saved: dict) -> Hyperparameters:
 # document [c_j, c_{j+1}) sees keys t' with c_j <= t' <= t and t - window <= t' (window + 1 keys
 # at most, itself included); logits scale * <q_t, k_t'>, softmax in fp32, output (T, H, D) in
 # q's dtype.
-#   triton the project's own kernel (triton_kernels.py section 7): skips every key block outside
+#   triton the project's own kernel (triton_kernels.py section 8): skips every key block outside
 #          the window and the document; CUDA only for training.
 #   fa3    FlashAttention-3 `flash_attn_varlen_func` (Hopper), when the module
 #          `flash_attn_interface` is installed.
@@ -1387,8 +1387,9 @@ def polar_express(G: Tensor, split_final_product: bool, dtype: torch.dtype = tor
     for a, b, c in POLAR_EXPRESS_COEFFS:
         A = xxt(X)                                          # (n, m, m) bf16, exactly symmetric
         B = ba_plus_cAA(A, b, c)                            # (n, m, m) bf16
-        if split_final_product:
-            X = (B @ X).to(acc).add_(X, alpha=a).to(dtype)  # bf16(bf16(B@X) + a·X)
+        if split_final_product:                             # bf16(bf16(B@X) + a·X)
+            X = (tk.polar_split_product_(B @ X, X, a) if fused
+                 else tk.polar_split_product_reference(B @ X, X, a))
         else:
             X = torch.baddbmm(X, B, X, beta=a)              # bf16(a·X + B@X), fp32 accumulation
     if shape[-2] > shape[-1]:
@@ -1465,10 +1466,9 @@ def normuon_direction_(grad: Tensor, momentum_buffer: Tensor, second_moment: Ten
     grad (n, R, C) bf16, momentum_buffer (n, R, C) fp32 -> O (n, R, C) bf16 (float32/64 grads: all
     in their dtype).
     """
-    G = grad.to(momentum_buffer.dtype)
-    momentum_buffer.lerp_(G, 1 - momentum)   # weight < 0.5: M + (1-mu)(G - M)
-    U = G.lerp(momentum_buffer, momentum)    # weight >= 0.5: torch evaluates
-                                             # M - (M - G)(1 - mu); Nesterov-style
+    # M <- lerp(M, G, 1 - mu); U = lerp(G, M, mu) (Nesterov-style), in grad's dtype
+    momentum_step = tk.normuon_momentum if fused else tk.normuon_momentum_reference
+    U = momentum_step(grad, momentum_buffer, momentum)
     O = polar_express(U, split_final_product, dtype=grad.dtype, fused=fused)
     return variance_normalize_(O, second_moment, beta2)
 

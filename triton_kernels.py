@@ -62,7 +62,7 @@ def _num_programs_persistent(device: torch.device) -> int:
 
 # bf16 through its bits: bf16 is the high half of an fp32, rounded to nearest even on the way back
 # (NaN -> 0x7FFF, as CUDA's cvt.rn.bf16.f32 gives). The interpreter's own fp32->bf16 cast truncates;
-# these helpers make the bf16 rounding points of sections 4-6 bit-exact there too, and cost a few
+# these helpers make the bf16 rounding points of sections 4-7 bit-exact there too, and cost a few
 # integer operations on the GPU.
 
 @triton.jit
@@ -1171,7 +1171,171 @@ def cautious_update_with_mantissa(param: Tensor, mantissa: Tensor, O: Tensor, *,
 
 
 # ==================================================================================================
-# 7. Varlen causal sliding-window attention  (train_gpt.varlen_attention, backend "triton")
+# 7. NorMuon's element-wise steps: momentum, and Polar Express's split final product
+#    (train_gpt.normuon_direction_, train_gpt.polar_express)
+# ==================================================================================================
+# Two eager chains that made several passes over a bank each, as one pass each:
+#   momentum       G = fp32(grad); M.lerp_(G, 1 - mu); X = bf16(G.lerp(M, mu))
+#                  reads grad and M, writes M and X. Eager: the cast to fp32, two lerps and the
+#                  cast back, four kernels (0.74 ms per step on the MLP bank, 1x H100).
+#   split product  Y = bf16(fp32(Y) + a * X) with Y = bf16(B @ X), in place on Y: the record's two
+#                  roundings of a*X + B@X for the MLP matrices. Eager: the cast to fp32, the add and
+#                  the cast back, three kernels, the add reading the transposed X of the first
+#                  iteration element by element (0.56 ms per iteration on the MLP bank, 1x H100).
+# Rounding: torch's CUDA kernels compute lerp(s, e, w) in fp32 as s + w*(e - s) for |w| < 0.5 and as
+# e - (e - s)*(1 - w) otherwise, and add_(X, alpha=a) as self + a*X; nvcc contracts each into one
+# FMA, and the CPU's vectorised kernels call fmadd for both. The kernels compute exactly those
+# FMAs (explicit tl.fma, contraction off otherwise, as in sections 5-6), so they are bitwise the
+# eager code on CUDA (tests/test_kernels_gpu.py) and, in the interpreter, bitwise an exact fp32
+# transcription (tests/_optimizer_kernels_interp.py). Whether a lerp weight is below 0.5 is a
+# constexpr: the momentum schedule never crosses it, so a run compiles each kernel once.
+# Tiles: the momentum is a flat stream like Adam's (section 5); the split product walks (R, C) tiles
+# of one matrix like the cautious update (section 6), since the first iteration's X is the MLP
+# bank's transposed view.
+
+_MOMENTUM_BLOCK = 1024
+_MOMENTUM_WARPS = 4
+_MOMENTUM_INTERPRETER_BLOCK = 64
+_SPLIT_TILE = (32, 64)
+_SPLIT_WARPS = 4
+_SPLIT_INTERPRETER_TILE = (8, 16)
+
+
+@triton.jit
+def _lerp_fp32(start, end, weight, SMALL: tl.constexpr):
+    """torch.lerp(start, end, weight) as CUDA computes it in fp32: one FMA on either branch."""
+    if SMALL:
+        return tl.fma(weight, end - start, start)
+    else:
+        return tl.fma(-(end - start), 1.0 - weight, end)  # e - (e - s)(1 - w): -(e - s), not s - e,
+                                                          # keeps the sign of a zero
+
+
+@triton.jit
+def _normuon_momentum_kernel(grad_ptr, m_ptr, x_ptr, n_elements, w_m, w_x, SMALL_M: tl.constexpr,
+                             SMALL_X: tl.constexpr, BLOCK: tl.constexpr):
+    """In place on m (fp32); x = lerp(g, m', w_x) in x's dtype; flat contiguous tensors."""
+    w_m, w_x = tl.cast(w_m, tl.float32), tl.cast(w_x, tl.float32)  # fp64 from torch.compile
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n_elements
+    g = _load_as_fp32(grad_ptr + offs, mask)
+    m = _lerp_fp32(tl.load(m_ptr + offs, mask=mask, other=0.0), g, w_m, SMALL_M)
+    tl.store(m_ptr + offs, m, mask=mask)
+    _store_from_fp32(x_ptr + offs, _lerp_fp32(g, m, w_x, SMALL_X), mask)
+
+
+def normuon_momentum_triton(grad: Tensor, momentum_buffer: Tensor, momentum: float,
+                            block: int | None = None) -> Tensor:
+    """Triton momentum step: momentum_buffer (fp32, in place) and the returned X (grad's dtype), both
+    of grad's shape and contiguous. block fixes the elements per program (tests)."""
+    ok = (grad.dtype in _KERNEL_DTYPES and momentum_buffer.dtype == torch.float32
+          and momentum_buffer.shape == grad.shape and grad.is_contiguous()
+          and momentum_buffer.is_contiguous() and grad.device == momentum_buffer.device)
+    if not ok:  # messages only on failure (launched for every NorMuon chunk each step)
+        _check_dtype("grad", grad)
+        _check(momentum_buffer.dtype == torch.float32,
+               f"momentum_buffer has dtype {momentum_buffer.dtype}; NorMuon's momentum is float32")
+        _check(momentum_buffer.shape == grad.shape,
+               f"momentum_buffer has shape {tuple(momentum_buffer.shape)} but grad "
+               f"{tuple(grad.shape)}")
+        _check(grad.is_contiguous() and momentum_buffer.is_contiguous(),
+               "grad and momentum_buffer must be contiguous (the kernel walks the flat tensors)")
+        _check(False, f"grad is on {grad.device} but momentum_buffer on {momentum_buffer.device}")
+    x = torch.empty_like(grad)
+    n = grad.numel()
+    if n == 0:
+        return x
+    block = block or (_MOMENTUM_BLOCK if grad.is_cuda else _MOMENTUM_INTERPRETER_BLOCK)
+    w_m, w_x = 1 - momentum, momentum
+    wrap_triton(_normuon_momentum_kernel)[(triton.cdiv(n, block),)](
+        grad, momentum_buffer, x, n, float(w_m), float(w_x), SMALL_M=abs(w_m) < 0.5,
+        SMALL_X=abs(w_x) < 0.5, BLOCK=block, num_warps=_MOMENTUM_WARPS, **_EXACT_FP_OPTIONS)
+    return x
+
+
+def normuon_momentum_reference(grad: Tensor, momentum_buffer: Tensor, momentum: float) -> Tensor:
+    """The eager math: momentum_buffer <- lerp(M, G, 1 - mu) in place; returns lerp(G, M, mu) (the
+    Nesterov-style look-ahead) in grad's dtype, G = grad in the buffer's dtype."""
+    G = grad.to(momentum_buffer.dtype)
+    momentum_buffer.lerp_(G, 1 - momentum)
+    return G.lerp(momentum_buffer, momentum).to(grad.dtype)
+
+
+@triton_op(f"{_LIB}::normuon_momentum", mutates_args={"momentum_buffer"})
+def _normuon_momentum_op(grad: Tensor, momentum_buffer: Tensor, momentum: float) -> Tensor:
+    return normuon_momentum_triton(grad, momentum_buffer, momentum)
+
+
+def normuon_momentum(grad: Tensor, momentum_buffer: Tensor, momentum: float) -> Tensor:
+    """NorMuon's momentum step: Triton on CUDA, the reference elsewhere."""
+    if grad.is_cuda:
+        return torch.ops.nanogpt_kernels.normuon_momentum(grad, momentum_buffer, momentum)
+    return normuon_momentum_reference(grad, momentum_buffer, momentum)
+
+
+@triton.jit
+def _split_product_kernel(y_ptr, x_ptr, R, C, stride_xn, stride_xr, stride_xc, a,
+                          BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """In place on y (n, R, C) contiguous: y = fma(a, x, y) in y's dtype, x (n, R, C) any strides;
+    grid (tiles per matrix, n)."""
+    pid = tl.program_id(0)
+    mat = tl.program_id(1).to(tl.int64)
+    tiles_c = tl.cdiv(C, BLOCK_C)
+    rows = (pid // tiles_c) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = (pid % tiles_c) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = (rows[:, None] < R) & (cols[None, :] < C)
+    offs = mat * R * C + rows[:, None] * C + cols[None, :]
+    x = _load_as_fp32(x_ptr + mat * stride_xn + rows[:, None] * stride_xr + cols[None, :] * stride_xc,
+                      mask)
+    y = _load_as_fp32(y_ptr + offs, mask)
+    _store_from_fp32(y_ptr + offs, tl.fma(tl.cast(a, tl.float32), x, y), mask)
+
+
+def polar_split_product_triton(y: Tensor, x: Tensor, a: float,
+                               tile: tuple[int, int] | None = None) -> Tensor:
+    """Triton split product in place: y (n, R, C) contiguous, x of y's shape and dtype, any strides;
+    returns y. tile=(BLOCK_R, BLOCK_C) fixes the tile (tests)."""
+    ok = (y.ndim == 3 and y.dtype in _KERNEL_DTYPES and y.is_contiguous() and x.shape == y.shape
+          and x.dtype == y.dtype and x.device == y.device)
+    if not ok:
+        _check(y.ndim == 3 and y.is_contiguous(),
+               f"y must be a contiguous (n, R, C) stack, got {tuple(y.shape)} "
+               f"strides {y.stride()}")
+        _check_dtype("y", y)
+        _check(x.shape == y.shape and x.dtype == y.dtype,
+               f"x must have y's shape {tuple(y.shape)} and dtype {y.dtype}, got {x.dtype} "
+               f"{tuple(x.shape)}")
+        _check(False, f"x is on {x.device} but y on {y.device}")
+    n, R, C = y.shape
+    if y.numel():
+        block_r, block_c = tile or (_SPLIT_TILE if y.is_cuda else _SPLIT_INTERPRETER_TILE)
+        wrap_triton(_split_product_kernel)[(triton.cdiv(R, block_r) * triton.cdiv(C, block_c), n)](
+            y, x, R, C, *x.stride(), float(a), BLOCK_R=block_r, BLOCK_C=block_c,
+            num_warps=_SPLIT_WARPS, **_EXACT_FP_OPTIONS)
+    return y
+
+
+def polar_split_product_reference(y: Tensor, x: Tensor, a: float) -> Tensor:
+    """The eager math, y = round(fp32(y) + a*x) in place (float64 tensors: in float64)."""
+    return y.copy_(y.to(acc_dtype(y.dtype)).add_(x, alpha=a))
+
+
+@triton_op(f"{_LIB}::polar_split_product_", mutates_args={"y"})
+def _polar_split_product_op(y: Tensor, x: Tensor, a: float) -> None:
+    polar_split_product_triton(y, x, a)
+
+
+def polar_split_product_(y: Tensor, x: Tensor, a: float) -> Tensor:
+    """Polar Express's split final product y <- round(y + a*x), y = bf16(B @ X), in place: Triton on
+    CUDA, the reference elsewhere. Returns y."""
+    if y.is_cuda:
+        torch.ops.nanogpt_kernels.polar_split_product_(y, x, a)
+        return y
+    return polar_split_product_reference(y, x, a)
+
+
+# ==================================================================================================
+# 8. Varlen causal sliding-window attention  (train_gpt.varlen_attention, backend "triton")
 # ==================================================================================================
 # The contract of train_gpt section 2: q, k, v (T, H, D) hold documents packed back to back, with
 # boundaries cu_seqlens; query t of document [s, e) sees keys max(s, t - window) .. t (window + 1

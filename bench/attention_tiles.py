@@ -1,4 +1,4 @@
-"""Time the Triton attention kernels (triton_kernels.py section 7) per fixed launch config at the
+"""Time the Triton attention kernels (triton_kernels.py section 8) per fixed launch config at the
 training shapes, against torch's varlen_attn, to choose the tiles (one GPU). Times are GPU kernel
 time (bench/attention.py's gpu_ms).
 

@@ -1,4 +1,4 @@
-"""Interpreter checks of the optimizer kernels, triton_kernels.py sections 5-6 (run by tests/test_optimizer_kernels.py
+"""Interpreter checks of the optimizer kernels, triton_kernels.py sections 5-7 (run by tests/test_optimizer_kernels.py
 in a subprocess with TRITON_INTERPRET=1).
 
 Both kernels keep every value either in fp32 registers or as raw bits: bf16 and uint16 are loaded and stored as
@@ -10,6 +10,8 @@ real bf16/uint16 storage and compare BITS (signed zeros included):
         differs by one ulp of exp_avg_sq where CPU rounds (value*g)*g instead of value*(g*g).
   Cautious: against the eager reference (bitwise: the same seven fp32 operations, no FMA anywhere) and a float64
         transcription.
+  Momentum and split product: against an exact fp32 transcription of CUDA's lerp and add_(alpha) (one FMA each), and
+        against the CPU eager reference within one ulp (whether the CPU's eager kernels fuse depends on the build).
 """
 import os
 
@@ -20,7 +22,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("run through tests/test_optimizer_kernels.py, which sets TRITON_INTERPRET=1", allow_module_level=True)
 
 import triton_kernels as tk  # noqa: E402
-from _fp32_exact import adam_cuda_order  # noqa: E402
+from _fp32_exact import adam_cuda_order, f32, fma32  # noqa: E402
 
 F64 = torch.float64
 BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.uint16: torch.int16}
@@ -263,3 +265,113 @@ def test_cautious_launcher_rejects_bad_input():
         tk.cautious_update_with_mantissa_triton(p, m, O, torch.ones(2, 1, 1, dtype=torch.float64), 0.1)
     with pytest.raises(ValueError, match="per-matrix lr"):
         tk.cautious_update_with_mantissa_triton(p, m, O, torch.ones(2), 0.1)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Section 7: NorMuon's momentum and Polar Express's split product
+# ------------------------------------------------------------------------------------------------------------------
+
+def lerp_cuda_order(start: torch.Tensor, end: torch.Tensor, weight: float) -> torch.Tensor:
+    """torch.lerp in fp32 as CUDA computes it: s + w(e - s) for |w| < 0.5, else e - (e - s)(1 - w), one FMA each."""
+    w = f32(weight)
+    if abs(float(w)) < 0.5:
+        return fma32(w, end - start, start)
+    return fma32(-(end - start), f32(1.0) - w, end)      # -(e - s): s - e would be +0 where e - s is +0
+
+
+def momentum_inputs(shape, grad_dtype, seed):
+    """Trainer-like gradients and momenta, with zeros and both signs of zero among them."""
+    g = torch.Generator().manual_seed(seed)
+    grad = (torch.randn(shape, generator=g) * 1e-3).to(grad_dtype)
+    M = torch.randn(shape, generator=g) * 1e-3
+    flat_g, flat_m = grad.view(-1), M.view(-1)
+    if flat_g.numel() >= 8:
+        flat_g[:4] = 0.0
+        flat_m[:2] = 0.0
+        flat_g[4], flat_m[4] = -0.0, -0.0
+    return grad, M
+
+
+@pytest.mark.parametrize("shape, block", [((3, 19, 21), 64), ((2, 8, 8), 64), ((5,), 16)])
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("momentum", [0.95, 0.85, 0.3])   # 0.3: the other branch of both lerps
+def test_momentum_kernel_is_bitwise_cuda_order(shape, block, grad_dtype, momentum):
+    grad, M = momentum_inputs(shape, grad_dtype, seed=sum(shape) + block)
+    M_k = M.clone()
+    X_k = tk.normuon_momentum_triton(grad, M_k, momentum, block=block)
+    G = grad.float()
+    M_want = lerp_cuda_order(M, G, 1 - momentum)
+    X_want = lerp_cuda_order(G, M_want, momentum).to(grad_dtype)
+    assert_same_bits(M_k, M_want, "momentum buffer")
+    assert_same_bits(X_k, X_want, "look-ahead X")
+    assert not torch.equal(M_k, M)
+    # the CPU eager reference: the same, give or take the FMA of the CPU build (one ulp of M)
+    M_r = M.clone()
+    X_r = tk.normuon_momentum_reference(grad, M_r, momentum)
+    assert ((bits(M_k).long() - bits(M_r).long()).abs() <= 1).all()
+    assert ((bits(X_k).long() - bits(X_r).long()).abs() <= 1).all()
+    # the public op, registered
+    M_op = M.clone()
+    assert_same_bits(torch.ops.nanogpt_kernels.normuon_momentum(grad, M_op, momentum), X_k, "op X")
+    assert_same_bits(M_op, M_k, "op momentum buffer")
+
+
+def test_momentum_kernel_matches_float64_transcription():
+    """M' = mu M + (1 - mu) G and X = mu M' + (1 - mu) G within the rounding of the FMAs and of X's bf16."""
+    grad, M = momentum_inputs((4, 33, 17), torch.float32, seed=11)
+    mu = 0.95
+    M_k = M.clone()
+    X_k = tk.normuon_momentum_triton(grad, M_k, mu)
+    G64, M64 = grad.to(F64), M.to(F64)
+    M_ref = mu * M64 + (1 - mu) * G64
+    X_ref = mu * M_ref + (1 - mu) * G64
+    U = 2.0 ** -24
+    assert ((M_k.to(F64) - M_ref).abs() <= 4 * U * (M64.abs() + G64.abs()) + 1e-45).all()
+    assert ((X_k.to(F64) - X_ref).abs() <= 8 * U * (M64.abs() + G64.abs()) + 1e-45).all()
+
+
+def split_inputs(n, R, C, layout, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randn(n, R, C, generator=g).to(dtype)
+    if layout == "transposed":                             # the first iteration's X of the MLP bank
+        x = torch.randn(n, C, R, generator=g).to(dtype).mT
+    elif layout == "strided":
+        x = torch.randn(n, R, 2 * C, generator=g).to(dtype)[:, :, ::2]
+    else:
+        x = torch.randn(n, R, C, generator=g).to(dtype)
+    return y, x
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "strided"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n, R, C, tile", CAUTIOUS_CASES)
+def test_split_product_kernel_is_bitwise_one_fma(n, R, C, tile, dtype, layout):
+    y, x = split_inputs(n, R, C, layout, dtype, seed=R + C)
+    a = 3.8916678022926607                                   # a Polar Express coefficient, not an fp32 value
+    got = tk.polar_split_product_triton(y.clone(), x, a, tile=tile)
+    want = fma32(f32(a), x.float(), y.float()).to(dtype)
+    assert_same_bits(got, want, "split product")
+    ref = tk.polar_split_product_reference(y.clone(), x, a)
+    assert ((bits(got).long() - bits(ref).long()).abs() <= 1).all()
+    op = y.clone()
+    torch.ops.nanogpt_kernels.polar_split_product_(op, x, a)
+    assert_same_bits(op, got, "registered op")
+
+
+def test_section7_launchers_reject_bad_input():
+    grad, M = torch.zeros(2, 4, 6), torch.zeros(2, 4, 6)
+    with pytest.raises(ValueError, match="float32"):
+        tk.normuon_momentum_triton(grad, M.double(), 0.95)
+    with pytest.raises(ValueError, match="shape"):
+        tk.normuon_momentum_triton(grad, M[:1], 0.95)
+    with pytest.raises(ValueError, match="contiguous"):
+        tk.normuon_momentum_triton(grad.mT, M.mT, 0.95)
+    with pytest.raises(ValueError, match="bfloat16"):
+        tk.normuon_momentum_triton(grad.half(), M, 0.95)
+    y = torch.zeros(2, 4, 6)
+    with pytest.raises(ValueError, match="contiguous"):
+        tk.polar_split_product_triton(y.mT, y.mT, 1.0)
+    with pytest.raises(ValueError, match="shape"):
+        tk.polar_split_product_triton(y, y[:, :3], 1.0)
+    with pytest.raises(ValueError, match="dtype"):
+        tk.polar_split_product_triton(y, y.bfloat16(), 1.0)

@@ -306,7 +306,7 @@ def test_compile_softcapped_mtp_ce_new_weight_values():
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# Optimizer updates (triton_kernels.py sections 5-6): bitwise the eager code on the same CUDA tensors
+# Optimizer updates (triton_kernels.py sections 5-7): bitwise the eager code on the same CUDA tensors
 # ------------------------------------------------------------------------------------------------------------------
 
 def bits_of(t: torch.Tensor) -> torch.Tensor:
@@ -404,6 +404,54 @@ def test_cautious_update_with_mantissa_is_bitwise_eager_cuda(n, R, C, transposed
         assert_same_bits(runs[name][0], runs["eager"][0], f"{name} param")
         assert_same_bits(runs[name][1], runs["eager"][1], f"{name} mantissa")
     assert not torch.equal(bits_of(runs["kernel"][1]), bits_of(mantissa))
+
+
+@pytest.mark.parametrize("n, R, C, momentum", [(40, 768, 768, 0.95), (24, 3072, 768, 0.85), (3, 100, 37, 0.3)])
+def test_normuon_momentum_is_bitwise_eager_cuda(n, R, C, momentum):
+    """Kernel and eager lerps (CUDA's, contracted by nvcc) give the same bits, signed zeros included; 0.3 takes the
+    other branch of both lerps."""
+    g = gen(29)
+    grad = (torch.randn(n, R, C, device="cuda", generator=g) * 1e-3).bfloat16()
+    M = torch.randn(n, R, C, device="cuda", generator=g) * 1e-3
+    grad.view(-1)[:4], M.view(-1)[:2] = 0.0, 0.0
+    grad.view(-1)[4], M.view(-1)[4] = -0.0, -0.0
+    runs = {}
+    for name, fn in [("kernel", tk.normuon_momentum), ("eager", tk.normuon_momentum_reference)]:
+        m = M.clone()
+        runs[name] = (m, fn(grad, m, momentum))
+    assert_same_bits(runs["kernel"][0], runs["eager"][0], "momentum buffer")
+    assert_same_bits(runs["kernel"][1], runs["eager"][1], "look-ahead X")
+    assert not torch.equal(runs["kernel"][0], M)
+
+
+@pytest.mark.parametrize("n, R, C, transposed_x", [(24, 768, 3072, True), (24, 768, 3072, False),
+                                                   (3, 100, 37, True)])
+def test_polar_split_product_is_bitwise_eager_cuda(n, R, C, transposed_x):
+    """Every coefficient a of Polar Express: the kernel's FMA is eager CUDA's add_(X, alpha=a)."""
+    import train_gpt as tg
+    g = gen(30)
+    y = torch.randn(n, R, C, device="cuda", generator=g).bfloat16()
+    x = (torch.randn(n, C, R, device="cuda", generator=g).bfloat16().mT if transposed_x
+         else torch.randn(n, R, C, device="cuda", generator=g).bfloat16())
+    for a, _, _ in tg.POLAR_EXPRESS_COEFFS:
+        got = tk.polar_split_product_(y.clone(), x, a)
+        assert_same_bits(got, tk.polar_split_product_reference(y.clone(), x, a), f"a={a}")
+
+
+def test_normuon_glue_scalars_do_not_recompile_the_kernels():
+    """The momentum (scheduled per step) and Polar Express's a are runtime fp32 arguments."""
+    grad = torch.randn(2, 64, 64, device="cuda").bfloat16()
+    M = torch.zeros(2, 64, 64, device="cuda")
+    y, x = grad.clone(), grad.clone()
+    tk.normuon_momentum(grad, M, 0.85)
+    tk.polar_split_product_(y, x, 2.5)
+    caches = [getattr(k, "device_caches", None) for k in (tk._normuon_momentum_kernel, tk._split_product_kernel)]
+    sizes = [None if c is None else [len(e[0]) for e in c.values()] for c in caches]
+    tk.normuon_momentum(grad, M, 0.93)
+    tk.polar_split_product_(y, x, 3.25)
+    for c, size in zip(caches, sizes):
+        if c is not None:
+            assert [len(e[0]) for e in c.values()] == size, "new scalars compiled a new kernel"
 
 
 def test_optimizer_scalars_do_not_recompile_the_kernels():

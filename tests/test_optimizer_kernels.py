@@ -1,7 +1,8 @@
-"""CPU tests of the optimizer kernels (triton_kernels.py sections 5-6): the kernels under Triton's interpreter (in a
+"""CPU tests of the optimizer kernels (triton_kernels.py sections 5-7): the kernels under Triton's interpreter (in a
 subprocess, tests/_optimizer_kernels_interp.py), the references against train_gpt's eager code, the exact fp32 FMA
-the tests transcribe CUDA's eager Adam with, and the sm_90 PTX of both kernels: every fp32 operation rounds on its
-own (no contraction, IEEE division and square root, no flush to zero) except Adam's two deliberate FMAs.
+the tests transcribe CUDA's eager Adam with, and the sm_90 PTX of the kernels: every fp32 operation rounds on its
+own (no contraction, IEEE division and square root, no flush to zero) except the deliberate FMAs (Adam's two, one
+per lerp of the momentum, one of the split product).
 """
 import os
 import re
@@ -97,6 +98,29 @@ def test_cautious_reference_is_train_gpt_eager_update(per_matrix_lr):
     assert not torch.equal(results[0][1], mantissa.view(torch.int16))
 
 
+def test_normuon_references_are_train_gpt_eager_code():
+    """The section-7 references (what train_gpt runs off CUDA and with --kernels=torch) give the same bits as the
+    public ops on CPU and as the eager chains they replaced."""
+    g = torch.Generator().manual_seed(3)
+    grad = (torch.randn(3, 12, 20, generator=g) * 1e-3).bfloat16()
+    M = torch.randn(3, 12, 20, generator=g) * 1e-3
+    mu = 0.95
+    M_old = M.clone()
+    G = grad.to(torch.float32)
+    M_old.lerp_(G, 1 - mu)
+    X_old = G.lerp(M_old, mu).to(torch.bfloat16)
+    for fn in (tk.normuon_momentum_reference, tk.normuon_momentum):
+        M_new = M.clone()
+        X_new = fn(grad, M_new, mu)
+        assert torch.equal(M_new, M_old) and torch.equal(X_new.view(torch.int16), X_old.view(torch.int16))
+    Y = torch.randn(3, 12, 20, generator=g).bfloat16()
+    X = torch.randn(3, 20, 12, generator=g).bfloat16().mT
+    a = 4.042929935166739
+    want = Y.to(torch.float32).add_(X, alpha=a).to(torch.bfloat16)
+    for fn in (tk.polar_split_product_reference, tk.polar_split_product_):
+        assert torch.equal(fn(Y.clone(), X, a).view(torch.int16), want.view(torch.int16))
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # sm_90 PTX: where the kernels round (ptxas ships with triton; no GPU needed)
 # ------------------------------------------------------------------------------------------------------------------
@@ -167,3 +191,37 @@ def test_cautious_kernel_ptx_rounds_like_eager_and_loads_o_vectorised(o_layout):
     # O is read in 16-byte vectors whichever of its axes is contiguous (the MLP bank's O is a transposed view)
     assert re.search(r"ld\.global(\.\w+)*\.v4\.b32", ptx)
     assert not re.search(r"ld\.global(\.\w+)*\.(b16|u16)\s", ptx), "O loaded element by element"
+
+
+MOMENTUM_SIG = {"grad_ptr": "*bf16", "m_ptr": "*fp32", "x_ptr": "*bf16", "n_elements": "i32", "w_m": "fp32",
+                "w_x": "fp32"}
+SPLIT_SIG = {"y_ptr": "*bf16", "x_ptr": "*bf16", "R": "i32", "C": "i32", "stride_xn": "i32", "stride_xr": "i32",
+             "stride_xc": "i32", "a": "fp32"}
+
+
+def test_momentum_kernel_ptx_rounds_like_eager():
+    """The trainer's branches (mu > 0.5): per element the two lerps' differences and one FMA each, nothing else."""
+    ptx = sm90_ptx(tk._normuon_momentum_kernel, MOMENTUM_SIG,
+                   {"SMALL_M": True, "SMALL_X": False, "BLOCK": tk._MOMENTUM_BLOCK}, tk._MOMENTUM_WARPS, (),
+                   ("grad_ptr", "m_ptr", "x_ptr", "n_elements"))
+    assert_each_fp32_op_rounds_on_its_own(ptx)
+    per_thread = tk._MOMENTUM_BLOCK // (32 * tk._MOMENTUM_WARPS)
+    assert count(ptx, "fma.rn.f32") == 2 * per_thread
+    assert count(ptx, "mul.rn.f32") == 0
+    # g - m and m' - g per element, plus the one 1 - w of the look-ahead's weight
+    assert count(ptx, "sub.rn.f32") + count(ptx, "add.rn.f32") == 2 * per_thread + 1
+
+
+@pytest.mark.parametrize("x_layout", ["contiguous", "transposed"])
+def test_split_product_kernel_ptx_is_one_fma_and_loads_x_vectorised(x_layout):
+    unit = "stride_xc" if x_layout == "contiguous" else "stride_xr"
+    other = "stride_xr" if x_layout == "contiguous" else "stride_xc"
+    bm, bn = tk._SPLIT_TILE
+    ptx = sm90_ptx(tk._split_product_kernel, SPLIT_SIG, {"BLOCK_R": bm, "BLOCK_C": bn}, tk._SPLIT_WARPS, (unit,),
+                   ("y_ptr", "x_ptr", "R", "C", "stride_xn", other))
+    assert_each_fp32_op_rounds_on_its_own(ptx)
+    per_thread = bm * bn // (32 * tk._SPLIT_WARPS)
+    assert count(ptx, "fma.rn.f32") == per_thread
+    assert count(ptx, "mul.rn.f32") == count(ptx, "add.rn.f32") == count(ptx, "sub.rn.f32") == 0
+    assert re.search(r"ld\.global(\.\w+)*\.v4\.b32", ptx)
+    assert not re.search(r"ld\.global(\.\w+)*\.(b16|u16)\s", ptx), "X loaded element by element"
