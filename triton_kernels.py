@@ -1207,8 +1207,9 @@ def _lerp_fp32(start, end, weight, SMALL: tl.constexpr):
     if SMALL:
         return tl.fma(weight, end - start, start)
     else:
-        return tl.fma(-(end - start), 1.0 - weight, end)  # e - (e - s)(1 - w): -(e - s), not s - e,
-                                                          # keeps the sign of a zero
+        # e - (e - s)(1 - w) as (e - s)(w - 1) + e: w - 1 is exactly -(1 - w), and negating the
+        # difference instead would not do: Triton's -x is 0 - x, which turns a -0 into +0
+        return tl.fma(end - start, weight - 1.0, end)
 
 
 @triton.jit
