@@ -1067,18 +1067,26 @@ _CAUTIOUS_INTERPRETER_TILE = (8, 16)  # CPU tests: several tiles with partial on
 
 
 @triton.jit
-def _cautious_mantissa_kernel(param_ptr, mantissa_ptr, o_ptr, lr_ptr, R, C, stride_on, stride_or,
-                              stride_oc, lr_scalar, wd, LR_PER_MATRIX: tl.constexpr,
-                              BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """In place on param (n, R, C) bf16 and mantissa (n, R, C) uint16 (both contiguous) from O
-    (n, R, C) bf16 (any strides); grid (tiles per matrix, n)."""
+def _matrix_tile(R, C, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """This program's BLOCK_R x BLOCK_C tile of a stack of (R, C) matrices, grid (tiles per matrix,
+    matrices): (matrix index (int64), rows, cols, in-bounds mask, offsets into a contiguous stack).
+    Also used by section 7."""
     pid = tl.program_id(0)
     mat = tl.program_id(1).to(tl.int64)
     tiles_c = tl.cdiv(C, BLOCK_C)
     rows = (pid // tiles_c) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = (pid % tiles_c) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = (rows[:, None] < R) & (cols[None, :] < C)
-    offs = mat * R * C + rows[:, None] * C + cols[None, :]
+    return mat, rows, cols, mask, mat * R * C + rows[:, None] * C + cols[None, :]
+
+
+@triton.jit
+def _cautious_mantissa_kernel(param_ptr, mantissa_ptr, o_ptr, lr_ptr, R, C, stride_on, stride_or,
+                              stride_oc, lr_scalar, wd, LR_PER_MATRIX: tl.constexpr,
+                              BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """In place on param (n, R, C) bf16 and mantissa (n, R, C) uint16 (both contiguous) from O
+    (n, R, C) bf16 (any strides); grid (tiles per matrix, n)."""
+    mat, rows, cols, mask, offs = _matrix_tile(R, C, BLOCK_R, BLOCK_C)
     o_offs = mat * stride_on + rows[:, None] * stride_or + cols[None, :] * stride_oc
     high = tl.load(param_ptr + offs, mask=mask, other=0.0).to(tl.uint16, bitcast=True).to(tl.uint32)
     low = tl.load(mantissa_ptr + offs, mask=mask, other=0).to(tl.uint32)
@@ -1279,13 +1287,7 @@ def _split_product_kernel(y_ptr, x_ptr, R, C, stride_xn, stride_xr, stride_xc, a
                           BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """In place on y (n, R, C) contiguous: y = fma(a, x, y) in y's dtype, x (n, R, C) any strides;
     grid (tiles per matrix, n)."""
-    pid = tl.program_id(0)
-    mat = tl.program_id(1).to(tl.int64)
-    tiles_c = tl.cdiv(C, BLOCK_C)
-    rows = (pid // tiles_c) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = (pid % tiles_c) * BLOCK_C + tl.arange(0, BLOCK_C)
-    mask = (rows[:, None] < R) & (cols[None, :] < C)
-    offs = mat * R * C + rows[:, None] * C + cols[None, :]
+    mat, rows, cols, mask, offs = _matrix_tile(R, C, BLOCK_R, BLOCK_C)
     x = _load_as_fp32(x_ptr + mat * stride_xn + rows[:, None] * stride_xr + cols[None, :] * stride_xc,
                       mask)
     y = _load_as_fp32(y_ptr + offs, mask)
