@@ -182,16 +182,18 @@ def fp8_bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8)
 
 
-@pytest.mark.parametrize("n, weights", [(1024, [1.0, 0.5, 0.25]), (1000, [1.0]), (37, [1.0, 0.5, 0.0])])
-def test_ce_bwd_fp8_is_the_bf16_gradient_quantised(n, weights):
-    """The fused FP8 backward writes exactly what the bf16 backward followed by the gradient quantiser gives."""
+@pytest.mark.parametrize("n, weights, g_row", [(1024, [1.0, 0.5, 0.25], 1 / 8), (1000, [1.0], 1 / 8),
+                                                (37, [1.0, 0.5, 0.0], 1 / 8), (1024, [1.0, 0.5, 0.25], 3e4)])
+def test_ce_bwd_fp8_is_the_bf16_gradient_quantised(n, weights, g_row):
+    """The fused FP8 backward writes exactly what the bf16 backward followed by the gradient quantiser gives. With an
+    upstream gradient of 3e4 many values pass e5m2's largest, 57344: the cast saturates them as the clamp does."""
     V = 50304
     g = gen(21)
     logits = (torch.randn(n, V, device="cuda", generator=g) * 10).bfloat16()
     targets = torch.randint(0, V, (n,), device="cuda", generator=g)
     w = torch.tensor(weights, device="cuda")
     _, lse = tk.softcapped_mtp_ce_fwd_triton(logits, targets, w)
-    grad_rows = torch.full((1,), 1 / 8, device="cuda").expand(n)
+    grad_rows = torch.full((1,), g_row, device="cuda").expand(n)
     q = tk.softcapped_mtp_ce_bwd_fp8_triton(grad_rows, logits, targets, w, lse, S_G)
     d = tk.softcapped_mtp_ce_bwd_triton(grad_rows, logits, targets, w, lse)
     want = tk.softcapped_mtp_ce_bwd_fp8_reference(d, S_G)
@@ -199,6 +201,8 @@ def test_ce_bwd_fp8_is_the_bf16_gradient_quantised(n, weights):
     diff = fp8_bits(q) != fp8_bits(want)
     assert not diff.any(), f"{int(diff.sum())} of {diff.numel()} differ: {q[diff][:4].float()} vs {want[diff][:4].float()}"
     assert (q.float() != 0).float().mean() > 0.5  # the scale keeps most gradients above e5m2's underflow
+    if g_row > 1:
+        assert (q.float().abs() == 57344).sum() > 1000, "no value saturated: the case tests nothing"
 
 
 @pytest.mark.parametrize("rows", [37, 43000])
