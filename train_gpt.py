@@ -29,10 +29,11 @@ Where to change what:
     a new parameter              register it in GPT.__init__ and use it in the forward pass; give it
                                  a row in DEFAULT_PARAM_TABLE (section 1), whose order is the order
                                  of the gradient reductions
-    optimizer math               the pure functions at the top of section 4 (Adam's element-wise
-                                 step is triton_kernels.py adam_update_reference); --kernels=torch
-                                 runs them as written on a GPU too, where the default runs fused
-                                 kernels of the same math
+    optimizer math               the pure functions at the top of section 4 (the element-wise steps
+                                 are triton_kernels.py adam_update_reference,
+                                 normuon_momentum_reference, polar_split_product_reference);
+                                 --kernels=torch runs them as written on a GPU too, where the
+                                 default runs fused kernels of the same math
 """
 from __future__ import annotations
 
