@@ -305,11 +305,14 @@ def test_momentum_kernel_is_bitwise_cuda_order(shape, block, grad_dtype, momentu
     assert_same_bits(M_k, M_want, "momentum buffer")
     assert_same_bits(X_k, X_want, "look-ahead X")
     assert not torch.equal(M_k, M)
-    # the CPU eager reference: the same, give or take the FMA of the CPU build (one ulp of M)
+    # the CPU eager reference: the same, give or take the FMA of the CPU build (whether ATen's CPU kernels fuse
+    # depends on the build), so within one rounding of each lerp's product
     M_r = M.clone()
     X_r = tk.normuon_momentum_reference(grad, M_r, momentum)
-    assert ((bits(M_k).long() - bits(M_r).long()).abs() <= 1).all()
-    assert ((bits(X_k).long() - bits(X_r).long()).abs() <= 1).all()
+    U = 2.0 ** -24
+    assert ((M_k.double() - M_r.double()).abs() <= 4 * U * (M.double().abs() + G.double().abs())).all()
+    X_bound = 2.0 ** -7 * X_k.double().abs() + 4 * U * (M_k.double().abs() + G.double().abs())
+    assert ((X_k.double() - X_r.double()).abs() <= X_bound).all()
     # the public op, registered
     M_op = M.clone()
     assert_same_bits(torch.ops.nanogpt_kernels.normuon_momentum(grad, M_op, momentum), X_k, "op X")
@@ -351,8 +354,10 @@ def test_split_product_kernel_is_bitwise_one_fma(n, R, C, tile, dtype, layout):
     got = tk.polar_split_product_triton(y.clone(), x, a, tile=tile)
     want = fma32(f32(a), x.float(), y.float()).to(dtype)
     assert_same_bits(got, want, "split product")
-    ref = tk.polar_split_product_reference(y.clone(), x, a)
-    assert ((bits(got).long() - bits(ref).long()).abs() <= 1).all()
+    ref = tk.polar_split_product_reference(y.clone(), x, a)    # CPU eager: fused or not, by the build
+    bound = (2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -23) * got.double().abs() + 2.0 ** -23 * (
+        y.double().abs() + abs(a) * x.double().abs())
+    assert ((got.double() - ref.double()).abs() <= bound).all()
     op = y.clone()
     torch.ops.nanogpt_kernels.polar_split_product_(op, x, a)
     assert_same_bits(op, got, "registered op")
