@@ -1375,12 +1375,13 @@ def polar_express(G: Tensor, split_final_product: bool, dtype: torch.dtype = tor
     record does for the MLP matrices) instead of one fused GEMM with beta = a.
     dtype: the precision of the iteration; bf16 in training, float32/float64 for parameters stored
     in that (--dtype).
-    fused=False (--kernels=torch): the Gram products by their plain-PyTorch definitions, also on
-    CUDA.
+    fused=False (--kernels=torch): the Gram products and the split product by their plain-PyTorch
+    definitions, also on CUDA.
     """
-    shape, acc = G.shape, tk.acc_dtype(dtype)
-    xxt, ba_plus_cAA = ((tk.xxt, tk.ba_plus_cAA) if fused
-                        else (tk.xxt_reference, tk.ba_plus_cAA_reference))
+    shape = G.shape
+    xxt, ba_plus_cAA, split_product_ = (
+        (tk.xxt, tk.ba_plus_cAA, tk.polar_split_product_) if fused
+        else (tk.xxt_reference, tk.ba_plus_cAA_reference, tk.polar_split_product_reference))
     X = G.to(dtype).reshape(-1, shape[-2], shape[-1])       # (n, R, C)
     if shape[-2] > shape[-1]:
         X = X.mT                                            # (n, C, R): Gram matrices are C x C
@@ -1388,9 +1389,8 @@ def polar_express(G: Tensor, split_final_product: bool, dtype: torch.dtype = tor
     for a, b, c in POLAR_EXPRESS_COEFFS:
         A = xxt(X)                                          # (n, m, m) bf16, exactly symmetric
         B = ba_plus_cAA(A, b, c)                            # (n, m, m) bf16
-        if split_final_product:                             # bf16(bf16(B@X) + a·X)
-            X = (tk.polar_split_product_(B @ X, X, a) if fused
-                 else tk.polar_split_product_reference(B @ X, X, a))
+        if split_final_product:
+            X = split_product_(B @ X, X, a)                 # bf16(bf16(B@X) + a·X)
         else:
             X = torch.baddbmm(X, B, X, beta=a)              # bf16(a·X + B@X), fp32 accumulation
     if shape[-2] > shape[-1]:
