@@ -3067,6 +3067,62 @@ def configure_compiler() -> None:
     other = [t for t in torch.compiler.config.cache_key_tag.split("|")
              if t and not t.startswith("triton_kernels:")]
     torch.compiler.config.cache_key_tag = "|".join([*other, tag])
+    from torch._inductor import config as inductor_config
+    inductor_config.post_grad_custom_post_pass = _residual_matmul_pass()
+
+
+def unfuse_residual_addmm(graph: torch.fx.Graph) -> int:
+    """Rewrite each addmm(C, A, B) of a half-precision matrix C into add(mm(A, B), C) in a
+    post-grad graph; returns how many were rewritten.
+
+    Inductor turns `C + A @ B` into one addmm when the sum feeds a reduction (the residual stream
+    `x + y @ W_o.T` before an RMS norm; the backward's `du = dqkv @ W + gate terms`). For a matrix
+    C, torch's addmm first copies C into the output and then runs a GEMM that reads it back: 24
+    copies of a (T, D) tensor per micro-batch, about 1% of a step. Unfused, the add runs inside the
+    element-wise kernel that reads the sum anyway.
+    The stored sums are the same numbers: cuBLAS's bf16 addmm rounds A @ B to bf16 before adding C
+    (bitwise mm + add at every model shape on an H100; tests/test_model_gpu.py checks it). What
+    changes is that a norm fused with the add reads the fp32 sum before its bf16 rounding, as
+    inductor does for every intermediate inside a fused kernel. On a CPU addmm rounds once, but
+    CPU runs are not compiled.
+    A 1-D bias (F.linear's), alpha or beta leave the node alone."""
+    aten = torch.ops.aten
+    rewritten = 0
+    for node in list(graph.nodes):
+        if node.target is not aten.addmm.default or node.kwargs or len(node.args) != 3:
+            continue
+        c, a, b = node.args
+        out, c_val = node.meta.get("val"), getattr(c, "meta", {}).get("val")
+        if not (isinstance(c_val, Tensor) and isinstance(out, Tensor)
+                and c_val.dtype in (torch.bfloat16, torch.float16)
+                and tuple(c_val.shape) == tuple(out.shape)):
+            continue
+        with graph.inserting_before(node):
+            mm = graph.call_function(aten.mm.default, (a, b))
+            mm.meta["val"] = aten.mm.default(a.meta["val"], b.meta["val"])
+            total = graph.call_function(aten.add.Tensor, (mm, c))
+            total.meta["val"] = out
+        node.replace_all_uses_with(total)
+        graph.erase_node(node)
+        rewritten += 1
+    return rewritten
+
+
+def _residual_matmul_pass() -> Any:
+    """unfuse_residual_addmm as inductor's post-grad pass; its uuid (the function's source) is
+    part of torch's compile-cache keys."""
+    import hashlib
+    import inspect
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    class ResidualMatmulPass(CustomGraphPass):
+        def __call__(self, graph: torch.fx.Graph) -> None:
+            unfuse_residual_addmm(graph)
+
+        def uuid(self) -> str:
+            return hashlib.sha256(inspect.getsource(unfuse_residual_addmm).encode()).hexdigest()
+
+    return ResidualMatmulPass()
 
 
 def kernels_cache_tag(kernels_source: str) -> str:

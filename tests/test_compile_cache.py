@@ -130,7 +130,8 @@ class _Scaled(torch.autograd.Function):
         return 2 * g * x
 
 
-def test_graphs_with_autograd_functions_come_back_from_torchs_autograd_cache(tmp_path, monkeypatch):
+def test_graphs_with_autograd_functions_come_back_from_torchs_autograd_cache(tmp_path, monkeypatch,
+                                                                            compiler_settings_restored):
     """configure_compiler lets torch's autograd cache keep a graph holding an autograd Function. Without
     that torch bypasses it, and every start re-traces and re-partitions each training graph (the bulk
     of a warm start on a GPU). Real inductor compilations on the CPU, in a fresh cache folder."""
@@ -138,9 +139,6 @@ def test_graphs_with_autograd_functions_come_back_from_torchs_autograd_cache(tmp
     from torch._functorch import config as functorch_config
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(functorch_config, "autograd_cache_allow_custom_autograd_functions", False)
-    monkeypatch.setattr(functorch_config, "force_non_lazy_backward_lowering",
-                        functorch_config.force_non_lazy_backward_lowering)
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", torch._dynamo.config.recompile_limit)
 
     def fresh_compile():
         torch._dynamo.reset()
@@ -158,19 +156,13 @@ def test_graphs_with_autograd_functions_come_back_from_torchs_autograd_cache(tmp
     torch._dynamo.reset()
 
 
-def test_an_edit_of_triton_kernels_misses_torchs_caches(tmp_path, monkeypatch):
+def test_an_edit_of_triton_kernels_misses_torchs_caches(tmp_path, monkeypatch, compiler_settings_restored):
     """torch keys a cached graph by its ops. A Triton op's launch code is compiled into the graph but is not in that
     key, and its kernels are only where torch's source scan finds them (it missed the attention ops' once), so an
     edited triton_kernels.py could get old code back from the cache. configure_compiler puts a hash of the file's
     text into every key: the same text hits, an edited one misses. Real inductor compilations on the CPU."""
     from torch._dynamo.utils import counters
-    from torch._functorch import config as functorch_config
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
-    for config, name in ((functorch_config, "autograd_cache_allow_custom_autograd_functions"),
-                         (functorch_config, "force_non_lazy_backward_lowering"),
-                         (torch._dynamo.config, "recompile_limit"),
-                         (torch.compiler.config, "cache_key_tag")):
-        monkeypatch.setattr(config, name, getattr(config, name))
     torch.compiler.config.cache_key_tag = "someone-elses-tag"
     kernels = tmp_path / "triton_kernels.py"
     monkeypatch.setattr(tk, "__file__", str(kernels))

@@ -258,16 +258,10 @@ def test_gpu_turns_one_process_at_a_time(tmp_path):
         second.give(model)
 
 
-def test_a_training_graph_takes_its_turn_once_compiled_with_its_backward(tmp_path, monkeypatch):
+def test_a_training_graph_takes_its_turn_once_compiled_with_its_backward(tmp_path, compiler_settings_restored):
     """configure_compiler compiles a backward with its forward, so the turn taken when the
     forward's compilation ends covers the whole training task: no compilation starts while a
     process holds it (which would keep the others waiting for a compile, not for the GPU)."""
-    from torch._functorch import config as functorch_config
-    from torch._dynamo import config as dynamo_config
-    for config, name in ((functorch_config, "autograd_cache_allow_custom_autograd_functions"),
-                         (functorch_config, "force_non_lazy_backward_lowering"),
-                         (dynamo_config, "recompile_limit")):
-        monkeypatch.setattr(config, name, getattr(config, name))   # restored after the test
     turns = tg.GpuTurns(tmp_path / "gpu.lock", torch.device("cpu"))
     log = tg.CompileLog(enabled=True)
     held_at_start = []
