@@ -3092,14 +3092,15 @@ def unfuse_residual_addmm(graph: torch.fx.Graph) -> int:
         if node.target is not aten.addmm.default or node.kwargs or len(node.args) != 3:
             continue
         c, a, b = node.args
-        out, c_val = node.meta.get("val"), getattr(c, "meta", {}).get("val")
-        if not (isinstance(c_val, Tensor) and isinstance(out, Tensor)
+        out = node.meta.get("val")
+        c_val, a_val, b_val = (getattr(n, "meta", {}).get("val") for n in (c, a, b))
+        if not (all(isinstance(t, Tensor) for t in (out, c_val, a_val, b_val))
                 and c_val.dtype in (torch.bfloat16, torch.float16)
                 and tuple(c_val.shape) == tuple(out.shape)):
             continue
         with graph.inserting_before(node):
             mm = graph.call_function(aten.mm.default, (a, b))
-            mm.meta["val"] = aten.mm.default(a.meta["val"], b.meta["val"])
+            mm.meta["val"] = aten.mm.default(a_val, b_val)
             total = graph.call_function(aten.add.Tensor, (mm, c))
             total.meta["val"] = out
         node.replace_all_uses_with(total)

@@ -93,3 +93,11 @@ def test_both_roundings_against_float64():
     assert ((fused - exact).abs() <= half_ulp(fused) + accumulation * 1.01).all()
     # and the extra rounding is visible: the unfused sum is off by more than the fused bound somewhere
     assert ((unfused - exact).abs() > half_ulp(unfused) + accumulation * 1.01).any()
+
+
+def test_a_graph_without_shapes_is_left_alone():
+    """Nodes without the tensor metadata the rewrite needs (a graph traced without fake tensors) are skipped."""
+    gm = torch.fx.symbolic_trace(lambda c, a, b: torch.ops.aten.addmm.default(c, a, b))
+    assert tg.unfuse_residual_addmm(gm.graph) == 0
+    a, b, c = _operands()
+    assert torch.equal(gm(c, a, b), torch.addmm(c, a, b))
