@@ -3067,6 +3067,7 @@ def configure_compiler() -> None:
     other = [t for t in torch.compiler.config.cache_key_tag.split("|")
              if t and not t.startswith("triton_kernels:")]
     torch.compiler.config.cache_key_tag = "|".join([*other, tag])
+    # Residual sums as mm + add, without the copy torch's addmm makes (unfuse_residual_addmm).
     from torch._inductor import config as inductor_config
     inductor_config.post_grad_custom_post_pass = _residual_matmul_pass()
 
@@ -3081,7 +3082,7 @@ def unfuse_residual_addmm(graph: torch.fx.Graph) -> int:
     copies of a (T, D) tensor per micro-batch, about 1% of a step. Unfused, the add runs inside the
     element-wise kernel that reads the sum anyway.
     The stored sums are the same numbers: cuBLAS's bf16 addmm rounds A @ B to bf16 before adding C
-    (bitwise mm + add at every model shape on an H100; tests/test_model_gpu.py checks it). What
+    (bitwise mm + add at every model shape tried on an H100; tests/test_model_gpu.py checks it). What
     changes is that a norm fused with the add reads the fp32 sum before its bf16 rounding, as
     inductor does for every intermediate inside a fused kernel. On a CPU addmm rounds once, but
     CPU runs are not compiled.
