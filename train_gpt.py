@@ -959,9 +959,8 @@ class FP8HeadEmulated(torch.autograd.Function):
 # One compiled helper per role (distinct code objects, so each keeps its own small compile cache):
 # each quantiser reads its input once and writes the FP8 tensor in both layouts torch._scaled_mm
 # needs (K-major for both operands).
-# The gradient is quantised inside the cross entropy's backward kernel (FP8HeadMTPCE below); its
-# second layout comes from triton_kernels.transpose_bytes (the same transpose inside the model's
-# backward graph ran 8x slower, and compiled on its own 1.5x slower).
+# The gradient is quantised inside the cross entropy's backward kernel (FP8HeadMTPCE below), which
+# writes both layouts too.
 def _quantize_act(h: Tensor, s: float) -> tuple[Tensor, Tensor]:
     q = fp8_quantize(h, s, torch.float8_e4m3fn)
     return q, q.t().contiguous()
@@ -999,11 +998,10 @@ def _fp8_head_forward_impl(h: Tensor, w: Tensor, s_x: float,
     return logits, x8_t, w8
 
 
-def _fp8_head_backward_impl(g8: Tensor, x8_t: Tensor, w8: Tensor, s_x: float, s_w: float,
-                            s_g: float) -> tuple[Tensor, Tensor]:
+def _fp8_head_backward_impl(g8: Tensor, g8_t: Tensor, x8_t: Tensor, w8: Tensor, s_x: float,
+                            s_w: float, s_g: float) -> tuple[Tensor, Tensor]:
     """dh (T, D) bf16 = (s_g*s_w) G8 @ W8^T; dW (D, V) fp32 = (s_x*s_g) X8^T @ G8, from
-    G8 = e5m2(G/s_g) (T, V); no fast accumulation."""
-    g8_t = tk.transpose_bytes(g8)
+    G8 = e5m2(G/s_g) (T, V) and its transpose G8^T (V, T); no fast accumulation."""
     one = dict(dtype=torch.float32, device=g8.device)
     sx, sw, sg = (torch.full((), s, **one) for s in (s_x, s_w, s_g))
     dh = torch._scaled_mm(g8, w8.t(), scale_a=sg, scale_b=sw, out_dtype=torch.bfloat16,
@@ -1030,7 +1028,7 @@ def register_fp8_head_op() -> None:
                 w.new_empty(D, V, dtype=torch.float8_e4m3fn))
 
     @bwd.register_fake
-    def _(g8, x8_t, w8, s_x, s_w, s_g):
+    def _(g8, g8_t, x8_t, w8, s_x, s_w, s_g):
         return (g8.new_empty(g8.shape[0], x8_t.shape[0], dtype=torch.bfloat16),
                 w8.new_empty(w8.shape, dtype=torch.float32))
 
@@ -1041,8 +1039,9 @@ class FP8HeadMTPCE(torch.autograd.Function):
     Forward: the FP8 logits, then the cross entropy's forward kernel. Backward: one kernel reads the
     logits once and writes the logit gradient already quantised to e5m2 (half the bytes of the bf16
     gradient that an FP8 head behind a separate loss would receive, store and quantise in another
-    pass; the bf16 rounding is kept inside the kernel, so the numbers are the same); the backward op
-    transposes it for the weight gradient's FP8 matmul (both operands K-major)."""
+    pass; the bf16 rounding is kept inside the kernel, so the numbers are the same), in both layouts:
+    (T, V) for the input gradient's FP8 matmul and (V, T) for the weight gradient's (both operands
+    K-major)."""
 
     @staticmethod
     def forward(ctx, h: Tensor, w: Tensor, targets: Tensor, mtp_weights: Tensor, s_x: float,
@@ -1057,9 +1056,9 @@ class FP8HeadMTPCE(torch.autograd.Function):
     def backward(ctx, grad_losses: Tensor):
         logits, targets, mtp_weights, lse, x8_t, w8 = ctx.saved_tensors
         s_x, s_w, s_g = ctx.scales
-        g8 = torch.ops.nanogpt_kernels.softcapped_mtp_ce_bwd_fp8(grad_losses, logits, targets,
-                                                                  mtp_weights, lse, s_g)
-        dh, dw = torch.ops.nanogpt.fp8_head_backward(g8, x8_t, w8, s_x, s_w, s_g)
+        g8, g8_t = torch.ops.nanogpt_kernels.softcapped_mtp_ce_bwd_fp8(
+            grad_losses, logits, targets, mtp_weights, lse, s_g)
+        dh, dw = torch.ops.nanogpt.fp8_head_backward(g8, g8_t, x8_t, w8, s_x, s_w, s_g)
         return dh, dw, None, None, None, None, None  # dw is fp32; autograd casts it
                                                      # to the bf16 parameter's dtype
 

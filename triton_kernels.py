@@ -467,10 +467,16 @@ def relu2_mlp(x: Tensor, c_fc: Tensor, c_proj: Tensor) -> Tensor:
 # ==================================================================================================
 # 4. Fused softcapped multi-token cross entropy 
 # ==================================================================================================
-# Both passes: one program per row streams its logits in blocks of 1024 columns (2 KiB of bf16, 8
-# per thread with 4 warps). Tiles of 16-128 rows that also stored the transposed FP8 layout ran
-# 1.5-2.4x slower on an H200 than this plus a separate transpose (10 tile shapes, records/
-# 2026-11-24_ce_kernels_1xH200).
+# The forward and the bf16 backward: one program per row streams its logits in blocks of 1024
+# columns (2 KiB of bf16, 8 per thread with 4 warps).
+# The FP8 head's backward writes its e5m2 gradient in both layouts the head's matmuls read
+# (torch._scaled_mm takes both operands K-major: (T, V) for the input gradient, (V, T) for the
+# weight gradient). It streams tiles of 32 rows x 128 columns, 1024 columns per program; Triton
+# turns each tile's transposed store around in shared memory (4 KiB), so every column's 32 bytes
+# leave as one run. On an H100 at 16k / 32k / 49k rows it took 1.31 / 2.62 / 3.93 ms against
+# 1.58 / 3.13 / 4.69 ms for the row kernel plus a separate byte transpose that read the row
+# layout back (bench/ce.py; records/2026-11-25_ce_two_layouts_1xH100). 16 rows per tile ran 2x
+# slower, whole rows per program 1.3-1.6x.
 # Forward: every score z = A*sigmoid((l+B)/C) lies in [0, A], so exp(z - A) can neither overflow
 # nor vanish (it is at least e^-A): the sum needs no running maximum, and each lane keeps its own
 # partial sum until one reduction after the last block, lse = A + log(sum).
@@ -495,6 +501,16 @@ def relu2_mlp(x: Tensor, c_fc: Tensor, c_proj: Tensor) -> Tensor:
 SOFTCAP_A, SOFTCAP_B, SOFTCAP_C = 23.0, 5.0, 7.5
 _CE_BLOCK = 1024
 _CE_WARPS = 4
+# The backward's launch (BLOCK_R rows, BLOCK_C columns, columns per program or None for the whole
+# row, warps): one layout streams a row per program like the forward; both layouts take tiles of
+# rows, so that each column's e5m2 values of BLOCK_R rows are one contiguous run of the transposed
+# output (see the header).
+_CE_BWD_TILES = {False: (1, _CE_BLOCK, None, _CE_WARPS), True: (32, 128, 1024, 4)}
+_CE_BWD_INTERPRETER_TILES = {False: _CE_BWD_TILES[False], True: (4, 32, 64, 1)}
+
+
+def _ce_bwd_tiles(transposed: bool, cuda: bool) -> tuple:
+    return (_CE_BWD_TILES if cuda else _CE_BWD_INTERPRETER_TILES)[transposed]
 
 
 @triton.jit
@@ -578,37 +594,44 @@ def _ce_sum_w(weights_ptr, rows, n_rows, n_weights):
 
 
 @triton.jit
-def _ce_bwd_kernel(grad_ptr, stride_grad, logits_ptr, weights_ptr, lse_ptr, out_ptr, n_rows, n_cols,
-                   stride_row, n_weights, inv_scale, limit, A: tl.constexpr, B: tl.constexpr,
-                   C: tl.constexpr, QUANTIZE: tl.constexpr, NATIVE_BF16: tl.constexpr,
-                   BLOCK: tl.constexpr):
-    """One row's dlogits without the target term T_c (_ce_targets_kernel writes those columns
-    afterwards). QUANTIZE=False: out = dlogits in out's dtype. QUANTIZE=True: out =
-    clamp(bf16(dlogits) * inv_scale, +-limit) in out's dtype: the FP8 head's gradient quantiser
-    applied to the bf16 gradient it would read."""
-    row = tl.program_id(0)
-    row_ptr = logits_ptr + row.to(tl.int64) * stride_row
-    out_row_ptr = out_ptr + row.to(tl.int64) * n_cols
-    g_row = tl.load(grad_ptr + row * stride_grad).to(tl.float32)
-    lse = tl.load(lse_ptr + row)
-    sum_w = _ce_sum_w(weights_ptr, row, n_rows, n_weights)
+def _ce_bwd_kernel(grad_ptr, stride_grad, logits_ptr, weights_ptr, lse_ptr, out_ptr, out_t_ptr,
+                   n_rows, n_cols, stride_row, n_weights, cols_per_program, inv_scale, limit,
+                   A: tl.constexpr, B: tl.constexpr, C: tl.constexpr, QUANTIZE: tl.constexpr,
+                   NATIVE_BF16: tl.constexpr, TRANSPOSED: tl.constexpr, BLOCK_R: tl.constexpr,
+                   BLOCK_C: tl.constexpr):
+    """The dlogits of BLOCK_R rows x cols_per_program columns (a multiple of BLOCK_C), without the
+    target term T_c (_ce_targets_kernel writes those elements afterwards). QUANTIZE=False: out =
+    dlogits in out's dtype. QUANTIZE=True: out = clamp(bf16(dlogits) * inv_scale, +-limit) in
+    out's dtype: the FP8 head's gradient quantiser applied to the bf16 gradient it would read.
+    TRANSPOSED: the same values also into out_t, (n_cols, n_rows) contiguous."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < n_rows
+    rows64 = rows.to(tl.int64)
+    g_row = tl.load(grad_ptr + rows * stride_grad, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)[:, None]
+    sum_w = _ce_sum_w(weights_ptr, rows, n_rows, n_weights)[:, None]
     inv_scale = tl.cast(inv_scale, tl.float32)
     limit = tl.cast(limit, tl.float32)
-    offs = tl.arange(0, BLOCK)
-    for start in range(0, n_cols, BLOCK):
+    offs = tl.arange(0, BLOCK_C)
+    first = tl.program_id(1) * cols_per_program
+    for start in range(first, tl.minimum(first + cols_per_program, n_cols), BLOCK_C):
         cols = start + offs
-        logit = _load_as_fp32(row_ptr + cols, cols < n_cols)
+        mask = row_ok[:, None] & (cols < n_cols)[None, :]
+        logit = _load_as_fp32(logits_ptr + rows64[:, None] * stride_row + cols[None, :], mask)
         dlogit = _ce_dlogit(logit, g_row, sum_w, 0.0, lse, A, B, C)
-        tl.store(out_row_ptr + cols,
-                 _ce_out(dlogit, out_ptr, inv_scale, limit, QUANTIZE, NATIVE_BF16),
-                 mask=cols < n_cols)
+        out = _ce_out(dlogit, out_ptr, inv_scale, limit, QUANTIZE, NATIVE_BF16)
+        tl.store(out_ptr + rows64[:, None] * n_cols + cols[None, :], out, mask=mask)
+        if TRANSPOSED:
+            tl.store(out_t_ptr + cols.to(tl.int64)[:, None] * n_rows + rows[None, :], tl.trans(out),
+                     mask=tl.trans(mask))
 
 
 @triton.jit
 def _ce_targets_kernel(grad_ptr, stride_grad, logits_ptr, targets_ptr, weights_ptr, lse_ptr,
-                       out_ptr, n_rows, n_cols, stride_row, n_weights, inv_scale, limit,
+                       out_ptr, out_t_ptr, n_rows, n_cols, stride_row, n_weights, inv_scale, limit,
                        A: tl.constexpr, B: tl.constexpr, C: tl.constexpr,
-                       QUANTIZE: tl.constexpr, NATIVE_BF16: tl.constexpr):
+                       QUANTIZE: tl.constexpr, NATIVE_BF16: tl.constexpr,
+                       TRANSPOSED: tl.constexpr):
     """One row's target columns in full: T_c = the weights of every offset whose target is c. A
     column that is the target of several offsets is written once per offset, the same value."""
     row = tl.program_id(0)
@@ -630,8 +653,10 @@ def _ce_targets_kernel(grad_ptr, stride_grad, logits_ptr, targets_ptr, weights_p
         col = tl.where(ok, target, 0).to(tl.int64)
         logit = _load_as_fp32(logits_ptr + row64 * stride_row + col, ok)
         dlogit = _ce_dlogit(logit, g_row, sum_w, t_weight, lse, A, B, C)
-        tl.store(out_ptr + row64 * n_cols + col,
-                 _ce_out(dlogit, out_ptr, inv_scale, limit, QUANTIZE, NATIVE_BF16), mask=ok)
+        out = _ce_out(dlogit, out_ptr, inv_scale, limit, QUANTIZE, NATIVE_BF16)
+        tl.store(out_ptr + row64 * n_cols + col, out, mask=ok)
+        if TRANSPOSED:
+            tl.store(out_t_ptr + col * n_rows + row64, out, mask=ok)
 
 
 def _check_ce_inputs(logits: Tensor, targets: Tensor, mtp_weights: Tensor) -> None:
@@ -671,10 +696,10 @@ def softcapped_mtp_ce_fwd_triton(logits: Tensor, targets: Tensor,
 
 
 def _launch_ce_bwd(grad_losses: Tensor, logits: Tensor, targets: Tensor, mtp_weights: Tensor,
-                   lse: Tensor, out: Tensor, quantize: bool, inv_scale: float,
-                   limit: float) -> None:
+                   lse: Tensor, out: Tensor, out_t: Tensor | None, quantize: bool,
+                   inv_scale: float, limit: float, tiles: tuple | None) -> None:
     """Every column, then the target columns (in this order on the stream: the second kernel
-    overwrites what the first wrote there)."""
+    overwrites what the first wrote there). out_t: the transposed layout as well, or None."""
     _check_ce_inputs(logits, targets, mtp_weights)
     n_rows, n_cols = logits.shape
     _check(grad_losses.shape == (n_rows,) and lse.shape == (n_rows,) and lse.dtype == torch.float32
@@ -682,14 +707,19 @@ def _launch_ce_bwd(grad_losses: Tensor, logits: Tensor, targets: Tensor, mtp_wei
            "grad_losses and lse must be (n_rows,), lse fp32 contiguous from the forward")
     if n_rows == 0:
         return
+    transposed = out_t is not None
+    rows, block, cols, warps = tiles or _ce_bwd_tiles(transposed, logits.is_cuda)
+    cols = triton.cdiv(cols or n_cols, block) * block
     args = (grad_losses, grad_losses.stride(0), logits)
-    common = (lse, out, n_rows, n_cols, logits.stride(0), mtp_weights.shape[0], inv_scale, limit)
+    common = (lse, out, out if out_t is None else out_t, n_rows, n_cols, logits.stride(0),
+              mtp_weights.shape[0])
     flags = dict(A=SOFTCAP_A, B=SOFTCAP_B, C=SOFTCAP_C, QUANTIZE=quantize,
-                 NATIVE_BF16=logits.is_cuda)
-    wrap_triton(_ce_bwd_kernel)[(n_rows,)](*args, mtp_weights, *common, BLOCK=_CE_BLOCK,
-                                           num_warps=_CE_WARPS, **flags)
-    wrap_triton(_ce_targets_kernel)[(n_rows,)](*args, targets, mtp_weights, *common, num_warps=1,
-                                               **flags)
+                 NATIVE_BF16=logits.is_cuda, TRANSPOSED=transposed)
+    wrap_triton(_ce_bwd_kernel)[(triton.cdiv(n_rows, rows), triton.cdiv(n_cols, cols))](
+        *args, mtp_weights, *common, cols, inv_scale, limit, BLOCK_R=rows, BLOCK_C=block,
+        num_warps=warps, **flags)
+    wrap_triton(_ce_targets_kernel)[(n_rows,)](*args, targets, mtp_weights, *common, inv_scale,
+                                               limit, num_warps=1, **flags)
 
 
 def softcapped_mtp_ce_bwd_triton(grad_losses: Tensor, logits: Tensor, targets: Tensor,
@@ -697,19 +727,25 @@ def softcapped_mtp_ce_bwd_triton(grad_losses: Tensor, logits: Tensor, targets: T
     """grad_losses (n,) (any stride, e.g. an expanded 1/A), the forward's inputs and lse -> dlogits
     (n, V) in logits' dtype (bf16)."""
     dlogits = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-    _launch_ce_bwd(grad_losses, logits, targets, mtp_weights, lse, dlogits, False, 1.0, 0.0)
+    _launch_ce_bwd(grad_losses, logits, targets, mtp_weights, lse, dlogits, None, False, 1.0, 0.0,
+                   None)
     return dlogits
 
 
 def softcapped_mtp_ce_bwd_fp8_triton(grad_losses: Tensor, logits: Tensor, targets: Tensor,
                                      mtp_weights: Tensor, lse: Tensor, scale: float,
-                                     out_dtype: torch.dtype = torch.float8_e5m2) -> Tensor:
-    """The backward above, quantised for the FP8 head: out_dtype(clamp(bf16(dlogits) *
-    fp32(1/scale), +-57344)), (n, V). out_dtype=float32 skips the final cast (tests)."""
+                                     out_dtype: torch.dtype = torch.float8_e5m2,
+                                     tiles: tuple | None = None) -> tuple[Tensor, Tensor]:
+    """The backward above, quantised for the FP8 head: G8 = out_dtype(clamp(bf16(dlogits) *
+    fp32(1/scale), +-57344)) in both layouts the head's matmuls read, (G8 (n, V), G8^T (V, n)),
+    each contiguous. out_dtype=float32 skips the final cast (tests). tiles = (BLOCK_R, BLOCK_C,
+    columns per program or None for all, warps) overrides the launch (tests, bench/ce.py)."""
     out = torch.empty(logits.shape, dtype=out_dtype, device=logits.device)
+    out_t = torch.empty(logits.shape[::-1], dtype=out_dtype, device=logits.device)
     limit = torch.finfo(torch.float8_e5m2).max
-    _launch_ce_bwd(grad_losses, logits, targets, mtp_weights, lse, out, True, 1.0 / scale, limit)
-    return out
+    _launch_ce_bwd(grad_losses, logits, targets, mtp_weights, lse, out, out_t, True, 1.0 / scale,
+                   limit, tiles)
+    return out, out_t
 
 
 def softcapped_mtp_ce_bwd_fp8_reference(dlogits: Tensor, scale: float) -> Tensor:
@@ -735,7 +771,8 @@ def _softcapped_mtp_ce_bwd_op(grad_losses: Tensor, logits: Tensor, targets: Tens
 
 @triton_op(f"{_LIB}::softcapped_mtp_ce_bwd_fp8", mutates_args=())
 def _softcapped_mtp_ce_bwd_fp8_op(grad_losses: Tensor, logits: Tensor, targets: Tensor,
-                                  mtp_weights: Tensor, lse: Tensor, scale: float) -> Tensor:
+                                  mtp_weights: Tensor, lse: Tensor, scale: float
+                                  ) -> tuple[Tensor, Tensor]:
     return softcapped_mtp_ce_bwd_fp8_triton(grad_losses, logits, targets, mtp_weights, lse, scale)
 
 
@@ -852,50 +889,6 @@ def softcapped_mtp_ce(logits: Tensor, targets: Tensor, mtp_weights: Tensor) -> T
     if logits.is_cuda:
         return softcapped_mtp_ce_triton(logits, targets, mtp_weights)
     return softcapped_mtp_ce_cpu(logits, targets, mtp_weights)
-
-
-# ---- The FP8 gradient's second layout ------------------------------------------------------------
-# The FP8 head's weight gradient needs the e5m2 logit gradient contiguous along the rows as well
-# (torch._scaled_mm takes both operands K-major), so it is transposed once per micro-batch: (T, V)
-# bytes in, (V, T) out, 2.5 GB each way at 49,152 rows. One tile per program through a register
-# transpose. Tiles of 64 rows x 128 columns, 4 warps: on an H200 1.28 ms at 49,152 x 50,304, against
-# 1.97 ms for torch.compile's transpose and 1.27-1.62 ms for the other tiles of
-# bench/ce.py --transpose_tiles (64 rows make 64-byte runs in the output).
-_TRANSPOSE_TILES = (64, 128, 4)  # rows, columns, warps
-_TRANSPOSE_INTERPRETER_TILES = (8, 16, 1)
-
-
-@triton.jit
-def _transpose_kernel(x_ptr, out_ptr, M, N, BM: tl.constexpr, BN: tl.constexpr):
-    rows = tl.program_id(0) * BM + tl.arange(0, BM)
-    cols = tl.program_id(1) * BN + tl.arange(0, BN)
-    mask = (rows < M)[:, None] & (cols < N)[None, :]
-    x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :], mask=mask)
-    tl.store(out_ptr + cols.to(tl.int64)[:, None] * M + rows[None, :], tl.trans(x),
-             mask=tl.trans(mask))
-
-
-def transpose_bytes_triton(x: Tensor, tiles: tuple[int, int, int] | None = None) -> Tensor:
-    """x (M, N) contiguous, of a 1-byte dtype (the FP8 gradient) -> x.t().contiguous(), (N, M)."""
-    _check(x.ndim == 2 and x.is_contiguous() and x.element_size() == 1,
-           f"expected a contiguous 2D tensor of a 1-byte dtype, got {x.dtype} {tuple(x.shape)}")
-    M, N = x.shape
-    out = torch.empty((N, M), dtype=x.dtype, device=x.device)
-    bm, bn, warps = tiles or (_TRANSPOSE_TILES if x.is_cuda else _TRANSPOSE_INTERPRETER_TILES)
-    if x.numel():
-        # as bytes: the interpreter has no FP8 arithmetic, and a copy needs none
-        _transpose_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](
-            x.view(torch.uint8), out.view(torch.uint8), M, N, BM=bm, BN=bn, num_warps=warps)
-    return out
-
-
-def transpose_bytes_reference(x: Tensor) -> Tensor:
-    return x.t().contiguous()
-
-
-def transpose_bytes(x: Tensor) -> Tensor:
-    """x.t().contiguous() of a 1-byte (M, N) tensor: Triton on CUDA, PyTorch elsewhere."""
-    return transpose_bytes_triton(x) if x.is_cuda else transpose_bytes_reference(x)
 
 
 # ==================================================================================================

@@ -1,7 +1,7 @@
 """Time the FP8 head's cross entropy kernels at the training shapes: forward, and the backward that writes the e5m2
 gradient in both layouts the head's FP8 matmuls need.
 
-    python3 bench/ce.py [--root=DIR] [--transpose_tiles]
+    python3 bench/ce.py [--root=DIR] [--tiles=R:C:COLS:WARPS,...]
 
 One CUDA GPU, about a minute. --root imports triton_kernels.py from another checkout (a baseline made with
 `git worktree` or `git archive`), so before and after run the same script; run each in its own process. A backward
@@ -19,17 +19,24 @@ from pathlib import Path
 ROWS = (16384, 32768, 49152)
 VOCAB = 50304
 S_G = 0.75 / 448  # the FP8 head's gradient scale
-TRANSPOSE_TILES = ((64, 64, 4), (128, 64, 4), (64, 128, 4), (128, 128, 4), (128, 128, 8), (256, 64, 8), (64, 256, 8),
-                   (32, 128, 4))
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--root", default=str(Path(__file__).resolve().parent.parent),
                     help="folder of triton_kernels.py")
-    ap.add_argument("--transpose_tiles", action="store_true",
-                    help="also time the gradient's transpose: compiled, and triton_kernels' at TRANSPOSE_TILES")
+    ap.add_argument("--tiles", default="",
+                    help="also time the two-layout backward at these launches: BLOCK_R:BLOCK_C:columns per "
+                         "program (0: the whole row):warps, comma-separated")
     args = ap.parse_args(argv)
+    try:
+        candidates = [tuple(int(x) for x in spec.split(":")) for spec in args.tiles.split(",") if spec]
+        if any(len(c) != 4 for c in candidates):
+            raise ValueError
+    except ValueError:
+        print(f"error: --tiles={args.tiles!r}: expected R:C:COLS:WARPS[,...], e.g. 32:128:1024:4", file=sys.stderr)
+        return 2
+    candidates = [(r, c, cols or None, w) for r, c, cols, w in candidates]
     sys.path.insert(0, args.root)
     import torch
     from triton.testing import do_bench
@@ -59,13 +66,9 @@ def main(argv: list[str] | None = None) -> int:
         fwd = ms(lambda: tk.softcapped_mtp_ce_fwd_triton(logits, targets, w))
         bwd = ms(lambda: backward(grad, logits, targets, w, lse))
         print(f"{n:>7} {fwd:8.3f} {bwd:20.3f} {fwd + bwd:8.3f}", flush=True)
-        if args.transpose_tiles:
-            q = tk.softcapped_mtp_ce_bwd_fp8_triton(grad, logits, targets, w, lse, S_G)
-            q = q[0] if isinstance(q, tuple) else q
-            line = f"compiled {ms(lambda: transpose(q)):.3f}"
-            for tiles in TRANSPOSE_TILES:
-                line += f", {tiles} {ms(lambda: tk.transpose_bytes_triton(q, tiles)):.3f}"
-            print(f"{'':>7} transpose ms: {line}", flush=True)
+        for tiles in candidates:
+            t = ms(lambda: tk.softcapped_mtp_ce_bwd_fp8_triton(grad, logits, targets, w, lse, S_G, tiles=tiles))
+            print(f"{'':>7} two-layout backward {tiles}: {t:.3f} ms", flush=True)
         del logits
         torch.cuda.empty_cache()
     return 0

@@ -286,10 +286,15 @@ def test_ce_backward_fp8_epilogue_is_the_bf16_gradient_scaled_and_clamped(n, V, 
     exact = ce_grad_float64(grad_rows, logits, targets, w)
     torch.testing.assert_close(d.double(), exact, rtol=1e-2, atol=1e-6 * exact.abs().max().item())
     scale = 2e-6
-    q = tk.softcapped_mtp_ce_bwd_fp8_triton(grad_rows, logits, targets, w, lse, scale, out_dtype=torch.float32)
     want = (d.float() * torch.tensor(1 / scale)).clamp(-57344.0, 57344.0)
-    assert torch.equal(q, want)
     assert (want.abs() == 57344.0).any() and (want.abs() < 57344.0).any()
+    # the interpreter's tiles: partial row tiles, column ranges and column blocks at these sizes; then one program
+    # per row tile, columns in one block each
+    for tiles in (None, (8, 64, None, 2)):
+        q, q_t = tk.softcapped_mtp_ce_bwd_fp8_triton(grad_rows, logits, targets, w, lse, scale,
+                                                     out_dtype=torch.float32, tiles=tiles)
+        assert torch.equal(q, want)
+        assert q_t.shape == (V, n) and q_t.is_contiguous() and torch.equal(q_t, want.t())
 
 
 def test_fp8_head_mtp_ce_matches_the_emulated_head_and_plain_loss():
@@ -416,14 +421,3 @@ def test_varlen_attention_launcher_rejects_bad_input():
                         ((torch.randn(10, 2, 24),) * 3 + (cu, 4), "power of two")]:
         with pytest.raises(ValueError, match=match):
             tk.varlen_attention_fwd_triton(*args, 0.1)
-
-
-@pytest.mark.parametrize("shape", [(37, 50), (8, 16), (1, 70), (20, 1)])
-def test_transpose_bytes_matches_reference(shape):
-    """Partial tiles in both directions; every byte value, FP8 and uint8 views alike."""
-    g = torch.Generator().manual_seed(shape[0] * 100 + shape[1])
-    x = torch.randint(0, 256, shape, dtype=torch.uint8, generator=g)
-    assert torch.equal(tk.transpose_bytes_triton(x), tk.transpose_bytes_reference(x))
-    x8 = x.view(torch.float8_e5m2)
-    got = tk.transpose_bytes_triton(x8)
-    assert got.dtype == torch.float8_e5m2 and torch.equal(got.view(torch.uint8), x.t().contiguous())

@@ -203,12 +203,17 @@ def _sm90_cases():
     ce_bwd_sig = {"grad_ptr": "*fp32", "stride_grad": "i32", "logits_ptr": "*bf16", "weights_ptr": "*fp32",
                   "lse_ptr": "*fp32", "n_rows": "i32", "n_cols": "i32", "stride_row": "i32", "n_weights": "i32",
                   "inv_scale": "fp32", "limit": "fp32"}
+    softcap = {k: v for k, v in ce_consts.items() if k != "BLOCK"}
+    # the plain bf16 backward (one layout) and the FP8 head's (both layouts), as the launcher pairs them
     for quantize, out in ((False, "*bf16"), (True, "*fp8e5")):
-        flags = {"QUANTIZE": quantize, "NATIVE_BF16": True}
-        cases.append(("ce_bwd", tk._ce_bwd_kernel, {**ce_bwd_sig, "out_ptr": out}, {**ce_consts, **flags},
-                      {"num_warps": tk._CE_WARPS}, ("stride_grad",), ("logits_ptr", "out_ptr", "n_cols")))
-        softcap = {k: v for k, v in ce_consts.items() if k != "BLOCK"}
-        cases.append(("ce_targets", tk._ce_targets_kernel, {**ce_bwd_sig, "out_ptr": out, "targets_ptr": "*i64"},
+        flags = {"QUANTIZE": quantize, "NATIVE_BF16": True, "TRANSPOSED": quantize}
+        rows, block, _, warps = tk._CE_BWD_TILES[quantize]
+        sig = {**ce_bwd_sig, "out_ptr": out, "out_t_ptr": out, "cols_per_program": "i32"}
+        cases.append(("ce_bwd", tk._ce_bwd_kernel, sig, {**softcap, **flags, "BLOCK_R": rows, "BLOCK_C": block},
+                      {"num_warps": warps}, ("stride_grad",),
+                      ("logits_ptr", "out_ptr", "out_t_ptr", "n_rows", "n_cols", "cols_per_program")))
+        cases.append(("ce_targets", tk._ce_targets_kernel,
+                      {**ce_bwd_sig, "out_ptr": out, "out_t_ptr": out, "targets_ptr": "*i64"},
                       {**softcap, **flags}, {"num_warps": 1}, ("stride_grad",),
                       ("logits_ptr", "out_ptr", "n_cols")))
     strides = ("stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh")

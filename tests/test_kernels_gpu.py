@@ -183,10 +183,13 @@ def fp8_bits(t: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("n, weights, g_row", [(1024, [1.0, 0.5, 0.25], 1 / 8), (1000, [1.0], 1 / 8),
-                                                (37, [1.0, 0.5, 0.0], 1 / 8), (1024, [1.0, 0.5, 0.25], 3e4)])
+                                                (37, [1.0, 0.5, 0.0], 1 / 8), (1024, [1.0, 0.5, 0.25], 3e4),
+                                                (43000, [1.0, 0.5, 0.25], 1 / 8)])
 def test_ce_bwd_fp8_is_the_bf16_gradient_quantised(n, weights, g_row):
-    """The fused FP8 backward writes exactly what the bf16 backward followed by the gradient quantiser gives. With an
-    upstream gradient of 3e4 many values pass e5m2's largest, 57344: the cast saturates them as the clamp does."""
+    """The fused FP8 backward writes exactly what the bf16 backward followed by the gradient quantiser gives, in both
+    layouts. With an upstream gradient of 3e4 many values pass e5m2's largest, 57344: the cast saturates them as the
+    clamp does. 37 and 1000 rows leave partial row tiles; 43,000 rows x 50,304 pass 2**31 elements, where 32-bit
+    offsets would wrap."""
     V = 50304
     g = gen(21)
     logits = (torch.randn(n, V, device="cuda", generator=g) * 10).bfloat16()
@@ -194,26 +197,16 @@ def test_ce_bwd_fp8_is_the_bf16_gradient_quantised(n, weights, g_row):
     w = torch.tensor(weights, device="cuda")
     _, lse = tk.softcapped_mtp_ce_fwd_triton(logits, targets, w)
     grad_rows = torch.full((1,), g_row, device="cuda").expand(n)
-    q = tk.softcapped_mtp_ce_bwd_fp8_triton(grad_rows, logits, targets, w, lse, S_G)
+    q, q_t = tk.softcapped_mtp_ce_bwd_fp8_triton(grad_rows, logits, targets, w, lse, S_G)
     d = tk.softcapped_mtp_ce_bwd_triton(grad_rows, logits, targets, w, lse)
     want = tk.softcapped_mtp_ce_bwd_fp8_reference(d, S_G)
-    assert q.dtype == torch.float8_e5m2 and q.shape == (n, V)
+    assert q.dtype == q_t.dtype == torch.float8_e5m2 and q.shape == (n, V) and q_t.shape == (V, n)
     diff = fp8_bits(q) != fp8_bits(want)
     assert not diff.any(), f"{int(diff.sum())} of {diff.numel()} differ: {q[diff][:4].float()} vs {want[diff][:4].float()}"
+    assert torch.equal(fp8_bits(q_t), fp8_bits(want).t()), "the transposed layout is not the transpose"
     assert (q.float() != 0).float().mean() > 0.5  # the scale keeps most gradients above e5m2's underflow
     if g_row > 1:
         assert (q.float().abs() == 57344).sum() > 1000, "no value saturated: the case tests nothing"
-
-
-@pytest.mark.parametrize("rows", [37, 43000])
-def test_transpose_bytes_of_the_fp8_gradient(rows):
-    """The gradient's second layout at the vocabulary width, with partial tiles (37 rows), and past 2**31 elements
-    (43,000 rows), where 32-bit offsets would wrap."""
-    g = torch.randint(0, 256, (rows, 50304), dtype=torch.uint8, device="cuda", generator=gen(23))
-    q = g.view(torch.float8_e5m2)
-    got = tk.transpose_bytes(q)
-    assert got.dtype == torch.float8_e5m2 and got.shape == (50304, rows)
-    assert torch.equal(got.view(torch.uint8), g.t().contiguous())
 
 
 def test_compiled_fp8_quantiser_multiplies_by_the_reciprocal():

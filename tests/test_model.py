@@ -557,10 +557,11 @@ def test_fp8_custom_ops_match_the_emulation_on_cpu():
     assert out.dtype == torch.bfloat16 and x8_t.shape == (64, 32) and w8.shape == (64, 48)
     assert torch.equal(x8_t.float(), tg.fp8_quantize(h, s_x, torch.float8_e4m3fn).float().T)
     g8 = tg.fp8_quantize(G, s_g, torch.float8_e5m2)
-    dh, dw = torch.ops.nanogpt.fp8_head_backward(g8, x8_t, w8, s_x, s_w, s_g)
+    g8_t = g8.t().contiguous()
+    dh, dw = torch.ops.nanogpt.fp8_head_backward(g8, g8_t, x8_t, w8, s_x, s_w, s_g)
     assert dh.dtype == torch.bfloat16 and dw.dtype == torch.float32
     for op, args in ((torch.ops.nanogpt.fp8_head.default, (h.detach(), w.detach(), s_x, s_w)),
-                     (torch.ops.nanogpt.fp8_head_backward.default, (g8, x8_t, w8, s_x, s_w, s_g))):
+                     (torch.ops.nanogpt.fp8_head_backward.default, (g8, g8_t, x8_t, w8, s_x, s_w, s_g))):
         assert torch.library.opcheck(op, args, test_utils=("test_faketensor",))["test_faketensor"] == "SUCCESS"
 
     ref = tg.FP8HeadEmulated.apply(h, w, s_x, s_w, s_g)
