@@ -21,6 +21,21 @@ VOCAB = 50304
 S_G = 0.75 / 448  # the FP8 head's gradient scale
 
 
+def parse_tiles(text: str) -> list[tuple]:
+    """"R:C:COLS:WARPS,..." -> the backward's launch tuples (BLOCK_R, BLOCK_C, columns per program or None for the
+    whole row, warps)."""
+    tiles = []
+    for spec in filter(None, text.split(",")):
+        parts = spec.split(":")
+        if len(parts) != 4 or not all(p.isdigit() for p in parts) or 0 in (int(parts[0]), int(parts[1]),
+                                                                            int(parts[3])):
+            raise ValueError(f"{spec!r} is not R:C:COLS:WARPS with positive R, C, WARPS (COLS 0: the whole row), "
+                             "e.g. 32:128:1024:4")
+        rows, block, cols, warps = (int(p) for p in parts)
+        tiles.append((rows, block, cols or None, warps))
+    return tiles
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--root", default=str(Path(__file__).resolve().parent.parent),
@@ -30,13 +45,10 @@ def main(argv: list[str] | None = None) -> int:
                          "program (0: the whole row):warps, comma-separated")
     args = ap.parse_args(argv)
     try:
-        candidates = [tuple(int(x) for x in spec.split(":")) for spec in args.tiles.split(",") if spec]
-        if any(len(c) != 4 for c in candidates):
-            raise ValueError
-    except ValueError:
-        print(f"error: --tiles={args.tiles!r}: expected R:C:COLS:WARPS[,...], e.g. 32:128:1024:4", file=sys.stderr)
+        candidates = parse_tiles(args.tiles)
+    except ValueError as e:
+        print(f"error: --tiles: {e}", file=sys.stderr)
         return 2
-    candidates = [(r, c, cols or None, w) for r, c, cols, w in candidates]
     sys.path.insert(0, args.root)
     import torch
     from triton.testing import do_bench

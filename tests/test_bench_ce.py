@@ -1,0 +1,24 @@
+"""bench/ce.py's --tiles: the launches it times, and one error line for a malformed list (no GPU needed)."""
+import sys
+
+import pytest
+
+from _shards import ROOT
+
+sys.path.insert(0, str(ROOT / "bench"))
+import ce as bench_ce  # noqa: E402
+
+
+def test_tiles_parse_to_the_launch_tuples():
+    assert bench_ce.parse_tiles("32:128:1024:4,16:256:0:8") == [(32, 128, 1024, 4), (16, 256, None, 8)]
+    assert bench_ce.parse_tiles("32:128:1024:4,") == [(32, 128, 1024, 4)]
+    assert bench_ce.parse_tiles("") == []
+
+
+@pytest.mark.parametrize("text", ["32:128:1024", "32:128:x:4", "0:128:1024:4", "32:-1:0:4", "32:128:0:0"])
+def test_malformed_tiles_are_one_error_line(text, capsys):
+    with pytest.raises(ValueError, match="R:C:COLS:WARPS"):
+        bench_ce.parse_tiles(text)
+    assert bench_ce.main([f"--tiles={text}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --tiles:") and err.count("\n") == 1
