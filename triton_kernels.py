@@ -1368,6 +1368,11 @@ def polar_split_product_(y: Tensor, x: Tensor, a: float) -> Tensor:
 # was 3-15% slower and the dQ kernel between 2% faster and 6% slower). In both backward kernels the
 # two products that depend only on the loaded blocks (q k^T and dO v^T) are issued back to back
 # (about 1%).
+# Not available from Triton (checked on the sm_90 TTGIR of a triton 3.9 compile on a CPU): issuing
+# the next key block's q k^T before this block's softmax, FlashAttention-3's overlap of the two,
+# gains nothing, since Triton waits for a dot whose result is not a dot accumulator right after
+# issuing it (warp_group_dot_wait with pendings = 0); and tl.range(warp_specialize=True) on the
+# forward's loop fails to compile for sm_90.
 # Rows with no allowed key yet (a block left of their document) keep max = -inf; the masked step
 # substitutes 0 for it so exp2 gives 0, not NaN. Every real row sees itself, so its final sum >= 1.
 #
