@@ -22,8 +22,8 @@ S_G = 0.75 / 448  # the FP8 head's gradient scale
 
 
 def parse_tiles(text: str) -> list[tuple]:
-    """"R:C:COLS:WARPS,..." -> the backward's launch tuples (BLOCK_R, BLOCK_C, columns per program or None for the
-    whole row, warps)."""
+    """Parse R:C:COLS:WARPS,... into the backward's launch tuples (BLOCK_R, BLOCK_C, columns per program or None for
+    the whole row, warps)."""
     tiles = []
     for spec in filter(None, text.split(",")):
         parts = spec.split(":")
