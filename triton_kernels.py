@@ -1368,7 +1368,7 @@ def polar_split_product_(y: Tensor, x: Tensor, a: float) -> Tensor:
 # was 3-15% slower and the dQ kernel between 2% faster and 6% slower). In both backward kernels the
 # two products that depend only on the loaded blocks (q k^T and dO v^T) are issued back to back
 # (about 1%).
-# Not available from Triton (checked on the sm_90 TTGIR of a triton 3.9 compile on a CPU): issuing
+# Not available from Triton (checked on the sm_90 TTGIR of triton 3.6 and 3.9 compiles): issuing
 # the next key block's q k^T before this block's softmax, FlashAttention-3's overlap of the two,
 # gains nothing, since Triton waits for a dot whose result is not a dot accumulator right after
 # issuing it (warp_group_dot_wait with pendings = 0); and tl.range(warp_specialize=True) on the
