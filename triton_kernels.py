@@ -509,10 +509,6 @@ _CE_BWD_TILES = {False: (1, _CE_BLOCK, None, _CE_WARPS), True: (32, 128, 1024, 4
 _CE_BWD_INTERPRETER_TILES = {False: _CE_BWD_TILES[False], True: (4, 32, 64, 1)}
 
 
-def _ce_bwd_tiles(transposed: bool, cuda: bool) -> tuple:
-    return (_CE_BWD_TILES if cuda else _CE_BWD_INTERPRETER_TILES)[transposed]
-
-
 @triton.jit
 def _ce_sigmoid(logit, B: tl.constexpr, C: tl.constexpr):
     """sigmoid((logit + B) / C) with the division as a multiplication by fp32(1/C)."""
@@ -708,15 +704,16 @@ def _launch_ce_bwd(grad_losses: Tensor, logits: Tensor, targets: Tensor, mtp_wei
     if n_rows == 0:
         return
     transposed = out_t is not None
-    rows, block, cols, warps = tiles or _ce_bwd_tiles(transposed, logits.is_cuda)
-    cols = triton.cdiv(cols or n_cols, block) * block
+    rows, block, span, warps = tiles or (
+        _CE_BWD_TILES if logits.is_cuda else _CE_BWD_INTERPRETER_TILES)[transposed]
+    span = triton.cdiv(span or n_cols, block) * block  # columns per program, whole blocks
     args = (grad_losses, grad_losses.stride(0), logits)
     common = (lse, out, out if out_t is None else out_t, n_rows, n_cols, logits.stride(0),
               mtp_weights.shape[0])
     flags = dict(A=SOFTCAP_A, B=SOFTCAP_B, C=SOFTCAP_C, QUANTIZE=quantize,
                  NATIVE_BF16=logits.is_cuda, TRANSPOSED=transposed)
-    wrap_triton(_ce_bwd_kernel)[(triton.cdiv(n_rows, rows), triton.cdiv(n_cols, cols))](
-        *args, mtp_weights, *common, cols, inv_scale, limit, BLOCK_R=rows, BLOCK_C=block,
+    wrap_triton(_ce_bwd_kernel)[(triton.cdiv(n_rows, rows), triton.cdiv(n_cols, span))](
+        *args, mtp_weights, *common, span, inv_scale, limit, BLOCK_R=rows, BLOCK_C=block,
         num_warps=warps, **flags)
     wrap_triton(_ce_targets_kernel)[(n_rows,)](*args, targets, mtp_weights, *common, inv_scale,
                                                limit, num_warps=1, **flags)

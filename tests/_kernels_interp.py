@@ -288,8 +288,8 @@ def test_ce_backward_fp8_epilogue_is_the_bf16_gradient_scaled_and_clamped(n, V, 
     scale = 2e-6
     want = (d.float() * torch.tensor(1 / scale)).clamp(-57344.0, 57344.0)
     assert (want.abs() == 57344.0).any() and (want.abs() < 57344.0).any()
-    # the interpreter's tiles: partial row tiles, column ranges and column blocks at these sizes; then one program
-    # per row tile, columns in one block each
+    # the interpreter's tiles (partial row tiles, column ranges and column blocks at these sizes), then whole rows
+    # per program in 64-column blocks
     for tiles in (None, (8, 64, None, 2)):
         q, q_t = tk.softcapped_mtp_ce_bwd_fp8_triton(grad_rows, logits, targets, w, lse, scale,
                                                      out_dtype=torch.float32, tiles=tiles)
