@@ -351,22 +351,25 @@ def attention_float64(q, k, v, doc_lens, window, scale):
     return torch.cat(outs), torch.cat(lses, dim=1)
 
 
-# (document lengths, window, tiles=(BM, BN, warps, stages), q/k/v as views of one qkv buffer): documents shorter than
-# a block and longer than the window, an empty document (repeated boundary), a window larger than every document,
-# window 0 (each query sees itself only), and the paired layout's doubled positions (even lengths, 2x window).
+# (document lengths, window, tiles=(BM, BN, warps, stages), q/k/v as views of one qkv buffer, scale): documents
+# shorter than a block and longer than the window, an empty document (repeated boundary), a window larger than every
+# document, window 0 (each query sees itself only), and the paired layout's doubled positions (even lengths, 2x
+# window). At scale 0.3 the logits have a std of ~1.7 (base 2); at 1.5, ~9, so the forward's running max keeps
+# growing by large steps and its rescaling of the partial sums matters.
 ATTN_CASES = [
-    ([1, 70, 1, 1, 30, 50, 7], 5, (16, 32, 4, 1), False),
-    ([100, 0, 60], 1000, (32, 16, 4, 1), True),
-    ([3, 80, 77], 0, (16, 16, 4, 1), False),
-    ([40, 1, 120, 39], 37, (16, 32, 4, 1), True),
-    ([2 * n for n in (9, 40, 1, 30)], 2 * 13, (32, 32, 4, 1), False),
+    ([1, 70, 1, 1, 30, 50, 7], 5, (16, 32, 4, 1), False, 0.3),
+    ([100, 0, 60], 1000, (32, 16, 4, 1), True, 0.3),
+    ([3, 80, 77], 0, (16, 16, 4, 1), False, 0.3),
+    ([40, 1, 120, 39], 37, (16, 32, 4, 1), True, 0.3),
+    ([2 * n for n in (9, 40, 1, 30)], 2 * 13, (32, 32, 4, 1), False, 0.3),
+    ([100, 0, 60], 1000, (32, 16, 4, 1), False, 1.5),
 ]
 
 
-@pytest.mark.parametrize("lens, window, tiles, strided", ATTN_CASES)
-def test_varlen_attention_matches_float64(lens, window, tiles, strided):
+@pytest.mark.parametrize("lens, window, tiles, strided, scale", ATTN_CASES)
+def test_varlen_attention_matches_float64(lens, window, tiles, strided, scale):
     g = torch.Generator().manual_seed(sum(lens) + window)
-    T, H, D, scale = sum(lens), 2, 16, 0.3
+    T, H, D = sum(lens), 2, 16
     cu = torch.tensor([0] + lens + [0, 0]).cumsum(0).to(torch.int32)           # two trailing empty documents
     if strided:   # the model's layout: views into a (T, 3, H, D) projection, row stride 3HD
         q, k, v = torch.randn(T, 3, H, D, generator=g).unbind(1)
@@ -385,11 +388,13 @@ def test_varlen_attention_matches_float64(lens, window, tiles, strided):
     ref_grads = torch.autograd.grad(ref, (q64, k64, v64), grad.double())
     # fp32 kernels vs float64: the errors are a few fp32 roundings per term (measured ~1e-7 of the norms below);
     # one key too many or too few per query moves a tensor by O(1e-2) or more. Gradients are compared against the
-    # incoming gradient's norm, since dq and dk vanish at window 0 (each query attends to itself only).
+    # incoming gradient's norm where that is larger, since dq and dk vanish at window 0 (each query attends to itself
+    # only), and against their own where they are larger (dq and dk grow with the scale).
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
-    assert ((lse.double() - ref_lse).abs().max() <= 1e-5), "lse"
-    for name, got, want, norm in [("out", out, ref, ref.norm()), *zip(("dq", "dk", "dv"), (dq, dk, dv), ref_grads,
-                                                                       [grad.norm()] * 3)]:
+    assert ((lse.double() - ref_lse).abs() <= 1e-6 * (1 + ref_lse.abs())).all(), "lse"   # a few fp32 roundings
+    for name, got, want, norm in [("out", out, ref, ref.norm()),
+                                  *((n, x, w, torch.maximum(w.norm(), grad.norm()))
+                                    for n, x, w in zip(("dq", "dk", "dv"), (dq, dk, dv), ref_grads))]:
         assert got.shape == want.shape and got.dtype == torch.float32, name
         rel = ((got.double() - want).norm() / norm).item()
         assert rel < 1e-6, f"{name}: relative error {rel:.2e}"
