@@ -1370,6 +1370,14 @@ def polar_split_product_(y: Tensor, x: Tensor, a: float) -> Tensor:
 # gains nothing, since Triton waits for a dot whose result is not a dot accumulator right after
 # issuing it (warp_group_dot_wait with pendings = 0); and tl.range(warp_specialize=True) on the
 # forward's loop fails to compile for sm_90.
+# Measured on an H100 and not taken (records/2026-11-25_attention_experiments_H100):
+# - launching the blocks with the most work first is 13-19% slower at 49k tokens: neighbouring
+#   query blocks share their keys in L2 only while they run together; sorted chunks of blocks gain
+#   at most 3.5%, less than their sort costs;
+# - skipping the accumulator's rescale while no row's max grew by more than 8 (FlashAttention-4)
+#   makes the forward 16-25% slower: the decision is a reduction over the whole block here;
+# - K/V through tensor descriptors (TMA) and the exp2 argument as one fused multiply-add save
+#   3-6% of the forward, ~1.5% of attention.
 # Rows with no allowed key yet (a block left of their document) keep max = -inf; the masked step
 # substitutes 0 for it so exp2 gives 0, not NaN. Every real row sees itself, so its final sum >= 1.
 #
