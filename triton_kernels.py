@@ -1371,7 +1371,7 @@ def polar_split_product_(y: Tensor, x: Tensor, a: float) -> Tensor:
 # issuing it (warp_group_dot_wait with pendings = 0); and tl.range(warp_specialize=True) on the
 # forward's loop fails to compile for sm_90.
 # Measured on an H100 and not taken (records/2026-11-25_attention_experiments_H100):
-# - launching the blocks with the most work first is 13-19% slower at 49k tokens: neighbouring
+# - launching the blocks with the most work first is 7-19% slower at 49k tokens: neighbouring
 #   query blocks share their keys in L2 only while they run together; sorted chunks of blocks gain
 #   at most 3.5%, less than their sort costs;
 # - skipping the accumulator's rescale while no row's max grew by more than 8 (FlashAttention-4)
