@@ -1377,7 +1377,7 @@ def polar_split_product_(y: Tensor, x: Tensor, a: float) -> Tensor:
 # - skipping the accumulator's rescale while no row's max grew by more than 8 (FlashAttention-4)
 #   makes the forward 16-25% slower: the decision is a reduction over the whole block here;
 # - K/V through tensor descriptors (TMA) and the exp2 argument as one fused multiply-add save
-#   3-6% of the forward, ~1.5% of attention.
+#   3-6% of the forward, ~1.5% of attention; TMA loads in the two backward kernels are 0-5% slower.
 # Rows with no allowed key yet (a block left of their document) keep max = -inf; the masked step
 # substitutes 0 for it so exp2 gives 0, not NaN. Every real row sees itself, so its final sum >= 1.
 #
