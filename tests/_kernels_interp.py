@@ -386,10 +386,12 @@ def test_varlen_attention_matches_float64(lens, window, tiles, strided, scale):
     q64, k64, v64 = (x.double().requires_grad_() for x in (q, k, v))
     ref, ref_lse = attention_float64(q64, k64, v64, lens, window, scale)
     ref_grads = torch.autograd.grad(ref, (q64, k64, v64), grad.double())
-    # fp32 kernels vs float64: the errors are a few fp32 roundings per term (measured ~1e-7 of the norms below);
-    # one key too many or too few per query moves a tensor by O(1e-2) or more. Gradients are compared against the
-    # incoming gradient's norm where that is larger, since dq and dk vanish at window 0 (each query attends to itself
-    # only), and against their own where they are larger (dq and dk grow with the scale).
+    # fp32 kernels vs float64: the errors are a few fp32 roundings per term (measured ~1e-7 of the norms below at
+    # scale 0.3; 7-8e-7 at 1.5, where the sharper softmax cancels more in dP - delta); one key too many or too few
+    # per query moves a tensor by O(1e-2) or more. Gradients are compared against the incoming gradient's norm where
+    # that is larger, since dq and dk vanish at window 0 (each query attends to itself only), and against their own
+    # where they are larger (dq and dk grow with the scale).
+    tol = 1e-6 if scale < 1 else 1e-5
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
     assert ((lse.double() - ref_lse).abs() <= 1e-6 * (1 + ref_lse.abs())).all(), "lse"   # a few fp32 roundings
     for name, got, want, norm in [("out", out, ref, ref.norm()),
@@ -397,7 +399,7 @@ def test_varlen_attention_matches_float64(lens, window, tiles, strided, scale):
                                     for n, x, w in zip(("dq", "dk", "dv"), (dq, dk, dv), ref_grads))]:
         assert got.shape == want.shape and got.dtype == torch.float32, name
         rel = ((got.double() - want).norm() / norm).item()
-        assert rel < 1e-6, f"{name}: relative error {rel:.2e}"
+        assert rel < tol, f"{name}: relative error {rel:.2e}"
 
 
 def test_varlen_attention_autograd_op_is_the_launchers():
