@@ -1391,7 +1391,9 @@ def polar_split_product_(y: Tensor, x: Tensor, a: float) -> Tensor:
 # (records/2026-11-25_attention_backward_1xH100): 64 keys x 32 queries per step, 4 warps,
 # 1.08-1.16x faster than the 128 x 64 tiles with 8 warps that the three-loop kernel used. Small
 # tiles win: with windows of a few hundred keys and documents of a few hundred tokens, a small
-# block wastes less on masked pairs, and the short loops leave little to pipeline deeper.
+# block wastes less on masked pairs, and the short loops leave little to pipeline deeper. 8 warps
+# on 64 rows (each row's softmax split over two warpgroups) cost 1.6-1.9x, and 2 or 4 stages
+# gain nothing (records/2026-11-25_attention_experiments_H100).
 _ATTN_TILES = {"fwd": (64, 32, 4, 3), "dkdv": (32, 64, 4, 3), "dq": (64, 32, 4, 3)}
 _ATTN_INTERPRETER_TILES = (16, 32, 4, 1)  # CPU tests: BM != BN, several blocks per program
 _LOG2E = 1.4426950408889634
