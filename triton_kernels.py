@@ -1393,7 +1393,8 @@ def polar_split_product_(y: Tensor, x: Tensor, a: float) -> Tensor:
 # tiles win: with windows of a few hundred keys and documents of a few hundred tokens, a small
 # block wastes less on masked pairs, and the short loops leave little to pipeline deeper. 8 warps
 # on 64 rows (each row's softmax split over two warpgroups) cost 1.6-1.9x, and 2 or 4 stages
-# gain nothing (records/2026-11-25_attention_experiments_H100).
+# gain nothing, nor does a register cap (maxnreg) that fits a third dQ program on an SM
+# (records/2026-11-25_attention_experiments_H100).
 _ATTN_TILES = {"fwd": (64, 32, 4, 3), "dkdv": (32, 64, 4, 3), "dq": (64, 32, 4, 3)}
 _ATTN_INTERPRETER_TILES = (16, 32, 4, 1)  # CPU tests: BM != BN, several blocks per program
 _LOG2E = 1.4426950408889634
