@@ -62,7 +62,9 @@ def _issue_kv(k_ptr, v_ptr, k_smem, v_smem, slot, n0, n_end, T, h, stride_kt, st
 def _gluon_attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, start_ptr, T, window, qk_scale,
                            stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                            stride_ot, stride_oh, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                           BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS: gl.constexpr):
+                           BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS: gl.constexpr,
+                           OVERLAP: gl.constexpr):
+    """OVERLAP=False: the same loop with every product waited for right away (what tl.dot does)."""
     gl.static_assert(BLOCK_M == 16 * NUM_WARPS)  # each warpgroup owns 64 rows
     S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
                                                       instr_shape=[16, BLOCK_N, 16])
@@ -124,11 +126,14 @@ def _gluon_attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, start_ptr, T, wi
         _issue_kv(k_ptr, v_ptr, k_smem, v_smem, (j + STAGES - 1) % STAGES,
                   n0 + (STAGES - 1) * BLOCK_N, b1, T, h, stride_kt, stride_kh, stride_vt,
                   stride_vh, HEAD_DIM, BLOCK_N, LOAD)
-        if j + 1 < n_blocks:
-            s_tok = warpgroup_mma(q_smem, k_smem.index((j + 1) % STAGES).permute((1, 0)), s_zero,
-                                  use_acc=False, is_async=True)
+        if OVERLAP:
+            if j + 1 < n_blocks:
+                s_tok = warpgroup_mma(q_smem, k_smem.index((j + 1) % STAGES).permute((1, 0)), s_zero,
+                                      use_acc=False, is_async=True)
+            else:
+                s_tok = warpgroup_mma_init(s_zero)
         else:
-            s_tok = warpgroup_mma_init(s_zero)
+            s = warpgroup_mma(q_smem, k_smem.index(j % STAGES).permute((1, 0)), s_zero, use_acc=False)
         # block j's softmax, while block j + 1's q k^T and block j - 1's p v run
         s = s * qk_scale
         if (n0 < f0) | (n0 >= f1):
@@ -143,10 +148,16 @@ def _gluon_attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, start_ptr, T, wi
         alpha = gl.exp2(m_i - m_safe)
         l_i = l_i * alpha + gl.sum(p, 1)
         m_i = m_new
-        acc, s = warpgroup_mma_wait(0, deps=[acc_tok, s_tok])
+        if OVERLAP:
+            acc, s = warpgroup_mma_wait(0, deps=[acc_tok, s_tok])
+        else:
+            acc = warpgroup_mma_wait(0, deps=[acc_tok])
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT)), 1)
         p_op = gl.convert_layout(p.to(gl.bfloat16), P_LAYOUT)
-        acc_tok = warpgroup_mma(p_op, v_smem.index(j % STAGES), acc, is_async=True)
+        if OVERLAP:
+            acc_tok = warpgroup_mma(p_op, v_smem.index(j % STAGES), acc, is_async=True)
+        else:
+            acc_tok = warpgroup_mma_init(warpgroup_mma(p_op, v_smem.index(j % STAGES), acc))
     acc = warpgroup_mma_wait(0, deps=[acc_tok])
     async_copy.wait_group(0)
 
@@ -157,7 +168,8 @@ def _gluon_attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, start_ptr, T, wi
     gl.store(lse_ptr + h * T + rows, m_i + gl.log2(l_i), mask=row_ok)
 
 
-def gluon_forward(q, k, v, cu_seqlens, window, scale, block_m=64, block_n=64, stages=3, maxnreg=None):
+def gluon_forward(q, k, v, cu_seqlens, window, scale, block_m=64, block_n=64, stages=3, maxnreg=None,
+                  overlap=True):
     T, H, D = q.shape
     out = torch.empty_like(q)
     lse = torch.empty((H, T), dtype=torch.float32, device=q.device)
@@ -165,7 +177,7 @@ def gluon_forward(q, k, v, cu_seqlens, window, scale, block_m=64, block_n=64, st
     _gluon_attn_fwd_kernel[(triton.cdiv(T, block_m), H)](
         q, k, v, out, lse, start, T, window, scale * tk._LOG2E, q.stride(0), q.stride(1), k.stride(0),
         k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1), HEAD_DIM=D, BLOCK_M=block_m,
-        BLOCK_N=block_n, STAGES=stages, NUM_WARPS=block_m // 16, num_warps=block_m // 16,
+        BLOCK_N=block_n, STAGES=stages, NUM_WARPS=block_m // 16, OVERLAP=overlap, num_warps=block_m // 16,
         **({"maxnreg": maxnreg} if maxnreg else {}))
     return out, lse
 
@@ -292,6 +304,7 @@ def gluon_dkdv(grad_out, q, k, v, lse, delta, cu_seqlens, window, scale, block_m
 # key/value slot; maxnreg=128 fits two of those programs on an SM
 FWD_CONFIGS = [(64, 32, 3, None), (64, 64, 3, None), (64, 32, 4, None), (128, 32, 3, None), (128, 64, 3, None),
                (128, 32, 3, 128), (128, 64, 3, 128)]
+SYNC_CONFIGS = [(64, 32, 3, None), (64, 64, 3, None)]   # the same kernel with OVERLAP=False
 # (BLOCK_M queries per step, STAGES): 64 keys per program, 4 warps
 DKDV_CONFIGS = [(32, 4), (32, 5), (16, 4), (64, 4)]
 
@@ -339,9 +352,11 @@ def compile_only() -> None:
             "qk_scale": "fp32", "scale": "fp32"}
     fwd_sig = {**ptrs, "o_ptr": "*bf16", "start_ptr": "*i32"}
     for bm, bn, stages, maxnreg in FWD_CONFIGS:
-        consts = {"HEAD_DIM": 128, "BLOCK_M": bm, "BLOCK_N": bn, "STAGES": stages, "NUM_WARPS": bm // 16}
-        print(f"forward BM={bm} BN={bn} stages={stages} maxnreg={maxnreg}: "
-              f"{compile_sm90(_gluon_attn_fwd_kernel, fwd_sig, consts, bm // 16, maxnreg)}", flush=True)
+        for overlap in (True, False) if (bm, bn, stages, maxnreg) in SYNC_CONFIGS else (True,):
+            consts = {"HEAD_DIM": 128, "BLOCK_M": bm, "BLOCK_N": bn, "STAGES": stages, "NUM_WARPS": bm // 16,
+                      "OVERLAP": overlap}
+            print(f"forward BM={bm} BN={bn} stages={stages} maxnreg={maxnreg} overlap={overlap}: "
+                  f"{compile_sm90(_gluon_attn_fwd_kernel, fwd_sig, consts, bm // 16, maxnreg)}", flush=True)
     dkdv_sig = {**ptrs, "do_ptr": "*bf16", "delta_ptr": "*fp32", "end_ptr": "*i32", "dk_ptr": "*bf16",
                 "dv_ptr": "*bf16"}
     for bm, stages in DKDV_CONFIGS:
@@ -367,16 +382,18 @@ def bench_shape(spec: str, T: int, H: int, window: int, cu: torch.Tensor, lens: 
     out, lse = tk.varlen_attention_fwd_triton(q, k, v, cu, window, scale)
     fwd = gpu_kernel_ms(lambda: tk.varlen_attention_fwd_triton(q, k, v, cu, window, scale))["_attn_fwd_kernel"]
     print(f"{spec}: triton forward {fwd:.3f} ms ({flops / fwd / 1e9:.0f} TFLOP/s)", flush=True)
-    for bm, bn, stages, maxnreg in FWD_CONFIGS:
+    configs = [c + (True,) for c in FWD_CONFIGS] + [c + (False,) for c in SYNC_CONFIGS]
+    for bm, bn, stages, maxnreg, overlap in configs:
         try:
-            o, lse_g = gluon_forward(q, k, v, cu, window, scale, bm, bn, stages, maxnreg)
-            t = gpu_kernel_ms(lambda: gluon_forward(q, k, v, cu, window, scale, bm, bn, stages,
-                                                    maxnreg))["_gluon_attn_fwd_kernel"]
-            print(f"  gluon forward BM={bm} BN={bn} stages={stages} maxnreg={maxnreg}: {t:.3f} ms "
+            o, lse_g = gluon_forward(q, k, v, cu, window, scale, bm, bn, stages, maxnreg, overlap)
+            t = gpu_kernel_ms(lambda: gluon_forward(q, k, v, cu, window, scale, bm, bn, stages, maxnreg,
+                                                    overlap))["_gluon_attn_fwd_kernel"]
+            print(f"  gluon forward BM={bm} BN={bn} stages={stages} maxnreg={maxnreg} overlap={overlap}: {t:.3f} ms "
                   f"({fwd / t:.2f}x)  out rel diff {rel_diff(o, out):.1e}  lse max diff "
                   f"{(lse_g - lse).abs().max().item():.1e}", flush=True)
         except Exception as e:
-            print(f"  gluon forward BM={bm} BN={bn} stages={stages} maxnreg={maxnreg}: {failure(e)}", flush=True)
+            print(f"  gluon forward BM={bm} BN={bn} stages={stages} maxnreg={maxnreg} overlap={overlap}: "
+                  f"{failure(e)}", flush=True)
     _, dk, dv = tk.varlen_attention_bwd_triton(do, q, k, v, out, lse, cu, window, scale)
     bwd = gpu_kernel_ms(lambda: tk.varlen_attention_bwd_triton(do, q, k, v, out, lse, cu, window, scale))
     print(f"  triton dQ {bwd['_attn_dq_kernel']:.3f} ms, dK/dV {bwd['_attn_dkdv_kernel']:.3f} ms", flush=True)
