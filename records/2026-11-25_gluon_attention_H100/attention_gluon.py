@@ -26,8 +26,9 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma,
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_init, warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
@@ -36,6 +37,8 @@ import triton_kernels as tk  # noqa: E402
 
 # cp.async with a pointer tensor: async_load from triton 3.7, async_copy_global_to_shared before
 _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+# a TMA tile load into shared memory, signalling an mbarrier: async_load from triton 3.7
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 # a CTA-wide barrier: gl.barrier from triton 3.7, gl.thread_barrier before
 _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 
@@ -183,6 +186,315 @@ def gluon_forward(q, k, v, cu_seqlens, window, scale, block_m=64, block_n=64, st
 
 
 @gluon.jit
+def _ws_fwd_load(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, m0, b0, n_blocks, h,
+                 HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """Producer partition: q once, then each key/value block into the next free ring slot by TMA."""
+    mbarrier.expect(q_bar, BLOCK_M * HEAD_DIM * 2)
+    _tma_load(q_desc, [m0, h * HEAD_DIM], q_bar, q_smem)
+    for j in range(n_blocks):
+        slot = j % STAGES
+        mbarrier.wait(empty.index(slot), ((j // STAGES) & 1) ^ 1)   # passes at once on the first lap
+        mbarrier.expect(ready.index(slot), 2 * BLOCK_N * HEAD_DIM * 2)
+        _tma_load(k_desc, [b0 + j * BLOCK_N, h * HEAD_DIM], ready.index(slot), k_smem.index(slot))
+        _tma_load(v_desc, [b0 + j * BLOCK_N, h * HEAD_DIM], ready.index(slot), v_smem.index(slot))
+
+
+@gluon.jit
+def _ws_fwd_softmax(s, m_i, l_i, rows, row_start, n0, f0, f1, window, BLOCK_N: gl.constexpr, COL: gl.constexpr):
+    """One key block's online-softmax step on the scaled logits s: (p, alpha, m_i, l_i)."""
+    if (n0 < f0) | (n0 >= f1):
+        cols = n0 + gl.arange(0, BLOCK_N, layout=COL)
+        keep = ((gl.expand_dims(cols, 0) >= gl.expand_dims(row_start, 1))
+                & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows, 1))
+                & (gl.expand_dims(cols, 0) >= gl.expand_dims(rows, 1) - window))
+        s = gl.where(keep, s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 1))
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+    p = gl.exp2(s - gl.expand_dims(m_safe, 1))
+    alpha = gl.exp2(m_i - m_safe)
+    return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
+
+
+@gluon.jit
+def _ws_fwd_compute(q_smem, k_smem, v_smem, q_bar, ready, empty, start_ptr, m0, T, window, qk_scale, b0, f0,
+                    f1, n_blocks, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                    STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, OVERLAP: gl.constexpr):
+    """Consumer partition (BLOCK_M / 64 warpgroups, 64 rows each): the online softmax over the ring.
+    OVERLAP: block j+1's q k^T and block j-1's p v run during block j's softmax (needs STAGES >= 3: slots j-1,
+    j and j+1 are in use at once)."""
+    S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                      instr_shape=[16, BLOCK_N, 16])
+    O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                      instr_shape=[16, HEAD_DIM, 16])
+    P_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2)
+    ROW: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
+    COL: gl.constexpr = gl.SliceLayout(0, S_LAYOUT)
+    O_ROW: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
+    rows = m0 + gl.arange(0, BLOCK_M, layout=ROW)
+    row_start = gl.load(start_ptr + rows, mask=rows < T, other=T)
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, S_LAYOUT)
+    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, O_LAYOUT)
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, ROW)
+    l_i = gl.zeros([BLOCK_M], gl.float32, ROW)
+    mbarrier.wait(q_bar, 0)
+    if OVERLAP:
+        gl.static_assert(STAGES >= 3)
+        mbarrier.wait(ready.index(0), 0)
+        s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False)
+        acc_tok = warpgroup_mma_init(acc)
+        for j in range(n_blocks):
+            if j + 1 < n_blocks:
+                nxt = (j + 1) % STAGES
+                mbarrier.wait(ready.index(nxt), ((j + 1) // STAGES) & 1)
+                s_tok = warpgroup_mma(q_smem, k_smem.index(nxt).permute((1, 0)), s_zero, use_acc=False,
+                                      is_async=True)
+            else:
+                s_tok = warpgroup_mma_init(s_zero)
+            p, alpha, m_i, l_i = _ws_fwd_softmax(s * qk_scale, m_i, l_i, rows, row_start, b0 + j * BLOCK_N, f0,
+                                                 f1, window, BLOCK_N, COL)
+            acc, s = warpgroup_mma_wait(0, deps=[acc_tok, s_tok])
+            if j > 0:   # block j - 1's p v is done: its slot goes back to the producer
+                mbarrier.arrive(empty.index((j - 1) % STAGES), count=1)
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, O_ROW), 1)
+            acc_tok = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), P_LAYOUT), v_smem.index(j % STAGES), acc,
+                                    is_async=True)
+        acc = warpgroup_mma_wait(0, deps=[acc_tok])
+    else:
+        for j in range(n_blocks):
+            slot = j % STAGES
+            mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
+            s = warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False)
+            p, alpha, m_i, l_i = _ws_fwd_softmax(s * qk_scale, m_i, l_i, rows, row_start, b0 + j * BLOCK_N, f0,
+                                                 f1, window, BLOCK_N, COL)
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, O_ROW), 1)
+            acc = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), P_LAYOUT), v_smem.index(slot), acc)
+            # hand the slot back: one thread arrives, after a barrier of the partition that gluon inserts
+            mbarrier.arrive(empty.index(slot), count=1)
+    return acc, m_i, l_i
+
+
+@gluon.jit
+def _ws_fwd_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, start_ptr, T, window, qk_scale, stride_ot, stride_oh,
+                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                   NUM_WARPS: gl.constexpr, OVERLAP: gl.constexpr):
+    """FlashAttention-3's layout of the forward: a producer warpgroup loads by TMA, the consumer warpgroups
+    (64 query rows each) compute; registers move from the producer to the consumers."""
+    gl.static_assert(BLOCK_M == 16 * NUM_WARPS)
+    O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                      instr_shape=[16, HEAD_DIM, 16])
+    LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [NUM_WARPS, 1], [1, 0])
+    KV_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], gl.bfloat16)
+    Q_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], gl.bfloat16)
+    qk_scale = qk_scale.to(gl.float32)
+    m0 = gl.program_id(0) * BLOCK_M
+    h = gl.program_id(1)
+    last = gl.minimum(m0 + BLOCK_M, T) - 1
+    lo = gl.maximum(gl.load(start_ptr + m0), m0 - window)
+    full_lo = gl.maximum(gl.load(start_ptr + last), last - window)
+    b0 = (lo // BLOCK_N) * BLOCK_N
+    b1 = ((last + BLOCK_N) // BLOCK_N) * BLOCK_N
+    f0 = gl.minimum(gl.maximum(((full_lo + BLOCK_N - 1) // BLOCK_N) * BLOCK_N, b0), b1)
+    f1 = gl.maximum(gl.minimum(((m0 + 1) // BLOCK_N) * BLOCK_N, b1), f0)
+    n_blocks = (b1 - b0) // BLOCK_N
+
+    q_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, HEAD_DIM], Q_SMEM)
+    k_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, HEAD_DIM], KV_SMEM)
+    v_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, HEAD_DIM], KV_SMEM)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    fence_async_shared()
+
+    acc, m_i, l_i = gl.warp_specialize(
+        [(_ws_fwd_compute, (q_smem, k_smem, v_smem, q_bar, ready, empty, start_ptr, m0, T, window, qk_scale,
+                            b0, f0, f1, n_blocks, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, NUM_WARPS, OVERLAP)),
+         (_ws_fwd_load, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, m0, b0, n_blocks,
+                         h, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES))],
+        [4], [24])
+
+    rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LOAD))
+    d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, LOAD))
+    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, O_LAYOUT))
+    out = gl.convert_layout((acc / gl.expand_dims(l_o, 1)).to(gl.bfloat16), LOAD)
+    gl.store(o_ptr + gl.expand_dims(rows.to(gl.int64), 1) * stride_ot + h * stride_oh + gl.expand_dims(d, 0), out,
+             mask=gl.expand_dims(rows < T, 1))
+    lse_rows = m0 + gl.arange(0, BLOCK_M, layout=m_i.type.layout)
+    gl.store(lse_ptr + h * T + lse_rows, m_i + gl.log2(l_i), mask=lse_rows < T)
+
+
+def ws_forward(q, k, v, cu_seqlens, window, scale, block_m=128, block_n=128, stages=2, overlap=False):
+    """q, k, v (T, H, D) with heads packed (stride(1) == D): TMA reads them as (T, H * D) matrices."""
+    T, H, D = q.shape
+    out = torch.empty_like(q)
+    lse = torch.empty((H, T), dtype=torch.float32, device=q.device)
+    start, _ = tk.document_bounds(cu_seqlens, T)
+    descs = []
+    for t, rows in ((q, block_m), (k, block_n), (v, block_n)):
+        assert t.stride(1) == D and t.stride(2) == 1
+        flat = t.as_strided((T, H * D), (t.stride(0), 1))
+        layout = gl.NVMMASharedLayout.get_default_for([rows, D], gl.bfloat16)
+        descs.append(TensorDescriptor(flat, [T, H * D], [t.stride(0), 1], [rows, D], layout))
+    _ws_fwd_kernel[(triton.cdiv(T, block_m), H)](
+        *descs, out, lse, start, T, window, scale * tk._LOG2E, out.stride(0), out.stride(1), HEAD_DIM=D,
+        BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, NUM_WARPS=block_m // 16, OVERLAP=overlap,
+        num_warps=block_m // 16)
+    return out, lse
+
+
+@gluon.jit
+def _ws2_drain(ready, empty, j0, j1, STAGES: gl.constexpr):
+    """Ring blocks [j0, j1) that this warpgroup does not use: wait for each and hand it straight back (waiting
+    first keeps this warpgroup from arriving twice in one phase of the slot's empty barrier)."""
+    for j in range(j0, j1):
+        mbarrier.wait(ready.index(j % STAGES), (j // STAGES) & 1)
+        mbarrier.arrive(empty.index(j % STAGES), count=1)
+
+
+@gluon.jit
+def _ws2_consumer(q_smem, k_smem, v_smem, q_bar, ready, empty, start_ptr, o_ptr, lse_ptr, r0, T, window, qk_scale,
+                  b0, n_blocks, h, stride_ot, stride_oh, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+                  STAGES: gl.constexpr):
+    """One warpgroup's 64 query rows from r0: its own key range and masks inside the ring's walk over the
+    block's union range; writes its rows of O and the log-sum-exp."""
+    S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, BLOCK_N, 16])
+    O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, HEAD_DIM, 16])
+    P_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2)
+    LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+    ROW: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
+    COL: gl.constexpr = gl.SliceLayout(0, S_LAYOUT)
+    O_ROW: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
+    gl.static_assert(STAGES >= 3)
+    # own blocks [c0, c1) of the ring's [b0, b0 + n_blocks * BLOCK_N); none for rows past T
+    last = gl.minimum(r0 + 64, T) - 1
+    lo = gl.maximum(gl.load(start_ptr + gl.minimum(r0, T - 1)), r0 - window)
+    full_lo = gl.maximum(gl.load(start_ptr + gl.maximum(last, 0)), last - window)
+    c0 = (lo // BLOCK_N) * BLOCK_N
+    c1 = ((last + BLOCK_N) // BLOCK_N) * BLOCK_N
+    f0 = gl.minimum(gl.maximum(((full_lo + BLOCK_N - 1) // BLOCK_N) * BLOCK_N, c0), c1)
+    f1 = gl.maximum(gl.minimum(((r0 + 1) // BLOCK_N) * BLOCK_N, c1), f0)
+    j_lo = gl.minimum((c0 - b0) // BLOCK_N, n_blocks)
+    j_hi = gl.maximum(gl.minimum((c1 - b0) // BLOCK_N, n_blocks), j_lo)
+    if r0 >= T:
+        j_lo = n_blocks
+        j_hi = n_blocks
+    _ws2_drain(ready, empty, 0, j_lo, STAGES)
+
+    rows = r0 + gl.arange(0, 64, layout=ROW)
+    row_start = gl.load(start_ptr + rows, mask=rows < T, other=T)
+    s_zero = gl.zeros([64, BLOCK_N], gl.float32, S_LAYOUT)
+    acc = gl.zeros([64, HEAD_DIM], gl.float32, O_LAYOUT)
+    m_i = gl.full([64], float("-inf"), gl.float32, ROW)
+    l_i = gl.zeros([64], gl.float32, ROW)
+    mbarrier.wait(q_bar, 0)
+    if j_lo < j_hi:
+        mbarrier.wait(ready.index(j_lo % STAGES), (j_lo // STAGES) & 1)
+        s = warpgroup_mma(q_smem, k_smem.index(j_lo % STAGES).permute((1, 0)), s_zero, use_acc=False)
+    else:
+        s = s_zero
+    acc_tok = warpgroup_mma_init(acc)
+    for j in range(j_lo, j_hi):
+        if j + 1 < j_hi:
+            nxt = (j + 1) % STAGES
+            mbarrier.wait(ready.index(nxt), ((j + 1) // STAGES) & 1)
+            s_tok = warpgroup_mma(q_smem, k_smem.index(nxt).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        else:
+            s_tok = warpgroup_mma_init(s_zero)
+        p, alpha, m_i, l_i = _ws_fwd_softmax(s * qk_scale, m_i, l_i, rows, row_start, b0 + j * BLOCK_N, f0, f1,
+                                             window, BLOCK_N, COL)
+        acc, s = warpgroup_mma_wait(0, deps=[acc_tok, s_tok])
+        if j > j_lo:   # block j - 1's p v is done: its slot goes back to the producer
+            mbarrier.arrive(empty.index((j - 1) % STAGES), count=1)
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, O_ROW), 1)
+        acc_tok = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), P_LAYOUT), v_smem.index(j % STAGES), acc,
+                                is_async=True)
+    acc = warpgroup_mma_wait(0, deps=[acc_tok])
+    if j_lo < j_hi:
+        mbarrier.arrive(empty.index((j_hi - 1) % STAGES), count=1)
+    _ws2_drain(ready, empty, j_hi, n_blocks, STAGES)
+
+    out_rows = r0 + gl.arange(0, 64, layout=gl.SliceLayout(1, LOAD))
+    d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, LOAD))
+    l_safe = gl.where(l_i > 0, l_i, 1.0)   # rows past T
+    out = gl.convert_layout((acc / gl.expand_dims(gl.convert_layout(l_safe, O_ROW), 1)).to(gl.bfloat16), LOAD)
+    gl.store(o_ptr + gl.expand_dims(out_rows.to(gl.int64), 1) * stride_ot + h * stride_oh + gl.expand_dims(d, 0),
+             out, mask=gl.expand_dims(out_rows < T, 1))
+    gl.store(lse_ptr + h * T + rows, m_i + gl.log2(l_safe), mask=rows < T)
+
+
+@gluon.jit
+def _ws2_load(q_desc, k_desc, v_desc, q_smem0, q_smem1, k_smem, v_smem, q_bar, ready, empty, m0, b0, n_blocks, h,
+              HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """Producer: both warpgroups' q (64 rows each), then the union range's key/value blocks by TMA."""
+    mbarrier.expect(q_bar, 2 * 64 * HEAD_DIM * 2)
+    _tma_load(q_desc, [m0, h * HEAD_DIM], q_bar, q_smem0)
+    _tma_load(q_desc, [m0 + 64, h * HEAD_DIM], q_bar, q_smem1)
+    for j in range(n_blocks):
+        slot = j % STAGES
+        mbarrier.wait(empty.index(slot), ((j // STAGES) & 1) ^ 1)   # passes at once on the first lap
+        mbarrier.expect(ready.index(slot), 2 * BLOCK_N * HEAD_DIM * 2)
+        _tma_load(k_desc, [b0 + j * BLOCK_N, h * HEAD_DIM], ready.index(slot), k_smem.index(slot))
+        _tma_load(v_desc, [b0 + j * BLOCK_N, h * HEAD_DIM], ready.index(slot), v_smem.index(slot))
+
+
+@gluon.jit
+def _ws2_fwd_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, start_ptr, T, window, qk_scale, stride_ot, stride_oh,
+                    HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """128 query rows per program as two consumer partitions of one warpgroup each (own key ranges, masks and
+    epilogues, not in lockstep) and a producer warpgroup; registers move to the consumers."""
+    KV_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], gl.bfloat16)
+    Q_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, HEAD_DIM], gl.bfloat16)
+    qk_scale = qk_scale.to(gl.float32)
+    m0 = gl.program_id(0) * 128
+    h = gl.program_id(1)
+    last = gl.minimum(m0 + 128, T) - 1
+    b0 = (gl.maximum(gl.load(start_ptr + m0), m0 - window) // BLOCK_N) * BLOCK_N
+    n_blocks = ((last + BLOCK_N) // BLOCK_N) - b0 // BLOCK_N
+    q_smem0 = gl.allocate_shared_memory(gl.bfloat16, [64, HEAD_DIM], Q_SMEM)
+    q_smem1 = gl.allocate_shared_memory(gl.bfloat16, [64, HEAD_DIM], Q_SMEM)
+    k_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, HEAD_DIM], KV_SMEM)
+    v_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, HEAD_DIM], KV_SMEM)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)   # both consumers hand each slot back
+    fence_async_shared()
+    gl.warp_specialize(
+        [(_ws2_consumer, (q_smem0, k_smem, v_smem, q_bar, ready, empty, start_ptr, o_ptr, lse_ptr, m0, T, window,
+                          qk_scale, b0, n_blocks, h, stride_ot, stride_oh, HEAD_DIM, BLOCK_N, STAGES)),
+         (_ws2_consumer, (q_smem1, k_smem, v_smem, q_bar, ready, empty, start_ptr, o_ptr, lse_ptr, m0 + 64, T,
+                          window, qk_scale, b0, n_blocks, h, stride_ot, stride_oh, HEAD_DIM, BLOCK_N, STAGES)),
+         (_ws2_load, (q_desc, k_desc, v_desc, q_smem0, q_smem1, k_smem, v_smem, q_bar, ready, empty, m0, b0,
+                      n_blocks, h, HEAD_DIM, BLOCK_N, STAGES))],
+        [4, 4], [240, 24])
+
+
+def ws2_forward(q, k, v, cu_seqlens, window, scale, block_n=64, stages=4):
+    T, H, D = q.shape
+    out = torch.empty_like(q)
+    lse = torch.empty((H, T), dtype=torch.float32, device=q.device)
+    start, _ = tk.document_bounds(cu_seqlens, T)
+    descs = []
+    for t, rows in ((q, 64), (k, block_n), (v, block_n)):
+        assert t.stride(1) == D and t.stride(2) == 1
+        flat = t.as_strided((T, H * D), (t.stride(0), 1))
+        layout = gl.NVMMASharedLayout.get_default_for([rows, D], gl.bfloat16)
+        descs.append(TensorDescriptor(flat, [T, H * D], [t.stride(0), 1], [rows, D], layout))
+    _ws2_fwd_kernel[(triton.cdiv(T, 128), H)](
+        *descs, out, lse, start, T, window, scale * tk._LOG2E, out.stride(0), out.stride(1), HEAD_DIM=D,
+        BLOCK_N=block_n, STAGES=stages, num_warps=4)
+    return out, lse
+
+
+@gluon.jit
 def _issue_qdo(q_ptr, do_ptr, q_smem, do_smem, slot, m0, m_end, T, h, stride_qt, stride_qh, stride_dot,
                stride_doh, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, LOAD: gl.constexpr):
     """cp.async of the query / output-gradient block at m0 into ring slot `slot`, one commit group."""
@@ -305,6 +617,11 @@ def gluon_dkdv(grad_out, q, k, v, lse, delta, cu_seqlens, window, scale, block_m
 FWD_CONFIGS = [(64, 32, 3, None), (64, 64, 3, None), (64, 32, 4, None), (128, 32, 3, None), (128, 64, 3, None),
                (128, 32, 3, 128), (128, 64, 3, 128)]
 SYNC_CONFIGS = [(64, 32, 3, None), (64, 64, 3, None)]   # the same kernel with OVERLAP=False
+# (BLOCK_M, BLOCK_N, STAGES) of the warp-specialized forward: BLOCK_M / 16 consumer warps + a producer warpgroup
+WS_CONFIGS = [(128, 128, 2, False), (128, 64, 2, False), (128, 128, 3, True), (128, 64, 3, True),
+              (128, 64, 4, True), (128, 32, 4, True)]
+# (BLOCK_N, STAGES) of the forward with one partition per consumer warpgroup
+WS2_CONFIGS = [(64, 4), (64, 3), (64, 5), (32, 6)]
 # (BLOCK_M queries per step, STAGES): 64 keys per program, 4 warps
 DKDV_CONFIGS = [(32, 4), (32, 5), (16, 4), (64, 4)]
 
@@ -316,7 +633,7 @@ def ptxas_usage(ptx: str) -> str:
     import subprocess
     import tempfile
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    ptx = re.sub(r"^\.version \d+\.\d+", ".version 8.4", ptx, flags=re.M)
+    ptx = re.sub(r"^\.version \d+\.\d+", ".version 8.8", ptx, flags=re.M)
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(ptx)
     r = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", f.name, "-o", os.devnull], capture_output=True, text=True)
@@ -333,7 +650,7 @@ def compile_sm90(kernel, signature: dict, constexprs: dict, num_warps: int, maxn
     from triton.experimental.gluon._runtime import GluonASTSource
     names = kernel.arg_names
     sig = {n: "constexpr" if n in constexprs else signature.get(n, "i32") for n in names}  # strides: i32
-    aligned = [n for n in names if n.endswith("_ptr") or n.startswith("stride") or n == "T"]
+    aligned = [n for n in names if n.endswith("_ptr") or n.startswith("stride") or n == "T"]  # not descriptors
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     try:
         k = triton.compile(GluonASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs),
@@ -357,6 +674,27 @@ def compile_only() -> None:
                       "OVERLAP": overlap}
             print(f"forward BM={bm} BN={bn} stages={stages} maxnreg={maxnreg} overlap={overlap}: "
                   f"{compile_sm90(_gluon_attn_fwd_kernel, fwd_sig, consts, bm // 16, maxnreg)}", flush=True)
+    for bm, bn, stages, overlap in WS_CONFIGS:
+        from triton.runtime.jit import mangle_type
+        descs = {}
+        for name, rows in (("q_desc", bm), ("k_desc", bn), ("v_desc", bn)):
+            layout = gl.NVMMASharedLayout.get_default_for([rows, 128], gl.bfloat16)
+            base = torch.zeros(256, 768, dtype=torch.bfloat16)
+            descs[name] = mangle_type(TensorDescriptor(base, [256, 768], [768, 1], [rows, 128], layout))
+        consts = {"HEAD_DIM": 128, "BLOCK_M": bm, "BLOCK_N": bn, "STAGES": stages, "NUM_WARPS": bm // 16,
+                  "OVERLAP": overlap}
+        print(f"warp-specialized forward BM={bm} BN={bn} stages={stages} overlap={overlap}: "
+              f"{compile_sm90(_ws_fwd_kernel, {**fwd_sig, **descs}, consts, bm // 16)}", flush=True)
+    for bn, stages in WS2_CONFIGS:
+        from triton.runtime.jit import mangle_type
+        descs = {}
+        for name, rows in (("q_desc", 64), ("k_desc", bn), ("v_desc", bn)):
+            layout = gl.NVMMASharedLayout.get_default_for([rows, 128], gl.bfloat16)
+            base = torch.zeros(256, 768, dtype=torch.bfloat16)
+            descs[name] = mangle_type(TensorDescriptor(base, [256, 768], [768, 1], [rows, 128], layout))
+        consts = {"HEAD_DIM": 128, "BLOCK_N": bn, "STAGES": stages}
+        print(f"per-warpgroup partitions forward BN={bn} stages={stages}: "
+              f"{compile_sm90(_ws2_fwd_kernel, {**fwd_sig, **descs}, consts, 4)}", flush=True)
     dkdv_sig = {**ptrs, "do_ptr": "*bf16", "delta_ptr": "*fp32", "end_ptr": "*i32", "dk_ptr": "*bf16",
                 "dv_ptr": "*bf16"}
     for bm, stages in DKDV_CONFIGS:
@@ -394,6 +732,27 @@ def bench_shape(spec: str, T: int, H: int, window: int, cu: torch.Tensor, lens: 
         except Exception as e:
             print(f"  gluon forward BM={bm} BN={bn} stages={stages} maxnreg={maxnreg} overlap={overlap}: "
                   f"{failure(e)}", flush=True)
+    for bm, bn, stages, overlap in WS_CONFIGS:
+        try:
+            o, lse_g = ws_forward(q, k, v, cu, window, scale, bm, bn, stages, overlap)
+            t = gpu_kernel_ms(lambda: ws_forward(q, k, v, cu, window, scale, bm, bn, stages,
+                                                 overlap))["_ws_fwd_kernel"]
+            print(f"  warp-specialized forward BM={bm} BN={bn} stages={stages} overlap={overlap}: {t:.3f} ms "
+                  f"({fwd / t:.2f}x)  "
+                  f"out rel diff {rel_diff(o, out):.1e}  lse max diff {(lse_g - lse).abs().max().item():.1e}",
+                  flush=True)
+        except Exception as e:
+            print(f"  warp-specialized forward BM={bm} BN={bn} stages={stages} overlap={overlap}: {failure(e)}",
+                  flush=True)
+    for bn, stages in WS2_CONFIGS:
+        try:
+            o, lse_g = ws2_forward(q, k, v, cu, window, scale, bn, stages)
+            t = gpu_kernel_ms(lambda: ws2_forward(q, k, v, cu, window, scale, bn, stages))["_ws2_fwd_kernel"]
+            print(f"  per-warpgroup partitions forward BN={bn} stages={stages}: {t:.3f} ms ({fwd / t:.2f}x)  "
+                  f"out rel diff {rel_diff(o, out):.1e}  lse max diff {(lse_g - lse).abs().max().item():.1e}",
+                  flush=True)
+        except Exception as e:
+            print(f"  per-warpgroup partitions forward BN={bn} stages={stages}: {failure(e)}", flush=True)
     _, dk, dv = tk.varlen_attention_bwd_triton(do, q, k, v, out, lse, cu, window, scale)
     bwd = gpu_kernel_ms(lambda: tk.varlen_attention_bwd_triton(do, q, k, v, out, lse, cu, window, scale))
     print(f"  triton dQ {bwd['_attn_dq_kernel']:.3f} ms, dK/dV {bwd['_attn_dkdv_kernel']:.3f} ms", flush=True)
@@ -419,6 +778,8 @@ def ncu_target(spec: str, bench_attention) -> None:
     delta = (out.float() * do.float()).sum(-1).transpose(0, 1).contiguous()
     runs = [lambda: tk.varlen_attention_fwd_triton(q, k, v, cu, window, scale),
             lambda: gluon_forward(q, k, v, cu, window, scale, 64, 32, 3),
+            lambda: ws_forward(q, k, v, cu, window, scale, 128, 64, 4, True),
+            lambda: ws2_forward(q, k, v, cu, window, scale, 64, 4),
             lambda: tk.varlen_attention_bwd_triton(do, q, k, v, out, lse, cu, window, scale),
             lambda: gluon_dkdv(do, q, k, v, lse, delta, cu, window, scale, 32, 4)]
     for run in runs:   # compile everything first: ncu counts kernel launches, not compiles
