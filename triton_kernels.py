@@ -1365,11 +1365,14 @@ def polar_split_product_(y: Tensor, x: Tensor, a: float) -> Tensor:
 # was 3-15% slower and the dQ kernel between 2% faster and 6% slower). In both backward kernels the
 # two products that depend only on the loaded blocks (q k^T and dO v^T) are issued back to back
 # (about 1%).
-# Not available from Triton (checked on the sm_90 TTGIR of triton 3.6 and 3.9 compiles): issuing
-# the next key block's q k^T before this block's softmax, FlashAttention-3's overlap of the two,
-# gains nothing, since Triton waits for a dot whose result is not a dot accumulator right after
-# issuing it (warp_group_dot_wait with pendings = 0); and tl.range(warp_specialize=True) on the
-# forward's loop fails to compile for sm_90.
+# Not available from triton.language (checked on the sm_90 TTGIR of triton 3.6 and 3.9 compiles):
+# issuing the next key block's q k^T before this block's softmax, FlashAttention-3's overlap of
+# the two, since Triton waits for a dot whose result is not a dot accumulator right after issuing
+# it (warp_group_dot_wait with pendings = 0); and tl.range(warp_specialize=True) on the forward's
+# loop fails to compile for sm_90. Gluon (triton.experimental.gluon) can write both out, and a
+# TMA producer with register reallocation too; measured on an H100, none of them beat these
+# kernels (0.90-1.03x), since three programs per SM already overlap one another's products
+# (records/2026-11-25_gluon_attention_H100).
 # Measured on an H100 and not taken (records/2026-11-25_attention_experiments_H100):
 # - launching the blocks with the most work first is 7-19% slower at 49k tokens: neighbouring
 #   query blocks share their keys in L2 only while they run together; sorted chunks of blocks gain
