@@ -477,7 +477,7 @@ def _ws2_fwd_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, start_ptr, T, window
         [4, 4], [240, 24])
 
 
-def ws2_forward(q, k, v, cu_seqlens, window, scale, block_n=64, stages=4):
+def ws2_forward(q, k, v, cu_seqlens, window, scale, block_n=64, stages=4, kernel=None):
     T, H, D = q.shape
     out = torch.empty_like(q)
     lse = torch.empty((H, T), dtype=torch.float32, device=q.device)
@@ -488,10 +488,132 @@ def ws2_forward(q, k, v, cu_seqlens, window, scale, block_n=64, stages=4):
         flat = t.as_strided((T, H * D), (t.stride(0), 1))
         layout = gl.NVMMASharedLayout.get_default_for([rows, D], gl.bfloat16)
         descs.append(TensorDescriptor(flat, [T, H * D], [t.stride(0), 1], [rows, D], layout))
-    _ws2_fwd_kernel[(triton.cdiv(T, 128), H)](
+    (kernel or _ws2_fwd_kernel)[(triton.cdiv(T, 128), H)](
         *descs, out, lse, start, T, window, scale * tk._LOG2E, out.stride(0), out.stride(1), HEAD_DIM=D,
         BLOCK_N=block_n, STAGES=stages, num_warps=4)
     return out, lse
+
+
+@gluon.jit
+def _pp_consumer(q_smem, k_smem, v_smem, q_bar, ready, empty, turn, c, start_ptr, o_ptr, lse_ptr, r0, T, window,
+                 qk_scale, b0, n_blocks, h, stride_ot, stride_oh, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+                 STAGES: gl.constexpr):
+    """Consumer warpgroup c (0 or 1) with FlashAttention-3's ping-pong: in its turn it issues block j's q k^T and
+    block j-1's p v, then passes the turn and does block j's softmax while the other warpgroup's products run.
+    Both warpgroups take a turn at every block of the ring (their own blocks or not), so the turns stay paired."""
+    S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, BLOCK_N, 16])
+    O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, HEAD_DIM, 16])
+    P_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2)
+    LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+    ROW: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
+    COL: gl.constexpr = gl.SliceLayout(0, S_LAYOUT)
+    O_ROW: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
+    gl.static_assert(STAGES >= 2)
+    last = gl.minimum(r0 + 64, T) - 1
+    lo = gl.maximum(gl.load(start_ptr + gl.minimum(r0, T - 1)), r0 - window)
+    full_lo = gl.maximum(gl.load(start_ptr + gl.maximum(last, 0)), last - window)
+    c0 = (lo // BLOCK_N) * BLOCK_N
+    c1 = ((last + BLOCK_N) // BLOCK_N) * BLOCK_N
+    f0 = gl.minimum(gl.maximum(((full_lo + BLOCK_N - 1) // BLOCK_N) * BLOCK_N, c0), c1)
+    f1 = gl.maximum(gl.minimum(((r0 + 1) // BLOCK_N) * BLOCK_N, c1), f0)
+    j_lo = gl.minimum((c0 - b0) // BLOCK_N, n_blocks)
+    j_hi = gl.maximum(gl.minimum((c1 - b0) // BLOCK_N, n_blocks), j_lo)
+    if r0 >= T:
+        j_lo = n_blocks
+        j_hi = n_blocks
+
+    rows = r0 + gl.arange(0, 64, layout=ROW)
+    row_start = gl.load(start_ptr + rows, mask=rows < T, other=T)
+    s_zero = gl.zeros([64, BLOCK_N], gl.float32, S_LAYOUT)
+    acc = gl.zeros([64, HEAD_DIM], gl.float32, O_LAYOUT)
+    p = gl.zeros([64, BLOCK_N], gl.bfloat16, P_LAYOUT)
+    m_i = gl.full([64], float("-inf"), gl.float32, ROW)
+    l_i = gl.zeros([64], gl.float32, ROW)
+    mbarrier.wait(q_bar, 0)
+    for j in range(n_blocks):
+        own = (j >= j_lo) & (j < j_hi)
+        prev_own = (j - 1 >= j_lo) & (j - 1 < j_hi)
+        mbarrier.wait(ready.index(j % STAGES), (j // STAGES) & 1)
+        mbarrier.wait(turn.index(c), j & 1)
+        if own:
+            s_tok = warpgroup_mma(q_smem, k_smem.index(j % STAGES).permute((1, 0)), s_zero, use_acc=False,
+                                  is_async=True)
+        else:
+            s_tok = warpgroup_mma_init(s_zero)
+        if prev_own:
+            acc_tok = warpgroup_mma(p, v_smem.index((j + STAGES - 1) % STAGES), acc, is_async=True)
+        else:
+            acc_tok = warpgroup_mma_init(acc)
+        mbarrier.arrive(turn.index(1 - c), count=1)
+        if own:
+            s = warpgroup_mma_wait(1, deps=[s_tok])
+            p_f, alpha, m_i, l_i = _ws_fwd_softmax(s * qk_scale, m_i, l_i, rows, row_start, b0 + j * BLOCK_N, f0,
+                                                   f1, window, BLOCK_N, COL)
+        else:
+            p_f = s_zero
+            alpha = gl.full([64], 1.0, gl.float32, ROW)
+        acc = warpgroup_mma_wait(0, deps=[acc_tok])
+        if j > 0:   # block j - 1's products are done
+            mbarrier.arrive(empty.index((j + STAGES - 1) % STAGES), count=1)
+        if own:
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, O_ROW), 1)
+            p = gl.convert_layout(p_f.to(gl.bfloat16), P_LAYOUT)
+    if (n_blocks - 1 >= j_lo) & (n_blocks - 1 < j_hi):
+        acc = warpgroup_mma(p, v_smem.index((n_blocks - 1) % STAGES), acc)
+    if n_blocks > 0:
+        mbarrier.arrive(empty.index((n_blocks - 1) % STAGES), count=1)
+
+    out_rows = r0 + gl.arange(0, 64, layout=gl.SliceLayout(1, LOAD))
+    d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, LOAD))
+    l_safe = gl.where(l_i > 0, l_i, 1.0)   # rows past T
+    out = gl.convert_layout((acc / gl.expand_dims(gl.convert_layout(l_safe, O_ROW), 1)).to(gl.bfloat16), LOAD)
+    gl.store(o_ptr + gl.expand_dims(out_rows.to(gl.int64), 1) * stride_ot + h * stride_oh + gl.expand_dims(d, 0),
+             out, mask=gl.expand_dims(out_rows < T, 1))
+    gl.store(lse_ptr + h * T + rows, m_i + gl.log2(l_safe), mask=rows < T)
+
+
+@gluon.jit
+def _pp_fwd_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, start_ptr, T, window, qk_scale, stride_ot, stride_oh,
+                   HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """Kernel 3 with ping-pong between its two consumer warpgroups (a pair of turn mbarriers)."""
+    KV_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], gl.bfloat16)
+    Q_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, HEAD_DIM], gl.bfloat16)
+    qk_scale = qk_scale.to(gl.float32)
+    m0 = gl.program_id(0) * 128
+    h = gl.program_id(1)
+    last = gl.minimum(m0 + 128, T) - 1
+    b0 = (gl.maximum(gl.load(start_ptr + m0), m0 - window) // BLOCK_N) * BLOCK_N
+    n_blocks = ((last + BLOCK_N) // BLOCK_N) - b0 // BLOCK_N
+    q_smem0 = gl.allocate_shared_memory(gl.bfloat16, [64, HEAD_DIM], Q_SMEM)
+    q_smem1 = gl.allocate_shared_memory(gl.bfloat16, [64, HEAD_DIM], Q_SMEM)
+    k_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, HEAD_DIM], KV_SMEM)
+    v_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, HEAD_DIM], KV_SMEM)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)   # both consumers hand each slot back
+    mbarrier.init(turn.index(0), count=1)
+    mbarrier.init(turn.index(1), count=1)
+    fence_async_shared()
+    mbarrier.arrive(turn.index(0), count=1)   # warpgroup 0 goes first
+    gl.warp_specialize(
+        [(_pp_consumer, (q_smem0, k_smem, v_smem, q_bar, ready, empty, turn, 0, start_ptr, o_ptr, lse_ptr, m0, T,
+                         window, qk_scale, b0, n_blocks, h, stride_ot, stride_oh, HEAD_DIM, BLOCK_N, STAGES)),
+         (_pp_consumer, (q_smem1, k_smem, v_smem, q_bar, ready, empty, turn, 1, start_ptr, o_ptr, lse_ptr, m0 + 64,
+                         T, window, qk_scale, b0, n_blocks, h, stride_ot, stride_oh, HEAD_DIM, BLOCK_N, STAGES)),
+         (_ws2_load, (q_desc, k_desc, v_desc, q_smem0, q_smem1, k_smem, v_smem, q_bar, ready, empty, m0, b0,
+                      n_blocks, h, HEAD_DIM, BLOCK_N, STAGES))],
+        [4, 4], [240, 24])
+
+
+def pp_forward(q, k, v, cu_seqlens, window, scale, block_n=64, stages=4):
+    return ws2_forward(q, k, v, cu_seqlens, window, scale, block_n, stages, kernel=_pp_fwd_kernel)
 
 
 @gluon.jit
@@ -622,22 +744,28 @@ WS_CONFIGS = [(128, 128, 2, False), (128, 64, 2, False), (128, 128, 3, True), (1
               (128, 64, 4, True), (128, 32, 4, True)]
 # (BLOCK_N, STAGES) of the forward with one partition per consumer warpgroup
 WS2_CONFIGS = [(64, 4), (64, 3), (64, 5), (32, 6)]
+PP_CONFIGS = [(64, 4), (64, 5), (128, 2), (32, 6)]   # the same with ping-pong
 # (BLOCK_M queries per step, STAGES): 64 keys per program, 4 warps
 DKDV_CONFIGS = [(32, 4), (32, 5), (16, 4), (64, 4)]
 
 
 def ptxas_usage(ptx: str) -> str:
-    """Registers and spill stores of a PTX module, from the ptxas that ships with triton (the PTX version line
-    lowered to one that ptxas reads)."""
+    """Registers and spill stores of a PTX module, from the ptxas that ships with triton. Triton 3.9 writes a newer
+    PTX version than its ptxas reads; the version line is lowered to the one ptxas names in its error."""
     import re
     import subprocess
     import tempfile
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    ptx = re.sub(r"^\.version \d+\.\d+", ".version 8.8", ptx, flags=re.M)
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-        f.write(ptx)
-    r = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", f.name, "-o", os.devnull], capture_output=True, text=True)
-    os.unlink(f.name)
+    for _ in range(2):
+        with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+            f.write(ptx)
+        r = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", f.name, "-o", os.devnull], capture_output=True,
+                           text=True)
+        os.unlink(f.name)
+        supported = re.search(r"Unsupported \.version \S+; current version is '([\d.]+)'", r.stderr)
+        if not supported:
+            break
+        ptx = re.sub(r"^\.version \d+\.\d+", f".version {supported.group(1)}", ptx, flags=re.M)
     regs = re.findall(r"Used (\d+) registers", r.stderr)
     spills = re.findall(r"(\d+) bytes spill stores", r.stderr)
     return f"{regs[0]} registers, {spills[0]} B spill stores" if regs and spills else r.stderr[-300:]
@@ -695,6 +823,16 @@ def compile_only() -> None:
         consts = {"HEAD_DIM": 128, "BLOCK_N": bn, "STAGES": stages}
         print(f"per-warpgroup partitions forward BN={bn} stages={stages}: "
               f"{compile_sm90(_ws2_fwd_kernel, {**fwd_sig, **descs}, consts, 4)}", flush=True)
+    for bn, stages in PP_CONFIGS:
+        from triton.runtime.jit import mangle_type
+        descs = {}
+        for name, rows in (("q_desc", 64), ("k_desc", bn), ("v_desc", bn)):
+            layout = gl.NVMMASharedLayout.get_default_for([rows, 128], gl.bfloat16)
+            base = torch.zeros(256, 768, dtype=torch.bfloat16)
+            descs[name] = mangle_type(TensorDescriptor(base, [256, 768], [768, 1], [rows, 128], layout))
+        consts = {"HEAD_DIM": 128, "BLOCK_N": bn, "STAGES": stages}
+        print(f"ping-pong forward BN={bn} stages={stages}: "
+              f"{compile_sm90(_pp_fwd_kernel, {**fwd_sig, **descs}, consts, 4)}", flush=True)
     dkdv_sig = {**ptrs, "do_ptr": "*bf16", "delta_ptr": "*fp32", "end_ptr": "*i32", "dk_ptr": "*bf16",
                 "dv_ptr": "*bf16"}
     for bm, stages in DKDV_CONFIGS:
@@ -753,6 +891,15 @@ def bench_shape(spec: str, T: int, H: int, window: int, cu: torch.Tensor, lens: 
                   flush=True)
         except Exception as e:
             print(f"  per-warpgroup partitions forward BN={bn} stages={stages}: {failure(e)}", flush=True)
+    for bn, stages in PP_CONFIGS:
+        try:
+            o, lse_g = pp_forward(q, k, v, cu, window, scale, bn, stages)
+            t = gpu_kernel_ms(lambda: pp_forward(q, k, v, cu, window, scale, bn, stages))["_pp_fwd_kernel"]
+            print(f"  ping-pong forward BN={bn} stages={stages}: {t:.3f} ms ({fwd / t:.2f}x)  "
+                  f"out rel diff {rel_diff(o, out):.1e}  lse max diff {(lse_g - lse).abs().max().item():.1e}",
+                  flush=True)
+        except Exception as e:
+            print(f"  ping-pong forward BN={bn} stages={stages}: {failure(e)}", flush=True)
     _, dk, dv = tk.varlen_attention_bwd_triton(do, q, k, v, out, lse, cu, window, scale)
     bwd = gpu_kernel_ms(lambda: tk.varlen_attention_bwd_triton(do, q, k, v, out, lse, cu, window, scale))
     print(f"  triton dQ {bwd['_attn_dq_kernel']:.3f} ms, dK/dV {bwd['_attn_dkdv_kernel']:.3f} ms", flush=True)
