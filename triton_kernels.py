@@ -1371,7 +1371,7 @@ def polar_split_product_(y: Tensor, x: Tensor, a: float) -> Tensor:
 # it (warp_group_dot_wait with pendings = 0); and tl.range(warp_specialize=True) on the forward's
 # loop fails to compile for sm_90. Gluon (triton.experimental.gluon) can write both out, and a
 # TMA producer with register reallocation and ping-pong too; measured on an H100, none of them
-# beat these kernels (0.80-1.03x): three programs per SM already overlap one another's products
+# beat these kernels (0.79-1.02x): three programs per SM already overlap one another's products
 # (records/2026-11-25_gluon_attention_H100).
 # Measured on an H100 and not taken (records/2026-11-25_attention_experiments_H100):
 # - launching the blocks with the most work first is 7-19% slower at 49k tokens: neighbouring

@@ -62,6 +62,37 @@ def _issue_kv(k_ptr, v_ptr, k_smem, v_smem, slot, n0, n_end, T, h, stride_kt, st
 
 
 @gluon.jit
+def _block_keys(start_ptr, m0, T, window, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Key blocks [b0, b1) that query rows [m0, m0 + BLOCK_M) need, and their fully allowed part [f0, f1), as
+    triton_kernels._attn_query_block computes them (indices clamped into [0, T), for a block past T)."""
+    last = gl.minimum(m0 + BLOCK_M, T) - 1
+    lo = gl.maximum(gl.load(start_ptr + gl.minimum(m0, T - 1)), m0 - window)
+    full_lo = gl.maximum(gl.load(start_ptr + gl.maximum(last, 0)), last - window)
+    b0 = (lo // BLOCK_N) * BLOCK_N
+    b1 = ((last + BLOCK_N) // BLOCK_N) * BLOCK_N
+    f0 = gl.minimum(gl.maximum(((full_lo + BLOCK_N - 1) // BLOCK_N) * BLOCK_N, b0), b1)
+    f1 = gl.maximum(gl.minimum(((m0 + 1) // BLOCK_N) * BLOCK_N, b1), f0)
+    return b0, b1, f0, f1
+
+
+@gluon.jit
+def _softmax_step(s, m_i, l_i, rows, row_start, n0, f0, f1, window, BLOCK_N: gl.constexpr, COL: gl.constexpr):
+    """One key block's online-softmax step on the scaled logits s: (p, alpha, m_i, l_i). The mask runs only
+    on blocks outside the fully allowed [f0, f1)."""
+    if (n0 < f0) | (n0 >= f1):
+        cols = n0 + gl.arange(0, BLOCK_N, layout=COL)
+        keep = ((gl.expand_dims(cols, 0) >= gl.expand_dims(row_start, 1))
+                & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows, 1))
+                & (gl.expand_dims(cols, 0) >= gl.expand_dims(rows, 1) - window))
+        s = gl.where(keep, s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 1))
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+    p = gl.exp2(s - gl.expand_dims(m_safe, 1))
+    alpha = gl.exp2(m_i - m_safe)
+    return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
+
+
+@gluon.jit
 def _gluon_attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, start_ptr, T, window, qk_scale,
                            stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                            stride_ot, stride_oh, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
@@ -84,14 +115,7 @@ def _gluon_attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, start_ptr, T, wi
     m0 = gl.program_id(0) * BLOCK_M
     h = gl.program_id(1)
 
-    # the key range and its fully allowed middle, as _attn_query_block computes them
-    last = gl.minimum(m0 + BLOCK_M, T) - 1
-    lo = gl.maximum(gl.load(start_ptr + m0), m0 - window)
-    full_lo = gl.maximum(gl.load(start_ptr + last), last - window)
-    b0 = (lo // BLOCK_N) * BLOCK_N
-    b1 = ((last + BLOCK_N) // BLOCK_N) * BLOCK_N
-    f0 = gl.minimum(gl.maximum(((full_lo + BLOCK_N - 1) // BLOCK_N) * BLOCK_N, b0), b1)
-    f1 = gl.maximum(gl.minimum(((m0 + 1) // BLOCK_N) * BLOCK_N, b1), f0)
+    b0, b1, f0, f1 = _block_keys(start_ptr, m0, T, window, BLOCK_M, BLOCK_N)
     n_blocks = (b1 - b0) // BLOCK_N
 
     rows = m0 + gl.arange(0, BLOCK_M, layout=ROW)
@@ -138,19 +162,8 @@ def _gluon_attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, start_ptr, T, wi
         else:
             s = warpgroup_mma(q_smem, k_smem.index(j % STAGES).permute((1, 0)), s_zero, use_acc=False)
         # block j's softmax, while block j + 1's q k^T and block j - 1's p v run
-        s = s * qk_scale
-        if (n0 < f0) | (n0 >= f1):
-            cols = n0 + gl.arange(0, BLOCK_N, layout=COL)
-            keep = ((gl.expand_dims(cols, 0) >= gl.expand_dims(row_start, 1))
-                    & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows, 1))
-                    & (gl.expand_dims(cols, 0) >= gl.expand_dims(rows, 1) - window))
-            s = gl.where(keep, s, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, 1))
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        p = gl.exp2(s - gl.expand_dims(m_safe, 1))
-        alpha = gl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + gl.sum(p, 1)
-        m_i = m_new
+        p, alpha, m_i, l_i = _softmax_step(s * qk_scale, m_i, l_i, rows, row_start, n0, f0, f1, window, BLOCK_N,
+                                           COL)
         if OVERLAP:
             acc, s = warpgroup_mma_wait(0, deps=[acc_tok, s_tok])
         else:
@@ -200,22 +213,6 @@ def _ws_fwd_load(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, e
 
 
 @gluon.jit
-def _ws_fwd_softmax(s, m_i, l_i, rows, row_start, n0, f0, f1, window, BLOCK_N: gl.constexpr, COL: gl.constexpr):
-    """One key block's online-softmax step on the scaled logits s: (p, alpha, m_i, l_i)."""
-    if (n0 < f0) | (n0 >= f1):
-        cols = n0 + gl.arange(0, BLOCK_N, layout=COL)
-        keep = ((gl.expand_dims(cols, 0) >= gl.expand_dims(row_start, 1))
-                & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows, 1))
-                & (gl.expand_dims(cols, 0) >= gl.expand_dims(rows, 1) - window))
-        s = gl.where(keep, s, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, 1))
-    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-    p = gl.exp2(s - gl.expand_dims(m_safe, 1))
-    alpha = gl.exp2(m_i - m_safe)
-    return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
-
-
-@gluon.jit
 def _ws_fwd_compute(q_smem, k_smem, v_smem, q_bar, ready, empty, start_ptr, m0, T, window, qk_scale, b0, f0,
                     f1, n_blocks, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                     STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, OVERLAP: gl.constexpr):
@@ -250,7 +247,7 @@ def _ws_fwd_compute(q_smem, k_smem, v_smem, q_bar, ready, empty, start_ptr, m0, 
                                       is_async=True)
             else:
                 s_tok = warpgroup_mma_init(s_zero)
-            p, alpha, m_i, l_i = _ws_fwd_softmax(s * qk_scale, m_i, l_i, rows, row_start, b0 + j * BLOCK_N, f0,
+            p, alpha, m_i, l_i = _softmax_step(s * qk_scale, m_i, l_i, rows, row_start, b0 + j * BLOCK_N, f0,
                                                  f1, window, BLOCK_N, COL)
             acc, s = warpgroup_mma_wait(0, deps=[acc_tok, s_tok])
             if j > 0:   # block j - 1's p v is done: its slot goes back to the producer
@@ -264,7 +261,7 @@ def _ws_fwd_compute(q_smem, k_smem, v_smem, q_bar, ready, empty, start_ptr, m0, 
             slot = j % STAGES
             mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
             s = warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False)
-            p, alpha, m_i, l_i = _ws_fwd_softmax(s * qk_scale, m_i, l_i, rows, row_start, b0 + j * BLOCK_N, f0,
+            p, alpha, m_i, l_i = _softmax_step(s * qk_scale, m_i, l_i, rows, row_start, b0 + j * BLOCK_N, f0,
                                                  f1, window, BLOCK_N, COL)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, O_ROW), 1)
             acc = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), P_LAYOUT), v_smem.index(slot), acc)
@@ -288,13 +285,7 @@ def _ws_fwd_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, start_ptr, T, window,
     qk_scale = qk_scale.to(gl.float32)
     m0 = gl.program_id(0) * BLOCK_M
     h = gl.program_id(1)
-    last = gl.minimum(m0 + BLOCK_M, T) - 1
-    lo = gl.maximum(gl.load(start_ptr + m0), m0 - window)
-    full_lo = gl.maximum(gl.load(start_ptr + last), last - window)
-    b0 = (lo // BLOCK_N) * BLOCK_N
-    b1 = ((last + BLOCK_N) // BLOCK_N) * BLOCK_N
-    f0 = gl.minimum(gl.maximum(((full_lo + BLOCK_N - 1) // BLOCK_N) * BLOCK_N, b0), b1)
-    f1 = gl.maximum(gl.minimum(((m0 + 1) // BLOCK_N) * BLOCK_N, b1), f0)
+    b0, b1, f0, f1 = _block_keys(start_ptr, m0, T, window, BLOCK_M, BLOCK_N)
     n_blocks = (b1 - b0) // BLOCK_N
 
     q_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, HEAD_DIM], Q_SMEM)
@@ -346,6 +337,33 @@ def ws_forward(q, k, v, cu_seqlens, window, scale, block_m=128, block_n=128, sta
 
 
 @gluon.jit
+def _wg_key_blocks(start_ptr, r0, T, window, b0, n_blocks, BLOCK_N: gl.constexpr):
+    """The ring blocks [j_lo, j_hi) that a warpgroup's 64 rows from r0 need, inside the ring's walk over
+    [b0, b0 + n_blocks * BLOCK_N), and its fully allowed keys [f0, f1); no blocks for rows past T."""
+    c0, c1, f0, f1 = _block_keys(start_ptr, r0, T, window, 64, BLOCK_N)
+    j_lo = gl.minimum((c0 - b0) // BLOCK_N, n_blocks)
+    j_hi = gl.maximum(gl.minimum((c1 - b0) // BLOCK_N, n_blocks), j_lo)
+    if r0 >= T:
+        j_lo = n_blocks
+        j_hi = n_blocks
+    return j_lo, j_hi, f0, f1
+
+
+@gluon.jit
+def _wg_store(acc, m_i, l_i, rows, r0, o_ptr, lse_ptr, T, h, stride_ot, stride_oh, HEAD_DIM: gl.constexpr):
+    """A consumer warpgroup's epilogue: its 64 rows of O and of the base-2 log-sum-exp."""
+    LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+    out_rows = r0 + gl.arange(0, 64, layout=gl.SliceLayout(1, LOAD))
+    d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, LOAD))
+    l_safe = gl.where(l_i > 0, l_i, 1.0)   # rows past T
+    o_row: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
+    out = gl.convert_layout((acc / gl.expand_dims(gl.convert_layout(l_safe, o_row), 1)).to(gl.bfloat16), LOAD)
+    gl.store(o_ptr + gl.expand_dims(out_rows.to(gl.int64), 1) * stride_ot + h * stride_oh + gl.expand_dims(d, 0),
+             out, mask=gl.expand_dims(out_rows < T, 1))
+    gl.store(lse_ptr + h * T + rows, m_i + gl.log2(l_safe), mask=rows < T)
+
+
+@gluon.jit
 def _ws2_drain(ready, empty, j0, j1, STAGES: gl.constexpr):
     """Ring blocks [j0, j1) that this warpgroup does not use: wait for each and hand it straight back (waiting
     first keeps this warpgroup from arriving twice in one phase of the slot's empty barrier)."""
@@ -365,24 +383,11 @@ def _ws2_consumer(q_smem, k_smem, v_smem, q_bar, ready, empty, start_ptr, o_ptr,
     O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, HEAD_DIM, 16])
     P_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2)
-    LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
     ROW: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
     COL: gl.constexpr = gl.SliceLayout(0, S_LAYOUT)
     O_ROW: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
     gl.static_assert(STAGES >= 3)
-    # own blocks [c0, c1) of the ring's [b0, b0 + n_blocks * BLOCK_N); none for rows past T
-    last = gl.minimum(r0 + 64, T) - 1
-    lo = gl.maximum(gl.load(start_ptr + gl.minimum(r0, T - 1)), r0 - window)
-    full_lo = gl.maximum(gl.load(start_ptr + gl.maximum(last, 0)), last - window)
-    c0 = (lo // BLOCK_N) * BLOCK_N
-    c1 = ((last + BLOCK_N) // BLOCK_N) * BLOCK_N
-    f0 = gl.minimum(gl.maximum(((full_lo + BLOCK_N - 1) // BLOCK_N) * BLOCK_N, c0), c1)
-    f1 = gl.maximum(gl.minimum(((r0 + 1) // BLOCK_N) * BLOCK_N, c1), f0)
-    j_lo = gl.minimum((c0 - b0) // BLOCK_N, n_blocks)
-    j_hi = gl.maximum(gl.minimum((c1 - b0) // BLOCK_N, n_blocks), j_lo)
-    if r0 >= T:
-        j_lo = n_blocks
-        j_hi = n_blocks
+    j_lo, j_hi, f0, f1 = _wg_key_blocks(start_ptr, r0, T, window, b0, n_blocks, BLOCK_N)
     _ws2_drain(ready, empty, 0, j_lo, STAGES)
 
     rows = r0 + gl.arange(0, 64, layout=ROW)
@@ -405,7 +410,7 @@ def _ws2_consumer(q_smem, k_smem, v_smem, q_bar, ready, empty, start_ptr, o_ptr,
             s_tok = warpgroup_mma(q_smem, k_smem.index(nxt).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         else:
             s_tok = warpgroup_mma_init(s_zero)
-        p, alpha, m_i, l_i = _ws_fwd_softmax(s * qk_scale, m_i, l_i, rows, row_start, b0 + j * BLOCK_N, f0, f1,
+        p, alpha, m_i, l_i = _softmax_step(s * qk_scale, m_i, l_i, rows, row_start, b0 + j * BLOCK_N, f0, f1,
                                              window, BLOCK_N, COL)
         acc, s = warpgroup_mma_wait(0, deps=[acc_tok, s_tok])
         if j > j_lo:   # block j - 1's p v is done: its slot goes back to the producer
@@ -418,13 +423,7 @@ def _ws2_consumer(q_smem, k_smem, v_smem, q_bar, ready, empty, start_ptr, o_ptr,
         mbarrier.arrive(empty.index((j_hi - 1) % STAGES), count=1)
     _ws2_drain(ready, empty, j_hi, n_blocks, STAGES)
 
-    out_rows = r0 + gl.arange(0, 64, layout=gl.SliceLayout(1, LOAD))
-    d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, LOAD))
-    l_safe = gl.where(l_i > 0, l_i, 1.0)   # rows past T
-    out = gl.convert_layout((acc / gl.expand_dims(gl.convert_layout(l_safe, O_ROW), 1)).to(gl.bfloat16), LOAD)
-    gl.store(o_ptr + gl.expand_dims(out_rows.to(gl.int64), 1) * stride_ot + h * stride_oh + gl.expand_dims(d, 0),
-             out, mask=gl.expand_dims(out_rows < T, 1))
-    gl.store(lse_ptr + h * T + rows, m_i + gl.log2(l_safe), mask=rows < T)
+    _wg_store(acc, m_i, l_i, rows, r0, o_ptr, lse_ptr, T, h, stride_ot, stride_oh, HEAD_DIM)
 
 
 @gluon.jit
@@ -443,58 +442,6 @@ def _ws2_load(q_desc, k_desc, v_desc, q_smem0, q_smem1, k_smem, v_smem, q_bar, r
 
 
 @gluon.jit
-def _ws2_fwd_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, start_ptr, T, window, qk_scale, stride_ot, stride_oh,
-                    HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """128 query rows per program as two consumer partitions of one warpgroup each (own key ranges, masks and
-    epilogues, not in lockstep) and a producer warpgroup; registers move to the consumers."""
-    KV_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], gl.bfloat16)
-    Q_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, HEAD_DIM], gl.bfloat16)
-    qk_scale = qk_scale.to(gl.float32)
-    m0 = gl.program_id(0) * 128
-    h = gl.program_id(1)
-    last = gl.minimum(m0 + 128, T) - 1
-    b0 = (gl.maximum(gl.load(start_ptr + m0), m0 - window) // BLOCK_N) * BLOCK_N
-    n_blocks = ((last + BLOCK_N) // BLOCK_N) - b0 // BLOCK_N
-    q_smem0 = gl.allocate_shared_memory(gl.bfloat16, [64, HEAD_DIM], Q_SMEM)
-    q_smem1 = gl.allocate_shared_memory(gl.bfloat16, [64, HEAD_DIM], Q_SMEM)
-    k_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, HEAD_DIM], KV_SMEM)
-    v_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, HEAD_DIM], KV_SMEM)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)   # both consumers hand each slot back
-    fence_async_shared()
-    gl.warp_specialize(
-        [(_ws2_consumer, (q_smem0, k_smem, v_smem, q_bar, ready, empty, start_ptr, o_ptr, lse_ptr, m0, T, window,
-                          qk_scale, b0, n_blocks, h, stride_ot, stride_oh, HEAD_DIM, BLOCK_N, STAGES)),
-         (_ws2_consumer, (q_smem1, k_smem, v_smem, q_bar, ready, empty, start_ptr, o_ptr, lse_ptr, m0 + 64, T,
-                          window, qk_scale, b0, n_blocks, h, stride_ot, stride_oh, HEAD_DIM, BLOCK_N, STAGES)),
-         (_ws2_load, (q_desc, k_desc, v_desc, q_smem0, q_smem1, k_smem, v_smem, q_bar, ready, empty, m0, b0,
-                      n_blocks, h, HEAD_DIM, BLOCK_N, STAGES))],
-        [4, 4], [240, 24])
-
-
-def ws2_forward(q, k, v, cu_seqlens, window, scale, block_n=64, stages=4, kernel=None):
-    T, H, D = q.shape
-    out = torch.empty_like(q)
-    lse = torch.empty((H, T), dtype=torch.float32, device=q.device)
-    start, _ = tk.document_bounds(cu_seqlens, T)
-    descs = []
-    for t, rows in ((q, 64), (k, block_n), (v, block_n)):
-        assert t.stride(1) == D and t.stride(2) == 1
-        flat = t.as_strided((T, H * D), (t.stride(0), 1))
-        layout = gl.NVMMASharedLayout.get_default_for([rows, D], gl.bfloat16)
-        descs.append(TensorDescriptor(flat, [T, H * D], [t.stride(0), 1], [rows, D], layout))
-    (kernel or _ws2_fwd_kernel)[(triton.cdiv(T, 128), H)](
-        *descs, out, lse, start, T, window, scale * tk._LOG2E, out.stride(0), out.stride(1), HEAD_DIM=D,
-        BLOCK_N=block_n, STAGES=stages, num_warps=4)
-    return out, lse
-
-
-@gluon.jit
 def _pp_consumer(q_smem, k_smem, v_smem, q_bar, ready, empty, turn, c, start_ptr, o_ptr, lse_ptr, r0, T, window,
                  qk_scale, b0, n_blocks, h, stride_ot, stride_oh, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
                  STAGES: gl.constexpr):
@@ -506,23 +453,11 @@ def _pp_consumer(q_smem, k_smem, v_smem, q_bar, ready, empty, turn, c, start_ptr
     O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, HEAD_DIM, 16])
     P_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2)
-    LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
     ROW: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
     COL: gl.constexpr = gl.SliceLayout(0, S_LAYOUT)
     O_ROW: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
     gl.static_assert(STAGES >= 2)
-    last = gl.minimum(r0 + 64, T) - 1
-    lo = gl.maximum(gl.load(start_ptr + gl.minimum(r0, T - 1)), r0 - window)
-    full_lo = gl.maximum(gl.load(start_ptr + gl.maximum(last, 0)), last - window)
-    c0 = (lo // BLOCK_N) * BLOCK_N
-    c1 = ((last + BLOCK_N) // BLOCK_N) * BLOCK_N
-    f0 = gl.minimum(gl.maximum(((full_lo + BLOCK_N - 1) // BLOCK_N) * BLOCK_N, c0), c1)
-    f1 = gl.maximum(gl.minimum(((r0 + 1) // BLOCK_N) * BLOCK_N, c1), f0)
-    j_lo = gl.minimum((c0 - b0) // BLOCK_N, n_blocks)
-    j_hi = gl.maximum(gl.minimum((c1 - b0) // BLOCK_N, n_blocks), j_lo)
-    if r0 >= T:
-        j_lo = n_blocks
-        j_hi = n_blocks
+    j_lo, j_hi, f0, f1 = _wg_key_blocks(start_ptr, r0, T, window, b0, n_blocks, BLOCK_N)
 
     rows = r0 + gl.arange(0, 64, layout=ROW)
     row_start = gl.load(start_ptr + rows, mask=rows < T, other=T)
@@ -549,7 +484,7 @@ def _pp_consumer(q_smem, k_smem, v_smem, q_bar, ready, empty, turn, c, start_ptr
         mbarrier.arrive(turn.index(1 - c), count=1)
         if own:
             s = warpgroup_mma_wait(1, deps=[s_tok])
-            p_f, alpha, m_i, l_i = _ws_fwd_softmax(s * qk_scale, m_i, l_i, rows, row_start, b0 + j * BLOCK_N, f0,
+            p_f, alpha, m_i, l_i = _softmax_step(s * qk_scale, m_i, l_i, rows, row_start, b0 + j * BLOCK_N, f0,
                                                    f1, window, BLOCK_N, COL)
         else:
             p_f = s_zero
@@ -565,19 +500,15 @@ def _pp_consumer(q_smem, k_smem, v_smem, q_bar, ready, empty, turn, c, start_ptr
     if n_blocks > 0:
         mbarrier.arrive(empty.index((n_blocks - 1) % STAGES), count=1)
 
-    out_rows = r0 + gl.arange(0, 64, layout=gl.SliceLayout(1, LOAD))
-    d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, LOAD))
-    l_safe = gl.where(l_i > 0, l_i, 1.0)   # rows past T
-    out = gl.convert_layout((acc / gl.expand_dims(gl.convert_layout(l_safe, O_ROW), 1)).to(gl.bfloat16), LOAD)
-    gl.store(o_ptr + gl.expand_dims(out_rows.to(gl.int64), 1) * stride_ot + h * stride_oh + gl.expand_dims(d, 0),
-             out, mask=gl.expand_dims(out_rows < T, 1))
-    gl.store(lse_ptr + h * T + rows, m_i + gl.log2(l_safe), mask=rows < T)
+    _wg_store(acc, m_i, l_i, rows, r0, o_ptr, lse_ptr, T, h, stride_ot, stride_oh, HEAD_DIM)
 
 
 @gluon.jit
-def _pp_fwd_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, start_ptr, T, window, qk_scale, stride_ot, stride_oh,
-                   HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """Kernel 3 with ping-pong between its two consumer warpgroups (a pair of turn mbarriers)."""
+def _ws2_fwd_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, start_ptr, T, window, qk_scale, stride_ot, stride_oh,
+                    HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr):
+    """128 query rows per program as two consumer partitions of one warpgroup each (own key ranges, masks and
+    epilogues) and a producer warpgroup; registers move to the consumers. PINGPONG: the consumers take turns
+    with the tensor core (_pp_consumer, a pair of turn mbarriers); else they run independently."""
     KV_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], gl.bfloat16)
     Q_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, HEAD_DIM], gl.bfloat16)
     qk_scale = qk_scale.to(gl.float32)
@@ -601,19 +532,45 @@ def _pp_fwd_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, start_ptr, T, window,
     mbarrier.init(turn.index(0), count=1)
     mbarrier.init(turn.index(1), count=1)
     fence_async_shared()
-    mbarrier.arrive(turn.index(0), count=1)   # warpgroup 0 goes first
-    gl.warp_specialize(
-        [(_pp_consumer, (q_smem0, k_smem, v_smem, q_bar, ready, empty, turn, 0, start_ptr, o_ptr, lse_ptr, m0, T,
-                         window, qk_scale, b0, n_blocks, h, stride_ot, stride_oh, HEAD_DIM, BLOCK_N, STAGES)),
-         (_pp_consumer, (q_smem1, k_smem, v_smem, q_bar, ready, empty, turn, 1, start_ptr, o_ptr, lse_ptr, m0 + 64,
-                         T, window, qk_scale, b0, n_blocks, h, stride_ot, stride_oh, HEAD_DIM, BLOCK_N, STAGES)),
-         (_ws2_load, (q_desc, k_desc, v_desc, q_smem0, q_smem1, k_smem, v_smem, q_bar, ready, empty, m0, b0,
-                      n_blocks, h, HEAD_DIM, BLOCK_N, STAGES))],
-        [4, 4], [240, 24])
+    if PINGPONG:
+        mbarrier.arrive(turn.index(0), count=1)   # warpgroup 0 goes first
+        gl.warp_specialize(
+            [(_pp_consumer, (q_smem0, k_smem, v_smem, q_bar, ready, empty, turn, 0, start_ptr, o_ptr, lse_ptr, m0,
+                             T, window, qk_scale, b0, n_blocks, h, stride_ot, stride_oh, HEAD_DIM, BLOCK_N, STAGES)),
+             (_pp_consumer, (q_smem1, k_smem, v_smem, q_bar, ready, empty, turn, 1, start_ptr, o_ptr, lse_ptr,
+                             m0 + 64, T, window, qk_scale, b0, n_blocks, h, stride_ot, stride_oh, HEAD_DIM, BLOCK_N,
+                             STAGES)),
+             (_ws2_load, (q_desc, k_desc, v_desc, q_smem0, q_smem1, k_smem, v_smem, q_bar, ready, empty, m0, b0,
+                          n_blocks, h, HEAD_DIM, BLOCK_N, STAGES))],
+            [4, 4], [240, 24])
+    else:
+        gl.warp_specialize(
+            [(_ws2_consumer, (q_smem0, k_smem, v_smem, q_bar, ready, empty, start_ptr, o_ptr, lse_ptr, m0, T,
+                              window, qk_scale, b0, n_blocks, h, stride_ot, stride_oh, HEAD_DIM, BLOCK_N, STAGES)),
+             (_ws2_consumer, (q_smem1, k_smem, v_smem, q_bar, ready, empty, start_ptr, o_ptr, lse_ptr, m0 + 64, T,
+                              window, qk_scale, b0, n_blocks, h, stride_ot, stride_oh, HEAD_DIM, BLOCK_N, STAGES)),
+             (_ws2_load, (q_desc, k_desc, v_desc, q_smem0, q_smem1, k_smem, v_smem, q_bar, ready, empty, m0, b0,
+                          n_blocks, h, HEAD_DIM, BLOCK_N, STAGES))],
+            [4, 4], [240, 24])
 
 
-def pp_forward(q, k, v, cu_seqlens, window, scale, block_n=64, stages=4):
-    return ws2_forward(q, k, v, cu_seqlens, window, scale, block_n, stages, kernel=_pp_fwd_kernel)
+def ws2_forward(q, k, v, cu_seqlens, window, scale, block_n=64, stages=4, pingpong=False):
+    T, H, D = q.shape
+    out = torch.empty_like(q)
+    lse = torch.empty((H, T), dtype=torch.float32, device=q.device)
+    start, _ = tk.document_bounds(cu_seqlens, T)
+    descs = []
+    for t, rows in ((q, 64), (k, block_n), (v, block_n)):
+        assert t.stride(1) == D and t.stride(2) == 1
+        flat = t.as_strided((T, H * D), (t.stride(0), 1))
+        layout = gl.NVMMASharedLayout.get_default_for([rows, D], gl.bfloat16)
+        descs.append(TensorDescriptor(flat, [T, H * D], [t.stride(0), 1], [rows, D], layout))
+    _ws2_fwd_kernel[(triton.cdiv(T, 128), H)](
+        *descs, out, lse, start, T, window, scale * tk._LOG2E, out.stride(0), out.stride(1), HEAD_DIM=D,
+        BLOCK_N=block_n, STAGES=stages, PINGPONG=pingpong, num_warps=4)
+    return out, lse
+
+
 
 
 @gluon.jit
@@ -791,6 +748,18 @@ def compile_sm90(kernel, signature: dict, constexprs: dict, num_warps: int, maxn
             f"{ptxas_usage(k.asm['ptx'])}")
 
 
+def desc_types(q_rows: int, kv_rows: int) -> dict:
+    """The signature types of q, k, v tensor descriptors with these block rows (head dim 128), as a launch
+    specialises them."""
+    from triton.runtime.jit import mangle_type
+    types = {}
+    for name, rows in (("q_desc", q_rows), ("k_desc", kv_rows), ("v_desc", kv_rows)):
+        layout = gl.NVMMASharedLayout.get_default_for([rows, 128], gl.bfloat16)
+        base = torch.zeros(256, 768, dtype=torch.bfloat16)
+        types[name] = mangle_type(TensorDescriptor(base, [256, 768], [768, 1], [rows, 128], layout))
+    return types
+
+
 def compile_only() -> None:
     print(f"triton {triton.__version__}, sm_90 compiles", flush=True)
     ptrs = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "lse_ptr": "*fp32", "window": "i32", "T": "i32",
@@ -803,36 +772,15 @@ def compile_only() -> None:
             print(f"forward BM={bm} BN={bn} stages={stages} maxnreg={maxnreg} overlap={overlap}: "
                   f"{compile_sm90(_gluon_attn_fwd_kernel, fwd_sig, consts, bm // 16, maxnreg)}", flush=True)
     for bm, bn, stages, overlap in WS_CONFIGS:
-        from triton.runtime.jit import mangle_type
-        descs = {}
-        for name, rows in (("q_desc", bm), ("k_desc", bn), ("v_desc", bn)):
-            layout = gl.NVMMASharedLayout.get_default_for([rows, 128], gl.bfloat16)
-            base = torch.zeros(256, 768, dtype=torch.bfloat16)
-            descs[name] = mangle_type(TensorDescriptor(base, [256, 768], [768, 1], [rows, 128], layout))
         consts = {"HEAD_DIM": 128, "BLOCK_M": bm, "BLOCK_N": bn, "STAGES": stages, "NUM_WARPS": bm // 16,
                   "OVERLAP": overlap}
         print(f"warp-specialized forward BM={bm} BN={bn} stages={stages} overlap={overlap}: "
-              f"{compile_sm90(_ws_fwd_kernel, {**fwd_sig, **descs}, consts, bm // 16)}", flush=True)
-    for bn, stages in WS2_CONFIGS:
-        from triton.runtime.jit import mangle_type
-        descs = {}
-        for name, rows in (("q_desc", 64), ("k_desc", bn), ("v_desc", bn)):
-            layout = gl.NVMMASharedLayout.get_default_for([rows, 128], gl.bfloat16)
-            base = torch.zeros(256, 768, dtype=torch.bfloat16)
-            descs[name] = mangle_type(TensorDescriptor(base, [256, 768], [768, 1], [rows, 128], layout))
-        consts = {"HEAD_DIM": 128, "BLOCK_N": bn, "STAGES": stages}
-        print(f"per-warpgroup partitions forward BN={bn} stages={stages}: "
-              f"{compile_sm90(_ws2_fwd_kernel, {**fwd_sig, **descs}, consts, 4)}", flush=True)
-    for bn, stages in PP_CONFIGS:
-        from triton.runtime.jit import mangle_type
-        descs = {}
-        for name, rows in (("q_desc", 64), ("k_desc", bn), ("v_desc", bn)):
-            layout = gl.NVMMASharedLayout.get_default_for([rows, 128], gl.bfloat16)
-            base = torch.zeros(256, 768, dtype=torch.bfloat16)
-            descs[name] = mangle_type(TensorDescriptor(base, [256, 768], [768, 1], [rows, 128], layout))
-        consts = {"HEAD_DIM": 128, "BLOCK_N": bn, "STAGES": stages}
-        print(f"ping-pong forward BN={bn} stages={stages}: "
-              f"{compile_sm90(_pp_fwd_kernel, {**fwd_sig, **descs}, consts, 4)}", flush=True)
+              f"{compile_sm90(_ws_fwd_kernel, {**fwd_sig, **desc_types(bm, bn)}, consts, bm // 16)}", flush=True)
+    for name, pingpong, configs in (("per-warpgroup partitions", False, WS2_CONFIGS), ("ping-pong", True, PP_CONFIGS)):
+        for bn, stages in configs:
+            consts = {"HEAD_DIM": 128, "BLOCK_N": bn, "STAGES": stages, "PINGPONG": pingpong}
+            print(f"{name} forward BN={bn} stages={stages}: "
+                  f"{compile_sm90(_ws2_fwd_kernel, {**fwd_sig, **desc_types(64, bn)}, consts, 4)}", flush=True)
     dkdv_sig = {**ptrs, "do_ptr": "*bf16", "delta_ptr": "*fp32", "end_ptr": "*i32", "dk_ptr": "*bf16",
                 "dv_ptr": "*bf16"}
     for bm, stages in DKDV_CONFIGS:
@@ -882,24 +830,17 @@ def bench_shape(spec: str, T: int, H: int, window: int, cu: torch.Tensor, lens: 
         except Exception as e:
             print(f"  warp-specialized forward BM={bm} BN={bn} stages={stages} overlap={overlap}: {failure(e)}",
                   flush=True)
-    for bn, stages in WS2_CONFIGS:
-        try:
-            o, lse_g = ws2_forward(q, k, v, cu, window, scale, bn, stages)
-            t = gpu_kernel_ms(lambda: ws2_forward(q, k, v, cu, window, scale, bn, stages))["_ws2_fwd_kernel"]
-            print(f"  per-warpgroup partitions forward BN={bn} stages={stages}: {t:.3f} ms ({fwd / t:.2f}x)  "
-                  f"out rel diff {rel_diff(o, out):.1e}  lse max diff {(lse_g - lse).abs().max().item():.1e}",
-                  flush=True)
-        except Exception as e:
-            print(f"  per-warpgroup partitions forward BN={bn} stages={stages}: {failure(e)}", flush=True)
-    for bn, stages in PP_CONFIGS:
-        try:
-            o, lse_g = pp_forward(q, k, v, cu, window, scale, bn, stages)
-            t = gpu_kernel_ms(lambda: pp_forward(q, k, v, cu, window, scale, bn, stages))["_pp_fwd_kernel"]
-            print(f"  ping-pong forward BN={bn} stages={stages}: {t:.3f} ms ({fwd / t:.2f}x)  "
-                  f"out rel diff {rel_diff(o, out):.1e}  lse max diff {(lse_g - lse).abs().max().item():.1e}",
-                  flush=True)
-        except Exception as e:
-            print(f"  ping-pong forward BN={bn} stages={stages}: {failure(e)}", flush=True)
+    for name, pingpong, configs in (("per-warpgroup partitions", False, WS2_CONFIGS), ("ping-pong", True, PP_CONFIGS)):
+        for bn, stages in configs:
+            try:
+                o, lse_g = ws2_forward(q, k, v, cu, window, scale, bn, stages, pingpong)
+                t = gpu_kernel_ms(lambda: ws2_forward(q, k, v, cu, window, scale, bn, stages,
+                                                      pingpong))["_ws2_fwd_kernel"]
+                print(f"  {name} forward BN={bn} stages={stages}: {t:.3f} ms ({fwd / t:.2f}x)  "
+                      f"out rel diff {rel_diff(o, out):.1e}  lse max diff {(lse_g - lse).abs().max().item():.1e}",
+                      flush=True)
+            except Exception as e:
+                print(f"  {name} forward BN={bn} stages={stages}: {failure(e)}", flush=True)
     _, dk, dv = tk.varlen_attention_bwd_triton(do, q, k, v, out, lse, cu, window, scale)
     bwd = gpu_kernel_ms(lambda: tk.varlen_attention_bwd_triton(do, q, k, v, out, lse, cu, window, scale))
     print(f"  triton dQ {bwd['_attn_dq_kernel']:.3f} ms, dK/dV {bwd['_attn_dkdv_kernel']:.3f} ms", flush=True)
