@@ -62,6 +62,21 @@ def shape_case(spec: str) -> tuple[int, int, int, torch.Tensor, list]:
     return 2 * T, 3, window, cu * 2, [2 * n for n in lens]
 
 
+def gpu_shape_cases(shapes: str, needs: str) -> list[tuple[str, tuple]]:
+    """[(spec, shape_case(spec))] of a comma-separated list of specs, for a benchmark that needs a CUDA GPU (`needs`
+    says which); prints the versions and the GPU. A malformed spec, or a machine without CUDA, exits with one
+    error line."""
+    try:
+        cases = [(spec, shape_case(spec)) for spec in shapes.split(",")]
+    except ValueError as e:
+        sys.exit(f"error: {e}")
+    if not torch.cuda.is_available():
+        sys.exit(f"error: this benchmark needs {needs}; run it on the device")
+    import triton
+    print(f"torch {torch.__version__}, triton {triton.__version__}, {torch.cuda.get_device_name()}", flush=True)
+    return cases
+
+
 def gpu_kernel_ms(fn, iters: int = 20) -> dict[str, float]:
     """GPU time of fn() per CUDA kernel it launches, in ms per call, from the profiler, by kernel name. Launch
     overhead on the CPU is left out: in the compiled model the CPU runs ahead of the GPU, and a Python launcher would

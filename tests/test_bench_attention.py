@@ -72,3 +72,24 @@ def test_shape_case_doubles_the_documents_of_the_paired_layout():
     assert torch.equal(pcu, cu * 2) and plens == [2 * n for n in lens]
     with pytest.raises(ValueError, match="not T:layout:window"):
         bench_attention.shape_case("4096:pairs:640")
+
+
+def test_gpu_shape_cases_exits_with_one_error_line(monkeypatch):
+    monkeypatch.setattr(bench_attention.torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as bad_spec:
+        bench_attention.gpu_shape_cases("4096:normal:384,4096:pairs:640", "an H100")
+    assert str(bad_spec.value).startswith("error: shape '4096:pairs:640'")
+    with pytest.raises(SystemExit) as no_gpu:
+        bench_attention.gpu_shape_cases("4096:normal:384", "an H100")
+    assert str(no_gpu.value) == "error: this benchmark needs an H100; run it on the device"
+
+
+def test_gpu_shape_cases_returns_each_spec_with_its_case(monkeypatch, capsys):
+    monkeypatch.setattr(bench_attention.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bench_attention.torch.cuda, "get_device_name", lambda: "Test GPU")
+    cases = bench_attention.gpu_shape_cases("4096:normal:384,4096:paired:640", "an H100")
+    assert [spec for spec, _ in cases] == ["4096:normal:384", "4096:paired:640"]
+    (rows, heads, window, cu, _), (prows, pheads, pwindow, pcu, _) = (case for _, case in cases)
+    assert (rows, heads, window, prows, pheads, pwindow) == (4096, 6, 384, 8192, 3, 640)
+    assert torch.equal(pcu, cu * 2)
+    assert "Test GPU" in capsys.readouterr().out

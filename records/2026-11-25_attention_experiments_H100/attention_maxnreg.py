@@ -70,14 +70,8 @@ DEFAULT_SHAPES = "49152:normal:1408,49152:normal:768,49152:paired:640,16384:norm
 
 def main() -> None:
     shapes = sys.argv[1] if len(sys.argv) > 1 else DEFAULT_SHAPES
-    try:
-        cases = [(spec, bench_attention.shape_case(spec)) for spec in shapes.split(",")]
-    except ValueError as e:
-        sys.exit(f"error: {e}")
-    if not torch.cuda.is_available():
-        sys.exit("error: this benchmark needs a CUDA GPU (an H100 or H200); run it on the device")
+    cases = bench_attention.gpu_shape_cases(shapes, "a CUDA GPU (an H100 or H200)")
     device = torch.device("cuda")
-    print(f"torch {torch.__version__}, triton {triton.__version__}, {torch.cuda.get_device_name(device)}", flush=True)
     for spec, (T, H, window, cu, _) in cases:
         gen = torch.Generator().manual_seed(T)
         q, k, v, g = (torch.randn(T, H, 128, generator=gen).to(device, torch.bfloat16) for _ in range(4))

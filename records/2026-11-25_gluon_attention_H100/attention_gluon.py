@@ -885,17 +885,14 @@ def main() -> None:
     import attention as bench_attention
     from attention import gpu_kernel_ms
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
-    try:
-        cases = [(spec, bench_attention.shape_case(spec)) for spec in (args[0] if args else DEFAULT_SHAPES).split(",")]
-    except ValueError as e:
-        sys.exit(f"error: {e}")
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
-        sys.exit("error: this benchmark needs a Hopper GPU (sm_90); run it on the device, or use --compile-only")
+    needs = "a Hopper GPU (sm_90), or --compile-only"
+    cases = bench_attention.gpu_shape_cases(args[0] if args else DEFAULT_SHAPES, needs)
+    if torch.cuda.get_device_capability() != (9, 0):
+        sys.exit(f"error: this benchmark needs {needs}; run it on the device")
     if "--ncu-target" in sys.argv:
         ncu_target(cases[0][0], bench_attention)
         return
     device = torch.device("cuda")
-    print(f"torch {torch.__version__}, triton {triton.__version__}, {torch.cuda.get_device_name(device)}", flush=True)
     for spec, (T, H, window, cu, lens) in cases:
         bench_shape(spec, T, H, window, cu, lens, device, bench_attention, gpu_kernel_ms)
 
