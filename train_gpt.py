@@ -468,8 +468,9 @@ ATTN_BACKENDS = ("triton", "flex", "varlen", "fa3", "fa4", "sdpa")
 # an H100, both in one call, took 0.954 / 0.958 / 0.955 of varlen's ms/step at 131k / 262k / 393k
 # tokens with it (records/2026-11-25_backends_profile_1xH100). fa4 (optional) before both: its
 # forward + backward alone, weighted over a run, took 9.9 s per GPU on an H100 against triton's
-# 11.5 s and varlen's 16.5 s (README, attention table). FA3 (the record's kernel, Hopper-native)
-# stays first when installed; it was not measured here.
+# 11.5 s and varlen's 16.5 s, and 8.8 / 11.3 / 15.8 s on an H200; whole H200 runs took 600 / 615
+# ms per phase-3 step with fa4 / triton (README, attention table). FA3 (the record's kernel,
+# Hopper-native) stays first when installed; it was not measured here.
 # varlen comes before flex because it measured faster in the full model
 # (records/2026-11-21_synthetic_smoke). Off CUDA "auto" means sdpa (the only CPU backward).
 ATTN_AUTO_ORDER_CUDA = ("fa3", "fa4", "triton", "varlen", "flex", "sdpa")
