@@ -18,6 +18,10 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import triton_kernels as tk  # noqa: E402
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench"))
+from mlp_tiles import _tma_epilogue as _epi  # noqa: E402  the same epilogue through descriptors
+
+
 @triton.jit
 def _k(a_ptr, b_ptr, pre_desc, out_desc, M, N, K, stride_am, stride_bn, BACKWARD: tl.constexpr, BLOCK_M: tl.constexpr,
        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, FLATTEN: tl.constexpr, SPLIT: tl.constexpr):
@@ -48,17 +52,6 @@ def _k(a_ptr, b_ptr, pre_desc, out_desc, M, N, K, stride_am, stride_bn, BACKWARD
             _epi(h1, pre_desc, out_desc, m0, n0 + HALF, BACKWARD)
         else:
             _epi(h, pre_desc, out_desc, m0, n0, BACKWARD)
-
-@triton.jit
-def _epi(h, pre_desc, out_desc, m0, n0, BACKWARD: tl.constexpr):
-    hf = h.to(tl.float32)
-    if BACKWARD:
-        pre = pre_desc.load([m0, n0]).to(tl.float32)
-        out_desc.store([m0, n0], (2.0 * hf * tl.maximum(pre, 0.0)).to(tl.bfloat16))
-    else:
-        pre_desc.store([m0, n0], h)
-        r = tl.maximum(hf, 0.0)
-        out_desc.store([m0, n0], (r * r).to(tl.bfloat16))
 
 def launch(a, b, pre, out, backward, tiles, split):
     bm, bn, bk, g, warps, stages, flatten = tiles
