@@ -11,7 +11,8 @@ tile's matmul runs; the wait for them comes at the next epilogue. The math and r
 kernel's: pre = bf16(acc), post = bf16(relu(pre)^2); backward d = bf16(2 * bf16(acc) * relu(pre)).
 
 --compile-only compiles every config for sm_90 on any machine (no GPU) and prints shared memory, registers and spills.
---ncu-target launches, at 49,152 rows, the shipped forward and three Gluon forwards twice each (for ncu_profile.sh).
+--ncu-target launches, at 49,152 rows, cuBLAS's x @ w.T, the shipped forward and three Gluon forwards, twice each
+(for ncu_profile.sh).
 """
 from __future__ import annotations
 
@@ -206,7 +207,8 @@ def ncu_target() -> None:
     x = torch.randn(M, D, device="cuda", generator=gen).bfloat16()
     w = (torch.randn(HIDDEN, D, device="cuda", generator=gen) / D ** 0.5).bfloat16()
     pre, post = (torch.empty(M, HIDDEN, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    runs = [lambda: tk._launch_relu2_linear(x, w, pre, post, False, None),
+    runs = [lambda: torch.mm(x, w.T, out=pre),   # cuBLAS, the matmul alone
+            lambda: tk._launch_relu2_linear(x, w, pre, post, False, None),
             lambda: launch(x, w, pre, post, False, CONFIGS[0]),
             lambda: launch(x, w, pre, post, False, CONFIGS[1]),
             lambda: launch(x, w, pre, post, False, CONFIGS[1], 0)]
