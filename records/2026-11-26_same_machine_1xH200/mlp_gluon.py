@@ -43,6 +43,10 @@ D, HIDDEN = 768, 3072
 # (block shapes must be powers of 2)
 CONFIGS = [(128, 256, 32, 4, 8), (128, 256, 64, 2, 8), (128, 128, 64, 4, 8), (128, 256, 32, 4, 16),
            (128, 128, 64, 5, 8)]
+# the warp-specialised kernel: one shared epilogue tile, so 128 x 256 x 64 fits 3 stages (208 KiB)
+WS_CONFIGS = [(128, 256, 64, 3, 8), (128, 256, 32, 6, 8), (128, 256, 64, 3, 16), (128, 128, 64, 5, 8)]
+# ping-pong: each consumer warpgroup owns a 128 x 128 tile and a 32 KiB epilogue tile; 32 KiB per ring stage
+PP_CONFIGS = [(128, 128, 64, 4, 8), (128, 128, 64, 5, 8), (128, 128, 64, 5, 16), (128, 128, 32, 8, 8)]
 
 
 @gluon.jit
@@ -52,6 +56,17 @@ def _grouped(tile, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
     first_m = (tile // tiles_per_group) * GROUP_M
     group_rows = gl.minimum(num_pid_m - first_m, GROUP_M)
     return first_m + (tile % tiles_per_group) % group_rows, (tile % tiles_per_group) // group_rows
+
+
+@gluon.jit
+def _program_tiles(M, N, BM: gl.constexpr, BN: gl.constexpr):
+    """Tile grid and this persistent program's share: tiles first_tile, first_tile + step_tiles, ..."""
+    num_pid_m = gl.cdiv(M, BM)
+    num_pid_n = gl.cdiv(N, BN)
+    first_tile = gl.program_id(0)
+    step_tiles = gl.num_programs(0)
+    my_tiles = (num_pid_m * num_pid_n - first_tile + step_tiles - 1) // step_tiles
+    return num_pid_m, num_pid_n, first_tile, step_tiles, my_tiles
 
 
 @gluon.jit
@@ -93,11 +108,7 @@ def _relu2_linear_gluon_kernel(a_desc, b_desc, pre_desc, out_desc, M, N, K, epil
     ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
                                                  instr_shape=[16, BN, 16])
     KSTEPS = K // BK
-    num_pid_m = gl.cdiv(M, BM)
-    num_pid_n = gl.cdiv(N, BN)
-    first_tile = gl.program_id(0)
-    step_tiles = gl.num_programs(0)
-    my_tiles = (num_pid_m * num_pid_n - first_tile + step_tiles - 1) // step_tiles
+    num_pid_m, num_pid_n, first_tile, step_tiles, my_tiles = _program_tiles(M, N, BM, BN)
     total = my_tiles * KSTEPS
 
     a_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, BK], a_desc.layout)
@@ -153,19 +164,211 @@ def _epilogue(acc, c0, c1, pre_bar, pre_desc, out_desc, m0, n0, t, BACKWARD: gl.
     _tma_store(out_desc, [m0, n0], c1)
 
 
+# ---- warp-specialised: a TMA producer warpgroup and one 8-warp consumer partition -------------------------------
+
+@gluon.jit
+def _store_through(c_smem, value, desc, m0, n0):
+    """value -> the shared tile -> a TMA store, once the tile's last store has read it."""
+    tma.store_wait(0)   # only the issuing thread has pending stores: the barrier makes the others wait too
+    _cta_barrier()
+    c_smem.store(value)
+    fence_async_shared()
+    _cta_barrier()
+    _tma_store(desc, [m0, n0], c_smem)
+
+
+@gluon.jit
+def _prefetch_tile(c_smem, bar, desc, m0, n0):
+    """A TMA load of desc's tile at (m0, n0) into the shared tile, once its last store has read it."""
+    tma.store_wait(0)
+    _cta_barrier()
+    mbarrier.expect(bar, c_smem.type.shape[0] * c_smem.type.shape[1] * 2)
+    _tma_load(desc, [m0, n0], bar, c_smem)
+
+
+@gluon.jit
+def _tile_mainloop(a_smem, b_smem, ready, empty, acc, t, KSTEPS, STAGES: gl.constexpr):
+    """Tile t's wgmmas from the ring, one step deep; each slot goes back to the producer once its product is done,
+    except the last (the caller hands it back after waiting for the last product)."""
+    for kk in range(KSTEPS):
+        it = t * KSTEPS + kk
+        slot = it % STAGES
+        mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
+        tok = warpgroup_mma(a_smem.index(slot), b_smem.index(slot).permute((1, 0)), acc, use_acc=kk > 0,
+                            is_async=True)
+        acc = warpgroup_mma_wait(1, deps=[tok])
+        if kk > 0:
+            mbarrier.arrive(empty.index((it - 1) % STAGES), count=1)
+    return acc
+
+
+@gluon.jit
+def _shared_tile_epilogue(acc, c_smem, pre_bar, phase, pre_desc, out_desc, m0, n0, BACKWARD: gl.constexpr,
+                          ACC: gl.constexpr):
+    """Forward: pre, then post, through the one shared tile. Backward: pre (loaded into the tile by TMA at the
+    tile's start) read back, dpre stored through the same tile."""
+    h = acc.to(gl.bfloat16)
+    if BACKWARD:
+        mbarrier.wait(pre_bar, phase)
+        pre = c_smem.load(ACC).to(gl.float32)
+        _store_through(c_smem, (2.0 * h.to(gl.float32) * gl.maximum(pre, 0.0)).to(gl.bfloat16), out_desc, m0, n0)
+    else:
+        _store_through(c_smem, h, pre_desc, m0, n0)
+        r = gl.maximum(h.to(gl.float32), 0.0)
+        _store_through(c_smem, (r * r).to(gl.bfloat16), out_desc, m0, n0)
+
+@gluon.jit
+def _ws_producer(a_desc, b_desc, a_smem, b_smem, ready, empty, total, first_tile, step_tiles, num_pid_m, num_pid_n,
+                 KSTEPS, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+    """Every (tile, k) operand pair of this program into the next free ring slot."""
+    BM: gl.constexpr = a_desc.block_type.shape[0]
+    BK: gl.constexpr = a_desc.block_type.shape[1]
+    BN: gl.constexpr = b_desc.block_type.shape[0]
+    for it in range(total):
+        slot = it % STAGES
+        mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)   # passes at once on the first lap
+        pid_m, pid_n = _grouped(first_tile + (it // KSTEPS) * step_tiles, num_pid_m, num_pid_n, GROUP_M)
+        k0 = (it % KSTEPS) * BK
+        mbarrier.expect(ready.index(slot), (BM + BN) * BK * 2)
+        _tma_load(a_desc, [pid_m * BM, k0], ready.index(slot), a_smem.index(slot))
+        _tma_load(b_desc, [pid_n * BN, k0], ready.index(slot), b_smem.index(slot))
+
+
+@gluon.jit
+def _ws_consumer(a_smem, b_smem, c_smem, ready, empty, pre_bar, pre_desc, out_desc, my_tiles, first_tile,
+                 step_tiles, num_pid_m, num_pid_n, KSTEPS, BACKWARD: gl.constexpr, GROUP_M: gl.constexpr,
+                 STAGES: gl.constexpr, NUM_WARPS: gl.constexpr):
+    """The matmul of each tile from the ring (wgmma one step deep, each slot handed back when its product is done),
+    then the epilogue through one shared tile and TMA stores that drain during the next tile."""
+    BM: gl.constexpr = c_smem.type.shape[0]
+    BN: gl.constexpr = c_smem.type.shape[1]
+    ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                 instr_shape=[16, BN, 16])
+    acc = gl.zeros([BM, BN], gl.float32, ACC)
+    for t in range(my_tiles):
+        pid_m, pid_n = _grouped(first_tile + t * step_tiles, num_pid_m, num_pid_n, GROUP_M)
+        m0 = pid_m * BM
+        n0 = pid_n * BN
+        if BACKWARD:   # this tile's pre into the shared tile, once the last tile's dpre store has read it
+            _prefetch_tile(c_smem, pre_bar, pre_desc, m0, n0)
+        acc = _tile_mainloop(a_smem, b_smem, ready, empty, acc, t, KSTEPS, STAGES)
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        mbarrier.arrive(empty.index((t * KSTEPS + KSTEPS - 1) % STAGES), count=1)
+        _shared_tile_epilogue(acc, c_smem, pre_bar, t & 1, pre_desc, out_desc, m0, n0, BACKWARD, ACC)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _relu2_linear_ws_kernel(a_desc, b_desc, pre_desc, out_desc, M, N, K, BACKWARD: gl.constexpr,
+                            GROUP_M: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS: gl.constexpr):
+    BM: gl.constexpr = a_desc.block_type.shape[0]
+    BK: gl.constexpr = a_desc.block_type.shape[1]
+    BN: gl.constexpr = b_desc.block_type.shape[0]
+    KSTEPS = K // BK
+    num_pid_m, num_pid_n, first_tile, step_tiles, my_tiles = _program_tiles(M, N, BM, BN)
+    a_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, BK], a_desc.layout)
+    b_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, BK], b_desc.layout)
+    c_smem = gl.allocate_shared_memory(gl.bfloat16, [BM, BN], pre_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    pre_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    mbarrier.init(pre_bar, count=1)
+    fence_async_shared()
+    gl.warp_specialize(
+        [(_ws_consumer, (a_smem, b_smem, c_smem, ready, empty, pre_bar, pre_desc, out_desc, my_tiles, first_tile,
+                         step_tiles, num_pid_m, num_pid_n, KSTEPS, BACKWARD, GROUP_M, STAGES, NUM_WARPS)),
+         (_ws_producer, (a_desc, b_desc, a_smem, b_smem, ready, empty, my_tiles * KSTEPS, first_tile, step_tiles,
+                         num_pid_m, num_pid_n, KSTEPS, GROUP_M, STAGES))],
+        [4], [24])
+
+
+# ---- ping-pong: two consumer warpgroups take alternate tiles; one's epilogue runs during the other's matmul -----
+
+@gluon.jit
+def _pp_consumer(a_smem, b_smem, c_smem, ready, empty, turn, pre_bar, pre_desc, out_desc, c, my_tiles, first_tile,
+                 step_tiles, num_pid_m, num_pid_n, KSTEPS, BACKWARD: gl.constexpr, GROUP_M: gl.constexpr,
+                 STAGES: gl.constexpr):
+    """Consumer c (one warpgroup) computes this program's tiles c, c + 2, ...: it waits for its turn, issues the
+    tile's wgmmas from the shared ring, passes the turn to the other consumer once the last one is issued, then
+    runs its epilogue through its own shared tile while the other consumer's matmul runs. Taking turns keeps the
+    ring's slots consumed in order, so each slot's mbarrier phase stays unambiguous."""
+    BM: gl.constexpr = c_smem.type.shape[0]
+    BN: gl.constexpr = c_smem.type.shape[1]
+    ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
+    acc = gl.zeros([BM, BN], gl.float32, ACC)
+    j = 0
+    for t in range(c, my_tiles, 2):
+        pid_m, pid_n = _grouped(first_tile + t * step_tiles, num_pid_m, num_pid_n, GROUP_M)
+        m0 = pid_m * BM
+        n0 = pid_n * BN
+        if BACKWARD:
+            _prefetch_tile(c_smem, pre_bar, pre_desc, m0, n0)
+        mbarrier.wait(turn.index(c), j & 1)
+        acc = _tile_mainloop(a_smem, b_smem, ready, empty, acc, t, KSTEPS, STAGES)
+        mbarrier.arrive(turn.index(1 - c), count=1)
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        mbarrier.arrive(empty.index((t * KSTEPS + KSTEPS - 1) % STAGES), count=1)
+        _shared_tile_epilogue(acc, c_smem, pre_bar, j & 1, pre_desc, out_desc, m0, n0, BACKWARD, ACC)
+        j += 1
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _relu2_linear_pp_kernel(a_desc, b_desc, pre_desc, out_desc, M, N, K, BACKWARD: gl.constexpr,
+                            GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+    BM: gl.constexpr = a_desc.block_type.shape[0]
+    BK: gl.constexpr = a_desc.block_type.shape[1]
+    BN: gl.constexpr = b_desc.block_type.shape[0]
+    KSTEPS = K // BK
+    num_pid_m, num_pid_n, first_tile, step_tiles, my_tiles = _program_tiles(M, N, BM, BN)
+    a_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, BK], a_desc.layout)
+    b_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, BK], b_desc.layout)
+    c0 = gl.allocate_shared_memory(gl.bfloat16, [BM, BN], pre_desc.layout)
+    c1 = gl.allocate_shared_memory(gl.bfloat16, [BM, BN], pre_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    pre_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(turn.index(i), count=1)
+        mbarrier.init(pre_bars.index(i), count=1)
+    fence_async_shared()
+    mbarrier.arrive(turn.index(0), count=1)   # consumer 0 goes first
+    gl.warp_specialize(
+        [(_pp_consumer, (a_smem, b_smem, c0, ready, empty, turn, pre_bars.index(0), pre_desc, out_desc, 0, my_tiles,
+                         first_tile, step_tiles, num_pid_m, num_pid_n, KSTEPS, BACKWARD, GROUP_M, STAGES)),
+         (_pp_consumer, (a_smem, b_smem, c1, ready, empty, turn, pre_bars.index(1), pre_desc, out_desc, 1, my_tiles,
+                         first_tile, step_tiles, num_pid_m, num_pid_n, KSTEPS, BACKWARD, GROUP_M, STAGES)),
+         (_ws_producer, (a_desc, b_desc, a_smem, b_smem, ready, empty, my_tiles * KSTEPS, first_tile, step_tiles,
+                         num_pid_m, num_pid_n, KSTEPS, GROUP_M, STAGES))],
+        [4, 4], [240, 24])
+
+
 def _desc(t: torch.Tensor, block: list) -> TensorDescriptor:
     layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
 
 
-def launch(a, b, pre, out, backward, cfg, epilogue=1):
+def launch(a, b, pre, out, backward, cfg, epilogue=1, kind="plain"):
+    """kind: "plain" (_relu2_linear_gluon_kernel; epilogue=0 skips its epilogue), "ws" or "pp"."""
     bm, bn, bk, stages, group_m = cfg
     M, K = a.shape
     N = b.shape[0]
     grid = (min(tk._num_programs_persistent(a.device), triton.cdiv(M, bm) * triton.cdiv(N, bn)),)
-    _relu2_linear_gluon_kernel[grid](_desc(a, [bm, bk]), _desc(b, [bn, bk]), _desc(pre, [bm, bn]),
-                                     _desc(out, [bm, bn]), M, N, K, epilogue, BACKWARD=backward, GROUP_M=group_m,
-                                     STAGES=stages, NUM_WARPS=8, num_warps=8)
+    args = [_desc(a, [bm, bk]), _desc(b, [bn, bk]), _desc(pre, [bm, bn]), _desc(out, [bm, bn]), M, N, K]
+    consts = dict(BACKWARD=backward, GROUP_M=group_m, STAGES=stages)
+    if kind == "plain":
+        _relu2_linear_gluon_kernel[grid](*args, epilogue, **consts, NUM_WARPS=8, num_warps=8)
+    elif kind == "ws":
+        _relu2_linear_ws_kernel[grid](*args, **consts, NUM_WARPS=8, num_warps=8)
+    else:
+        _relu2_linear_pp_kernel[grid](*args, **consts, num_warps=4)
 
 
 def name(cfg) -> str:
@@ -182,24 +385,29 @@ def compile_only() -> None:
     x = torch.zeros(256, D, dtype=torch.bfloat16)
     w = torch.zeros(HIDDEN, D, dtype=torch.bfloat16)
     h = torch.zeros(256, HIDDEN, dtype=torch.bfloat16)
-    for cfg in CONFIGS:
+    kernels = [(_relu2_linear_gluon_kernel, cfg, "") for cfg in CONFIGS]
+    kernels += [(_relu2_linear_ws_kernel, cfg, "ws ") for cfg in WS_CONFIGS]
+    kernels += [(_relu2_linear_pp_kernel, cfg, "pp ") for cfg in PP_CONFIGS]
+    for kernel, cfg, tag in kernels:
         bm, bn, bk, stages, group_m = cfg
         for backward in (False, True):
             sig = {"a_desc": mangle_type(_desc(x, [bm, bk])), "b_desc": mangle_type(_desc(w, [bn, bk])),
                    "pre_desc": mangle_type(_desc(h, [bm, bn])), "out_desc": mangle_type(_desc(h, [bm, bn])),
-                   "M": "i32", "N": "i32", "K": "i32", "epilogue": "i32", "BACKWARD": "constexpr", "GROUP_M": "constexpr",
-                   "STAGES": "constexpr", "NUM_WARPS": "constexpr"}
-            consts = {"BACKWARD": backward, "GROUP_M": group_m, "STAGES": stages, "NUM_WARPS": 8}
+                   "M": "i32", "N": "i32", "K": "i32", "epilogue": "i32", "BACKWARD": "constexpr",
+                   "GROUP_M": "constexpr", "STAGES": "constexpr", "NUM_WARPS": "constexpr"}
+            sig = {n: sig[n] for n in kernel.arg_names}
+            consts = {n: v for n, v in {"BACKWARD": backward, "GROUP_M": group_m, "STAGES": stages,
+                                        "NUM_WARPS": 8}.items() if n in kernel.arg_names}
+            warps = 4 if kernel is _relu2_linear_pp_kernel else 8
             try:
-                k = triton.compile(GluonASTSource(fn=_relu2_linear_gluon_kernel, signature=sig, constexprs=consts),
-                                   target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+                k = triton.compile(GluonASTSource(fn=kernel, signature=sig, constexprs=consts),
+                                   target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
                 res = f"shared {k.metadata.shared} B, {ptxas_usage(k.asm['ptx'])}"
             except Exception as e:  # noqa: BLE001
                 while e.__cause__ is not None:
                     e = e.__cause__
                 res = f"failed: {type(e).__name__}: {str(e)[-1500:]}"
-            print(f"{name(cfg)} {'bwd' if backward else 'fwd'}: {res}", flush=True)
-
+            print(f"{tag}{name(cfg)} {'bwd' if backward else 'fwd'}: {res}", flush=True)
 
 def ncu_target() -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -234,6 +442,12 @@ def main(argv) -> None:
     for cfg in CONFIGS:
         variants.append((name(cfg), lambda x, w, pre, out, c=cfg: launch(x, w, pre, out, False, c),
                          lambda g, w, pre, out, c=cfg: launch(g, w, pre, out, True, c)))
+    for cfg in WS_CONFIGS:
+        variants.append(("ws " + name(cfg), lambda x, w, pre, out, c=cfg: launch(x, w, pre, out, False, c, kind="ws"),
+                         lambda g, w, pre, out, c=cfg: launch(g, w, pre, out, True, c, kind="ws")))
+    for cfg in PP_CONFIGS:
+        variants.append(("pp " + name(cfg), lambda x, w, pre, out, c=cfg: launch(x, w, pre, out, False, c, kind="pp"),
+                         lambda g, w, pre, out, c=cfg: launch(g, w, pre, out, True, c, kind="pp")))
     for cfg in CONFIGS[:3]:   # the matmul alone: what the epilogue costs
         variants.append((name(cfg) + " no epi", lambda x, w, pre, out, c=cfg: launch(x, w, pre, out, False, c, 0),
                          lambda g, w, pre, out, c=cfg: launch(g, w, pre, out, True, c, 0)))
