@@ -95,6 +95,32 @@ def _store_from_fp32(ptrs, x, mask):
         tl.store(ptrs, x, mask=mask)
 
 
+# e^x and 1/(1 + e^-x) without subnormal results, for the cross entropy (section 4), whose loops are
+# bound by instruction issue and the special-function unit. tl.exp and a division lower to
+# ex2.approx.f32 and div.full.f32, and ptxas wraps each in a compare and two multiplies so that a
+# result below 2^-126 comes out subnormal instead of 0. tl.exp2 already lowers to the bare
+# ex2.approx.ftz.f32 (triton 3.6 and 3.9), and rcp.approx.ftz.f32 is the bare reciprocal. They
+# give the same bits wherever the result is normal: 2^x for x >= -126, 1/d for d <= 2^126.
+# NATIVE=False (the interpreter, which runs no PTX) takes the plain division.
+
+@triton.jit
+def _exp(x):
+    """e^x in fp32 as tl.exp computes it, 2^(x * fp32(log2 e)), through the flush-to-zero ex2."""
+    return tl.exp2(x * 1.4426950408889634)
+
+
+@triton.jit
+def _sigmoid(x, NATIVE: tl.constexpr):
+    """1 / (1 + e^-x) in fp32, as tl.sigmoid; NATIVE: the reciprocal is rcp.approx.ftz.f32, which is
+    div.full.f32's 1/d for d <= 2^126 (x >= -87.3), and 0 instead of a subnormal below."""
+    d = 1.0 + _exp(-x)
+    if NATIVE:
+        return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [d],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        return 1.0 / d
+
+
 # ==================================================================================================
 # 1. Symmetric X @ X.T  (Polar Express.1); its epilogue flag also serves section 2
 # ==================================================================================================
@@ -510,16 +536,16 @@ _CE_BWD_INTERPRETER_TILES = {False: _CE_BWD_TILES[False], True: (4, 32, 64, 1)}
 
 
 @triton.jit
-def _ce_sigmoid(logit, B: tl.constexpr, C: tl.constexpr):
+def _ce_sigmoid(logit, B: tl.constexpr, C: tl.constexpr, NATIVE: tl.constexpr):
     """sigmoid((logit + B) / C) with the division as a multiplication by fp32(1/C)."""
     inv_c = tl.full([], 1.0, tl.float32) / C
-    return tl.sigmoid((logit + B) * inv_c)
+    return _sigmoid((logit + B) * inv_c, NATIVE)
 
 
 @triton.jit
 def _ce_fwd_kernel(logits_ptr, targets_ptr, weights_ptr, losses_ptr, lse_ptr, n_rows, n_cols,
                    stride_row, n_weights, A: tl.constexpr, B: tl.constexpr, C: tl.constexpr,
-                   BLOCK: tl.constexpr):
+                   NATIVE: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
     offs = tl.arange(0, BLOCK)
@@ -527,8 +553,8 @@ def _ce_fwd_kernel(logits_ptr, targets_ptr, weights_ptr, losses_ptr, lse_ptr, n_
     for start in range(0, n_cols, BLOCK):
         cols = start + offs
         logit = _load_as_fp32(row_ptr + cols, cols < n_cols)
-        z = A * _ce_sigmoid(logit, B, C)
-        lane_sum += tl.where(cols < n_cols, tl.exp(z - A), 0.0)
+        z = A * _ce_sigmoid(logit, B, C, NATIVE)
+        lane_sum += tl.where(cols < n_cols, _exp(z - A), 0.0)
     lse = A + tl.log(tl.sum(lane_sum, axis=0))
     tl.store(lse_ptr + row, lse)
     loss = tl.zeros([], dtype=tl.float32)
@@ -538,27 +564,27 @@ def _ce_fwd_kernel(logits_ptr, targets_ptr, weights_ptr, losses_ptr, lse_ptr, n_
         w = tl.load(weights_ptr + k)
         ok = has_target & (w > 0) & (target >= 0) & (target < n_cols)
         logit_t = _load_as_fp32(row_ptr + target, ok)
-        z_t = A * _ce_sigmoid(logit_t, B, C)
+        z_t = A * _ce_sigmoid(logit_t, B, C, NATIVE)
         loss += tl.where(ok, w * (lse - z_t), 0.0)
     tl.store(losses_ptr + row, loss)
 
 
 @triton.jit
 def _ce_dlogit(logit, g_row, sum_w, t_weight, lse, A: tl.constexpr, B: tl.constexpr,
-               C: tl.constexpr):
+               C: tl.constexpr, NATIVE: tl.constexpr):
     """dL/dlogit = g (S_w p - T_c) * z (1 - sigma) / C, p = exp(z - lse), in fp32."""
-    sig = _ce_sigmoid(logit, B, C)
+    sig = _ce_sigmoid(logit, B, C, NATIVE)
     z = A * sig
-    p = tl.exp(z - lse)
+    p = _exp(z - lse)
     inv_c = tl.full([], 1.0, tl.float32) / C
     return g_row * (sum_w * p - t_weight) * inv_c * z * (1.0 - sig)
 
 
 @triton.jit
 def _ce_out(dlogit, out_ptr, inv_scale, limit, QUANTIZE: tl.constexpr,
-            NATIVE_BF16: tl.constexpr):
+            NATIVE: tl.constexpr):
     """What the backward stores, cast to out_ptr's dtype: the gradient rounded to bf16 (skipped for
-    an fp32 output of the plain backward), then (QUANTIZE) the quantiser. NATIVE_BF16 (CUDA): the
+    an fp32 output of the plain backward), then (QUANTIZE) the quantiser. NATIVE (CUDA): the
     hardware's round-to-nearest-even conversion, one instruction where the rounding through the bits
     takes about eight (the backward is bound by instruction issue as much as by its exponentials);
     off: through the bits, exact in the interpreter too. The two agree on every non-NaN value.
@@ -568,7 +594,7 @@ def _ce_out(dlogit, out_ptr, inv_scale, limit, QUANTIZE: tl.constexpr,
     out_ty: tl.constexpr = out_ptr.dtype.element_ty
     g = dlogit
     if QUANTIZE or out_ty == tl.bfloat16:
-        if NATIVE_BF16:
+        if NATIVE:
             g = dlogit.to(tl.bfloat16).to(tl.float32)
         else:
             g = (_bf16_bits_rne(dlogit) << 16).to(tl.float32, bitcast=True)
@@ -593,7 +619,7 @@ def _ce_sum_w(weights_ptr, rows, n_rows, n_weights):
 def _ce_bwd_kernel(grad_ptr, stride_grad, logits_ptr, weights_ptr, lse_ptr, out_ptr, out_t_ptr,
                    n_rows, n_cols, stride_row, n_weights, cols_per_program, inv_scale, limit,
                    A: tl.constexpr, B: tl.constexpr, C: tl.constexpr, QUANTIZE: tl.constexpr,
-                   NATIVE_BF16: tl.constexpr, TRANSPOSED: tl.constexpr, BLOCK_R: tl.constexpr,
+                   NATIVE: tl.constexpr, TRANSPOSED: tl.constexpr, BLOCK_R: tl.constexpr,
                    BLOCK_C: tl.constexpr):
     """The dlogits of BLOCK_R rows x cols_per_program columns (a multiple of BLOCK_C), without the
     target term T_c (_ce_targets_kernel writes those elements afterwards). QUANTIZE=False: out =
@@ -614,8 +640,8 @@ def _ce_bwd_kernel(grad_ptr, stride_grad, logits_ptr, weights_ptr, lse_ptr, out_
         cols = start + offs
         mask = row_ok[:, None] & (cols < n_cols)[None, :]
         logit = _load_as_fp32(logits_ptr + rows64[:, None] * stride_row + cols[None, :], mask)
-        dlogit = _ce_dlogit(logit, g_row, sum_w, 0.0, lse, A, B, C)
-        out = _ce_out(dlogit, out_ptr, inv_scale, limit, QUANTIZE, NATIVE_BF16)
+        dlogit = _ce_dlogit(logit, g_row, sum_w, 0.0, lse, A, B, C, NATIVE)
+        out = _ce_out(dlogit, out_ptr, inv_scale, limit, QUANTIZE, NATIVE)
         tl.store(out_ptr + rows64[:, None] * n_cols + cols[None, :], out, mask=mask)
         if TRANSPOSED:
             tl.store(out_t_ptr + cols.to(tl.int64)[:, None] * n_rows + rows[None, :], tl.trans(out),
@@ -626,7 +652,7 @@ def _ce_bwd_kernel(grad_ptr, stride_grad, logits_ptr, weights_ptr, lse_ptr, out_
 def _ce_targets_kernel(grad_ptr, stride_grad, logits_ptr, targets_ptr, weights_ptr, lse_ptr,
                        out_ptr, out_t_ptr, n_rows, n_cols, stride_row, n_weights, inv_scale, limit,
                        A: tl.constexpr, B: tl.constexpr, C: tl.constexpr,
-                       QUANTIZE: tl.constexpr, NATIVE_BF16: tl.constexpr,
+                       QUANTIZE: tl.constexpr, NATIVE: tl.constexpr,
                        TRANSPOSED: tl.constexpr):
     """One row's target columns in full: T_c = the weights of every offset whose target is c. A
     column that is the target of several offsets is written once per offset, the same value."""
@@ -648,8 +674,8 @@ def _ce_targets_kernel(grad_ptr, stride_grad, logits_ptr, targets_ptr, weights_p
             t_weight += tl.where(has_j & (target_j == target), tl.load(weights_ptr + j), 0.0)
         col = tl.where(ok, target, 0).to(tl.int64)
         logit = _load_as_fp32(logits_ptr + row64 * stride_row + col, ok)
-        dlogit = _ce_dlogit(logit, g_row, sum_w, t_weight, lse, A, B, C)
-        out = _ce_out(dlogit, out_ptr, inv_scale, limit, QUANTIZE, NATIVE_BF16)
+        dlogit = _ce_dlogit(logit, g_row, sum_w, t_weight, lse, A, B, C, NATIVE)
+        out = _ce_out(dlogit, out_ptr, inv_scale, limit, QUANTIZE, NATIVE)
         tl.store(out_ptr + row64 * n_cols + col, out, mask=ok)
         if TRANSPOSED:
             tl.store(out_t_ptr + col * n_rows + row64, out, mask=ok)
@@ -686,8 +712,8 @@ def softcapped_mtp_ce_fwd_triton(logits: Tensor, targets: Tensor,
     if n_rows > 0:
         wrap_triton(_ce_fwd_kernel)[(n_rows,)](
             logits, targets, mtp_weights, losses, lse, n_rows, n_cols, logits.stride(0),
-            mtp_weights.shape[0], A=SOFTCAP_A, B=SOFTCAP_B, C=SOFTCAP_C, BLOCK=_CE_BLOCK,
-            num_warps=_CE_WARPS)
+            mtp_weights.shape[0], A=SOFTCAP_A, B=SOFTCAP_B, C=SOFTCAP_C, NATIVE=logits.is_cuda,
+            BLOCK=_CE_BLOCK, num_warps=_CE_WARPS)
     return losses, lse
 
 
@@ -711,7 +737,7 @@ def _launch_ce_bwd(grad_losses: Tensor, logits: Tensor, targets: Tensor, mtp_wei
     common = (lse, out, out if out_t is None else out_t, n_rows, n_cols, logits.stride(0),
               mtp_weights.shape[0])
     flags = dict(A=SOFTCAP_A, B=SOFTCAP_B, C=SOFTCAP_C, QUANTIZE=quantize,
-                 NATIVE_BF16=logits.is_cuda, TRANSPOSED=transposed)
+                 NATIVE=logits.is_cuda, TRANSPOSED=transposed)
     wrap_triton(_ce_bwd_kernel)[(triton.cdiv(n_rows, rows), triton.cdiv(n_cols, span))](
         *args, mtp_weights, *common, span, inv_scale, limit, BLOCK_R=rows, BLOCK_C=block,
         num_warps=warps, **flags)

@@ -1,18 +1,20 @@
 """Time the FP8 head's cross entropy kernels at the training shapes: forward, and the backward that writes the e5m2
 gradient in both layouts the head's FP8 matmuls need.
 
-    python3 bench/ce.py [--root=DIR] [--tiles=R:C:COLS:WARPS,...]
+    python3 bench/ce.py [--root=DIR] [--tiles=R:C:COLS:WARPS,...] [--digest]
 
 One CUDA GPU, about a minute. --root imports triton_kernels.py from another checkout (a baseline made with
 `git worktree` or `git archive`), so before and after run the same script; run each in its own process. A backward
 that returns one layout is timed with the transpose that checkout's trainer makes: triton_kernels.transpose_bytes
 where it exists, else torch.compile's; one that returns both layouts is timed alone. Rows of 16,384 / 32,768 / 49,152
 tokens (the micro-batches of the three batch phases on one GPU), vocabulary 50,304, three MTP weights; GPU time is
-the median of triton.testing.do_bench.
+the median of triton.testing.do_bench. --digest also prints a SHA-256 of each shape's outputs (losses, lse and both
+gradient layouts), so that the runs of two checkouts show whether a change kept every bit.
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import sys
 from pathlib import Path
 
@@ -36,6 +38,15 @@ def parse_tiles(text: str) -> list[tuple]:
     return tiles
 
 
+def digest(*tensors) -> str:
+    """The first 16 hex digits of a SHA-256 over the tensors' bytes, in order."""
+    import torch
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--root", default=str(Path(__file__).resolve().parent.parent),
@@ -43,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiles", default="",
                     help="also time the two-layout backward at these launches: BLOCK_R:BLOCK_C:columns per "
                          "program (0: the whole row):warps, comma-separated")
+    ap.add_argument("--digest", action="store_true",
+                    help="print a SHA-256 of each shape's outputs (compare two checkouts bit for bit)")
     args = ap.parse_args(argv)
     try:
         candidates = parse_tiles(args.tiles)
@@ -78,6 +91,9 @@ def main(argv: list[str] | None = None) -> int:
         fwd = ms(lambda: tk.softcapped_mtp_ce_fwd_triton(logits, targets, w))
         bwd = ms(lambda: backward(grad, logits, targets, w, lse))
         print(f"{n:>7} {fwd:8.3f} {bwd:20.3f} {fwd + bwd:8.3f}", flush=True)
+        if args.digest:
+            outputs = (*tk.softcapped_mtp_ce_fwd_triton(logits, targets, w), *backward(grad, logits, targets, w, lse))
+            print(f"{'':>7} sha256 of losses, lse, both gradient layouts: {digest(*outputs)}", flush=True)
         for tiles in candidates:
             t = ms(lambda: tk.softcapped_mtp_ce_bwd_fp8_triton(grad, logits, targets, w, lse, S_G, tiles=tiles))
             print(f"{'':>7} two-layout backward {tiles}: {t:.3f} ms", flush=True)

@@ -1,7 +1,8 @@
-"""bench/ce.py's --tiles: the launches it times, and one error line for a malformed list (no GPU needed)."""
+"""bench/ce.py's --tiles: the launches it times, and one error line for a malformed list; its --digest (no GPU needed)."""
 import sys
 
 import pytest
+import torch
 
 from _shards import ROOT
 
@@ -22,3 +23,15 @@ def test_malformed_tiles_are_one_error_line(text, capsys):
     assert bench_ce.main([f"--tiles={text}"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: --tiles:") and err.count("\n") == 1
+
+
+def test_digest_sees_every_bit_and_the_order():
+    a = torch.arange(12, dtype=torch.float32).view(3, 4)
+    b = torch.tensor([3, 250], dtype=torch.uint8)
+    same = bench_ce.digest(a.clone(), b.clone())
+    assert bench_ce.digest(a, b) == same and len(same) == 16
+    flipped = a.clone()
+    flipped.view(torch.int32)[2, 3] ^= 1  # the lowest mantissa bit of one element
+    assert bench_ce.digest(flipped, b) != same
+    assert bench_ce.digest(b, a) != same
+    assert bench_ce.digest(a.t(), b) != same  # the values in memory order of the tensor as given

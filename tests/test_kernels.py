@@ -184,7 +184,7 @@ def _sm90_cases():
                "c_coef": "fp32"}
     mlp_sig = {"a_ptr": "*bf16", "b_ptr": "*bf16", "pre_ptr": "*bf16", "out_ptr": "*bf16", "M": "i32", "N": "i32",
                "K": "i32", "stride_am": "i32", "stride_bn": "i32", "stride_pm": "i32", "stride_om": "i32"}
-    ce_consts = {"A": tk.SOFTCAP_A, "B": tk.SOFTCAP_B, "C": tk.SOFTCAP_C, "BLOCK": tk._CE_BLOCK}
+    ce_consts = {"A": tk.SOFTCAP_A, "B": tk.SOFTCAP_B, "C": tk.SOFTCAP_C, "NATIVE": True, "BLOCK": tk._CE_BLOCK}
     cases = []
     for bm, bn, bk, warps, stages in (tk._SYM_SMALL_TILES, tk._SYM_LARGE_TILES):
         tiles = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}
@@ -206,7 +206,7 @@ def _sm90_cases():
     softcap = {k: v for k, v in ce_consts.items() if k != "BLOCK"}
     # the plain bf16 backward (one layout) and the FP8 head's (both layouts), as the launcher pairs them
     for quantize, out in ((False, "*bf16"), (True, "*fp8e5")):
-        flags = {"QUANTIZE": quantize, "NATIVE_BF16": True, "TRANSPOSED": quantize}
+        flags = {"QUANTIZE": quantize, "NATIVE": True, "TRANSPOSED": quantize}
         rows, block, _, warps = tk._CE_BWD_TILES[quantize]
         sig = {**ce_bwd_sig, "out_ptr": out, "out_t_ptr": out, "cols_per_program": "i32"}
         cases.append(("ce_bwd", tk._ce_bwd_kernel, sig, {**softcap, **flags, "BLOCK_R": rows, "BLOCK_C": block},
@@ -253,6 +253,23 @@ def test_ce_bwd_fp8_output_saturates_in_the_cast():
     assert "cvt.rn.satfinite.e5m2x2.f32" in ptx["*fp8e5"]
     assert "min.f32" not in ptx["*fp8e5"] and "max.f32" not in ptx["*fp8e5"]
     assert "min.f32" in ptx["*fp32"] and "max.f32" in ptx["*fp32"]
+
+
+def test_ce_kernels_use_the_flush_to_zero_special_functions():
+    """The cross entropy kernels' exponentials and reciprocals are the bare ex2.approx.ftz / rcp.approx.ftz: tl.exp and
+    a division would bring ex2.approx.f32 and div.full.f32, each with a compare and two multiplies per element around
+    it (tests/test_kernels_gpu.py checks that the values agree where they are normal)."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("the interpreter replaces triton.jit; run without TRITON_INTERPRET")
+    for name, kernel, sig, consts, opts, contiguous, aligned in _sm90_cases():
+        if not name.startswith("ce_"):
+            continue
+        try:
+            ptx = compile_for_h100(kernel, sig, consts, opts, contiguous, aligned).asm["ptx"]
+        except (ImportError, FileNotFoundError) as e:
+            pytest.skip(f"cannot compile for sm_90 here: {e}")
+        assert "ex2.approx.ftz.f32" in ptx and "rcp.approx.ftz.f32" in ptx, name
+        assert "ex2.approx.f32" not in ptx and "div.full.f32" not in ptx and "div.rn.f32" not in ptx, name
 
 
 def test_attention_kernels_compile_with_fp64_scales():

@@ -8,6 +8,8 @@ tile, mask or epilogue gives errors of order 1.
 """
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import triton_kernels as tk
 
@@ -173,6 +175,40 @@ def test_softcapped_mtp_ce_bf16(weights):
     # The sum's gradient arrives expanded (stride 0): same result.
     (d_sum,) = torch.autograd.grad(tk.softcapped_mtp_ce(logits, targets, w).sum() / 8, logits)
     assert rel_err(d_sum, want_d) < BF16_TOL
+
+
+@triton.jit
+def _special_functions_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    """Rows of out: tl.exp, triton_kernels._exp, tl.sigmoid, triton_kernels._sigmoid (NATIVE) of x."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    x = tl.load(x_ptr + offs, mask=ok)
+    tl.store(out_ptr + offs, tl.exp(x), mask=ok)
+    tl.store(out_ptr + n + offs, tk._exp(x), mask=ok)
+    tl.store(out_ptr + 2 * n + offs, tl.sigmoid(x), mask=ok)
+    tl.store(out_ptr + 3 * n + offs, tk._sigmoid(x, True), mask=ok)
+
+
+def test_ftz_exp_and_sigmoid_are_tl_exp_and_sigmoid_where_normal():
+    """The cross entropy's flush-to-zero e^x and sigmoid give tl.exp's and tl.sigmoid's bits wherever those are normal
+    (or 0, inf, NaN), and 0 where those are subnormal, over every bf16 value (the logits are bf16) and the fp32 values
+    the kernels feed them: 2^20 randoms of either sign up to 2^8, and every fp32 from -104 to -86, where both
+    functions cross into subnormals."""
+    bf16 = torch.arange(-2 ** 15, 2 ** 15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+    g = torch.Generator().manual_seed(0)
+    rand = (torch.rand(2 ** 20, generator=g) * 2 - 1) * torch.exp2(torch.rand(2 ** 20, generator=g) * 8)
+    first, last = sorted(torch.tensor([-104.0, -86.0]).view(torch.int32).tolist())
+    edge = torch.arange(first, last + 1, 7, dtype=torch.int32).view(torch.float32)  # every 7th fp32 between
+    x = torch.cat([bf16, rand, edge]).cuda()
+    n = x.numel()
+    out = torch.empty(4, n, device="cuda")
+    _special_functions_kernel[(triton.cdiv(n, 1024),)](x, out, n, BLOCK=1024)
+    for plain, ftz in ((out[0], out[1]), (out[2], out[3])):
+        subnormal = (plain != 0) & (plain.abs() < torch.finfo(torch.float32).tiny)
+        assert subnormal.any() and (~subnormal).sum() > n // 2  # both regimes are covered
+        assert torch.equal(ftz[subnormal], torch.zeros_like(ftz[subnormal]))
+        keep = ~subnormal
+        assert torch.equal(ftz[keep].view(torch.int32), plain[keep].view(torch.int32))
 
 
 S_G = 0.75 / 448  # the FP8 head's gradient scale
