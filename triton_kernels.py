@@ -305,22 +305,28 @@ def ba_plus_cAA(A: Tensor, b: float, c: float) -> Tensor:
 #   backward (BACKWARD=True):  d = bf16(2 * bf16(acc) * relu(pre)), pre read back from the forward.
 # The c_proj matmuls stay on cuBLAS.
 #
-# The model's K is short (768: 12 K-steps of 64), so a tile that fills its software pipeline, runs
-# and drains it, then stores 2 x 64 KiB before the next tile's first load spends a large share of
-# its time waiting. The tile loop is therefore flattened into the K loop (`tl.range(flatten=True)`):
-# the pipeline runs straight across tiles, so the next tile's operands are in flight while this
-# tile's epilogue stores (0.4-8% faster at 49k rows than the same tiles unflattened; bitwise the
-# same outputs).
-# Tiles (BM, BN, BK, GROUP_M, warps, stages, flatten), fixed, no autotuning at start-up: 128 x 256
-# outputs is the largest tile whose fp32 accumulator fits in two warpgroups' registers (128 per
-# thread), the best operand reuse per byte of shared memory; K-step 64 makes a 48 KiB stage; 3
-# stages (176 KiB of shared memory flattened) tie with 4 (224 KiB, at the H100's limit).
-# bench/mlp_tiles.py times the candidates (records/2026-11-25_mlp_kernel_flattened_1xH100).
+# The kernel is warp-specialised: with `tl.range(warp_specialize=True)` and operands loaded through
+# tensor descriptors (TMA), Triton splits each 4-warp program on sm_90 into a producer warpgroup that
+# only issues the TMA loads and two consumer warpgroups that each run wgmma on half the tile's rows
+# and its epilogue (12 warps; setmaxnreg moves registers from the producer to the consumers). The
+# producer runs ahead into the next tile's K-steps while the consumers store, so the pipeline runs
+# across tiles. On an H200 at 49k rows this took 0.453 / 0.467 ms (forward / backward) against
+# 0.493 / 0.516 for the earlier single-role pipeline with the tile loop flattened into the K loop,
+# bitwise the same outputs (bench/mlp_tiles.py; records/2026-11-26_mlp_warp_specialized_1xH200).
+# The epilogue reads pre and writes by pointer: triton 3.6 warp-specialises a descriptor load of pre
+# wrongly (elements of dpre came out wrong). Triton ignores warp_specialize with 8 warps or a
+# flattened loop, and the interpreter ignores it.
+# Tiles (BM, BN, BK, GROUP_M, warps, stages), fixed, no autotuning at start-up: 128 x 256 outputs is
+# the largest tile whose fp32 accumulator fits in the two consumers' registers (128 per thread),
+# the best operand reuse per byte of shared memory; K-step 64 makes a 48 KiB stage; 3 stages take
+# 176 KiB of shared memory. 4 stages (224 KiB) and 128 x 128 / 256 x 128 tiles were no faster, and
+# 128 x 128 with 5 stages came out wrong under triton 3.6, like the descriptor load above: the GPU
+# tests compare the trainer's tiles with the plain loop bit for bit.
 # The grid is persistent (one program per SM walking the tiles in grouped order), so the ~400-1200
 # tiles of the training shapes run without wave tails and consecutive tiles reuse b's rows in L2.
-_MLP_TILES = (128, 256, 64, 8, 8, 3, True)
+_MLP_TILES = (128, 256, 64, 8, 4, 3)
 # Interpreter tiles for CPU tests: small, several tiles per persistent program.
-_MLP_INTERPRETER_TILES = (16, 32, 16, 2, 4, 2, True)
+_MLP_INTERPRETER_TILES = (16, 32, 16, 2, 4, 2)
 
 
 @triton.jit
@@ -337,30 +343,26 @@ def _grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 def _relu2_linear_kernel(a_ptr, b_ptr, pre_ptr, out_ptr, M, N, K, stride_am, stride_bn, stride_pm,
                          stride_om, BACKWARD: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                         FLATTEN: tl.constexpr):
-    """Persistent a @ b.T with the relu^2 epilogues above; K must be a multiple of BLOCK_K (checked
-    by the launcher)."""
+                         WARP_SPECIALIZE: tl.constexpr):
+    """Persistent a @ b.T with the relu^2 epilogues above; K must be a multiple of BLOCK_K and the
+    operands TMA-aligned (both checked by the launcher)."""
+    # Rows past M (the last row block) load as zeros and are not stored.
+    a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_am, 1],
+                                       block_shape=[BLOCK_M, BLOCK_K])
+    b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[stride_bn, 1],
+                                       block_shape=[BLOCK_N, BLOCK_K])
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_tiles = num_pid_m * num_pid_n
-    k_steps = K // BLOCK_K
-    rk = tl.arange(0, BLOCK_K)
-    # The epilogue keeps its own tile counter instead of reusing the loop's: in the flattened loop
-    # the loads of the next tile are issued before this tile's epilogue runs.
-    stored = tl.program_id(0) - tl.num_programs(0)
-    for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=FLATTEN):
+    for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0),
+                         warp_specialize=WARP_SPECIALIZE):
         pid_m, pid_n = _grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        a_ptrs = a_ptr + (rows % M).to(tl.int64)[:, None] * stride_am + rk[None, :]  # (BM, BK),
-                                                                                     # wrapped rows
-        b_ptrs = b_ptr + (cols % N).to(tl.int64)[:, None] * stride_bn + rk[None, :]  # (BN, BK)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in range(0, k_steps):
-            acc = tl.dot(tl.load(a_ptrs + k * BLOCK_K), tl.trans(tl.load(b_ptrs + k * BLOCK_K)), acc)
+        for k in range(0, K // BLOCK_K):
+            a = a_desc.load([pid_m * BLOCK_M, k * BLOCK_K])
+            b = b_desc.load([pid_n * BLOCK_N, k * BLOCK_K])
+            acc = tl.dot(a, b.T, acc)
 
-        stored += tl.num_programs(0)
-        pid_m, pid_n = _grouped_tile(stored, num_pid_m, num_pid_n, GROUP_M)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         mask = (rows[:, None] < M) & (cols[None, :] < N)
@@ -378,20 +380,38 @@ def _relu2_linear_kernel(a_ptr, b_ptr, pre_ptr, out_ptr, M, N, K, stride_am, str
             tl.store(out_ptrs, (r * r).to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def _descriptor_scratch(size: int, alignment: int, stream: int | None) -> Tensor:
+    """Global memory for the tensor descriptors a kernel builds on the device (a few hundred bytes
+    per launch; Triton asks its allocator at each launch)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
 def _launch_relu2_linear(a: Tensor, b: Tensor, pre: Tensor, out: Tensor, backward: bool,
-                         tiles: tuple | None) -> None:
+                         tiles: tuple | None, warp_specialize: bool | None = None) -> None:
+    """warp_specialize: None = on CUDA (False: the single-role pipeline, for tests and benches)."""
     M, K = a.shape
     N = b.shape[0]
-    bm, bn, bk, group_m, warps, stages, flatten = tiles or (
+    bm, bn, bk, group_m, warps, stages = tiles or (
         _MLP_TILES if a.is_cuda else _MLP_INTERPRETER_TILES)
     _check(K % bk == 0, f"relu2_mlp needs the model dim ({K}) to be a multiple of {bk} (the "
                         "kernel's K-step)")
+    # TMA reads rows that start on 16-byte boundaries. Storage starts are aligned (torch's
+    # allocators), and data_ptr() does not exist while torch.compile traces with fake tensors.
+    _check(all(t.storage_offset() * t.element_size() % 16 == 0
+               and t.stride(0) * t.element_size() % 16 == 0 for t in (a, b)),
+           "relu2_mlp reads its operands by TMA: they must start on a 16-byte boundary, their rows "
+           "a multiple of 16 bytes apart (a bf16 model dim that is a multiple of 8)")
+    if a.is_cuda:
+        # The launch asks this context's allocator for the descriptors' scratch. Set it here, in
+        # whatever thread launches (autograd runs the backward in its own); compiled graphs launch
+        # through inductor, which sets its own.
+        triton.set_allocator(_descriptor_scratch)
     launch = dict(num_warps=warps, num_stages=stages) if a.is_cuda else {}
     grid = (min(_num_programs_persistent(a.device), triton.cdiv(M, bm) * triton.cdiv(N, bn)),)
     wrap_triton(_relu2_linear_kernel)[grid](
         a, b, pre, out, M, N, K, a.stride(0), b.stride(0), pre.stride(0), out.stride(0),
-        BACKWARD=backward, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, FLATTEN=flatten,
-        **launch)
+        BACKWARD=backward, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m,
+        WARP_SPECIALIZE=a.is_cuda if warp_specialize is None else warp_specialize, **launch)
 
 
 def _check_mlp_operands(x: Tensor, w: Tensor, x_name: str, w_name: str) -> None:
@@ -411,7 +431,7 @@ def relu2_mlp_fwd_triton(x: Tensor, c_fc: Tensor, tiles: tuple | None = None
                          ) -> tuple[Tensor, Tensor]:
     """x (M, D), c_fc (H, D) -> pre = bf16(x @ c_fc.T), post = bf16(relu(pre)^2), each (M, H).
 
-    tiles=(BM, BN, BK, GROUP_M, warps, stages, flatten) fixes the tiles (tests, bench/mlp_tiles.py);
+    tiles=(BM, BN, BK, GROUP_M, warps, stages) fixes the tiles (tests, bench/mlp_tiles.py);
     None: _MLP_TILES on CUDA, _MLP_INTERPRETER_TILES elsewhere."""
     _check_mlp_operands(x, c_fc, "x", "c_fc")
     pre = torch.empty((x.shape[0], c_fc.shape[0]), dtype=x.dtype, device=x.device)

@@ -96,10 +96,10 @@ def test_sym_launcher_rejects_bad_input():
 # Section 3: relu^2 MLP
 # ------------------------------------------------------------------------------------------------------------------
 
-MLP_CASES = [  # (M, D, H, tiles=(BM, BN, BK, GROUP_M, warps, stages, flatten)); M and H not multiples of the tile,
-    (37, 32, 80, (16, 32, 16, 2, 4, 2, True)),   # several tiles per program
-    (64, 48, 64, (32, 32, 16, 1, 4, 2, False)),
-    (21, 16, 40, (16, 16, 16, 3, 4, 2, True)),
+MLP_CASES = [  # (M, D, H, tiles=(BM, BN, BK, GROUP_M, warps, stages)); M and H not multiples of the tile,
+    (37, 32, 80, (16, 32, 16, 2, 4, 2)),   # several tiles per program
+    (64, 48, 64, (32, 32, 16, 1, 4, 2)),
+    (21, 16, 40, (16, 16, 16, 3, 4, 2)),
 ]
 
 
@@ -143,9 +143,11 @@ def test_relu2_mlp_autograd_matches_reference():
 
 def test_relu2_mlp_launcher_rejects_bad_input():
     with pytest.raises(ValueError, match="multiple of 16 \\(the kernel.s K-step\\)"):
-        tk.relu2_mlp_fwd_triton(torch.randn(8, 24), torch.randn(16, 24), tiles=(16, 16, 16, 1, 4, 2, True))
+        tk.relu2_mlp_fwd_triton(torch.randn(8, 24), torch.randn(16, 24), tiles=(16, 16, 16, 1, 4, 2))
     with pytest.raises(ValueError, match="cast both"):
         tk.relu2_mlp_fwd_triton(torch.randn(8, 32), torch.randn(16, 32, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="16 bytes apart"):  # rows 33 floats apart: no TMA descriptor
+        tk.relu2_mlp_fwd_triton(torch.randn(8, 33)[:, :32], torch.randn(16, 32), tiles=(16, 16, 16, 1, 4, 2))
 
 
 # ------------------------------------------------------------------------------------------------------------------

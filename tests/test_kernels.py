@@ -191,9 +191,9 @@ def _sm90_cases():
         cases.append(("sym", tk._sym_aat_kernel, sym_sig, {"ADD_BA": True, **tiles},
                       {"num_warps": warps, "num_stages": stages}, ("stride_ak", "stride_on"),
                       ("a_ptr", "out_ptr", "M", "K", "stride_ab", "stride_am", "stride_ob", "stride_om")))
-    bm, bn, bk, group_m, warps, stages, flatten = tk._MLP_TILES
+    bm, bn, bk, group_m, warps, stages = tk._MLP_TILES
     for backward in (False, True):
-        tiles = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m, "FLATTEN": flatten}
+        tiles = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m, "WARP_SPECIALIZE": True}
         cases.append(("mlp", tk._relu2_linear_kernel, mlp_sig, {"BACKWARD": backward, **tiles},
                       {"num_warps": warps, "num_stages": stages}, (), tuple(mlp_sig)))
     cases.append(("ce_fwd", tk._ce_fwd_kernel,
@@ -307,6 +307,10 @@ def test_kernels_compile_for_h100_without_fp64(case):
         stages = opts["num_stages"]
         tile_bytes = 2 * consts["BLOCK_K"] * (consts["BLOCK_M"] + consts["BLOCK_N"])
         assert compiled.metadata.shared >= (stages - 1) * tile_bytes, f"{name}: K loop not pipelined"
+    if name == "mlp":
+        # warp-specialised: a TMA-loading warpgroup beside the two computing ones, registers moved between them
+        assert compiled.metadata.num_warps == 3 * opts["num_warps"], f"{name}: not warp-specialised"
+        assert "setmaxnreg" in compiled.asm["ptx"] and "cp.async.bulk.tensor" in compiled.asm["ptx"], name
 
 
 def test_sym_tiles_follow_the_measured_rule(monkeypatch):
