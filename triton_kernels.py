@@ -310,18 +310,19 @@ def ba_plus_cAA(A: Tensor, b: float, c: float) -> Tensor:
 # only issues the TMA loads and two consumer warpgroups that each run wgmma on half the tile's rows
 # and its epilogue (12 warps; setmaxnreg moves registers from the producer to the consumers). The
 # producer runs ahead into the next tile's K-steps while the consumers store, so the pipeline runs
-# across tiles. On an H200 at 49k rows this took 0.453 / 0.467 ms (forward / backward) against
-# 0.493 / 0.516 for the earlier single-role pipeline with the tile loop flattened into the K loop,
-# bitwise the same outputs (bench/mlp_tiles.py; records/2026-11-26_mlp_warp_specialized_1xH200).
+# across tiles. On an H200 at 49k rows this took 0.468 / 0.457 ms (forward / backward) against
+# 0.492 / 0.506 for the earlier single-role pipeline with the tile loop flattened into the K loop,
+# bitwise the same outputs (bench/mlp_tiles.py; records/2026-11-26_mlp_warp_specialized_1xH200);
+# cuBLAS takes 0.376 ms for the matmul alone.
 # The epilogue reads pre and writes by pointer: triton 3.6 warp-specialises a descriptor load of pre
 # wrongly (elements of dpre came out wrong). Triton ignores warp_specialize with 8 warps or a
 # flattened loop, and the interpreter ignores it.
 # Tiles (BM, BN, BK, GROUP_M, warps, stages), fixed, no autotuning at start-up: 128 x 256 outputs is
 # the largest tile whose fp32 accumulator fits in the two consumers' registers (128 per thread),
 # the best operand reuse per byte of shared memory; K-step 64 makes a 48 KiB stage; 3 stages take
-# 176 KiB of shared memory. 4 stages (224 KiB) and 128 x 128 / 256 x 128 tiles were no faster, and
-# 128 x 128 with 5 stages came out wrong under triton 3.6, like the descriptor load above: the GPU
-# tests compare the trainer's tiles with the plain loop bit for bit.
+# 176 KiB of shared memory. 4 stages (224 KiB) and 128 x 128 / 256 x 128 tiles were no faster. An
+# experiment with 128 x 128 tiles, 5 stages and descriptor stores also came out wrong under triton
+# 3.6, so the GPU tests compare the trainer's tiles with the single-role pipeline bit for bit.
 # The grid is persistent (one program per SM walking the tiles in grouped order), so the ~400-1200
 # tiles of the training shapes run without wave tails and consecutive tiles reuse b's rows in L2.
 _MLP_TILES = (128, 256, 64, 8, 4, 3)
