@@ -1,6 +1,6 @@
 """Time the attention's q/k norm + rotary block, compiled as the model compiles it, in equivalent formulations.
 
-    python3 bench/qk_rotary.py [--tokens=49152] [--iters=50]
+    python3 bench/qk_rotary.py [--tokens=49152]
 
 One CUDA GPU, a minute or two. The block is GPT.attention's first part: q, k = rms(q), rms(k) per head, then the
 half-truncated rotary, for a normal layer (table row = position) and a paired one (heads 2b, 2b+1 at rows 2t, 2t+1),
@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 
 import torch
+from triton.testing import do_bench
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train_gpt as tg  # noqa: E402
@@ -73,22 +73,9 @@ def block(rotary, paired: bool, H: int, hd: int):
     return run
 
 
-def timed(fn, iters: int) -> float:
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def main(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=49152, help="tokens per micro-batch (phase 3: 393,216 / 8)")
-    ap.add_argument("--iters", type=int, default=50)
     args = ap.parse_args(argv)
     from torch._inductor.utils import run_and_get_code
 
@@ -126,7 +113,7 @@ def main(argv):
                 first = outs
             differs = ", ".join(str(int((a != b).sum())) for a, b in zip(outs, first))
             fwd()
-            t_f, t_fb = timed(fwd, args.iters), timed(fwd_bwd, args.iters)
+            t_f, t_fb = (do_bench(fn, warmup=25, rep=100, return_mode="median") for fn in (fwd, fwd_bwd))
             t_b = t_fb - t_f
             print(f"{'paired' if paired else 'normal':<7} {name:<16} {t_f:>7.3f} {t_fb:>10.3f} "
                   f"{fwd_bytes / t_f / 1e9:>8.2f} {bwd_bytes / t_b / 1e9:>8.2f} {'/'.join(kinds):<22} {differs}")
