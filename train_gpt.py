@@ -2581,6 +2581,7 @@ def preflight(hp: Hyperparameters, world_size: int, device: torch.device,
                          torch.device("cpu"), hp.tokens_per_doc_bound, hp.vocab_size):
         pass
     check_document_density(train_files[0], hp)
+    check_fused_kernel_shapes(hp, device)
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory / 2**30
         est = estimate_gpu_memory_gib(hp, world_size)
@@ -2593,6 +2594,16 @@ def preflight(hp: Hyperparameters, world_size: int, device: torch.device,
                  f"trained tokens; {len(val_files)} val shard(s), {hp.val_tokens:,} tokens per "
                  "validation")
     return notes
+
+
+def check_fused_kernel_shapes(hp: Hyperparameters, device: torch.device) -> None:
+    """Raise ConfigError for a model dim the fused MLP kernel cannot take, before compiling; that
+    kernel runs on CUDA only (elsewhere the MLP is its plain-PyTorch reference)."""
+    k_step = tk._MLP_TILES[2]
+    if device.type == "cuda" and hp.kernels == "fused" and hp.model_dim % k_step:
+        raise ConfigError(f"the fused MLP kernel reads the model dim in steps of {k_step}: use a "
+                          f"--model_dim that is a multiple of {k_step} (not {hp.model_dim}), or "
+                          "--kernels=torch")
 
 
 def check_document_density(path: str, hp: Hyperparameters, sample_tokens: int = 4_000_000) -> None:

@@ -61,6 +61,33 @@ def test_validation_names_the_fix(world_size, argv, needle):
     assert needle in str(e.value)
 
 
+def test_fused_kernel_shapes_are_checked_before_compiling_on_a_gpu_only():
+    """The fused MLP kernel (CUDA only) reads the model dim in K-steps of 64: 6 heads of 132 pass the model's own
+    checks but not the kernel's, which preflight names; on a CPU, or with --kernels=torch, the MLP is the
+    reference and any dim goes."""
+    hp = tg.parse_args(["--num_heads=6", "--head_dim=132", "--model_dim=792"])
+    tg.validate_hyperparameters(hp, 1)
+    with pytest.raises(tg.ConfigError, match="multiple of 64 \\(not 792\\), or --kernels=torch"):
+        tg.check_fused_kernel_shapes(hp, torch.device("cuda"))
+    tg.check_fused_kernel_shapes(hp, torch.device("cpu"))
+    tg.check_fused_kernel_shapes(tg.parse_args(["--num_heads=6", "--head_dim=132", "--model_dim=792",
+                                                "--kernels=torch"]), torch.device("cuda"))
+    tg.check_fused_kernel_shapes(tg.Hyperparameters(), torch.device("cuda"))
+
+
+def test_preflight_names_a_model_dim_the_gpu_kernels_cannot_take(tmp_path):
+    """preflight runs the check before anything compiles (it raises before its CUDA memory query, so a CPU
+    machine can test it); on the CPU the same options pass."""
+    from _shards import make_dataset
+    make_dataset(tmp_path)
+    hp = tg.parse_args(["--preset=tiny", f"--train_files={tmp_path}/*train*.bin", f"--val_files={tmp_path}/*val*.bin",
+                        "--num_heads=4", "--head_dim=36", "--model_dim=144"])
+    tg.validate_hyperparameters(hp, 1)
+    with pytest.raises(tg.ConfigError, match="not 144"):
+        tg.preflight(hp, 1, torch.device("cuda"))
+    assert tg.preflight(hp, 1, torch.device("cpu"))[-1].startswith("data:")
+
+
 @pytest.mark.parametrize("world_size", [1, 2, 4, 8])
 def test_defaults_valid_on_every_supported_world_size(world_size):
     tg.validate_hyperparameters(tg.Hyperparameters(), world_size)
