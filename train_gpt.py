@@ -899,8 +899,8 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     out[2m] = cos*x[2m] + sin*x[2m+1];  out[2m+1] = cos*x[2m+1] - sin*x[2m]
     (the minus lives in the sin table).
     The swap is a flip of each pair: unbinding the pairs and stacking them back is the same math
-    and faster in a standalone benchmark, but made a compiled phase-3 step slower
-    (bench/qk_rotary.py).
+    and faster in a standalone benchmark, but made a compiled phase-3 step slower, and a
+    rotate-half layout of the same dims was no faster (bench/qk_rotary.py).
     """
     half = x.shape[-1] // 2
     x_rot, x_pass = x[..., :half], x[..., half:]

@@ -15,8 +15,8 @@ that implies (bytes of the unavoidable reads and writes), which reduction kinds 
 kernels), and how many elements of q, k and d(qkv) differ from the first formulation's (the trainer's).
 
 Measured (records/2026-11-26_4xH200_record61_and_rotary_1xH200): every formulation still loops, and unbind's faster
-block alone did not carry into the model, where both unbind variants made a phase-3 step 5-6 ms slower. Confirm a
-win here with `bench/run.sh ab` before changing the trainer.
+block alone did not carry into the model, where both unbind variants made a phase-3 step 5-6 ms slower and a
+rotate-half layout was no faster. Confirm a win here with `bench/run.sh ab` before changing the trainer.
 """
 from __future__ import annotations
 
