@@ -32,7 +32,10 @@ commands:
                      before/after, both in this call: NS (default 60) + 6 steps of the code in the folder BASE (a
                      checkout of the baseline, e.g. `git worktree add /tmp/base <commit>`), then the same run of this
                      code (seed 0, validation every 20), then bench/phase_times.py's table of the two: ms/step per
-                     batch phase with the ratio to BASE, last validation, peak memory
+                     batch phase with the ratio to BASE, last validation, peak memory. Both runs share torch's
+                     caches, whose keys see the graphs, triton_kernels.py and the trainer's graph pass; to measure a
+                     change they do not see (an inductor heuristic), run each tree's bench/run.sh backends under its
+                     own TORCHINDUCTOR_CACHE_DIR
   startup [OPTION ...]
                      start-up times: NS (default 30) + 3 steps three times with torch's caches in $OUT/startup_cache:
                      cold (no caches, no compile cache file), second (everything kept), fresh (only the compile cache
