@@ -5,7 +5,7 @@ the same contract, and the public op used by train_gpt.py. A public op runs the 
 CUDA tensors and the reference elsewhere (for the cross entropy, a chunked form of it, for speed),
 so the trainer runs unchanged on a CPU.
 Importing this file does nothing: no device queries, no compiles. Nothing autotunes at start-up:
-each launcher's tiles are fixed, chosen by a bench/ script whose output is in records/.
+each launcher's tiles are fixed, chosen by a bench/ script (measurements: notes/kernels.md).
 
 How the ops reach torch.compile: every kernel launch sits inside a `torch.library.triton_op`
 (namespace `nanogpt_kernels`) and goes through `torch.library.wrap_triton`, so
@@ -96,10 +96,8 @@ def _store_from_fp32(ptrs, x, mask):
 
 
 # e^x and 1/(1 + e^-x) without subnormal results, for the cross entropy (section 4), whose loops are
-# bound by instruction issue and the special-function unit. tl.exp and a division lower to
-# ex2.approx.f32 and div.full.f32, and ptxas wraps each in a compare and two multiplies so that a
-# result below 2^-126 comes out subnormal instead of 0. tl.exp2 already lowers to the bare
-# ex2.approx.ftz.f32 (triton 3.6 and 3.9), and rcp.approx.ftz.f32 is the bare reciprocal. They
+# bound by instruction issue: tl.exp and a division get a compare and two multiplies each from ptxas
+# to produce subnormals, while tl.exp2 (ex2.approx.ftz.f32) and rcp.approx.ftz.f32 are bare. They
 # give the same bits wherever the result is normal: 2^x for x >= -126, 1/d for d <= 2^126.
 # NATIVE=False (the interpreter, which runs no PTX) takes the plain division.
 
@@ -130,12 +128,10 @@ def _sigmoid(x, NATIVE: tl.constexpr):
 # product, so the output is exactly symmetric whatever the tile shapes (also when BM != BN and tiles
 # straddle the diagonal) and whatever the summation order inside tl.dot.
 
-# Fixed tiles (BM, BN, BK, warps, stages), no autotuning: autotuning compiled and timed six configs
-# at each of the three shapes at every start (about 20 s on an H200). bench/optimizer_tiles.py timed
-# those six at the shapes Polar Express gives the kernel (1 and 8 GPUs' shares of the banks): 64x64
-# tiles are the fastest or within 1% everywhere except X X^T of the MLP's 768 x 3072 matrices with
-# enough 128x128 tiles to fill the GPU, where 128x128 is 6-14% faster (records/
-# 2026-11-22_startup_1xH200_4xH200/optimizer_tiles.txt).
+# Fixed tiles (BM, BN, BK, warps, stages), no autotuning, so start-up compiles and times nothing:
+# 64x64 suits every shape Polar Express gives the kernel except long rows (K >= _SYM_LARGE_MIN_K,
+# X X^T of the MLP's 768 x 3072 matrices) with enough 128x128 tiles to fill every SM.
+# (measurements: notes/kernels.md#xxt)
 _SYM_SMALL_TILES = (64, 64, 64, 4, 4)
 _SYM_LARGE_TILES = (128, 128, 64, 8, 3)
 _SYM_LARGE_MIN_K = 2048
@@ -305,26 +301,16 @@ def ba_plus_cAA(A: Tensor, b: float, c: float) -> Tensor:
 #   backward (BACKWARD=True):  d = bf16(2 * bf16(acc) * relu(pre)), pre read back from the forward.
 # The c_proj matmuls stay on cuBLAS.
 #
-# The kernel is warp-specialised: with `tl.range(warp_specialize=True)` and operands loaded through
-# tensor descriptors (TMA), Triton splits each 4-warp program on sm_90 into a producer warpgroup that
-# only issues the TMA loads and two consumer warpgroups that each run wgmma on half the tile's rows
-# and its epilogue (12 warps; setmaxnreg moves registers from the producer to the consumers). The
-# producer runs ahead into the next tile's K-steps while the consumers store, so the pipeline runs
-# across tiles. On an H200 at 49k rows this took 0.468 / 0.457 ms (forward / backward) against
-# 0.492 / 0.506 for the earlier single-role pipeline with the tile loop flattened into the K loop,
-# bitwise the same outputs (bench/mlp_tiles.py; records/2026-11-26_mlp_warp_specialized_1xH200);
-# cuBLAS takes 0.376 ms for the matmul alone.
-# The epilogue reads pre and writes by pointer: triton 3.6 warp-specialises a descriptor load of pre
-# wrongly (elements of dpre came out wrong). Triton ignores warp_specialize with 8 warps or a
-# flattened loop, and the interpreter ignores it.
-# Tiles (BM, BN, BK, GROUP_M, warps, stages), fixed, no autotuning at start-up: 128 x 256 outputs is
-# the largest tile whose fp32 accumulator fits in the two consumers' registers (128 per thread),
-# the best operand reuse per byte of shared memory; K-step 64 makes a 48 KiB stage; 3 stages take
-# 176 KiB of shared memory. 4 stages (224 KiB) and 128 x 128 / 256 x 128 tiles were no faster. An
-# experiment with 128 x 128 tiles, 5 stages and descriptor stores also came out wrong under triton
-# 3.6, so the GPU tests compare the trainer's tiles with the single-role pipeline bit for bit.
-# The grid is persistent (one program per SM walking the tiles in grouped order), so the ~400-1200
-# tiles of the training shapes run without wave tails and consecutive tiles reuse b's rows in L2.
+# Warp specialisation (`tl.range(warp_specialize=True)`, operands loaded by TMA descriptors) splits
+# each 4-warp program on sm_90 into a producer warpgroup that issues the loads and two consumer
+# warpgroups that run wgmma and the epilogue, so loads for the next tile overlap this tile's stores.
+# Triton ignores the flag with 8 warps, a flattened loop, or in the interpreter. pre is read and
+# the outputs written by pointer: a warp-specialised descriptor load of pre gave wrong values.
+# Tiles (BM, BN, BK, GROUP_M, warps, stages), fixed: 128 x 256 is the largest tile whose fp32
+# accumulator fits the two consumers' registers; a 64 K-step makes 48 KiB stages, 3 of them fit in
+# shared memory. The GPU tests compare these tiles with warp_specialize=False bit for bit. The grid
+# is persistent (one program per SM, tiles in grouped order: no wave tails, b's rows reused in L2).
+# (measurements: notes/kernels.md#relu2-mlp)
 _MLP_TILES = (128, 256, 64, 8, 4, 3)
 # Interpreter tiles for CPU tests: small, several tiles per persistent program.
 _MLP_INTERPRETER_TILES = (16, 32, 16, 2, 4, 2)
@@ -512,47 +498,28 @@ def relu2_mlp(x: Tensor, c_fc: Tensor, c_proj: Tensor) -> Tensor:
 
 
 # ==================================================================================================
-# 4. Fused softcapped multi-token cross entropy 
+# 4. Fused softcapped multi-token cross entropy
 # ==================================================================================================
-# The forward and the bf16 backward: one program per row streams its logits in blocks of 1024
-# columns (2 KiB of bf16, 8 per thread with 4 warps).
-# The FP8 head's backward writes its e5m2 gradient in both layouts the head's matmuls read
-# (torch._scaled_mm takes both operands K-major: (T, V) for the input gradient, (V, T) for the
-# weight gradient). It streams tiles of 32 rows x 128 columns, 1024 columns per program; Triton
-# turns each tile's transposed store around in shared memory (4 KiB), so every column's 32 bytes
-# leave as one run. On an H100 at 16k / 32k / 49k rows it took 1.31 / 2.62 / 3.93 ms against
-# 1.58 / 3.13 / 4.69 ms for the row kernel plus a separate byte transpose that read the row
-# layout back (bench/ce.py; records/2026-11-25_ce_two_layouts_1xH100). 16 rows per tile ran 2x
-# slower, whole rows per program 1.3-1.6x.
+# Forward and bf16 backward: one program per row streams its logits in blocks of 1024 columns
+# (8 bf16 per thread with 4 warps). The FP8 head's backward writes its e5m2 gradient in both layouts
+# its matmuls read (torch._scaled_mm wants both operands K-major: (T, V) and (V, T)), in tiles of 32
+# rows x 128 columns, so each column's 32 bytes of the transposed store leave as one run.
 # Forward: every score z = A*sigmoid((l+B)/C) lies in [0, A], so exp(z - A) can neither overflow
 # nor vanish (it is at least e^-A): the sum needs no running maximum, and each lane keeps its own
 # partial sum until one reduction after the last block, lse = A + log(sum).
-# Backward: the row's columns without the target term -T_c (the weights of the offsets whose
-# target is that column), so the streaming loop compares no column with any target; a second small
-# kernel then rewrites the n_rows * K target elements in full.
-# QUANTIZE writes the FP8 head's e5m2 gradient directly: the gradient rounded to bf16, times
-# fp32(1/scale), clamped, cast: bitwise the bf16 backward followed by train_gpt.fp8_quantize.
-#
-# Rounding: (l + B) is multiplied by fp32(1/C) rather than divided by C, and the forward sums
-# without a running maximum in per-lane order. Both change fp32 roundings only, and both are for
-# speed: the kernels are bound by the special-function unit, and a division costs a reciprocal
-# there (two exponentials and a reciprocal per element remain); the running maximum cost a
-# rescaling exponential and two cross-warp reductions per block. On an H200 at 49,152 rows the
-# forward went from 2.64 to 2.11 ms and the backward from 6.26 to about 3.5 ms.
-# tests/_kernels_interp.py holds losses, lse and gradients to a float64 transcription of the
-# formulas.
-# Special functions: e^x as tl.exp2 and the sigmoid's reciprocal as rcp.approx.ftz (NATIVE: CUDA;
-# the helpers above section 1), without the subnormal fix-ups that tl.exp and a division bring.
-# That took the backward's loop from ~35 to ~25 instructions per element and the forward's from
-# ~24 to ~13 (sm_90 SASS), with the same bits out: exp(z - lse) has z - lse >= -A - log(V) > -34,
-# the sigmoid's e^-x only enters as 1 + e^-x, and only a logit below -650 would see sigma = 0
-# instead of a subnormal. On an H200 at 49,152 rows the forward went from 2.11 to 1.91 ms and the
-# backward (both layouts) from 3.41 to 3.10 ms, and the SHA-256 of every output at 16k-49k rows
-# matched (bench/ce.py --digest, records/2026-11-26_ce_ftz_1xH200). The forward is now near the
-# special-function unit's bound: 3 per element at 16 per SM per clock is 1.77 ms there.
+# Backward: the streaming loop writes every column without the target term -T_c (the weights of
+# the offsets whose target is that column), so it compares no column with any target; a second
+# small kernel then rewrites the n_rows * K target elements in full. QUANTIZE applies the FP8
+# quantiser to the bf16-rounded gradient: bitwise the bf16 backward then train_gpt.fp8_quantize.
+# Rounding: (l + B) is multiplied by fp32(1/C) instead of divided by C, and the forward sums per
+# lane without a running maximum; both change fp32 roundings only and spare the special-function
+# unit, which bounds these loops. tests/_kernels_interp.py holds the outputs to a float64
+# transcription. _exp and _sigmoid (above section 1) give the same bits as tl.exp and a division
+# here: z - lse >= -A - log(V) > -34, the sigmoid's e^-x only enters as 1 + e^-x, and only a logit
+# below -650 would see sigma = 0 instead of a subnormal.
 # The softcap constants are tl.constexpr and every loop carry starts as an explicit fp32 tensor, so
-# no Python float can promote a carried value to fp64 (which happened to an earlier kernel under
-# torch 2.11 + triton 3.6).
+# no Python float can promote a carried value to fp64.
+# (measurements: notes/kernels.md#cross-entropy)
 
 SOFTCAP_A, SOFTCAP_B, SOFTCAP_C = 23.0, 5.0, 7.5
 _CE_BLOCK = 1024
@@ -883,10 +850,10 @@ def softcapped_mtp_ce_reference(logits: Tensor, targets: Tensor, mtp_weights: Te
 
 
 # ---- CPU path: the kernel's math in row chunks ---------------------------------------------------
-# On a CPU the reference's autograd keeps several fp32 (n, V) temporaries; at V = 50,304 they fall
-# out of cache and were 70% of a tiny-preset step. This computes the same losses and gradient (the
-# kernel's closed form.4) a few rows at a time, so each temporary is a cache-sized (rows, V) block;
-# tests hold it to the reference.
+# On a CPU the reference's autograd keeps several fp32 (n, V) temporaries, which fall out of cache
+# at the vocabulary's size. This computes the same losses and gradient (the kernels' closed form) a
+# few rows at a time, so each temporary is a cache-sized (rows, V) block; tests hold it to the
+# reference.
 _CE_CPU_ROWS = 32
 
 
@@ -947,42 +914,29 @@ def softcapped_mtp_ce(logits: Tensor, targets: Tensor, mtp_weights: Tensor) -> T
 # ==================================================================================================
 # 5. Fused Adam update  (train_gpt.adam_update)
 # ==================================================================================================
-# One pass over param, grad, exp_avg and exp_avg_sq in place of the ~12 eager kernels (each a full
-# read/write of the 50304x768 tables). Every operation of the eager code is one fp32 operation here,
-# in the eager order, so the result is bitwise the eager update as PyTorch runs it on CUDA:
-#   m = fma(g, 1-beta1, m*beta1)      exp_avg.mul_(beta1).add_(g, alpha=1-beta1): the add's
-#                                     `self + alpha*other` is one FMA (nvcc contracts it; the CPU
-#                                     kernel calls vec::fmadd)
-#   v = fma(1-beta2, g*g, v*beta2)    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1-beta2): CUDA
-#                                     computes `self + value*(g*g)` with g*g rounded, one FMA for
-#                                     the rest. The CPU kernel rounds value*g first
-#                                     (fma(value*g, g, self)), so CPU and CUDA eager differ by an
-#                                     ulp of v here at a few % of the elements; the kernel follows
-#                                     CUDA.
-#   u = div_rn(m, sqrt_rn(v) + eps) * step_size          IEEE division and square root (tl.sqrt and
-#                                                        `/` are the approximate PTX instructions)
+# One pass over param, grad, exp_avg and exp_avg_sq in place of ~12 eager kernels, each a full
+# read/write of the 50304x768 tables. Every eager operation is one fp32 operation here, in the eager
+# order, so the result is bitwise the eager update as PyTorch runs it on CUDA:
+#   m = fma(g, 1-beta1, m*beta1)     add_(g, alpha=...) is `self + alpha*other`, one FMA (nvcc
+#                                    contracts it; the CPU kernel calls vec::fmadd)
+#   v = fma(1-beta2, g*g, v*beta2)   CUDA's addcmul_ rounds g*g, then one FMA; the CPU kernel does
+#                                    fma(value*g, g, self), an ulp of v apart on a small share of the
+#                                    elements; the kernel follows CUDA
+#   u = div_rn(m, sqrt_rn(v) + eps) * step_size    IEEE division and square root (tl.sqrt and `/`
+#                                                  are the approximate PTX instructions)
 #   u = u + (decay*p) * [u*p > 0];  param = round(p - u)
 # Scalars: 1-beta1 and 1-beta2 are computed in Python double and rounded to fp32 when passed, as
-# torch rounds an alpha/value Scalar to the fp32 compute type; all seven are fp32 runtime arguments
-# (no recompiles as they change).
-# FMA contraction: the launch passes enable_fp_fusion=False, so no a*b+c is fused except the two
-# explicit tl.fma above (checked on the sm_90 PTX by tests/test_optimizer_kernels.py). NOTE:
-# torch.compile drops that launch option for user-defined kernels
-# (torch/_higher_order_ops/triton_kernel_wrap.py pops backend options), so a compiled caller gets
-# Triton's default contraction: an fp32 rounding apart, not bitwise (on an H200 the compiled Adam
-# still matched eager bit for bit, the cautious update of section 6 did not;
-# tests/test_kernels_gpu.py bounds both). It also passes the Python floats as fp64, hence the casts
-# at the top of the kernels. train_gpt calls these ops eagerly.
-# bf16 is read and written through its bits (the helpers above section 1), bit-exact in the
-# interpreter too.
-#
-# Tiles: a flat BLOCK of 1024 elements per program with 4 warps, 8 consecutive elements per thread:
-# one 16-byte load/store per bf16 tensor and two per fp32 tensor, no reuse, so the kernel is a pure
-# stream at the memory bandwidth; the 37,728 programs of a 50304x768 table leave no tail worth a
-# persistent loop. Measured on an H200 (50304x768 bf16): BLOCK 512-4096 with 4 or 8 warps all within
-# 6%; this one ran at 0.207 ms, 97% of a D2D copy's bandwidth (eager: 1.58 ms).
+# torch rounds an alpha/value Scalar; all seven are fp32 runtime arguments (no recompiles).
+# enable_fp_fusion=False: no a*b+c is fused except the two explicit tl.fma (checked on the sm_90
+# PTX by tests/test_optimizer_kernels.py). torch.compile drops that launch option for user-defined
+# kernels (triton_kernel_wrap.py pops backend options) and passes Python floats as fp64, hence the
+# casts in the kernels; a compiled caller is an fp32 rounding apart (tests/test_kernels_gpu.py
+# bounds it), so train_gpt calls these ops eagerly.
+# Tiles: a flat BLOCK of 1024 elements per program with 4 warps, 8 consecutive elements per thread
+# (one 16-byte access per bf16 tensor, two per fp32 one): a pure stream, and a 50304x768 table's
+# ~37k programs leave no tail worth a persistent loop. (measurements: notes/kernels.md#adam)
 
-# Launch options of sections 5-6: no FMA contraction, so every fp32 operation rounds where the eager
+# Launch options of sections 5-7: no FMA contraction, so every fp32 operation rounds where the eager
 # code rounds.
 _EXACT_FP_OPTIONS = {"enable_fp_fusion": False}
 _ADAM_BLOCK = 1024
@@ -1088,29 +1042,20 @@ def adam_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor
 # ==================================================================================================
 # 6. Fused NorMuon cautious update with mantissa  (train_gpt.cautious_update_with_mantissa_)
 # ==================================================================================================
-# The fp32 master P = (bf16 bits << 16) | mantissa is assembled, updated and split
-# again in registers:
+# The fp32 master P = (bf16 bits << 16) | mantissa is assembled, updated and split again in
+# registers:
 #   P' = (P - ((P * [O*P >= 0]) * wd) * lr) - O * lr      (non-strict mask: entries with O = 0 or
 #                                                         P = 0 are decayed)
 # then param <- high 16 bits of P' (truncation), mantissa <- low 16 bits. The eager code rounds
-# after every product and difference and fuses nothing, so the kernel does the same seven fp32
-# operations with FMA contraction disabled (enable_fp_fusion=False; the sm_90 PTX has no fma, see
-# tests/test_optimizer_kernels.py): bitwise the eager update, on CPU and CUDA alike. (Under
-# torch.compile the option is dropped, as in section 5: the two subtractions could then fuse with
-# their products.) All loads and stores are bit moves, so the interpreter runs it exactly with
-# bf16/uint16 storage.
-#
-# lr is one fp32 scalar (LR_PER_MATRIX=False) or an fp32 (n, 1, 1) tensor read once per program by
-# matrix index.
-# O may have any strides: NorMuon's orthogonalisation hands the MLP bank's O over as a transposed
-# view (Polar Express works on the short side), so a flat walk would read it with a stride of R
-# elements. The grid is (tiles of one matrix, matrices), each program a BLOCK_R x BLOCK_C tile;
-# Triton specialises a unit stride, sees which axis of O is contiguous and loads it coalesced,
-# converting the layout through shared memory. 32x64 tiles with 4 warps: 16 elements per thread,
-# 128-byte rows of param and mantissa, 64-byte runs down a column of a transposed O, 288 / 1152
-# tiles per 768x768 / 3072x768 matrix. Measured on an H200 (CUDA-graph GPU time): 0.059 ms for the
-# attn bank (40x768x768) and 0.147 ms for the MLP bank (24x3072x768, O transposed), 5% under 64x64
-# on the latter and within 3% of 64x128 / 128x64 / 8 warps elsewhere (eager: 1.03 and 3.21 ms).
+# after every product and difference, so the kernel does the same seven fp32 operations with FMA
+# contraction disabled (as in section 5, and likewise lost under torch.compile): bitwise the eager
+# update on CPU and CUDA. Loads and stores are bit moves, exact in the interpreter too.
+# lr is one fp32 scalar (LR_PER_MATRIX=False) or an fp32 (n, 1, 1) tensor read once per program.
+# O may have any strides: the MLP bank's O arrives as a transposed view (Polar Express works on the
+# short side), so the grid is (tiles of one matrix, matrices) and Triton, seeing which axis of O
+# has unit stride, loads it coalesced and converts the layout through shared memory. 32x64 tiles,
+# 4 warps: 128-byte rows of param and mantissa, 64-byte runs down a column of a transposed O.
+# (measurements: notes/kernels.md#cautious-update)
 
 _CAUTIOUS_TILE = (32, 64)
 _CAUTIOUS_WARPS = 4
@@ -1234,23 +1179,20 @@ def cautious_update_with_mantissa(param: Tensor, mantissa: Tensor, O: Tensor, *,
 #    (train_gpt.normuon_direction_, train_gpt.polar_express)
 # ==================================================================================================
 # Two eager chains that made several passes over a bank each, as one pass each:
-#   momentum       G = fp32(grad); M.lerp_(G, 1 - mu); X = bf16(G.lerp(M, mu))
-#                  reads grad and M, writes M and X. Eager: the cast to fp32, two lerps and the
-#                  cast back, four kernels (0.74 ms per step on the MLP bank, 1x H100).
+#   momentum       G = fp32(grad); M.lerp_(G, 1 - mu); X = bf16(G.lerp(M, mu)): reads grad and M,
+#                  writes M and X (eager: four kernels).
 #   split product  Y = bf16(fp32(Y) + a * X) with Y = bf16(B @ X), in place on Y: the record's two
-#                  roundings of a*X + B@X for the MLP matrices. Eager: the cast to fp32, the add and
-#                  the cast back, three kernels, the add reading the transposed X of the first
-#                  iteration element by element (0.56 ms per iteration on the MLP bank, 1x H100).
-# Rounding: torch's CUDA kernels compute lerp(s, e, w) in fp32 as s + w*(e - s) for |w| < 0.5 and as
-# e - (e - s)*(1 - w) otherwise, and add_(X, alpha=a) as self + a*X; nvcc contracts each into one
-# FMA, and the CPU's vectorised kernels call fmadd for both. The kernels compute exactly those
-# FMAs (explicit tl.fma, contraction off otherwise, as in sections 5-6), so they are bitwise the
-# eager code on CUDA (tests/test_kernels_gpu.py) and, in the interpreter, bitwise an exact fp32
-# transcription (tests/_optimizer_kernels_interp.py). Whether a lerp weight is below 0.5 is a
+#                  roundings of a*X + B@X for the MLP matrices (eager: three kernels, the add
+#                  reading the first iteration's transposed X element by element).
+# Rounding: torch computes lerp(s, e, w) in fp32 as s + w*(e - s) for |w| < 0.5, else as
+# e - (e - s)*(1 - w), and add_(X, alpha=a) as self + a*X, each one FMA (nvcc contracts it; the CPU
+# kernels call fmadd). The kernels compute exactly those FMAs, contraction off otherwise, so they
+# are bitwise the eager code on CUDA (tests/test_kernels_gpu.py) and an exact fp32 transcription in
+# the interpreter (tests/_optimizer_kernels_interp.py). Whether a lerp weight is below 0.5 is a
 # constexpr: the momentum schedule never crosses it, so a run compiles each kernel once.
-# Tiles: the momentum is a flat stream like Adam's (section 5); the split product walks (R, C) tiles
-# of one matrix like the cautious update (section 6), since the first iteration's X is the MLP
-# bank's transposed view.
+# Tiles: the momentum is a flat stream like Adam's; the split product walks (R, C) tiles like the
+# cautious update, since the first iteration's X is a transposed view.
+# (measurements: notes/kernels.md#normuon-elementwise)
 
 _MOMENTUM_BLOCK = 1024
 _MOMENTUM_WARPS = 4
@@ -1396,64 +1338,32 @@ def polar_split_product_(y: Tensor, x: Tensor, a: float) -> Tensor:
 # keys at most, itself included); softmax(scale * q.k) in fp32; output (T, H, D) in q's dtype.
 #
 # Work. The grid runs over fixed query (or key) blocks of the packed sequence, not per document, so
-# the launch needs no host-side document list and is the same for every batch. Each token's
-# document start and end come from cu_seqlens (start[t], end[t], int32, non-decreasing in t).
-# A query block [m0, m0 + BM) needs keys from max(start[m0], m0 - window) up to its last row:
-# start[] is non-decreasing, so the first row's bound covers every row, and nothing left of it is
-# loaded. Within that range a key block is "full" when every (row, key) pair is allowed: key >=
-# start[last row], key >= last row - window, key <= first row. In the forward and dQ kernels full
-# blocks skip the mask; the blocks at the left edge (window or document starts inside the block)
-# and at the diagonal apply it per element. A key block [n0, n0 + BN) symmetrically needs queries from n0 up to
-# min(end[last key], last key + window + 1).
-# Forward: FlashAttention's online softmax in base 2 (the scale folded with log2(e)), p rounded to
-# v's dtype for the p @ v product (as in FlashAttention), and the base-2 log-sum-exp per row saved
-# for the backward. Backward: recompute p from it; one kernel per query block accumulates dQ over
-# its keys and first computes delta = rowsum(dO * O) of its rows in fp32 (it loads dO anyway; a
-# separate pass of eager torch ops cost 0.44 ms of a 1.31 ms backward at 49k tokens), then one
-# kernel per key block accumulates dK and dV over its queries, reading delta. No atomics, so the
-# gradients are deterministic; FlashAttention-2's way (dQ added in fp32 by the dK/dV kernel with
-# atomics: 5 matmuls per block pair instead of 7) measured 7-8% slower with the earlier
-# three-loop kernels (best config against best config, on an H200).
+# the launch needs no host-side document list. Each token's document bounds come from cu_seqlens
+# (start[t], end[t], int32, non-decreasing in t). A query block [m0, m0 + BM) needs keys from
+# max(start[m0], m0 - window) to its last row (start[] is non-decreasing, so the first row's bound
+# covers every row). A key block is "full" when every (row, key) pair is allowed: key >=
+# start[last row], key >= last row - window, key <= first row; full blocks skip the mask, the left
+# edge and the diagonal apply it per element. A key block [n0, n0 + BN) symmetrically needs queries
+# from n0 to min(end[last key], last key + window + 1).
+# Forward: FlashAttention's online softmax in base 2 (scale folded with log2(e)), p rounded to v's
+# dtype for p @ v, and the base-2 log-sum-exp per row saved. Backward: p recomputed from it; one
+# kernel per query block computes delta = rowsum(dO * O) in fp32 (it loads dO anyway) and dQ, then
+# one kernel per key block computes dK and dV reading delta. No atomics: deterministic gradients.
 # Loops: the forward and dQ kernels run three loops (masked left edge, unmasked middle, masked
-# diagonal), the dK/dV kernel one loop that masks every block: its loops are a few blocks long,
-# and each loop fills and drains its own software pipeline, which cost more than the mask saves
-# (dK/dV kernel 0.49 -> 0.40 ms at 49k tokens, window 768, on an H100; with one loop the forward
-# was 3-15% slower and the dQ kernel between 2% faster and 6% slower). In both backward kernels the
-# two products that depend only on the loaded blocks (q k^T and dO v^T) are issued back to back
-# (about 1%).
-# Not available from triton.language (checked on the sm_90 TTGIR of triton 3.6 and 3.9 compiles):
-# issuing the next key block's q k^T before this block's softmax, FlashAttention-3's overlap of
-# the two, since Triton waits for a dot whose result is not a dot accumulator right after issuing
-# it (warp_group_dot_wait with pendings = 0); and tl.range(warp_specialize=True) on the forward's
-# loop fails to compile for sm_90. Gluon (triton.experimental.gluon) can write both out, and a
-# TMA producer with register reallocation and ping-pong too; measured on an H100, none of them
-# beat these kernels (0.79-1.02x): three programs per SM already overlap one another's products
-# (records/2026-11-25_gluon_attention_H100).
-# Measured on an H100 and not taken (records/2026-11-25_attention_experiments_H100):
-# - launching the blocks with the most work first is 7-19% slower at 49k tokens: neighbouring
-#   query blocks share their keys in L2 only while they run together; sorted chunks of blocks gain
-#   at most 3.5%, less than their sort costs;
-# - skipping the accumulator's rescale while no row's max grew by more than 8 (FlashAttention-4)
-#   makes the forward 16-25% slower: the decision is a reduction over the whole block here;
-# - K/V through tensor descriptors (TMA) and the exp2 argument as one fused multiply-add save
-#   3-6% of the forward, ~1.5% of attention; TMA loads in the two backward kernels are 0-5% slower.
+# diagonal); the dK/dV kernel's loops are a few blocks long, so it runs one loop that masks every
+# block, since each loop fills and drains its own software pipeline. Triton waits for a dot whose
+# result is not an accumulator right after issuing it, so the next block's q k^T cannot overlap this
+# block's softmax; several programs per SM overlap one another instead (rejected alternatives:
+# notes/kernels.md#attention).
 # Rows with no allowed key yet (a block left of their document) keep max = -inf; the masked step
 # substitutes 0 for it so exp2 gives 0, not NaN. Every real row sees itself, so its final sum >= 1.
-#
 # The interpreter runs the same kernels with small tiles in float32 (p and dS then stay fp32, so
 # the result is exact attention up to fp32 summation order).
 
-# Fixed tiles (BLOCK_M, BLOCK_N, num_warps, num_stages), chosen by bench/attention_tiles.py at
-# T = 16k to 49k tokens, windows 384 to 1408, normal and paired layout: the same configs won at
-# every shape, so nothing is autotuned (no tuning time at start). Forward and dQ on an H200
-# (records/2026-11-22_triton_attention_1xH200); dK/dV on an H100 with the one-loop kernel
-# (records/2026-11-25_attention_backward_1xH100): 64 keys x 32 queries per step, 4 warps,
-# 1.08-1.16x faster than the 128 x 64 tiles with 8 warps that the three-loop kernel used. Small
-# tiles win: with windows of a few hundred keys and documents of a few hundred tokens, a small
-# block wastes less on masked pairs, and the short loops leave little to pipeline deeper. 8 warps
-# on 64 rows (each row's softmax split over two warpgroups) cost 1.6-1.9x, and 2 or 4 stages
-# gain nothing, nor does a register cap (maxnreg) that fits a third dQ program on an SM
-# (records/2026-11-25_attention_experiments_H100).
+# Fixed tiles (BLOCK_M, BLOCK_N, num_warps, num_stages), chosen by bench/attention_tiles.py; the
+# same configs won at every training shape, so nothing is autotuned. Small tiles win: with windows
+# and documents of a few hundred tokens a small block wastes less on masked pairs, and the short
+# loops leave little to pipeline. (measurements: notes/kernels.md#attention)
 _ATTN_TILES = {"fwd": (64, 32, 4, 3), "dkdv": (32, 64, 4, 3), "dq": (64, 32, 4, 3)}
 _ATTN_INTERPRETER_TILES = (16, 32, 4, 1)  # CPU tests: BM != BN, several blocks per program
 _LOG2E = 1.4426950408889634
