@@ -1,13 +1,54 @@
 #!/usr/bin/env bash
 # Train the record model on this node's GPUs:  ./run.sh [--name=value ...]   (options: see Hyperparameters in train_gpt.py)
 # NPROC=4 ./run.sh uses 4 GPUs; the math is the same on 1, 2, 4 or 8 (gradient accumulation keeps the global batch).
+# Steps: install what is missing, fetch the FineWeb shards the default schedule reads (unless --train_files is given),
+# find the GPUs, start torchrun. The data step comes before the GPU check: the download is needed whatever the GPUs
+# say, it resumes where it stopped, and a machine without a GPU can still fetch (and test) it.
 set -euo pipefail
 cd "$(dirname "$0")"
 PY=${PYTHON:-python3}
 
+if [ -n "${NPROC:-}" ]; then
+  case "$NPROC" in 1|2|4|8) ;; *) echo "run.sh: error: NPROC=$NPROC must divide 8 (1, 2, 4 or 8)" >&2; exit 1;; esac
+fi
+
 if ! "$PY" -c "import torch, triton, numpy, tiktoken, huggingface_hub" 2>/dev/null; then
   echo "run.sh: installing requirements ($PY -m pip install -r requirements.txt)"
   "$PY" -m pip install -q -r requirements.txt
+fi
+
+# Data: the default globs read data/fineweb10B/; --train_files (and --val_files) point elsewhere and skip this step.
+own_data=no; fetch=yes
+for arg in "$@"; do
+  case "$arg" in
+    --train_files=*|--train-files=*) own_data=yes ;;
+    --help|-h) fetch=no ;;
+    --dry_run|--dry-run|--dry_run=[tTyY1]*|--dry-run=[tTyY1]*|--dry_run=on|--dry-run=on) fetch=no ;;  # a dry run changes nothing
+  esac
+done
+if [ "$own_data" = no ] && [ "$fetch" = yes ]; then
+  # How many of the shards data/cached_fineweb10B.py fetches by default (the val shard, train shards 1..9) are missing
+  # or invalid. The script itself skips the valid ones and resumes; should this count fail, the script just runs.
+  missing=$("$PY" -c "
+import os, sys
+sys.path.insert(0, 'data')
+import cached_fineweb10B as c, shards
+names = c.shard_names(c.DEFAULT_TRAIN_SHARDS)
+bad = [n for n in names if shards.check_shard(os.path.join('data', 'fineweb10B', n)) is not None]
+print(f'{len(bad)} of the {len(names)}')" 2>/dev/null) || missing="some of the"
+  if [ "${missing%% *}" != 0 ]; then
+    echo "run.sh: data/fineweb10B/ lacks $missing shards the default schedule reads; fetching them (about 200 MB each): $PY data/cached_fineweb10B.py"
+    rc=0
+    "$PY" data/cached_fineweb10B.py || rc=$?
+    if [ "$rc" -eq 130 ]; then exit 130; fi      # Ctrl-C: the script has said so; complete shards are kept
+    if [ "$rc" -ne 0 ]; then
+      echo "run.sh: error: the FineWeb shards could not be downloaded into data/fineweb10B/ (why: the error line above;" \
+           "./run.sh again resumes). Without network, smoke-test on synthetic data:" \
+           "python3 data/synthetic.py --out data/synthetic --preset=full then" \
+           "./run.sh --train_files='data/synthetic/fineweb_train_*.bin' --val_files='data/synthetic/fineweb_val_*.bin'" >&2
+      exit 1
+    fi
+  fi
 fi
 
 NGPU=$("$PY" -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)" 2>/dev/null || echo 0)
@@ -17,23 +58,12 @@ if [ "$NGPU" -eq 0 ]; then
   exit 1
 fi
 if [ -n "${NPROC:-}" ]; then
-  case "$NPROC" in 1|2|4|8) ;; *) echo "run.sh: error: NPROC=$NPROC must divide 8 (1, 2, 4 or 8)" >&2; exit 1;; esac
   if [ "$NPROC" -gt "$NGPU" ]; then echo "run.sh: error: NPROC=$NPROC but only $NGPU GPU(s) found" >&2; exit 1; fi
 else
   for n in 8 4 2 1; do if [ "$NGPU" -ge "$n" ]; then NPROC=$n; break; fi; done
   if [ "$NPROC" -ne "$NGPU" ]; then
     echo "run.sh: $NGPU GPUs found; using $NPROC (the GPU count must divide 8). Set NPROC to choose."
   fi
-fi
-
-# Data: the default globs point at data/fineweb10B; other data is passed with --train_files / --val_files.
-if ! printf '%s\n' "$@" | grep -q -- '^--train_files=' && ! ls data/fineweb10B/fineweb_train_*.bin >/dev/null 2>&1; then
-  echo "run.sh: error: no training data in data/fineweb10B/." >&2
-  echo "  Download it (about 2 GB):   $PY data/cached_fineweb10B.py" >&2
-  syn=data/synthetic
-  echo "  Or smoke-test with synthetic data: $PY data/synthetic.py --out $syn --preset=full" >&2
-  echo "      ./run.sh --train_files='$syn/fineweb_train_*.bin' --val_files='$syn/fineweb_val_*.bin'" >&2
-  exit 1
 fi
 
 export PYTORCH_ALLOC_CONF=${PYTORCH_ALLOC_CONF:-expandable_segments:True}

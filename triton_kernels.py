@@ -2,8 +2,8 @@
 
 Each section has the kernel(s), a launcher that checks its inputs, a plain-PyTorch reference with
 the same contract, and the public op used by train_gpt.py. A public op runs the Triton kernel on
-CUDA tensors and the reference elsewhere (for the cross entropy, a chunked form of it, for speed),
-so the trainer runs unchanged on a CPU.
+CUDA tensors and the reference elsewhere (for the cross entropy, in blocks of rows, for memory), so
+the trainer runs unchanged on a CPU, and an edit of a reference takes effect there.
 Importing this file does nothing: no device queries, no compiles. Nothing autotunes at start-up:
 each launcher's tiles are fixed, chosen by a bench/ script (measurements: notes/kernels.md).
 
@@ -826,89 +826,51 @@ def softcap(logits: Tensor) -> Tensor:
 
 
 def softcapped_mtp_ce_reference(logits: Tensor, targets: Tensor, mtp_weights: Tensor) -> Tensor:
-    """Per-row loss sum_k [row+k < n][w_k > 0] w_k (lse_row - z[row, targets[row+k]]),
+    """Per-row loss sum_k [row+k < m][w_k > 0] w_k (lse_row - z[row, targets[row+k]]),
     z = A*sigmoid((l+B)/C).
 
-    logits (n, V) bf16, targets (n,) int64, mtp_weights (K,) fp32 -> losses (n,) fp32 (float64
-    for float64 logits).
+    logits (n, V) bf16, targets (m,) int64 with m >= n (targets past row n - 1 are look-ahead: a
+    block of rows also sees the targets of the rows after it), mtp_weights (K,) fp32 -> losses (n,)
+    fp32 (float64 for float64 logits).
     Autograd gives the kernels' backward for non-negative weights (a zero weight contributes nothing
     either way); the gradient reaches the logits in their dtype (bf16).
     """
-    n = logits.shape[0]
+    n, m = logits.shape[0], targets.shape[0]
     acc = acc_dtype(logits.dtype)
     z = softcap(logits)
     lse = torch.logsumexp(z, dim=-1)
     losses = torch.zeros(n, dtype=acc, device=logits.device)
     for k in range(mtp_weights.shape[0]):
-        if n - k <= 0:
+        rows = min(n, m - k)
+        if rows <= 0:
             break
         w = mtp_weights[k]
-        zt = z[: n - k].gather(1, targets[k:, None]).squeeze(1)
-        term = torch.where(w > 0, w * (lse[: n - k] - zt), torch.zeros_like(zt))
-        losses = losses + F.pad(term, (0, k))
+        zt = z[:rows].gather(1, targets[k:k + rows, None]).squeeze(1)
+        term = torch.where(w > 0, w * (lse[:rows] - zt), torch.zeros_like(zt))
+        losses = losses + F.pad(term, (0, n - rows))
     return losses
 
 
-# ---- CPU path: the kernel's math in row chunks ---------------------------------------------------
-# On a CPU the reference's autograd keeps several fp32 (n, V) temporaries, which fall out of cache
-# at the vocabulary's size. This computes the same losses and gradient (the kernels' closed form) a
-# few rows at a time, so each temporary is a cache-sized (rows, V) block; tests hold it to the
-# reference.
-_CE_CPU_ROWS = 32
+_CE_REFERENCE_ROWS = 32   # rows per block of the chunked reference
 
 
-def _mtp_targets_and_weights(targets: Tensor, mtp_weights: Tensor) -> tuple[Tensor, Tensor]:
-    """(n, K) target ids targets[row + k] and weights W[row, k] = [row + k < n][w_k > 0] w_k
-    (0 past the end)."""
-    n, K = targets.shape[0], mtp_weights.shape[0]
-    idx = torch.arange(n, device=targets.device)[:, None] + torch.arange(K, device=targets.device)
-    w = torch.where(mtp_weights > 0, mtp_weights, torch.zeros_like(mtp_weights)).float()
-    W = torch.where(idx < n, w, torch.zeros_like(w))
-    return targets[idx.clamp(max=max(n - 1, 0))], W
-
-
-class _SoftcappedMTPCEChunked(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits: Tensor, targets: Tensor, mtp_weights: Tensor) -> Tensor:
-        tgt, W = _mtp_targets_and_weights(targets, mtp_weights)
-        n, acc = logits.shape[0], acc_dtype(logits.dtype)
-        losses = torch.empty(n, dtype=acc, device=logits.device)
-        lse = torch.empty(n, dtype=acc, device=logits.device)
-        for r in range(0, n, _CE_CPU_ROWS):
-            rows = slice(r, r + _CE_CPU_ROWS)
-            z = torch.sigmoid((logits[rows].to(acc) + SOFTCAP_B) / SOFTCAP_C).mul_(SOFTCAP_A)
-            lse[rows] = torch.logsumexp(z, dim=-1)
-            losses[rows] = (W[rows] * (lse[rows, None] - z.gather(1, tgt[rows]))).sum(1)
-        ctx.save_for_backward(logits, tgt, W, lse)
-        return losses
-
-    @staticmethod
-    def backward(ctx, grad_losses: Tensor):
-        logits, tgt, W, lse = ctx.saved_tensors
-        dlogits, acc = torch.empty_like(logits), lse.dtype
-        for r in range(0, logits.shape[0], _CE_CPU_ROWS):
-            rows = slice(r, r + _CE_CPU_ROWS)
-            sig = torch.sigmoid((logits[rows].to(acc) + SOFTCAP_B) / SOFTCAP_C)
-            gW = grad_losses[rows, None].to(acc) * W[rows]                        # (rows, K)
-            # dL/dz = g (S_w softmax(z) - T), with T the weights scattered onto the target columns
-            dz = torch.exp(sig * SOFTCAP_A - lse[rows, None]).mul_(gW.sum(1, keepdim=True))
-            dz.scatter_add_(1, tgt[rows], -gW)
-            # dz/dl = A s (1 - s) / C
-            dlogits[rows] = dz.mul_(sig * (1 - sig) * (SOFTCAP_A / SOFTCAP_C))
-        return dlogits, None, None
-
-
-def softcapped_mtp_ce_cpu(logits: Tensor, targets: Tensor, mtp_weights: Tensor) -> Tensor:
-    """softcapped_mtp_ce in plain PyTorch, chunked over rows: the reference's numbers at a fraction
-    of its memory."""
-    return _SoftcappedMTPCEChunked.apply(logits, targets, mtp_weights)
+def softcapped_mtp_ce_chunked(logits: Tensor, targets: Tensor, mtp_weights: Tensor,
+                              rows: int = _CE_REFERENCE_ROWS) -> Tensor:
+    """softcapped_mtp_ce_reference a block of rows at a time, each block recomputed in the backward
+    (activation checkpointing): the reference's numbers, with (rows, V) temporaries instead of
+    (n, V) ones, which at the vocabulary's size would not stay in a CPU's cache."""
+    from torch.utils.checkpoint import checkpoint
+    K = mtp_weights.shape[0]
+    return torch.cat([checkpoint(softcapped_mtp_ce_reference, logits[r:r + rows],
+                                 targets[r:r + rows + K - 1], mtp_weights, use_reentrant=False)
+                      for r in range(0, logits.shape[0], rows)])
 
 
 def softcapped_mtp_ce(logits: Tensor, targets: Tensor, mtp_weights: Tensor) -> Tensor:
-    """Per-row softcapped multi-token CE: Triton on CUDA, the chunked PyTorch path elsewhere."""
+    """Per-row softcapped multi-token CE: Triton on CUDA, the chunked reference elsewhere."""
     if logits.is_cuda:
         return softcapped_mtp_ce_triton(logits, targets, mtp_weights)
-    return softcapped_mtp_ce_cpu(logits, targets, mtp_weights)
+    return softcapped_mtp_ce_chunked(logits, targets, mtp_weights)
 
 
 # ==================================================================================================
@@ -1140,15 +1102,21 @@ def cautious_update_with_mantissa_triton(param: Tensor, mantissa: Tensor, O: Ten
         BLOCK_C=block_c, num_warps=_CAUTIOUS_WARPS, **_EXACT_FP_OPTIONS)
 
 
+def cautious_step(P: Tensor, O: Tensor, lr: float | Tensor, wd: float | Tensor) -> Tensor:
+    """(P - ((P·mask)·wd)·lr) - O·lr with mask = [O·P >= 0]: cautious weight decay, then the step
+    (NorMuon's element-wise update of a master P in its own dtype)."""
+    mask = O * P >= 0
+    return (P - ((P * mask) * wd) * lr) - O * lr
+
+
 def cautious_update_with_mantissa_reference(param: Tensor, mantissa: Tensor, O: Tensor,
                                             lr: float | Tensor, wd: float) -> None:
-    """train_gpt.cautious_update_with_mantissa_'s eager math: the kernel's contract."""
+    """cautious_step on the fp32 master P = (bf16 bits << 16) | mantissa, written back as its high
+    and low 16 bits: the kernel's contract."""
     high = param.view(torch.int16).to(torch.int32) << 16
     low = mantissa.view(torch.int16).to(torch.int32) & 0xFFFF
     P = (high | low).view(torch.float32)
-    Of = O.float()
-    mask = Of * P >= 0
-    bits = ((P - ((P * mask) * wd) * lr) - Of * lr).view(torch.int32)
+    bits = cautious_step(P, O.float(), lr, wd).view(torch.int32)
     param.view(torch.int16).copy_((bits >> 16).to(torch.int16))
     mantissa.view(torch.int16).copy_(((bits << 16) >> 16).to(torch.int16))
 

@@ -1,7 +1,7 @@
 """Time the attention backends of train_gpt.py at the record's training shapes (one GPU).
 
     python3 bench/attention.py                          # full grid (T in 16384, 32768, 49152)
-    python3 bench/attention.py --seq_lens=16384         # one T (each T compiles flex ~11 times: split if slow)
+    python3 bench/attention.py --seq_lens=16384         # one T
     python3 bench/attention.py --backends=triton --split   # also the time of each kernel (where the time goes)
 
 For each available backend: forward (training mode, inputs require grad) and forward+backward, GPU kernel time
@@ -9,7 +9,7 @@ For each available backend: forward (training mode, inputs require grad) and for
 on packed FineWeb-like documents (lognormal lengths, median ~400 tokens, cut at 2048). Layouts per window stage
 (short, long) in 128-token blocks: normal heads (T, 6, 128) with the short and the long window, and the paired
 layout (2T, 3, 128) with cu_seqlens * 2 and the short window measured in doubled positions.
-flex runs under torch.compile(fullgraph=True), as inside the model. "vs ref" is the relative L2 distance of the
+"vs ref" is the relative L2 distance of the
 output from the first fused backend's (a sanity check; bf16 noise is ~1e-3).
 
 The last lines weigh fwd+bwd by how the record uses attention: per layer stack 4 paired + 4 short + 2 long layers,
@@ -140,11 +140,9 @@ def main() -> None:
     args = parser.parse_args()
 
     device = torch.device("cuda")
-    torch._dynamo.config.recompile_limit = 256  # flex recompiles per (T, window); keep them all compiled
     backends = [b for b in tg.available_attn_backends(device) if not args.backends or b in args.backends.split(",")]
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name(device)}, backends: {backends}", flush=True)
     scale, head_dim = 0.12, 128
-    flex_compiled = torch.compile(tg.varlen_attention, fullgraph=True, dynamic=False)
     rows = []  # (T, layout, window, backend, fwd_ms, fwdbwd_ms, tflops, rel_diff)
     for T in [int(t) for t in args.seq_lens.split(",")]:
         gen = torch.Generator().manual_seed(T)
@@ -165,11 +163,11 @@ def main() -> None:
             for backend in backends:
                 if backend == "sdpa" and seq > SDPA_MAX_T:
                     continue
-                fn = flex_compiled if backend == "flex" else tg.varlen_attention
+                fn = tg.varlen_attention
                 attn = lambda: fn(q, k, v, cu_dev, max_seqlen, window, scale, backend)
                 t0 = time.time()
                 out = attn()
-                out.backward(grad)  # first call compiles (flex)
+                out.backward(grad)  # the first call also compiles Triton kernels
                 torch.cuda.synchronize()
                 first_s = time.time() - t0
                 out = out.detach().float()

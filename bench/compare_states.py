@@ -19,10 +19,11 @@ def main(argv: list[str]) -> int:
         return 2
     import torch
     import train_gpt as tg
+    import harness
     a, b = (torch.load(path, map_location="cpu", weights_only=True) for path in argv)
     equal = True
     for part in PARTS:
-        same = tg.states_equal(a[part], b[part])
+        same = harness.states_equal(a[part], b[part])
         equal &= same
         print(f"{part:10s} {'bitwise equal' if same else 'DIFFERENT'}")
         if part == "model" and not same:

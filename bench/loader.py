@@ -22,6 +22,7 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "data")]    # data/ is not a package: i
 import shards  # noqa: E402
 import synthetic as syn  # noqa: E402
 import train_gpt as tg  # noqa: E402
+import harness  # noqa: E402
 
 
 def main() -> None:
@@ -51,7 +52,7 @@ def main() -> None:
         rows.append(("synthetic: write shard", f"{t3 - t2:.2f} s", ""))
 
         t0 = time.perf_counter()
-        index = tg._ShardIndex(path, tg._read_tokens(path)[0], complete=True)
+        index = tg._ShardIndex(path, harness.read_tokens(path)[0], complete=True)
         t1 = time.perf_counter()
         index.cum_lens(2048)
         t2 = time.perf_counter()

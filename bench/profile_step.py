@@ -7,7 +7,7 @@
 
 One table row per trace (the steps it covers, e.g. one step of each batch phase), the time per step in ms:
     matmul      cuBLAS / CUTLASS GEMMs outside the optimizer (bf16 and the FP8 head's scaled matmuls)
-    attention   flash / varlen / flex attention kernels
+    attention   flash / varlen / triton attention kernels
     mlp         the fused linear + ReLU^2 kernel (triton_kernels.py section 3)
     ce          the fused softcapped cross-entropy kernels (section 4)
     fp8_quant   kernels inside the FP8 head op other than its matmuls (quantisation, transposes)

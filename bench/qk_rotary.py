@@ -5,7 +5,7 @@
 One CUDA GPU, a minute or two. The block is GPT.attention's first part: q, k = rms(q), rms(k) per head, then the
 half-truncated rotary, for a normal layer (table row = position) and a paired one (heads 2b, 2b+1 at rows 2t, 2t+1),
 forward and backward through the qkv matmul's output. In a phase-3 profile inductor's kernels for it run at about
-2.2 TB/s, half of what its residual + rms kernels reach (records/2026-11-26_mlp_warp_specialized_1xH200): they are
+2.2 TB/s, half of what its residual + rms kernels reach (notes/2026-11-26_mlp_warp_specialized_1xH200): they are
 looped reductions that read each row two or three times. The formulations below compute the same products and sums
 in the same order, and differ only in how the pair swap is indexed, which is what inductor looks at when it decides
 between a looped and a persistent reduction.
@@ -14,7 +14,7 @@ For each formulation and layer kind it prints the median ms of the forward and o
 that implies (bytes of the unavoidable reads and writes), which reduction kinds inductor generated (per_ / red_
 kernels), and how many elements of q, k and d(qkv) differ from the first formulation's (the trainer's).
 
-Measured (records/2026-11-26_4xH200_record61_and_rotary_1xH200): every formulation still loops, and unbind's faster
+Measured (notes/2026-11-26_4xH200_record61_and_rotary_1xH200): every formulation still loops, and unbind's faster
 block alone did not carry into the model, where both unbind variants made a phase-3 step 5-6 ms slower and a
 rotate-half layout was no faster. Confirm a win here with `bench/run.sh ab` before changing the trainer.
 """

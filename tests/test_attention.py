@@ -51,7 +51,7 @@ def random_doc_lens(gen, total, long_doc):
 
 
 # (T, window, long document length): windows smaller than the long document and larger than every document;
-# T = 1040 is not a multiple of flex's 128-token block.
+# T = 1040 is not a multiple of a 128-token block.
 CASES = [(1024, 100, 700), (1040, 37, 300), (768, 2000, 500), (512, 0, 400)]
 
 
@@ -63,16 +63,14 @@ def make_case(T, window, long_doc, dtype, seed=0):
 
 
 def test_cpu_offers_only_sdpa():
-    # varlen and fa3 need CUDA; flex runs on CPU forward-only (no backward), so training there cannot use it
+    # triton, varlen, fa3 and fa4 need CUDA
     assert tg.available_attn_backends(torch.device("cpu")) == ["sdpa"]
 
 
-@pytest.mark.parametrize("backend", ["sdpa", "flex"])
+@pytest.mark.parametrize("backend", ["sdpa"])
 @pytest.mark.parametrize("T,window,long_doc", CASES)
 def test_float32_matches_reference(backend, T, window, long_doc):
     # float32 in and out: the only errors are fp32 roundings, so a wrong mask (even one key) shows far above 1e-4.
-    # flex runs eagerly here (forward only): it applies mask_mod densely and ignores the block structure, which is
-    # tested separately below.
     q, k, v, cu = make_case(T, window, long_doc, torch.float32)
     ref, _ = reference_attention(q, k, v, cu, window, 0.12)
     out = tg.varlen_attention(q, k, v, cu, 2048, window, 0.12, backend)
@@ -80,7 +78,7 @@ def test_float32_matches_reference(backend, T, window, long_doc):
     torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("backend", ["sdpa", "flex"])
+@pytest.mark.parametrize("backend", ["sdpa"])
 def test_bfloat16_matches_reference(backend):
     # Inputs are exact bf16 values shared with the reference. Error sources: logits rounded to bf16 by a bf16 matmul
     # (|logit| <= ~3 here: abs error <= 2^-7, so each weight moves by <= ~2^-6 relative), probabilities rounded
@@ -97,10 +95,9 @@ def test_bfloat16_matches_reference(backend):
     assert err.square().mean().sqrt() <= 2**-8 * ref.square().mean().sqrt()
 
 
-@pytest.mark.parametrize("backend", ["sdpa", "flex"])
+@pytest.mark.parametrize("backend", ["sdpa"])
 def test_traces_as_one_graph(backend):
-    # The model is compiled with fullgraph=True, so building the block mask (searchsorted, sort, BlockMask) and the
-    # call must trace without graph breaks. aot_eager traces like inductor but runs the ops eagerly (no CPU codegen).
+    # The model is compiled with fullgraph=True, so the call must trace without graph breaks. aot_eager traces like inductor but runs the ops eagerly (no CPU codegen).
     q, k, v, cu = make_case(1040, 37, 300, torch.float32)
     ref, _ = reference_attention(q, k, v, cu, 37, 0.12)
     compiled = torch.compile(tg.varlen_attention, fullgraph=True, backend="aot_eager")
@@ -120,74 +117,13 @@ def test_reference_sees_window_plus_one_keys():
     assert torch.allclose(out[1, 0], torch.tensor([1, 1, 0, 0, 0, 0], dtype=torch.float64) / 2)
 
 
-def test_document_ids_skip_empty_documents():
-    cu = torch.tensor([0, 2, 2, 5, 6, 6, 6], dtype=torch.int32)  # documents 0: [0,2), 1: empty, 2: [2,5), 3: [5,6)
-    assert tg.document_ids(cu, 6).tolist() == [0, 0, 2, 2, 2, 3]
-
-
-def dense_from_ordered(counts, indices, num_blocks):
-    dense = torch.zeros(num_blocks, num_blocks, dtype=torch.bool)
-    for row in range(num_blocks):
-        dense[row, indices[0, 0, row, : counts[0, 0, row]].long()] = True
-    return dense
-
-
-@pytest.mark.parametrize("T,window,block_size", [(1024, 100, 128), (1040, 37, 128), (1040, 0, 16), (200, 50, 16),
-                                                  (768, 2000, 64), (1000, 129, 16), (1024, 126, 128),
-                                                  (1000, 30, 16)])
-def test_flex_block_mask_structure(T, window, block_size):
-    """(Windows 126, 30 put lo(last) one past a block start and 129 puts lo(first) one before a block start, so
-    off-by-ones in the used/full tests show.)
-    The block lists that fused flex kernels read: a used block must hold an allowed pair (else wasted work) and
-    every allowed pair must lie in a used block; a block marked full (mask_mod skipped) must allow every real pair
-    and sit below the diagonal, and every such block must be marked full. Reference: the dense explicit mask."""
-    gen = torch.Generator().manual_seed(T + window)
-    cu = packed_cu_seqlens(random_doc_lens(gen, T, min(T - 10, 400)), num_pad=2)
-    allowed = torch.zeros(T, T, dtype=torch.bool)
-    bounds = cu.tolist()
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        i = torch.arange(start, end)[:, None]
-        j = torch.arange(start, end)[None, :]
-        allowed[start:end, start:end] = (j <= i) & (i - j <= window)
-    n = -(-T // block_size)
-    pad = n * block_size - T
-    # padded query rows/key columns do not exist: "any" ignores them (False), "all" ignores them (True)
-    any_pair = torch.nn.functional.pad(allowed, (0, pad, 0, pad), value=False).view(n, block_size, n, block_size)
-    all_pair = torch.nn.functional.pad(allowed, (0, pad, 0, pad), value=True).view(n, block_size, n, block_size)
-    below_diag = torch.ones(n, n, dtype=torch.bool).tril(-1)
-    want_used = any_pair.any(dim=3).any(dim=1)
-    want_full = all_pair.all(dim=3).all(dim=1) & below_diag
-
-    bm = tg.flex_document_block_mask(cu, T, window, block_size)
-    partial = dense_from_ordered(bm.kv_num_blocks, bm.kv_indices, n)
-    full = dense_from_ordered(bm.full_kv_num_blocks, bm.full_kv_indices, n)
-    assert not (partial & full).any()
-    assert torch.equal(full, want_full)
-    assert torch.equal(partial | full, want_used)
-    assert bm.seq_lengths == (T, T)
-    # the kernel's mask_mod agrees with the dense mask on every pair
-    qi, ki = torch.arange(T)[:, None], torch.arange(T)[None, :]
-    assert torch.equal(bm.mask_mod(0, 0, qi, ki), allowed)
-
-
-@pytest.mark.parametrize("T,window,block_size", [(1040, 37, 128), (200, 50, 16)])
-def test_flex_block_tables_op_fake_matches_real(T, window, block_size):
-    """Inside torch.compile only the op's fake (shapes, dtypes, strides) is seen: a mismatch with the real outputs
-    makes compiled flex read garbage (an int32 fake for the int64 doc ids did exactly that on the GPU)."""
-    tg.register_flex_block_tables_op()
-    gen = torch.Generator().manual_seed(T)
-    cu = packed_cu_seqlens(random_doc_lens(gen, T, min(T - 10, 400)), num_pad=2)
-    torch.library.opcheck(torch.ops.nanogpt.flex_block_tables.default, (cu, T, window, block_size),
-                          test_utils=("test_schema", "test_faketensor"))
-
-
 def test_resolve_auto_and_explicit():
     cpu = torch.device("cpu")
     assert tg.resolve_attn_backend("auto", cpu) == "sdpa"
     assert tg.resolve_attn_backend("sdpa", cpu) == "sdpa"
 
 
-@pytest.mark.parametrize("name", ["triton", "varlen", "fa3", "fa4", "flex"])
+@pytest.mark.parametrize("name", ["triton", "varlen", "fa3", "fa4"])
 def test_resolve_unavailable_names_option_and_choices(name):
     with pytest.raises(ValueError, match=rf"--attn_backend={name} cannot run on cpu.*available: sdpa;"):
         tg.resolve_attn_backend(name, torch.device("cpu"))
@@ -205,7 +141,7 @@ def test_varlen_attention_rejects_unknown_backend():
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# GPU: every fused backend (flex compiled, as in the model) against the float64 reference, outputs and gradients,
+# GPU: every fused backend against the float64 reference, outputs and gradients,
 # at record-like shapes (H=6, D=128, 128-token window blocks) and in the paired layout (2T, 3 heads, cu*2).
 # ---------------------------------------------------------------------------------------------------------------------
 
@@ -245,7 +181,7 @@ def test_gpu_backends_match_reference(paired, window_blocks):
         if backend == "sdpa":
             continue
         fn = lambda q, k, v: tg.varlen_attention(q, k, v, cu, 2 * 4096, window, 0.12, backend)
-        if backend in ("flex", "triton"):   # compiled, as in the model (triton: through its triton_op)
+        if backend == "triton":   # compiled, as in the model (through its triton_op)
             fn = torch.compile(fn, fullgraph=True)
         out = fn(*qkv)
         grads = torch.autograd.grad(out, qkv, grad_out)
@@ -259,7 +195,7 @@ def test_gpu_backends_match_reference(paired, window_blocks):
             assert rel < band, f"{backend} {name}: relative L2 error {rel:.2e}"
             errors[backend, name] = rel.item()
     # Ours rounds at the same points as FlashAttention (bf16 P before P V, bf16 dS), so its errors are FA2's to a few
-    # percent (measured: equal to three digits, records/2026-11-25_attention_backward_1xH100/errors.txt). A rounding
+    # percent (measured: equal to three digits, notes/2026-11-25_attention_backward_1xH100/errors.txt). A rounding
     # point added or moved (P or dS in a coarser type, delta from a rounded product) shows here long before the bands
     # above.
     if "varlen" in tg.available_attn_backends(device):

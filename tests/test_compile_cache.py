@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import train_gpt as tg
+import harness  # noqa: E402
 import triton_kernels as tk
 
 VERSIONS = "torch 2.13.0, triton 3.9.0, CUDA 12.8, NVIDIA H200"
@@ -24,75 +25,79 @@ def artifacts(monkeypatch):
 
 
 def test_key_depends_on_each_source_and_the_versions():
-    key = tg.compile_cache_key(["a = 1\n", "b = 2\n"], VERSIONS)
-    assert key == tg.compile_cache_key(["a = 1\n", "b = 2\n"], VERSIONS)
-    assert key != tg.compile_cache_key(["a = 1 \n", "b = 2\n"], VERSIONS)     # one character of code
-    assert key != tg.compile_cache_key(["a = 1\n", "b = 3\n"], VERSIONS)      # the kernels file
-    assert key != tg.compile_cache_key(["a = 1\n", "b = 2\n"], VERSIONS.replace("H200", "H100"))
-    assert key != tg.compile_cache_key(["a = 1\nb = 2\n", ""], VERSIONS)      # not just the concatenation
+    key = harness.compile_cache_key(["a = 1\n", "b = 2\n"], VERSIONS)
+    assert key == harness.compile_cache_key(["a = 1\n", "b = 2\n"], VERSIONS)
+    assert key != harness.compile_cache_key(["a = 1 \n", "b = 2\n"], VERSIONS)     # one character of code
+    assert key != harness.compile_cache_key(["a = 1\n", "b = 3\n"], VERSIONS)      # the kernels file
+    assert key != harness.compile_cache_key(["a = 1\n", "b = 2\n"], VERSIONS.replace("H200", "H100"))
+    assert key != harness.compile_cache_key(["a = 1\nb = 2\n", ""], VERSIONS)      # not just the concatenation
 
 
 def test_key_settings_hold_what_changes_graphs_and_not_where_logs_go():
     """A cache file made with another attention backend or model shape covers none of this run's graphs (and would
     turn the compile helpers off), so those settings are in the key; where logs and data live is not."""
     hp = tg.Hyperparameters()
-    base = tg.compile_cache_settings(hp, "triton")
-    assert base == tg.compile_cache_settings(dataclasses.replace(hp, run_id="other", log_dir="/tmp/x", seed=3,
+    base = harness.compile_cache_settings(hp, "triton")
+    assert base == harness.compile_cache_settings(dataclasses.replace(hp, run_id="other", log_dir="/tmp/x", seed=3,
                                                                  val_loss_every=7), "triton")
-    assert base != tg.compile_cache_settings(hp, "varlen")
-    assert base != tg.compile_cache_settings(dataclasses.replace(hp, num_layers=hp.num_layers + 1), "triton")
-    assert base != tg.compile_cache_settings(dataclasses.replace(hp, num_scheduled_iterations=60), "triton")
-    assert tg.CACHE_NEUTRAL_SETTINGS <= {f.name for f in dataclasses.fields(hp)}   # no stale names
+    assert base != harness.compile_cache_settings(hp, "varlen")
+    assert base != harness.compile_cache_settings(dataclasses.replace(hp, num_layers=hp.num_layers + 1), "triton")
+    assert base != harness.compile_cache_settings(dataclasses.replace(hp, num_scheduled_iterations=60), "triton")
+    # every run-control option leaves the key alone
+    for f in dataclasses.fields(harness.RunOptions):
+        other = {bool: lambda v: not v, int: lambda v: v + 7, float: lambda v: v + 0.5,
+                 str: lambda v: v + "x"}[type(getattr(hp, f.name))](getattr(hp, f.name))
+        assert harness.compile_cache_settings(dataclasses.replace(hp, **{f.name: other}), "triton") == base, f.name
 
 
 def test_saved_cache_loads_back_exactly(tmp_path, artifacts):
     payload, loaded = artifacts
     path = tmp_path / "cache" / "compile_cache.bin"
-    note = tg.save_compile_cache(path, "k1", VERSIONS)
+    note = harness.save_compile_cache(path, "k1", VERSIONS)
     assert note.startswith(f"compile cache: saved {path}")
     assert [p.name for p in path.parent.iterdir()] == ["compile_cache.bin"]   # no temporary left
-    ok, note = tg.load_compile_cache(path, "k1")
+    ok, note = harness.load_compile_cache(path, "k1")
     assert ok and note.startswith(f"compile cache: loaded {path}") and loaded == [payload]
 
 
 def test_missing_stale_and_damaged_files_are_ignored(tmp_path, artifacts):
     payload, loaded = artifacts
     path = tmp_path / "compile_cache.bin"
-    ok, note = tg.load_compile_cache(path, "k1")
+    ok, note = harness.load_compile_cache(path, "k1")
     assert not ok and "no " in note and "written after the warmup" in note
-    tg.save_compile_cache(path, "k1", VERSIONS)
-    ok, note = tg.load_compile_cache(path, "k2")                              # other code or GPU
+    harness.save_compile_cache(path, "k1", VERSIONS)
+    ok, note = harness.load_compile_cache(path, "k2")                              # other code or GPU
     assert not ok and "made by other code, with other settings or on another machine" in note and VERSIONS in note
     whole = path.read_bytes()
     cases = {"truncated": whole[:-10], "one byte flipped": whole[:-5] + b"X" + whole[-4:],
-             "no header": tg.COMPILE_CACHE_MAGIC, "foreign file": b"PK\x03\x04 a zip file",
-             "bad json": tg.COMPILE_CACHE_MAGIC + b"{not json\n" + payload, "empty": b""}
+             "no header": harness.COMPILE_CACHE_MAGIC, "foreign file": b"PK\x03\x04 a zip file",
+             "bad json": harness.COMPILE_CACHE_MAGIC + b"{not json\n" + payload, "empty": b""}
     for name, data in cases.items():
         path.write_bytes(data)
-        ok, note = tg.load_compile_cache(path, "k1")
+        ok, note = harness.load_compile_cache(path, "k1")
         assert not ok and "is unreadable" in note and "ignored" in note, (name, note)
     assert loaded == []                                                      # torch never saw any of it
     path.unlink()
     path.mkdir()                                                             # a folder in its place
-    assert not tg.load_compile_cache(path, "k1")[0]
+    assert not harness.load_compile_cache(path, "k1")[0]
 
 
 def test_torch_rejecting_the_artifacts_is_not_fatal(tmp_path, monkeypatch, artifacts):
     path = tmp_path / "compile_cache.bin"
-    tg.save_compile_cache(path, "k1", VERSIONS)
+    harness.save_compile_cache(path, "k1", VERSIONS)
 
     def reject(data):
         raise RuntimeError("artifacts from another torch build")
 
     monkeypatch.setattr(torch.compiler, "load_cache_artifacts", reject)
-    ok, note = tg.load_compile_cache(path, "k1")
+    ok, note = harness.load_compile_cache(path, "k1")
     assert not ok and "RuntimeError: artifacts from another torch build" in note
 
 
 def test_nothing_compiled_saves_nothing(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: None)
     path = tmp_path / "compile_cache.bin"
-    assert "nothing saved" in tg.save_compile_cache(path, "k1", VERSIONS) and not path.exists()
+    assert "nothing saved" in harness.save_compile_cache(path, "k1", VERSIONS) and not path.exists()
 
 
 def test_torch_failing_to_collect_the_artifacts_is_not_fatal(tmp_path, monkeypatch):
@@ -101,19 +106,19 @@ def test_torch_failing_to_collect_the_artifacts_is_not_fatal(tmp_path, monkeypat
 
     monkeypatch.setattr(torch.compiler, "save_cache_artifacts", fail)
     path = tmp_path / "compile_cache.bin"
-    assert "not saved" in tg.save_compile_cache(path, "k1", VERSIONS) and not path.exists()
+    assert "not saved" in harness.save_compile_cache(path, "k1", VERSIONS) and not path.exists()
 
 
 def test_an_unwritable_place_is_reported_not_fatal(tmp_path, artifacts):
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    note = tg.save_compile_cache(blocker / "compile_cache.bin", "k1", VERSIONS)     # its folder is a file
+    note = harness.save_compile_cache(blocker / "compile_cache.bin", "k1", VERSIONS)     # its folder is a file
     assert note.startswith(f"compile cache: could not write {blocker}/compile_cache.bin")
 
 
 def test_the_cache_is_a_run_control_option():
     # a different cache path (or none) on --resume changes no number
-    assert "compile_cache" in tg.RUN_CONTROL_OPTIONS
+    assert "compile_cache" not in harness.math_fields(tg.Hyperparameters())
 
 
 class _Scaled(torch.autograd.Function):
@@ -179,7 +184,7 @@ def test_an_edit_of_triton_kernels_misses_torchs_caches(tmp_path, monkeypatch, c
     assert start("BLOCK = 64\n").get("autograd_cache_miss") == 1
     assert start("BLOCK = 64\n").get("autograd_cache_hit") == 1
     assert start("BLOCK = 32\n").get("autograd_cache_miss") == 1      # the edit
-    assert torch.compiler.config.cache_key_tag == "someone-elses-tag|" + tg.kernels_cache_tag("BLOCK = 32\n")
+    assert torch.compiler.config.cache_key_tag == "someone-elses-tag|" + harness.kernels_cache_tag("BLOCK = 32\n")
     torch._dynamo.reset()
 
 

@@ -5,11 +5,12 @@ dynamo's, whatever the backend, and these compile in well under a second on a CP
 import torch
 
 import train_gpt as tg
+import harness  # noqa: E402
 
 
 def row(i, graph="forward", backward=False, step=0, phase="val", seconds=1.0, cache="-",
         reason="first"):
-    return tg.CompiledGraph(f"0/{i}", graph, backward, step, phase, seconds, cache, reason)
+    return harness.CompiledGraph(f"0/{i}", graph, backward, step, phase, seconds, cache, reason)
 
 
 def test_a_recompile_is_recorded_with_the_guard_that_failed():
@@ -17,7 +18,7 @@ def test_a_recompile_is_recorded_with_the_guard_that_failed():
         return (x * n).sin().sum()
 
     compiled = torch.compile(scaled, backend="eager", dynamic=False, fullgraph=True)
-    log = tg.CompileLog(enabled=True)
+    log = harness.CompileLog(enabled=True)
     with log.recording():
         with log.during(0, "val"):
             compiled(torch.ones(4), 3)
@@ -44,7 +45,7 @@ def test_backward_rows_and_a_shape_change_behind_a_grad_mode_change(monkeypatch)
         return (x.sin() * 2).sum()
 
     compiled = torch.compile(loss, backend="aot_eager", dynamic=False, fullgraph=True)
-    log = tg.CompileLog(enabled=True)
+    log = harness.CompileLog(enabled=True)
     with log.recording():
         with log.during(0, "train"):
             compiled(torch.ones(4, requires_grad=True)).backward()
@@ -66,7 +67,7 @@ def test_backward_rows_and_a_shape_change_behind_a_grad_mode_change(monkeypatch)
 def test_the_hooks_are_removed_and_nothing_is_recorded_after():
     handler = torch._dynamo.callback.callback_handler
     before = (list(handler.start_callbacks), list(handler.end_callbacks))
-    log = tg.CompileLog(enabled=True)
+    log = harness.CompileLog(enabled=True)
     with log.recording():
         assert len(handler.start_callbacks) == len(before[0]) + 1
     assert (handler.start_callbacks, handler.end_callbacks) == before
@@ -77,7 +78,7 @@ def test_the_hooks_are_removed_and_nothing_is_recorded_after():
 def test_off_when_not_compiling():
     handler = torch._dynamo.callback.callback_handler
     n = len(handler.start_callbacks)
-    log = tg.CompileLog(enabled=False)
+    log = harness.CompileLog(enabled=False)
     with log.recording():
         assert len(handler.start_callbacks) == n
         torch.compile(lambda x: x * 2, backend="eager")(torch.ones(3))
@@ -86,7 +87,7 @@ def test_off_when_not_compiling():
 
 def test_a_torch_without_a_hook_gets_one_line_and_compiles_as_usual(monkeypatch):
     monkeypatch.delattr(torch._dynamo.utils, "guard_failures")
-    log = tg.CompileLog(enabled=True)
+    log = harness.CompileLog(enabled=True)
     with log.recording():
         with log.during(0, "val"):
             out = torch.compile(lambda x: x - 1, backend="eager")(torch.ones(3))
@@ -101,7 +102,7 @@ def test_eager_autotuner_tunings_are_counted():
         cache = {("M", 768): "config"}
 
     tuner = FakeAutotuner()
-    log = tg.CompileLog(enabled=True, autotuners=[tuner])
+    log = harness.CompileLog(enabled=True, autotuners=[tuner])
     with log.recording():
         tuner.cache = {**tuner.cache, ("M", 1536): "c", ("M", 3072): "c"}
     assert log.autotune[2] == 2
@@ -109,18 +110,18 @@ def test_eager_autotuner_tunings_are_counted():
 
 
 def test_recompile_reason_prefers_a_graph_of_the_same_grad_mode():
-    assert tg.recompile_reason([]) == "first"
+    assert harness.recompile_reason([]) == "first"
     failures = ["0/3: GLOBAL_STATE changed: grad_mode ",
                 "0/2: ws_long == 3            # return self.compiled(...)  # train_gpt.py:1133\n"
                 "User stack trace:\n  File ...",
                 "0/1: GLOBAL_STATE changed: grad_mode "]
-    assert tg.recompile_reason(failures) == "0/2: ws_long == 3"
+    assert harness.recompile_reason(failures) == "0/2: ws_long == 3"
     only_mode = "0/0: GLOBAL_STATE changed: grad_mode"
-    assert tg.recompile_reason([only_mode + " "]) == only_mode
+    assert harness.recompile_reason([only_mode + " "]) == only_mode
 
 
 def test_cache_state():
-    states = [tg.cache_state(h, m) for h, m in [(0, 0), (2, 0), (0, 1), (1, 1)]]
+    states = [harness.cache_state(h, m) for h, m in [(0, 0), (2, 0), (0, 1), (1, 1)]]
     assert states == ["-", "hit", "miss", "mixed"]
 
 
@@ -132,7 +133,7 @@ def test_table_rows_and_summary():
             row(1, backward=True, phase="train", seconds=30.5, cache="hit", reason="backward"),
             row(2, graph="_quantize_act_with_a_long_name", step=12, phase="train*", seconds=0.44,
                 reason=size * 3)]
-    lines = tg.compile_table(rows)
+    lines = harness.compile_table(rows)
     assert lines == [
         "  # id     graph                step phase     sec cache reason",
         "  1 0/0    forward                 0 val      41.2 miss  first",
@@ -142,7 +143,7 @@ def test_table_rows_and_summary():
         "  4 0/2    _quantize_act_wit...   12 train*    0.4 -     " + size + "0/1: tenso...",
     ]
     assert len(lines[4]) == len(lines[1]) - len("first") + 90
-    assert tg.compile_summary(rows, 200.0, 7, 3.25, 4) == (
+    assert harness.compile_summary(rows, 200.0, 7, 3.25, 4) == (
         "compile: 4 graphs (3 forward, 1 backward) took 124.2s of the warmup's 200.0s; 1 were "
         "cache hits (30.5s); Triton autotuning: 7 kernels in compiled graphs (3.2s), 4 eager "
         "tunings")

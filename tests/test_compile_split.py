@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import train_gpt as tg
+import harness  # noqa: E402
 from _shards import make_dataset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -33,17 +34,17 @@ def test_variant_starts_and_warmup_steps_of_the_record_schedule():
                                                       (1, 0, 1), (4, 0, 1), (1, 7, 8), (8, 1, 2)])
 def test_processes_per_gpu(ranks, helpers, per_gpu):
     hp = tg.Hyperparameters(compile_helpers=helpers)
-    assert tg.split_processes_per_gpu(hp, ranks, cache_loaded=False) == per_gpu
+    assert harness.split_processes_per_gpu(hp.compile_helpers, len(tg.variant_starts(hp)), ranks, cache_loaded=False) == per_gpu
     # a loaded compile cache file: the auto count has no helpers, an explicit one stands
-    assert tg.split_processes_per_gpu(hp, ranks, cache_loaded=True) == (
+    assert harness.split_processes_per_gpu(hp.compile_helpers, len(tg.variant_starts(hp)), ranks, cache_loaded=True) == (
         1 if helpers == -1 else per_gpu)
 
 
 @pytest.mark.parametrize("ranks", [1, 2, 4, 8])
 def test_the_ranks_take_the_training_graphs(ranks):
     hp = tg.Hyperparameters()
-    per_gpu = tg.split_processes_per_gpu(hp, ranks, cache_loaded=False)
-    shares = tg.split_compile_tasks(hp, ranks * per_gpu)
+    per_gpu = harness.split_processes_per_gpu(hp.compile_helpers, len(tg.variant_starts(hp)), ranks, cache_loaded=False)
+    shares = harness.split_compile_tasks(tg.variant_starts(hp), ranks * per_gpu)
     def trains(share):
         return sum(ph == "train" for _, ph in share)
     for rank in range(ranks):
@@ -55,7 +56,7 @@ def test_the_ranks_take_the_training_graphs(ranks):
 @pytest.mark.parametrize("workers", [1, 2, 3, 4, 8])
 def test_split_compile_tasks_deal_every_graph_once(workers):
     hp = tg.Hyperparameters()
-    shares = tg.split_compile_tasks(hp, workers)
+    shares = harness.split_compile_tasks(tg.variant_starts(hp), workers)
     assert len(shares) == workers
     dealt = [task for share in shares for task in share]
     assert sorted(dealt) == sorted((s, ph) for s in tg.variant_starts(hp) for ph in ("train", "val"))
@@ -78,7 +79,7 @@ def _machine(gpus, cuda_started=False):
 
 def test_isolate_gpu_picks_the_local_ranks_entry():
     def isolate(rank, env, **machine):
-        return tg.isolate_gpu(rank, env, lambda: _machine(**machine)(env))
+        return harness.isolate_gpu(rank, env, lambda: _machine(**machine)(env))
 
     env = {}
     assert isolate(2, env, gpus=4) == "2" and env["CUDA_VISIBLE_DEVICES"] == "2"
@@ -129,8 +130,8 @@ def tiny_trainer(tmp_path_factory):
     model = tg.build_model(hp, torch.device("cpu"), "sdpa")
     opt = tg.build_optimizer(hp, model, 0, 1)
     trainer = tg.Trainer(hp, model, Recorder(model), opt, torch.device("cpu"), 0, 1,
-                         tg.resolve_shards(hp.train_files, "train"),
-                         tg.resolve_shards(hp.val_files, "val"))
+                         harness.resolve_shards(hp.train_files, "train"),
+                         harness.resolve_shards(hp.val_files, "val"))
     return hp, trainer
 
 
@@ -154,7 +155,7 @@ def test_compile_alone_calls_the_model_as_the_warmup_does(tiny_trainer):
     for p in model.parameters():
         p.grad = None
     trainer.reset_schedule_state()
-    before = tg.snapshot_state(model, trainer.opt)
+    before = harness.snapshot_state(model, trainer.opt)
     for step in starts:
         for phase in ("train", "val"):
             rec.calls.clear()
@@ -162,7 +163,7 @@ def test_compile_alone_calls_the_model_as_the_warmup_does(tiny_trainer):
             assert rec.calls == [warmup[(step, phase)]], (step, phase)
     assert any(p.grad is not None for p in model.parameters())
     # the weights and the optimizer are untouched; the reset brings back the rotary state
-    assert tg.states_equal(tg.snapshot_state(model, trainer.opt), before)
+    assert harness.states_equal(harness.snapshot_state(model, trainer.opt), before)
     trainer.reset_schedule_state()
     rec.calls.clear()
     trainer.validate(*dataclasses.astuple(tg.schedule_at(0, hp))[2:4], max_batches=1)
@@ -176,11 +177,11 @@ def test_compile_helper_processes_report_back(tiny_trainer, tmp_path):
     compiles what is missing)."""
     hp, trainer = tiny_trainer
     lock = tmp_path / "gpu.lock"
-    ok = tg.CompileHelper(trainer, [(0, "train"), (0, "val")], tmp_path / "ok", lock,
+    ok = harness.CompileHelper(trainer, [(0, "train"), (0, "val")], tmp_path / "ok", lock,
                           compile=False)
     missing = tg.Trainer(hp, trainer.model, trainer.compiled, None, trainer.device, 0, 1,
                          [str(tmp_path / "gone.bin")], trainer.val_files)
-    bad = tg.CompileHelper(missing, [(0, "train")], tmp_path / "bad", lock, compile=False)
+    bad = harness.CompileHelper(missing, [(0, "train")], tmp_path / "bad", lock, compile=False)
     try:
         assert re.fullmatch(r"done in \d+\.\ds, peak memory reserved 0 MiB", ok.wait())
         line = bad.wait()
@@ -210,7 +211,7 @@ def test_a_helper_exits_when_its_rank_is_killed(tmp_path):
     import sys
     import time
     ready = tmp_path / "helper_ready"
-    helper = (f"import sys, time; sys.path.insert(0, {ROOT!r}); import train_gpt as tg; tg.exit_with_parent(0.1); "
+    helper = (f"import sys, time; sys.path.insert(0, {ROOT!r}); import harness; harness.exit_with_parent(0.1); "
               f"open({str(ready)!r}, 'w').close(); time.sleep(120)")
     rank_code = (f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', {helper!r}]); "
                  f"print(p.pid, flush=True); time.sleep(120)")
@@ -240,8 +241,8 @@ def test_gpu_turns_one_process_at_a_time(tmp_path):
     open file, as in another process) waits for it."""
     import threading
     model = torch.nn.Linear(2, 2)
-    first = tg.GpuTurns(tmp_path / "gpu.lock", torch.device("cpu"))
-    second = tg.GpuTurns(tmp_path / "gpu.lock", torch.device("cpu"))
+    first = harness.GpuTurns(tmp_path / "gpu.lock", torch.device("cpu"))
+    second = harness.GpuTurns(tmp_path / "gpu.lock", torch.device("cpu"))
     with first.taken_after_compiling():
         assert not first.held
         torch.compile(lambda x: x * 2, backend="eager")(torch.ones(3))
@@ -262,8 +263,8 @@ def test_a_training_graph_takes_its_turn_once_compiled_with_its_backward(tmp_pat
     """configure_compiler compiles a backward with its forward, so the turn taken when the
     forward's compilation ends covers the whole training task: no compilation starts while a
     process holds it (which would keep the others waiting for a compile, not for the GPU)."""
-    turns = tg.GpuTurns(tmp_path / "gpu.lock", torch.device("cpu"))
-    log = tg.CompileLog(enabled=True)
+    turns = harness.GpuTurns(tmp_path / "gpu.lock", torch.device("cpu"))
+    log = harness.CompileLog(enabled=True)
     held_at_start = []
     tg.configure_compiler()
     compiled = torch.compile(lambda x: (x.cos() * 3).sum(), backend="aot_eager",

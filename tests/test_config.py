@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import train_gpt as tg
+import harness  # noqa: E402
 
 
 def test_parse_types_and_preset_order():
@@ -15,7 +16,7 @@ def test_parse_types_and_preset_order():
     assert hp.preset == "tiny" and hp.model_dim == 128          # preset applied first, whatever its position
     assert hp.num_layers == 11 and hp.muon_lr == 0.05 and hp.compile is False
     assert hp.stages == (tg.Stage(4096, 1.0, 3, (1.0, 0.5, 0.25)), tg.Stage(8192, 1.5, 7, (1.0,)))
-    assert tg.parse_args([f"--stages={tg._show(hp.stages)}"]).stages == hp.stages   # what --help shows parses back
+    assert tg.parse_args([f"--stages={harness.show(hp.stages)}"]).stages == hp.stages   # what --help shows parses back
 
 
 @pytest.mark.parametrize("argv,needle", [
@@ -24,7 +25,7 @@ def test_parse_types_and_preset_order():
     (["--preset=huge"], "unknown --preset=huge"),
     (["num_layers=3"], "expected --name=value"),
     (["--lr=0.1"], "did you mean --adam_lr, --muon_lr, --lr_min?"),
-    (["--stages=4096:1:3"], "--stages='4096:1:3' is not batch:lr_peak:ws_long:w1/w2/... per stage"),
+    (["--stages=4096:1:3"], "--stages='4096:1:3' is not batch:lr_peak:ws_long:mtp_weights per stage"),
     (["--train_bs_schedule=1,2,3"], "--train_bs_schedule is gone: the batches are a column of --stages"),
     (["--mlp_bank_pad=1"], "--mlp_bank_pad is gone: the banks pad themselves"),
     (["--muon_lrr=0.1"], "did you mean --muon_lr"),
@@ -67,7 +68,7 @@ def test_fused_kernel_shapes_are_checked_before_compiling_on_a_gpu_only():
     reference and any dim goes."""
     hp = tg.parse_args(["--num_heads=6", "--head_dim=132", "--model_dim=792"])
     tg.validate_hyperparameters(hp, 1)
-    with pytest.raises(tg.ConfigError, match="multiple of 64 \\(not 792\\), or --kernels=torch"):
+    with pytest.raises(tg.ConfigError, match="multiple of 64 \\(not 792\\), or --kernels=mlp:torch"):
         tg.check_fused_kernel_shapes(hp, torch.device("cuda"))
     tg.check_fused_kernel_shapes(hp, torch.device("cpu"))
     tg.check_fused_kernel_shapes(tg.parse_args(["--num_heads=6", "--head_dim=132", "--model_dim=792",

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import train_gpt as tg
+import harness  # noqa: E402
 from _data_helpers import (BOS, RefTrainLoader, labelled_docs, load_script, read_shard, ref_max_num_docs,
                            ref_val_batches, write_shard)
 
@@ -61,7 +62,7 @@ def labelled_dir(tmp_path_factory):
 
 
 def shard_files(folder, kind="train"):
-    return tg.resolve_shards(os.path.join(str(folder), f"*_{kind}_*.bin"), kind)
+    return harness.resolve_shards(os.path.join(str(folder), f"*_{kind}_*.bin"), kind)
 
 
 def as_lists(batch):
@@ -84,8 +85,8 @@ def test_max_num_docs_spec_values():
 def test_shard_roundtrip(tmp_path):
     tokens = list(np.random.default_rng(0).integers(0, 50257, 1000))
     path = write_shard(str(tmp_path / "a.bin"), tokens)
-    assert tg.shard_num_tokens(path) == 1000
-    loaded = tg.load_shard(path)
+    assert harness.shard_num_tokens(path) == 1000
+    loaded = harness.load_shard(path)
     assert loaded.dtype == torch.uint16 and loaded.shape == (1000,)
     assert loaded.to(torch.int32).tolist() == read_shard(path)
 
@@ -109,7 +110,7 @@ def test_bad_shards(tmp_path, kind):
         with open(path, "wb") as f:
             f.write(b"\x00" * 10)
         expected = ["truncated", "10 bytes"]
-    for read in (tg.shard_num_tokens, tg.load_shard):
+    for read in (harness.shard_num_tokens, harness.load_shard):
         with pytest.raises(tg.DataError) as info:
             read(path)
         assert path in str(info.value)
@@ -120,15 +121,15 @@ def test_bad_shards(tmp_path, kind):
 def test_resolve_shards(tmp_path):
     for name in ["x_train_000002.bin", "x_train_000001.bin", "x_val_000000.bin"]:
         write_shard(str(tmp_path / name), [BOS, 1])
-    assert [os.path.basename(p) for p in tg.resolve_shards(str(tmp_path / "x_train_*.bin"), "train")] == \
+    assert [os.path.basename(p) for p in harness.resolve_shards(str(tmp_path / "x_train_*.bin"), "train")] == \
         ["x_train_000001.bin", "x_train_000002.bin"]
     with pytest.raises(tg.DataError) as info:                      # empty glob in an existing folder
-        tg.resolve_shards(str(tmp_path / "fineweb_train_*.bin"), "train")
+        harness.resolve_shards(str(tmp_path / "fineweb_train_*.bin"), "train")
     message = str(info.value)
     assert "no file matches" in message and "--train_files" in message
     assert "python data/cached_fineweb10B.py" in message and "data/synthetic.py" in message
     with pytest.raises(tg.DataError) as info:                      # missing folder
-        tg.resolve_shards(str(tmp_path / "nowhere" / "fineweb_val_*.bin"), "val")
+        harness.resolve_shards(str(tmp_path / "nowhere" / "fineweb_val_*.bin"), "val")
     assert "does not exist" in str(info.value) and "--val_files" in str(info.value)
 
 
@@ -296,7 +297,7 @@ def test_training_data_runs_out(labelled_dir):
         for _ in range(1000):
             next(gen)
     message = str(info.value)
-    total = sum(tg.shard_num_tokens(f) for f in files)
+    total = sum(harness.shard_num_tokens(f) for f in files)
     assert "ran out after reading all 3 shards" in message and f"{total:,} tokens" in message
     assert "python data/cached_fineweb10B.py 5" in message
 
@@ -352,7 +353,7 @@ def test_corrupt_next_shard_reaches_the_caller(labelled_dir, tmp_path):
 def test_exception_in_loader_thread_is_reraised(labelled_dir, monkeypatch):
     """The error surfaces on the first request after the thread failed, long before shard 1 is used up."""
     files = shard_files(labelled_dir)
-    real_read = tg._read_tokens
+    real_read = harness.read_tokens
     failed = threading.Event()
 
     def failing_read(path, *args, **kwargs):

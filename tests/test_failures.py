@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import train_gpt as tg
+import harness  # noqa: E402
 from _shards import BOS, CPU_MALLOC_ENV, ROOT, make_dataset, structured_docs, write_shard
 
 SHORT = ["--preset=tiny", "--num_scheduled_iterations=6", "--num_extension_iterations=0", "--warmup=false",
@@ -64,8 +65,8 @@ def shard_with(tmp_path, tokens, name="fineweb_train_000001.bin"):
 def test_token_ids_outside_the_vocabulary(capsys, tmp_path, data, where):
     """An id >= --vocab_size: in the sample preflight reads, or far into the shard, where the loader's check of each
     shard it loads catches it at the first batch (not a device-side assert mid-run)."""
-    toks = structured_docs(tg.PREFLIGHT_SAMPLE_TOKENS + 300_000, 3)
-    pos = 5_000 if where == "sample" else tg.PREFLIGHT_SAMPLE_TOKENS + 1_000
+    toks = structured_docs(harness.PREFLIGHT_SAMPLE_TOKENS + 300_000, 3)
+    pos = 5_000 if where == "sample" else harness.PREFLIGHT_SAMPLE_TOKENS + 1_000
     toks[pos] = 60_000
     bad = shard_with(tmp_path, toks)
     code, err, _, log = run_main(capsys, [*SHORT, f"--train_files={bad}", f"--val_files={data[1]}"], tmp_path)
@@ -275,7 +276,7 @@ def test_readme_failure_table_gives_the_exit_codes_the_trainer_uses():
     table = text.split("## When something is wrong", 1)[1].split("\n## ", 1)[0]
     codes = {int(c) for row in table.splitlines() if row.startswith("| ") and not row.startswith("| failure")
              for c in [row.split("|")[3].strip()] if c.isdigit()}
-    assert codes == {tg.EXIT_DATA, tg.EXIT_CONFIG, tg.EXIT_DIVERGED, tg.EXIT_PEER, tg.EXIT_BUG, 130, 143}, codes
+    assert codes == {harness.EXIT_DATA, harness.EXIT_CONFIG, harness.EXIT_DIVERGED, harness.EXIT_PEER, harness.EXIT_BUG, 130, 143}, codes
 
 
 def test_a_signal_wrapped_by_the_compiler_is_still_a_signal():
@@ -283,11 +284,11 @@ def test_a_signal_wrapped_by_the_compiler_is_still_a_signal():
     InductorError), which a distributed run otherwise reports as a failed peer (exit 4) from every rank."""
     try:
         try:
-            raise tg.Interrupted(signal.SIGTERM, "stopped by SIGTERM")
-        except tg.Interrupted as inner:
+            raise harness.Interrupted(signal.SIGTERM, "stopped by SIGTERM")
+        except harness.Interrupted as inner:
             raise RuntimeError("InductorError: LoweringException") from inner
     except RuntimeError as wrapped:
-        assert tg.describe_failure(wrapped, rank=0, world_size=4) == (143, "stopped by SIGTERM")
+        assert harness.describe_failure(wrapped, rank=0, world_size=4) == (143, "stopped by SIGTERM")
 
 
 
@@ -307,9 +308,9 @@ def test_dry_run_passes_on_good_data_and_writes_nothing(capsys, tmp_path, data):
 
 
 @pytest.mark.parametrize("args, want_code, needle, passed", [
-    (["--val_tokens=1048576"], tg.EXIT_DATA, "validation reads 1,048,576 tokens", ["options", "environment",
+    (["--val_tokens=1048576"], harness.EXIT_DATA, "validation reads 1,048,576 tokens", ["options", "environment",
                                                                                   "output"]),
-    (["--num_heads=5"], tg.EXIT_CONFIG, "--num_heads", []),
+    (["--num_heads=5"], harness.EXIT_CONFIG, "--num_heads", []),
 ])
 def test_dry_run_stops_at_the_first_failing_check(capsys, tmp_path, data, args, want_code, needle, passed):
     code, err, out, log = run_main(capsys, [*SHORT, "--dry_run", f"--train_files={data[0]}",

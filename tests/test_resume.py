@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import train_gpt as tg
+import harness  # noqa: E402
 from _shards import make_dataset, run_gloo, run_trainer
 
 # Eight steps with a new batch size and long window at steps 2, 4 and 6 (YaRN each time), Adam on odd steps (its
@@ -63,7 +64,7 @@ def test_resumed_run_is_bitwise_the_straight_run(tmp_path, world_size):
         for r in ranks:
             a, b = state(logs, "straight", 8, r), state(logs, f"from{start}", 8, r)
             for key in COMPARED:
-                assert tg.states_equal(a[key], b[key]), (start, r, key)
+                assert harness.states_equal(a[key], b[key]), (start, r, key)
         straight = val_lines(logs / "straight.txt")
         assert val_lines(logs / f"from{start}.txt") == [v for v in straight if int(v[0][5:].split("/")[0]) >= start]
         resumed_log = (logs / f"from{start}.txt").read_text().splitlines()
@@ -77,30 +78,30 @@ def test_run_folder_resumes_from_its_newest_complete_state(tmp_path):
     for name in ("state_step000003_rank0.pt", "state_step000003_rank1.pt", "state_step000006_rank0.pt",
                  "state_step000002.pt", "notes.txt"):
         (folder / name).write_bytes(b"")
-    assert tg.find_checkpoint(str(folder), 2) == (folder, 3)      # 6 misses rank 1: a crash while writing it
-    assert tg.find_checkpoint(str(folder), 1) == (folder, 2)
-    assert tg.find_checkpoint(str(folder / "state_step000006_rank0.pt"), 2) == (folder, 6)
+    assert harness.find_checkpoint(str(folder), 2) == (folder, 3)      # 6 misses rank 1: a crash while writing it
+    assert harness.find_checkpoint(str(folder), 1) == (folder, 2)
+    assert harness.find_checkpoint(str(folder / "state_step000006_rank0.pt"), 2) == (folder, 6)
     with pytest.raises(tg.ConfigError, match="none written by 4 process"):
-        tg.find_checkpoint(str(folder), 4)
+        harness.find_checkpoint(str(folder), 4)
     with pytest.raises(tg.ConfigError, match="neither a folder nor a state_step"):
-        tg.find_checkpoint(str(folder / "notes.txt"), 1)
+        harness.find_checkpoint(str(folder / "notes.txt"), 1)
     with pytest.raises(tg.ConfigError, match="the number of processes that wrote it"):
-        tg.load_checkpoint(str(folder / "state_step000006_rank0.pt"), 1, 2)   # rank 1's file is missing
+        harness.load_checkpoint(str(folder / "state_step000006_rank0.pt"), 1, 2)   # rank 1's file is missing
 
 
 def test_unreadable_or_foreign_state_files_are_refused(tmp_path):
     (tmp_path / "state_step000004.pt").write_bytes(b"PK\x03\x04 cut short")
     with pytest.raises(tg.ConfigError, match="cannot read .* resume from another checkpoint"):
-        tg.load_checkpoint(str(tmp_path / "state_step000004.pt"), 0, 1)
+        harness.load_checkpoint(str(tmp_path / "state_step000004.pt"), 0, 1)
     torch.save({"model": {}}, tmp_path / "state_step000005.pt")
     with pytest.raises(tg.ConfigError, match="not a training state written by this trainer"):
-        tg.load_checkpoint(str(tmp_path / "state_step000005.pt"), 0, 1)
+        harness.load_checkpoint(str(tmp_path / "state_step000005.pt"), 0, 1)
 
 
 def test_periodic_checkpoints_keep_the_newest(tmp_path):
     hp = tg.parse_args(["--preset=tiny", f"--log_dir={tmp_path}", "--checkpoint_keep=2"])
     lines = []
-    ck = tg.Checkpointer(hp, "run", 0, 1, {"processes": 1}, lines.append)
+    ck = harness.Checkpointer(hp, "run", 0, 1, {"processes": 1}, lines.append)
     for step in (2, 4, 6):
         ck.save({"step": step, "model": {"w": torch.full((2,), float(step))}}, periodic=True)
     ck.save({"step": 7, "model": {}})                                  # a stop's or the end's state: kept
@@ -108,7 +109,7 @@ def test_periodic_checkpoints_keep_the_newest(tmp_path):
     assert sorted(f.name for f in (tmp_path / "run").iterdir()) == [
         "state_step000006.pt", "state_step000007.pt", "state_step000008.pt"]
     saved = torch.load(tmp_path / "run" / "state_step000006.pt", weights_only=True)
-    assert saved["format"] == tg.CHECKPOINT_FORMAT and torch.equal(saved["model"]["w"], torch.full((2,), 6.0))
+    assert saved["format"] == harness.CHECKPOINT_FORMAT and torch.equal(saved["model"]["w"], torch.full((2,), 6.0))
     assert lines[-1].endswith("state_step000008.pt")
 
 
@@ -118,10 +119,10 @@ def test_resume_names_every_math_difference_and_lets_run_control_differ():
     saved = {"hyperparameters": tg.dataclasses.asdict(hp), "facts": dict(facts)}
     free = tg.parse_args([*SCHEDULE, "--val_loss_every=5", "--log_dir=elsewhere", "--checkpoint_every=0",
                           "--train_files=/other/place/*.bin", "--nonfinite_check_every=0"])
-    assert tg.resume_differences(saved, free, facts) == []
+    assert harness.resume_differences(saved, free, facts) == []
     other = tg.parse_args([*SCHEDULE, "--muon_lr=0.03", "--num_extension_iterations=3"])
     now = dict(facts, processes=2, **{"training shards": ["a.bin", "c.bin"]})
-    diffs = tg.resume_differences(saved, other, now)
+    diffs = harness.resume_differences(saved, other, now)
     assert any(d.startswith("--num_extension_iterations=2 (now 3)") for d in diffs)
     assert any(d.startswith("--muon_lr=0.023 (now 0.03)") for d in diffs)
     assert "processes 1 (now 2)" in diffs

@@ -148,10 +148,11 @@ def test_tools_read_the_trainers_own_log(tmp_path, capsys):
 
 def test_progress_note_counts_tokens_not_steps():
     import train_gpt as tg
+    import harness
     # 1M of 20M tokens in 5 s: 200,000 tok/s, 19M left: 95 s, whatever the step count says
-    assert tg.progress_note(10, 100, 5000, 1_000_000, 20_000_000) == "  10% 200,000 tok/s ETA 1m35s"
-    assert tg.progress_note(1, 1765, 1000, 1000, 4_000_000) == "  0% 1,000 tok/s ETA 1h06m"
-    line = tg.result_line(3.2791, 3.28, 88_123, 1765, 31010, None)
+    assert harness.progress_note(10, 100, 5000, 1_000_000, 20_000_000) == "  10% 200,000 tok/s ETA 1m35s"
+    assert harness.progress_note(1, 1765, 1000, 1000, 4_000_000) == "  0% 1,000 tok/s ETA 1h06m"
+    line = harness.result_line(3.2791, 3.28, 88_123, 1765, 31010, None)
     assert line == "result: val_loss:3.2791 target:3.28 reached:yes train_time:88.1s steps:1765 peak_memory:31010MiB log:None"
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import train_gpt as tg
+import harness  # noqa: E402
 from _shards import ROOT, make_dataset, run_gloo, run_trainer
 
 FEW = ["--num_scheduled_iterations=9", "--num_extension_iterations=2", "--val_loss_every=0", "--seed=0"]
@@ -53,7 +54,7 @@ def test_tiny_preset_learns_text_tokenized_by_data_tokenize_docs(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     hp = tg.parse_args(["--preset=tiny"])
-    val_tokens = tg.load_shard(str(out / "text_val_000000.bin")).numpy()[1:hp.val_tokens + 1]  # the scored targets
+    val_tokens = harness.load_shard(str(out / "text_val_000000.bin")).numpy()[1:hp.val_tokens + 1]  # the scored targets
     freq = np.bincount(val_tokens) / len(val_tokens)
     unigram_entropy = float(-(freq[freq > 0] * np.log(freq[freq > 0])).sum())   # ~2.9 nats for this text
 
@@ -78,8 +79,8 @@ def test_warmup_then_reset_is_bit_identical_to_a_fresh_start(tmp_path):
         assert p.returncode == 0, p.stderr[-3000:]
     steps = tg.parse_args(common).num_iterations
     sa, sb = load_ckpt(tmp_path / "logs", "warm", steps), load_ckpt(tmp_path / "logs", "cold", steps)
-    assert tg.states_equal(sa["model"], sb["model"])
-    assert tg.states_equal(sa["optimizer"], sb["optimizer"])
+    assert harness.states_equal(sa["model"], sb["model"])
+    assert harness.states_equal(sa["optimizer"], sb["optimizer"])
     log = (tmp_path / "logs" / "warm.txt").read_text()
     assert "phase:warmup" in log and "state reset and checked" in log
 

@@ -24,8 +24,9 @@ def load_model(path: str, device):
     with (the final validation's long window for a finished run)."""
     import torch
     import train_gpt as tg
+    import harness
     state = load_state(path)
-    hp = tg.hyperparameters_from_dict(state["hyperparameters"])
+    hp = harness.from_dict(tg.Hyperparameters, state["hyperparameters"])
     # sdpa takes any length and any mask on any device; the training kernels' numerics do not matter here.
     model = tg.build_model(dataclasses.replace(hp, use_fp8=False), device, "sdpa")
     model.load_state_dict(state["model"])
@@ -41,13 +42,13 @@ def load_model(path: str, device):
 def load_state(path: str) -> dict:
     """A state file as the trainer wrote it (any rank's: only the weights are used)."""
     import torch
-    import train_gpt as tg
+    import harness
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 (missing, truncated or foreign: one message)
-        raise tg.ConfigError(f"cannot read {path} ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
-    if not isinstance(state, dict) or state.get("format") != tg.CHECKPOINT_FORMAT:
-        raise tg.ConfigError(f"{path} is not a training state written by train_gpt.py")
+        raise harness.ConfigError(f"cannot read {path} ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+    if not isinstance(state, dict) or state.get("format") != harness.CHECKPOINT_FORMAT:
+        raise harness.ConfigError(f"{path} is not a training state written by train_gpt.py")
     return state
 
 

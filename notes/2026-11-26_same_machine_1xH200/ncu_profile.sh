@@ -2,7 +2,7 @@
 # Nsight Compute counters of the shipped MLP forward kernel and three Gluon forwards (mlp_gluon.py --ncu-target):
 # 128x256x32 with 4 stages, 128x256x64 with 2 stages, and the latter without its epilogue. Each is launched twice;
 # all eight launches are profiled. On the device:
-#     bash records/2026-11-26_same_machine_1xH200/ncu_profile.sh
+#     bash notes/2026-11-26_same_machine_1xH200/ncu_profile.sh
 NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
 [ -x "$NCU" ] || { echo "error: Nsight Compute (ncu) not found; run this on the device"; exit 1; }
 HERE=$(dirname "$0")

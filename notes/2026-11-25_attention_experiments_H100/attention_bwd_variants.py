@@ -1,25 +1,24 @@
 """Scratch benchmark: the Triton attention backward (triton_kernels.py section 8) with its per-step tiles loaded
 through tensor descriptors (TMA), one GPU.
 
-    python3 records/2026-11-25_attention_experiments_H100/attention_bwd_variants.py
+    python3 notes/2026-11-25_attention_experiments_H100/attention_bwd_variants.py
 
 Copies of the dQ kernel (K and V tiles through descriptors) and the dK/dV kernel (Q and dO tiles through
 descriptors), at the shipped tiles, timed against the shipped kernels; the gradients must be bitwise the same (rows
 past T come back as zeros, as the masked loads give them).
+
+Unshipped experiment, kept as evidence (README.md): TMA loads in the dQ and dK/dV kernels; not taken
+(bwd_variants.txt: 0-5% slower). Self-contained: the shipped kernels it compares against are copied in
+attention_snapshot.py, this folder.
 """
-import os
 import sys
 
 import torch
 import triton
 import triton.language as tl
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "bench"))
-sys.path.insert(0, ROOT)
-import attention as bench_attention  # noqa: E402
-from attention import gpu_kernel_ms  # noqa: E402
-import triton_kernels as tk  # noqa: E402
+import attention_snapshot as snapshot  # this folder's copy of the shipped kernels and bench helpers
+from attention_snapshot import gpu_kernel_ms, gpu_shape_cases
 
 
 @triton.jit
@@ -94,7 +93,7 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, o_ptr, lse_ptr, delta_ptr, start_ptr
     m0 = tl.program_id(0) * BLOCK_M
     h = tl.program_id(1)
     d = tl.arange(0, HEAD_DIM)
-    rows, row_ok, row_start, b0, f0, f1, b1 = tk._attn_query_block(start_ptr, m0, T, window, BLOCK_M, BLOCK_N)
+    rows, row_ok, row_start, b0, f0, f1, b1 = snapshot._attn_query_block(start_ptr, m0, T, window, BLOCK_M, BLOCK_N)
     q = tl.load(q_ptr + rows.to(tl.int64)[:, None] * stride_qt + h * stride_qh + d[None, :], mask=row_ok[:, None],
                 other=0.0)
     do = tl.load(do_ptr + rows.to(tl.int64)[:, None] * stride_dot + h * stride_doh + d[None, :],
@@ -122,17 +121,17 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, o_ptr, lse_ptr, delta_ptr, start_ptr
 def backward_tma(g, q, k, v, out, lse, cu, window, scale):
     T, H, D = q.shape
     dq, dk, dv = (torch.empty_like(q) for _ in range(3))
-    start, end = tk.document_bounds(cu, T)
+    start, end = snapshot.document_bounds(cu, T)
     delta = torch.empty((H, T), dtype=torch.float32, device=q.device)
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), g.stride(1))
-    bm, bn, warps, stages = tk._ATTN_TILES["dq"]
-    _dq_kernel[(triton.cdiv(T, bm), H)](q, k, v, g, out, lse, delta, start, dq, T, window, scale * tk._LOG2E, scale,
-                                       *strides, out.stride(0), out.stride(1), dq.stride(0), dq.stride(1),
+    bm, bn, warps, stages = snapshot._ATTN_TILES["dq"]
+    _dq_kernel[(triton.cdiv(T, bm), H)](q, k, v, g, out, lse, delta, start, dq, T, window, scale * snapshot._LOG2E,
+                                       scale, *strides, out.stride(0), out.stride(1), dq.stride(0), dq.stride(1),
                                        HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
-    bm, bn, warps, stages = tk._ATTN_TILES["dkdv"]
-    _dkdv_kernel[(triton.cdiv(T, bn), H)](q, k, v, g, lse, delta, end, dk, dv, T, window, scale * tk._LOG2E, scale,
-                                         *strides, dk.stride(0), dk.stride(1), HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn,
-                                         num_warps=warps, num_stages=stages)
+    bm, bn, warps, stages = snapshot._ATTN_TILES["dkdv"]
+    _dkdv_kernel[(triton.cdiv(T, bn), H)](q, k, v, g, lse, delta, end, dk, dv, T, window, scale * snapshot._LOG2E,
+                                         scale, *strides, dk.stride(0), dk.stride(1), HEAD_DIM=D, BLOCK_M=bm,
+                                         BLOCK_N=bn, num_warps=warps, num_stages=stages)
     return dq, dk, dv
 
 
@@ -141,18 +140,18 @@ DEFAULT_SHAPES = "49152:normal:1408,49152:normal:768,49152:paired:640,16384:norm
 
 def main() -> None:
     shapes = sys.argv[1] if len(sys.argv) > 1 else DEFAULT_SHAPES
-    cases = bench_attention.gpu_shape_cases(shapes, "a CUDA GPU (Hopper for the tensor descriptors)")
+    cases = gpu_shape_cases(shapes, "a CUDA GPU (Hopper for the tensor descriptors)")
     device = torch.device("cuda")
     triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device=device))
     for spec, (T, H, window, cu, _) in cases:
         gen = torch.Generator().manual_seed(T)
         q, k, v, g = (torch.randn(T, H, 128, generator=gen).to(device, torch.bfloat16) for _ in range(4))
         cu, scale = cu.to(device), 0.12
-        out, lse = tk.varlen_attention_fwd_triton(q, k, v, cu, window, scale)
-        ref = tk.varlen_attention_bwd_triton(g, q, k, v, out, lse, cu, window, scale)
+        out, lse = snapshot.varlen_attention_fwd_triton(q, k, v, cu, window, scale)
+        ref = snapshot.varlen_attention_bwd_triton(g, q, k, v, out, lse, cu, window, scale)
         got = backward_tma(g, q, k, v, out, lse, cu, window, scale)
         same = all(torch.equal(a, b) for a, b in zip(ref, got))
-        shipped = gpu_kernel_ms(lambda: tk.varlen_attention_bwd_triton(g, q, k, v, out, lse, cu, window, scale))
+        shipped = gpu_kernel_ms(lambda: snapshot.varlen_attention_bwd_triton(g, q, k, v, out, lse, cu, window, scale))
         tma = gpu_kernel_ms(lambda: backward_tma(g, q, k, v, out, lse, cu, window, scale))
         print(f"{spec}: shipped dq {shipped['_attn_dq_kernel']:.3f} dkdv {shipped['_attn_dkdv_kernel']:.3f} ms; "
               f"TMA dq {tma['_dq_kernel']:.3f} dkdv {tma['_dkdv_kernel']:.3f} ms; bitwise same: {same}", flush=True)

@@ -1,9 +1,9 @@
 """Scratch benchmark: the fused linear + ReLU^2 kernel (triton_kernels.py section 3) written in Gluon with a TMA-store
 epilogue, against the shipped Triton kernel and cuBLAS, one Hopper GPU.
 
-    python3 records/2026-11-26_same_machine_1xH200/mlp_gluon.py [--compile-only]
+    python3 notes/2026-11-26_same_machine_1xH200/mlp_gluon.py [--compile-only]
 
-Why: the shipped kernel runs at 65-75% of cuBLAS's matmul-only speed (records/2026-11-25_mlp_kernel_flattened_1xH100).
+Why: the shipped kernel runs at 65-75% of cuBLAS's matmul-only speed (notes/2026-11-25_mlp_kernel_flattened_1xH100).
 Its epilogue stores 2 x 128 x 256 bf16 values per tile from registers, and no wgmma is issued until they are out. Here
 every operand arrives by TMA into a ring of shared-memory slots signalled by mbarriers, the wgmma runs asynchronously
 one step deep, and the epilogue writes its tile to shared memory and hands it to TMA stores that drain while the next
@@ -13,6 +13,11 @@ kernel's: pre = bf16(acc), post = bf16(relu(pre)^2); backward d = bf16(2 * bf16(
 --compile-only compiles every config for sm_90 on any machine (no GPU) and prints shared memory, registers and spills.
 --ncu-target launches, at 49,152 rows, cuBLAS's x @ w.T, the shipped forward and three Gluon forwards, twice each
 (for ncu_profile.sh).
+
+Unshipped experiment, kept as evidence (README.md, "The MLP kernel"): Gluon versions of the kernel (TMA-store
+epilogue; warp-specialised "ws"; ping-pong "pp") against the shipped Triton kernel of that time and cuBLAS, bitwise
+the same outputs. The TMA-store ones were slower; ws gained 6-8% on the backward and tied on the forward (H200); not
+shipped. Self-contained: the shipped kernel is copied in mlp_snapshot.py, this folder.
 """
 from __future__ import annotations
 
@@ -27,10 +32,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))   # the repository root
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "2026-11-25_gluon_attention_H100"))
-import triton_kernels as tk  # noqa: E402
+import mlp_snapshot as snapshot  # this folder's copy of the shipped kernel of that time
 
 # names that changed between triton 3.6 and 3.9
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -51,7 +53,7 @@ PP_CONFIGS = [(128, 128, 64, 4, 8), (128, 128, 64, 5, 8), (128, 128, 64, 5, 16),
 
 @gluon.jit
 def _grouped(tile, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
-    """Tile index -> (row block, column block), grouped like tk._grouped_tile."""
+    """Tile index -> (row block, column block), grouped like the shipped _grouped_tile."""
     tiles_per_group = GROUP_M * num_pid_n
     first_m = (tile // tiles_per_group) * GROUP_M
     group_rows = gl.minimum(num_pid_m - first_m, GROUP_M)
@@ -360,7 +362,7 @@ def launch(a, b, pre, out, backward, cfg, epilogue=1, kind="plain"):
     bm, bn, bk, stages, group_m = cfg
     M, K = a.shape
     N = b.shape[0]
-    grid = (min(tk._num_programs_persistent(a.device), triton.cdiv(M, bm) * triton.cdiv(N, bn)),)
+    grid = (min(snapshot._num_programs_persistent(a.device), triton.cdiv(M, bm) * triton.cdiv(N, bn)),)
     args = [_desc(a, [bm, bk]), _desc(b, [bn, bk]), _desc(pre, [bm, bn]), _desc(out, [bm, bn]), M, N, K]
     consts = dict(BACKWARD=backward, GROUP_M=group_m, STAGES=stages)
     if kind == "plain":
@@ -376,11 +378,33 @@ def name(cfg) -> str:
     return f"gluon {bm}x{bn}x{bk} s{stages} g{group_m}"
 
 
+def ptxas_usage(ptx: str) -> str:
+    """Registers and spill stores of a PTX module, from the ptxas that ships with triton. Triton 3.9 writes a newer
+    PTX version than its ptxas reads; the version line is lowered to the one ptxas names in its error. (A copy of
+    ../2026-11-25_gluon_attention_H100/attention_gluon.py's.)"""
+    import re
+    import subprocess
+    import tempfile
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    for _ in range(2):
+        with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+            f.write(ptx)
+        r = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", f.name, "-o", os.devnull], capture_output=True,
+                           text=True)
+        os.unlink(f.name)
+        supported = re.search(r"Unsupported \.version \S+; current version is '([\d.]+)'", r.stderr)
+        if not supported:
+            break
+        ptx = re.sub(r"^\.version \d+\.\d+", f".version {supported.group(1)}", ptx, flags=re.M)
+    regs = re.findall(r"Used (\d+) registers", r.stderr)
+    spills = re.findall(r"(\d+) bytes spill stores", r.stderr)
+    return f"{regs[0]} registers, {spills[0]} B spill stores" if regs and spills else r.stderr[-300:]
+
+
 def compile_only() -> None:
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
-    from attention_gluon import ptxas_usage
     print(f"triton {triton.__version__}, sm_90 compiles", flush=True)
     x = torch.zeros(256, D, dtype=torch.bfloat16)
     w = torch.zeros(HIDDEN, D, dtype=torch.bfloat16)
@@ -416,7 +440,7 @@ def ncu_target() -> None:
     w = (torch.randn(HIDDEN, D, device="cuda", generator=gen) / D ** 0.5).bfloat16()
     pre, post = (torch.empty(M, HIDDEN, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     runs = [lambda: torch.mm(x, w.T, out=pre),   # cuBLAS, the matmul alone
-            lambda: tk._launch_relu2_linear(x, w, pre, post, False, None),
+            lambda: snapshot._launch_relu2_linear(x, w, pre, post, False, None),
             lambda: launch(x, w, pre, post, False, CONFIGS[0]),
             lambda: launch(x, w, pre, post, False, CONFIGS[1]),
             lambda: launch(x, w, pre, post, False, CONFIGS[1], 0)]
@@ -436,9 +460,9 @@ def main(argv) -> None:
     from triton.testing import do_bench
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; ms per call "
           "(median of do_bench, the better of two rounds)")
-    variants = [("triton (shipped) " + "x".join(map(str, tk._MLP_TILES[:3])),
-                 lambda x, w, pre, out: tk._launch_relu2_linear(x, w, pre, out, False, None),
-                 lambda g, w, pre, out: tk._launch_relu2_linear(g, w, pre, out, True, None))]
+    variants = [("triton (shipped) " + "x".join(map(str, snapshot._MLP_TILES[:3])),
+                 lambda x, w, pre, out: snapshot._launch_relu2_linear(x, w, pre, out, False, None),
+                 lambda g, w, pre, out: snapshot._launch_relu2_linear(g, w, pre, out, True, None))]
     for cfg in CONFIGS:
         variants.append((name(cfg), lambda x, w, pre, out, c=cfg: launch(x, w, pre, out, False, c),
                          lambda g, w, pre, out, c=cfg: launch(g, w, pre, out, True, c)))

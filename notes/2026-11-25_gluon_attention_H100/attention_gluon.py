@@ -1,7 +1,7 @@
 """Scratch benchmark: the attention's forward and dK/dV kernels in Gluon, against the shipped Triton kernels
 (triton_kernels.py section 8), one Hopper GPU.
 
-    python3 records/2026-11-25_gluon_attention_H100/attention_gluon.py [SHAPES] [--compile-only | --ncu-target]
+    python3 notes/2026-11-25_gluon_attention_H100/attention_gluon.py [SHAPES] [--compile-only | --ncu-target]
 
 Gluon (triton.experimental.gluon, in triton 3.6 through 3.9) is Triton's lower-level dialect: layouts, shared
 memory, cp.async and Hopper's asynchronous warpgroup MMA are written out by hand. It can express what tl.dot
@@ -17,6 +17,11 @@ Prints per shape the GPU kernel time of the shipped kernel and of each Gluon con
 of the outputs. --compile-only compiles the kernels for sm_90 on any machine (no GPU) and prints registers and
 spills from the ptxas that ships with triton. --ncu-target runs each kernel twice at the first shape, for
 ncu_profile.sh (which profiles the second launches).
+
+Unshipped experiment, kept as evidence (README.md): Gluon forwards (FlashAttention-3 overlaps, warp specialisation,
+ping-pong) and a Gluon dK/dV kernel against the shipped Triton kernels on an H100; none beat them (bench.txt), not
+taken. Self-contained: the shipped kernels and bench helpers it uses are copied in attention_snapshot.py, this
+folder.
 """
 import os
 import sys
@@ -30,10 +35,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_init, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "bench"))
-sys.path.insert(0, ROOT)
-import triton_kernels as tk  # noqa: E402
+import attention_snapshot as snapshot  # this folder's copy of the shipped kernels and bench helpers
 
 # cp.async with a pointer tensor: async_load from triton 3.7, async_copy_global_to_shared before
 _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
@@ -189,9 +191,9 @@ def gluon_forward(q, k, v, cu_seqlens, window, scale, block_m=64, block_n=64, st
     T, H, D = q.shape
     out = torch.empty_like(q)
     lse = torch.empty((H, T), dtype=torch.float32, device=q.device)
-    start, _ = tk.document_bounds(cu_seqlens, T)
+    start, _ = snapshot.document_bounds(cu_seqlens, T)
     _gluon_attn_fwd_kernel[(triton.cdiv(T, block_m), H)](
-        q, k, v, out, lse, start, T, window, scale * tk._LOG2E, q.stride(0), q.stride(1), k.stride(0),
+        q, k, v, out, lse, start, T, window, scale * snapshot._LOG2E, q.stride(0), q.stride(1), k.stride(0),
         k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1), HEAD_DIM=D, BLOCK_M=block_m,
         BLOCK_N=block_n, STAGES=stages, NUM_WARPS=block_m // 16, OVERLAP=overlap, num_warps=block_m // 16,
         **({"maxnreg": maxnreg} if maxnreg else {}))
@@ -322,7 +324,7 @@ def ws_forward(q, k, v, cu_seqlens, window, scale, block_m=128, block_n=128, sta
     T, H, D = q.shape
     out = torch.empty_like(q)
     lse = torch.empty((H, T), dtype=torch.float32, device=q.device)
-    start, _ = tk.document_bounds(cu_seqlens, T)
+    start, _ = snapshot.document_bounds(cu_seqlens, T)
     descs = []
     for t, rows in ((q, block_m), (k, block_n), (v, block_n)):
         assert t.stride(1) == D and t.stride(2) == 1
@@ -330,7 +332,7 @@ def ws_forward(q, k, v, cu_seqlens, window, scale, block_m=128, block_n=128, sta
         layout = gl.NVMMASharedLayout.get_default_for([rows, D], gl.bfloat16)
         descs.append(TensorDescriptor(flat, [T, H * D], [t.stride(0), 1], [rows, D], layout))
     _ws_fwd_kernel[(triton.cdiv(T, block_m), H)](
-        *descs, out, lse, start, T, window, scale * tk._LOG2E, out.stride(0), out.stride(1), HEAD_DIM=D,
+        *descs, out, lse, start, T, window, scale * snapshot._LOG2E, out.stride(0), out.stride(1), HEAD_DIM=D,
         BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, NUM_WARPS=block_m // 16, OVERLAP=overlap,
         num_warps=block_m // 16)
     return out, lse
@@ -558,7 +560,7 @@ def ws2_forward(q, k, v, cu_seqlens, window, scale, block_n=64, stages=4, pingpo
     T, H, D = q.shape
     out = torch.empty_like(q)
     lse = torch.empty((H, T), dtype=torch.float32, device=q.device)
-    start, _ = tk.document_bounds(cu_seqlens, T)
+    start, _ = snapshot.document_bounds(cu_seqlens, T)
     descs = []
     for t, rows in ((q, 64), (k, block_n), (v, block_n)):
         assert t.stride(1) == D and t.stride(2) == 1
@@ -566,7 +568,7 @@ def ws2_forward(q, k, v, cu_seqlens, window, scale, block_n=64, stages=4, pingpo
         layout = gl.NVMMASharedLayout.get_default_for([rows, D], gl.bfloat16)
         descs.append(TensorDescriptor(flat, [T, H * D], [t.stride(0), 1], [rows, D], layout))
     _ws2_fwd_kernel[(triton.cdiv(T, 128), H)](
-        *descs, out, lse, start, T, window, scale * tk._LOG2E, out.stride(0), out.stride(1), HEAD_DIM=D,
+        *descs, out, lse, start, T, window, scale * snapshot._LOG2E, out.stride(0), out.stride(1), HEAD_DIM=D,
         BLOCK_N=block_n, STAGES=stages, PINGPONG=pingpong, num_warps=4)
     return out, lse
 
@@ -683,9 +685,9 @@ def _gluon_attn_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, end
 def gluon_dkdv(grad_out, q, k, v, lse, delta, cu_seqlens, window, scale, block_m=32, stages=4):
     T, H, D = q.shape
     dk, dv = torch.empty_like(q), torch.empty_like(q)
-    _, end = tk.document_bounds(cu_seqlens, T)
+    _, end = snapshot.document_bounds(cu_seqlens, T)
     _gluon_attn_dkdv_kernel[(triton.cdiv(T, 64), H)](
-        q, k, v, grad_out, lse, delta, end, dk, dv, T, window, scale * tk._LOG2E, scale, q.stride(0),
+        q, k, v, grad_out, lse, delta, end, dk, dv, T, window, scale * snapshot._LOG2E, scale, q.stride(0),
         q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), grad_out.stride(0), grad_out.stride(1),
         dk.stride(0), dk.stride(1), HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=64, STAGES=stages, num_warps=4)
     return dk, dv
@@ -803,8 +805,8 @@ def bench_shape(spec: str, T: int, H: int, window: int, cu: torch.Tensor, lens: 
     q, k, v, do = (torch.randn(T, H, 128, generator=gen).to(device, torch.bfloat16) for _ in range(4))
     cu, scale = cu.to(device), 0.12
     flops = 4 * bench_attention.attended_pairs(lens, window) * H * 128   # forward, unmasked pairs
-    out, lse = tk.varlen_attention_fwd_triton(q, k, v, cu, window, scale)
-    fwd = gpu_kernel_ms(lambda: tk.varlen_attention_fwd_triton(q, k, v, cu, window, scale))["_attn_fwd_kernel"]
+    out, lse = snapshot.varlen_attention_fwd_triton(q, k, v, cu, window, scale)
+    fwd = gpu_kernel_ms(lambda: snapshot.varlen_attention_fwd_triton(q, k, v, cu, window, scale))["_attn_fwd_kernel"]
     print(f"{spec}: triton forward {fwd:.3f} ms ({flops / fwd / 1e9:.0f} TFLOP/s)", flush=True)
     configs = [c + (True,) for c in FWD_CONFIGS] + [c + (False,) for c in SYNC_CONFIGS]
     for bm, bn, stages, maxnreg, overlap in configs:
@@ -841,8 +843,8 @@ def bench_shape(spec: str, T: int, H: int, window: int, cu: torch.Tensor, lens: 
                       flush=True)
             except Exception as e:
                 print(f"  {name} forward BN={bn} stages={stages}: {failure(e)}", flush=True)
-    _, dk, dv = tk.varlen_attention_bwd_triton(do, q, k, v, out, lse, cu, window, scale)
-    bwd = gpu_kernel_ms(lambda: tk.varlen_attention_bwd_triton(do, q, k, v, out, lse, cu, window, scale))
+    _, dk, dv = snapshot.varlen_attention_bwd_triton(do, q, k, v, out, lse, cu, window, scale)
+    bwd = gpu_kernel_ms(lambda: snapshot.varlen_attention_bwd_triton(do, q, k, v, out, lse, cu, window, scale))
     print(f"  triton dQ {bwd['_attn_dq_kernel']:.3f} ms, dK/dV {bwd['_attn_dkdv_kernel']:.3f} ms", flush=True)
     delta = (out.float() * do.float()).sum(-1).transpose(0, 1).contiguous()   # the dQ kernel's, summed by torch
     for bm, stages in DKDV_CONFIGS:
@@ -862,13 +864,13 @@ def ncu_target(spec: str, bench_attention) -> None:
     gen = torch.Generator().manual_seed(T)
     q, k, v, do = (torch.randn(T, H, 128, generator=gen).cuda().bfloat16() for _ in range(4))
     cu, scale = cu.cuda(), 0.12
-    out, lse = tk.varlen_attention_fwd_triton(q, k, v, cu, window, scale)
+    out, lse = snapshot.varlen_attention_fwd_triton(q, k, v, cu, window, scale)
     delta = (out.float() * do.float()).sum(-1).transpose(0, 1).contiguous()
-    runs = [lambda: tk.varlen_attention_fwd_triton(q, k, v, cu, window, scale),
+    runs = [lambda: snapshot.varlen_attention_fwd_triton(q, k, v, cu, window, scale),
             lambda: gluon_forward(q, k, v, cu, window, scale, 64, 32, 3),
             lambda: ws_forward(q, k, v, cu, window, scale, 128, 64, 4, True),
             lambda: ws2_forward(q, k, v, cu, window, scale, 64, 4),
-            lambda: tk.varlen_attention_bwd_triton(do, q, k, v, out, lse, cu, window, scale),
+            lambda: snapshot.varlen_attention_bwd_triton(do, q, k, v, out, lse, cu, window, scale),
             lambda: gluon_dkdv(do, q, k, v, lse, delta, cu, window, scale, 32, 4)]
     for run in runs:   # compile everything first: ncu counts kernel launches, not compiles
         run()
@@ -882,8 +884,8 @@ def main() -> None:
     if "--compile-only" in sys.argv:
         compile_only()
         return
-    import attention as bench_attention
-    from attention import gpu_kernel_ms
+    import attention_snapshot as bench_attention   # bench/attention.py's helpers, copied
+    from attention_snapshot import gpu_kernel_ms
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
     needs = "a Hopper GPU (sm_90), or --compile-only"
     cases = bench_attention.gpu_shape_cases(args[0] if args else DEFAULT_SHAPES, needs)

@@ -1,6 +1,6 @@
 """Scratch benchmark: variants of the Triton attention forward (triton_kernels.py section 8), one GPU.
 
-    python3 records/2026-11-25_attention_experiments_H100/attention_fwd_variants.py
+    python3 notes/2026-11-25_attention_experiments_H100/attention_fwd_variants.py
 
 Variants of one kernel, switched by constexprs, against the shipped forward at the same tiles:
   TMA  K and V tiles through tensor descriptors (tl.make_tensor_descriptor, Hopper's bulk tensor copies) instead
@@ -9,20 +9,19 @@ Variants of one kernel, switched by constexprs, against the shipped forward at t
        positive) and p = exp2(s * scale - m) as one fused multiply-add, instead of scaling every logit first.
 Prints GPU kernel time per variant and whether the output equals the shipped kernel's (TMA alone must be
 bitwise the same; FMA changes p's rounding, so its difference from the shipped output is printed).
+
+Unshipped experiment, kept as evidence (README.md): TMA loads of K/V and a fused-multiply-add exp2 argument in the
+forward; not taken (fwd_variants.txt: 3-6% off the forward). Self-contained: the shipped kernels it compares against
+are copied in attention_snapshot.py, this folder.
 """
-import os
 import sys
 
 import torch
 import triton
 import triton.language as tl
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "bench"))
-sys.path.insert(0, ROOT)
-import attention as bench_attention  # noqa: E402
-from attention import gpu_kernel_ms  # noqa: E402
-import triton_kernels as tk  # noqa: E402
+import attention_snapshot as snapshot  # this folder's copy of the shipped kernels and bench helpers
+from attention_snapshot import gpu_kernel_ms, gpu_shape_cases
 
 
 @triton.jit
@@ -69,7 +68,7 @@ def _fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, start_ptr, T, window, qk_sc
     m0 = tl.program_id(0) * BLOCK_M
     h = tl.program_id(1)
     d = tl.arange(0, HEAD_DIM)
-    rows, row_ok, row_start, b0, f0, f1, b1 = tk._attn_query_block(start_ptr, m0, T, window, BLOCK_M, BLOCK_N)
+    rows, row_ok, row_start, b0, f0, f1, b1 = snapshot._attn_query_block(start_ptr, m0, T, window, BLOCK_M, BLOCK_N)
     q = tl.load(q_ptr + rows.to(tl.int64)[:, None] * stride_qt + h * stride_qh + d[None, :],
                 mask=row_ok[:, None], other=0.0)
     if TMA:
@@ -103,12 +102,12 @@ def forward(q, k, v, cu, window, scale, tiles, tma, fma):
     T, H, D = q.shape
     out = torch.empty_like(q)
     lse = torch.empty((H, T), dtype=torch.float32, device=q.device)
-    start, _ = tk.document_bounds(cu, T)
+    start, _ = snapshot.document_bounds(cu, T)
     bm, bn, warps, stages = tiles
     _fwd_kernel[(triton.cdiv(T, bm), H)](
-        q, k, v, out, lse, start, T, window, scale * tk._LOG2E, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        v.stride(0), v.stride(1), out.stride(0), out.stride(1), HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, TMA=tma, FMA=fma,
-        num_warps=warps, num_stages=stages)
+        q, k, v, out, lse, start, T, window, scale * snapshot._LOG2E, q.stride(0), q.stride(1), k.stride(0),
+        k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1), HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn,
+        TMA=tma, FMA=fma, num_warps=warps, num_stages=stages)
     return out, lse
 
 
@@ -117,16 +116,16 @@ DEFAULT_SHAPES = "49152:normal:1408,49152:normal:768,49152:paired:640,16384:norm
 
 def main() -> None:
     shapes = sys.argv[1] if len(sys.argv) > 1 else DEFAULT_SHAPES
-    cases = bench_attention.gpu_shape_cases(shapes, "a CUDA GPU (Hopper for the tensor descriptors)")
+    cases = gpu_shape_cases(shapes, "a CUDA GPU (Hopper for the tensor descriptors)")
     device = torch.device("cuda")
     triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device=device))
-    tile_sets = [tk._ATTN_TILES["fwd"], (64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 2)]
+    tile_sets = [snapshot._ATTN_TILES["fwd"], (64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 2)]
     for spec, (T, H, window, cu, _) in cases:
         gen = torch.Generator().manual_seed(T)
         q, k, v = (torch.randn(T, H, 128, generator=gen).to(device, torch.bfloat16) for _ in range(3))
         cu, scale = cu.to(device), 0.12
-        ref, ref_lse = tk.varlen_attention_fwd_triton(q, k, v, cu, window, scale)
-        shipped = sum(gpu_kernel_ms(lambda: tk.varlen_attention_fwd_triton(q, k, v, cu, window, scale)).values())
+        ref, ref_lse = snapshot.varlen_attention_fwd_triton(q, k, v, cu, window, scale)
+        shipped = sum(gpu_kernel_ms(lambda: snapshot.varlen_attention_fwd_triton(q, k, v, cu, window, scale)).values())
         print(f"{spec}: shipped forward {shipped:.3f} ms (with its document_bounds)", flush=True)
         for tiles in tile_sets:
             for tma, fma in ((False, False), (True, False), (False, True), (True, True)):

@@ -2,11 +2,14 @@
 through host-side tensor descriptors (TMA stores, which Triton pipelines: the wait for a store's shared-memory read
 comes before the buffer is written again), loads unchanged; against the shipped kernel, one GPU.
 
-    python3 records/2026-11-26_same_machine_1xH200/mlp_tma_stores.py [--compile]
+    python3 notes/2026-11-26_same_machine_1xH200/mlp_tma_stores.py [--compile]
 
 --compile compiles the variants for sm_90 on any machine and lists the TMA store waits Triton placed.
+
+Unshipped experiment, kept as evidence (README.md, "The MLP kernel", 2): TMA epilogue stores in the shipped kernel
+of that time; bitwise the same outputs, slower at every stage count (mlp_tma_stores.txt); not shipped.
+Self-contained: the shipped kernel is copied in mlp_snapshot.py and the descriptor epilogue below, this folder.
 """
-import os
 import re
 import sys
 
@@ -15,11 +18,20 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-import triton_kernels as tk  # noqa: E402
+import mlp_snapshot as snapshot  # this folder's copy of the shipped kernel of that time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench"))
-from mlp_tiles import _tma_epilogue as _epi  # noqa: E402  the same epilogue through descriptors
+
+@triton.jit
+def _epi(h, pre_desc, out_desc, m0, n0, BACKWARD: tl.constexpr):
+    """The shipped epilogue's math, stored through descriptors (as bench/mlp_tiles.py's _tma_epilogue had it)."""
+    hf = h.to(tl.float32)
+    if BACKWARD:
+        pre = pre_desc.load([m0, n0]).to(tl.float32)
+        out_desc.store([m0, n0], (2.0 * hf * tl.maximum(pre, 0.0)).to(tl.bfloat16))
+    else:
+        pre_desc.store([m0, n0], h)
+        r = tl.maximum(hf, 0.0)
+        out_desc.store([m0, n0], (r * r).to(tl.bfloat16))
 
 
 @triton.jit
@@ -32,7 +44,7 @@ def _k(a_ptr, b_ptr, pre_desc, out_desc, M, N, K, stride_am, stride_bn, BACKWARD
     rk = tl.arange(0, BLOCK_K)
     stored = tl.program_id(0) - tl.num_programs(0)
     for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=FLATTEN):
-        pid_m, pid_n = tk._grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
+        pid_m, pid_n = snapshot._grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         a_ptrs = a_ptr + (rows % M).to(tl.int64)[:, None] * stride_am + rk[None, :]
@@ -41,7 +53,7 @@ def _k(a_ptr, b_ptr, pre_desc, out_desc, M, N, K, stride_am, stride_bn, BACKWARD
         for k in range(0, k_steps):
             acc = tl.dot(tl.load(a_ptrs + k * BLOCK_K), tl.trans(tl.load(b_ptrs + k * BLOCK_K)), acc)
         stored += tl.num_programs(0)
-        pid_m, pid_n = tk._grouped_tile(stored, num_pid_m, num_pid_n, GROUP_M)
+        pid_m, pid_n = snapshot._grouped_tile(stored, num_pid_m, num_pid_n, GROUP_M)
         m0 = pid_m * BLOCK_M
         n0 = pid_n * BLOCK_N
         h = acc.to(tl.bfloat16)
@@ -58,7 +70,7 @@ def launch(a, b, pre, out, backward, tiles, split):
     M, K = a.shape; N = b.shape[0]
     eb = [bm, bn // 2 if split else bn]
     pd = TensorDescriptor.from_tensor(pre, eb); od = TensorDescriptor.from_tensor(out, eb)
-    grid = (min(tk._num_programs_persistent(a.device), triton.cdiv(M, bm) * triton.cdiv(N, bn)),)
+    grid = (min(snapshot._num_programs_persistent(a.device), triton.cdiv(M, bm) * triton.cdiv(N, bn)),)
     _k[grid](a, b, pd, od, M, N, K, a.stride(0), b.stride(0), BACKWARD=backward, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
              GROUP_M=g, FLATTEN=flatten, SPLIT=split, num_warps=warps, num_stages=stages)
 
@@ -88,8 +100,9 @@ if __name__ == "__main__" and "--compile" not in sys.argv:
     gen = torch.Generator(device="cuda").manual_seed(0)
     warm = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     for _ in range(400): warm @ warm
-    T = tk._MLP_TILES
-    variants = [("shipped", lambda *a: tk._launch_relu2_linear(*a[:4], False, None), lambda *a: tk._launch_relu2_linear(*a[:4], True, None))]
+    T = snapshot._MLP_TILES
+    variants = [("shipped", lambda *a: snapshot._launch_relu2_linear(*a[:4], False, None),
+                 lambda *a: snapshot._launch_relu2_linear(*a[:4], True, None))]
     for tiles in (T, (128, 256, 64, 8, 8, 4, True), (128, 256, 64, 8, 8, 2, True)):
         for split in (False, True):
             variants.append((f"tma-store {tiles[5]}st split={split}", lambda x, w, p, o, t=tiles, s=split: launch(x, w, p, o, False, t, s),

@@ -2,7 +2,7 @@
 # Nsight Compute counters of the shipped Triton attention kernels and their Gluon variants at one training shape
 # (default 49k tokens, window 1408): the second launch of each (the target makes 8 matching launches first: the
 # forward that gives out and lse, then one round of the seven kernels, which compiles them). On the device:
-#     bash records/2026-11-25_gluon_attention_H100/ncu_profile.sh [T:layout:window]
+#     bash notes/2026-11-25_gluon_attention_H100/ncu_profile.sh [T:layout:window]
 NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
 [ -x "$NCU" ] || { echo "error: Nsight Compute (ncu) not found; run this on the device"; exit 1; }
 HERE=$(dirname "$0")

@@ -1,0 +1,2037 @@
+"""The run machinery of train_gpt.py: everything around the training that never changes a number.
+
+train_gpt.py is the math and the loop; this file is what a serious run needs besides: the run-control
+options and the command line, preflight checks and the dry run, the log, the portable compile cache and
+the compile table, the compile split with its helper processes, checkpoints and resume, signals, exit
+codes, and the per-step bookkeeping of the timed loop. It never imports train_gpt: the script passes
+what it needs (its Hyperparameters class, its model, its trainer) as arguments.
+
+Sections, in the order a run meets them:
+    1. run-control options and the command line   2. how a run ends: errors and exit codes
+    3. shard files   4. preflight   5. the log and output files   6. the compile cache
+    7. the compile table   8. checkpoints and resume   9. processes: ranks, GPUs, signals
+    10. the compile split   11. the run: opening it, bookkeeping in the timed loop, the dry run, main()
+Nothing happens at import.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import glob
+import math
+import os
+import re
+import sys
+import textwrap
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch import Tensor
+
+# ==================================================================================================
+# 1. Run-control options and the command line
+# ==================================================================================================
+
+
+@dataclass
+class RunOptions:
+    """Options that never change what a run computes: where data and logs go, how often to validate,
+    log, check and save, and how compiling is organised. train_gpt.Hyperparameters extends this
+    class with the fields that do change the math; that split is the one definition of "math":
+    resume compares the math fields (and what the run-control ones resolve to, run_facts), the
+    compile cache's key holds them, and --help groups by it."""
+    # ---- data files ----
+    train_files: str = "data/fineweb10B/fineweb_train_*.bin"  # glob of training shards,
+                                                              # read once in sorted order
+    val_files: str = "data/fineweb10B/fineweb_val_*.bin"      # glob of validation shards
+    # ---- logging, validation and checks ----
+    val_loss_every: int = 250              # validate every this many steps (0: only at the end)
+    val_loss_target: float = 3.28          # the final summary line says
+                                           # whether the run reached this loss
+    train_loss_every: int = 0              # end every this-many-th step line with the step's train
+                                           # loss (its weighted multi-token loss per token, averaged
+                                           # over ranks): one sync each; 0: never
+    nonfinite_check_every: int = 25        # check the loss for NaN/inf every this many steps
+                                           # (no per-step sync); 0: off
+    run_id: str = ""                       # log name under logs/; empty: a random UUID
+    log_dir: str = "logs"                  # folder of the log (<run_id>.txt)
+                                           # and checkpoints (<run_id>/)
+    profile_steps: str = ""                # "a:b[,c:d...]": profile steps a..b-1 (...) with
+                                           # torch.profiler into the log dir, one trace per range
+                                           # (bench/profile_step.py reads them)
+    debug: bool = False                    # on an error, print the Python
+                                           # traceback too (the log always has it)
+    dry_run: bool = False                  # run every check that comes before compiling
+                                           # (options, environment, data, memory, output
+                                           # folders), print them as a checklist, and exit
+    # ---- checkpoints ----
+    save_checkpoint: bool = False          # write logs/<run_id>/state_step<step>.pt
+                                           # at the end (or when stopped)
+    checkpoint_every: int = 0              # also every this many steps (0: never),
+                                           # keeping the newest checkpoint_keep;
+    checkpoint_keep: int = 2               # any of these states (and a stopped run's) continues
+                                           # with --resume
+    resume: str = ""                       # a state_step<step>.pt file, or a run's folder
+                                           # (its newest state): continue that run bit for bit (same
+                                           # processes and math options, checked)
+    # ---- processes, devices and compiling ----
+    device: str = "auto"                   # auto | cuda | cpu
+    attn_backend: str = "auto"             # auto | triton | fa4 | fa3 | varlen | sdpa (auto: the
+                                           # fastest installed; the log names the one that ran)
+    seed: int = -1                         # -1: unseeded init, like the record;
+                                           # else torch.manual_seed(seed)
+    pg_timeout_s: int = 600                # a rank stuck this long in a collective ends the run
+    warmup: bool = True                    # compile every schedule variant before the clock starts
+    compile_cache: str = "~/.cache/nanogpt_speedrun/compile_cache.bin"  # the compiled code,
+                                           # saved after a warmup that compiled and loaded at start
+                                           # when made by the same code, torch, triton and GPU
+                                           # model: copy it to a new node to skip most compiling
+                                           # (README); empty: off
+    compile_split: bool = True             # each GPU's processes first compile their share of
+                                           # the variants alone; the warmup then loads the rest
+                                           # from torch's on-disk caches, shared on a node
+    compile_helpers: int = -1              # helper processes per GPU that compile a share of
+                                           # the split beside its rank (-1: auto, 3 on one
+                                           # GPU, 1 on two, none on more or when the compile
+                                           # cache file was loaded; 0: none)
+
+
+def math_fields(hp: Any) -> list[str]:
+    """The names of the fields of `hp` that change the math: every field not in RunOptions."""
+    run = {f.name for f in dataclasses.fields(RunOptions)}
+    return [f.name for f in dataclasses.fields(hp) if f.name not in run]
+
+
+def show(value: Any) -> str:
+    """A value as it is typed on the command line; a table row (a dataclass) as its fields joined
+    by ':' with tuple fields joined by '/'."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return ":".join("/".join(str(x) for x in v) if isinstance(v, tuple) else str(v)
+                        for v in dataclasses.astuple(value))
+    if isinstance(value, tuple):
+        return ",".join(show(v) for v in value)
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _parse_row(cls: type, text: str) -> Any:
+    """One table row (e.g. a train_gpt.Stage) from 'a:b:c/d': one ':' field per dataclass field,
+    '/' inside a tuple field (of floats); the annotations name each field's type."""
+    names = [f.name for f in dataclasses.fields(cls)]
+    values = text.split(":")
+    if len(values) != len(names):
+        raise ValueError(text)
+    kinds = {f.name: str(f.type) for f in dataclasses.fields(cls)}
+    parse = {"int": int, "float": lambda x: _finite(float(x))}
+    return cls(**{n: (tuple(_finite(float(x)) for x in v.split("/")) if kinds[n].startswith("tuple")
+                      else parse.get(kinds[n], str)(v)) for n, v in zip(names, values)})
+
+
+def _finite(x: float) -> float:
+    if not math.isfinite(x):
+        raise ValueError(x)
+    return x
+
+
+def _parse_value(text: str, like: Any, name: str) -> Any:
+    """Parse a command-line value into the type of the field's default."""
+    row = type(like[0]) if isinstance(like, tuple) and like else None
+    try:
+        if isinstance(like, bool):
+            if text.lower() in ("1", "true", "yes", "on"):
+                return True
+            if text.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(text)
+        if isinstance(like, int):
+            return int(text)
+        if isinstance(like, float):
+            return _finite(float(text))
+        if row is not None and dataclasses.is_dataclass(row):
+            return tuple(_parse_row(row, r) for r in text.split(","))
+        if isinstance(like, tuple):
+            items = [t for t in text.split(",") if t.strip()]
+            return tuple(_finite(row(t)) if row is float else row(t) for t in items)
+        if isinstance(like, str):
+            return text
+    except ValueError:
+        kind = ("true or false" if isinstance(like, bool) else
+                f"{':'.join(f.name for f in dataclasses.fields(row))} per "
+                f"{row.__name__.lower()} (tuples as a/b/...), comma-separated"
+                if row is not None and dataclasses.is_dataclass(row)
+                else f"comma-separated finite {row.__name__}s" if row is not None
+                else "a finite float" if isinstance(like, float)
+                else f"a{'n' if type(like).__name__[0] in 'aeiou' else ''} {type(like).__name__}")
+        raise ConfigError(f"--{name}={text!r} is not {kind} (default: {show(like)})") from None
+    raise ConfigError(f"--{name} cannot be set from the command line; "
+                      "edit Hyperparameters in train_gpt.py")
+
+
+def did_you_mean(name: str, names: Sequence[str]) -> list[str]:
+    """Near misses (difflib) and names that contain `name` as a word or a substring: --lr finds
+    --muon_lr, --adam_lr."""
+    import difflib
+    close = difflib.get_close_matches(name, names, n=3, cutoff=0.6)
+    related = [n for n in names if name in n.split("_") or (len(name) >= 3 and name in n)]
+    related.sort(key=lambda n: n.split("_")[-1] != name)   # --lr: the learning rates before
+                                                           # --lr_min
+    return list(dict.fromkeys(close + related))[:6]
+
+
+def _field_help(cls: type, defaults: Any) -> list[str]:
+    """--help lines for the fields `cls` declares itself, read from its source (so the help cannot
+    drift from the code): `# ---- group ----` lines start a group, comment-only lines continue the
+    comment of the field above."""
+    import inspect
+    lines = []
+    own = set(getattr(cls, "__annotations__", {}))
+    for src in inspect.getsource(cls).splitlines()[1:]:
+        text, indent = src.strip(), len(src) - len(src.lstrip())
+        if text.startswith("# ----") and text.endswith("----"):
+            if "derived" in text:
+                break
+            lines += ["", text.strip("# -") + ":"]
+        elif text.startswith("#"):       # aligned with the trailing comments:
+                                         # continues the field above
+            lines.append(("      " if indent > 4 else "  ") + text.lstrip("# "))
+        elif ":" in text and text.split(":")[0] in own:
+            name = text.split(":")[0]
+            value = getattr(defaults, name)
+            comment = text.split("#", 1)[1].strip() if "#" in text else ""
+            shown = ("a table: edit DEFAULT_PARAM_TABLE" if isinstance(value, dict)
+                     else f"default {show(value)}")
+            lines.append(f"  --{name}  [{type(value).__name__}, {shown}]  {comment}".rstrip())
+    return lines
+
+
+def help_text(cls: type, presets: dict[str, dict]) -> str:
+    """Usage, presets, exit codes, then every field: first those that change the math (cls's own),
+    then the run-control ones (RunOptions)."""
+    defaults = cls()
+    lines = ["usage: python3 train_gpt.py [--name=value ...]        "
+             "(on GPUs: ./run.sh [--name=value ...])",
+             "",
+             "Trains the speedrun GPT. Every option is a field of Hyperparameters in train_gpt.py "
+             "(the math) or of",
+             "RunOptions in harness.py (run control), set as --name=value; booleans take "
+             "true/false (a bare --name",
+             "means true), tuples take comma-separated values. --preset=NAME applies a preset "
+             "first, whatever its",
+             "position; the other options then override it.",
+             "presets (--preset=NAME sets these fields):"]
+    for name, preset in presets.items():
+        sets = " ".join(f"--{k}={show(v)}" for k, v in preset.items() if not isinstance(v, dict))
+        lines += textwrap.wrap(sets, 116, initial_indent=f"  {name}: ", subsequent_indent="    ")
+    lines += ["",
+              "exit codes: 0 done, 1 data, 2 options or environment, 3 loss not finite, "
+              "4 another rank failed, 130 interrupted (README: When something is wrong).",
+              "", "==== the math (Hyperparameters, train_gpt.py; resume must keep these) ===="]
+    lines += _field_help(cls, defaults)
+    lines += ["", "==== run control (RunOptions, harness.py; never change a number) ===="]
+    return "\n".join(lines + _field_help(RunOptions, defaults))
+
+
+def parse_args(argv: Sequence[str], cls: type, presets: dict[str, dict]) -> Any:
+    """`--name=value` for any field of `cls`; `--preset=NAME` first applies a preset, then the
+    rest. A bare `--name` sets a boolean field to true. Raises ConfigError naming the option."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    defaults = cls()
+    pairs = []
+    for arg in argv:
+        if not arg.startswith("--"):
+            raise ConfigError(f"expected --name=value, got {arg!r}; "
+                              "python3 train_gpt.py --help lists the options")
+        name, eq, value = arg[2:].partition("=")
+        name = name.replace("-", "_")
+        if name not in fields:
+            close = did_you_mean(name, list(fields))
+            raise ConfigError(f"unknown option --{name}"
+                              + (f"; did you mean {', '.join('--' + c for c in close)}?"
+                                 if close else "; python3 train_gpt.py --help lists them"))
+        if not eq:
+            if not isinstance(getattr(defaults, name), bool):
+                raise ConfigError(f"--{name} needs a value: write --{name}=VALUE "
+                                  f"(no space; default {show(getattr(defaults, name))})")
+            value = "true"
+        pairs.append((name, value))
+    hp = defaults
+    for name, value in pairs:
+        if name == "preset":
+            if value not in presets and value != "":
+                raise ConfigError(f"unknown --preset={value}; known presets: {', '.join(presets)}")
+            hp = dataclasses.replace(hp, preset=value, **copy.deepcopy(presets.get(value, {})))
+    for name, value in pairs:
+        if name != "preset":
+            setattr(hp, name, _parse_value(value, getattr(hp, name), name))
+    return hp
+
+
+def from_dict(cls: type, saved: dict) -> Any:
+    """The options a checkpoint stored with dataclasses.asdict (table rows as dicts); names that are
+    not options (any more) are dropped."""
+    defaults = cls()
+    values = {}
+    for f in dataclasses.fields(cls):
+        if f.name in saved:
+            like, value = getattr(defaults, f.name), saved[f.name]
+            if isinstance(like, tuple) and like and dataclasses.is_dataclass(like[0]):
+                value = tuple(type(like[0])(**row) for row in value)
+            values[f.name] = value
+    return cls(**values)
+
+
+def expand_path(path: str) -> str:
+    """A path option as the user meant it: `~` expanded ('' stays '')."""
+    return os.path.expanduser(path) if path else path
+
+
+def check_run_options(opts: RunOptions, num_iterations: int, attn_backends: Sequence[str]) -> None:
+    """The run-control half of the option checks (train_gpt checks the math half)."""
+    def need(ok: bool, msg: str) -> None:
+        if not ok:
+            raise ConfigError(msg)
+
+    need(opts.pg_timeout_s > 0, f"--pg_timeout_s={opts.pg_timeout_s} must be positive")
+    for name in ("val_loss_every", "nonfinite_check_every", "checkpoint_every",
+                 "train_loss_every"):
+        need(getattr(opts, name) >= 0, f"--{name}={getattr(opts, name)} must be >= 0")
+    need(opts.compile_helpers >= -1, f"--compile_helpers={opts.compile_helpers} must be -1 "
+         "(auto), 0 (none) or a count")
+    need(opts.checkpoint_keep >= 1,
+         f"--checkpoint_keep={opts.checkpoint_keep} must be >= 1 (2 survives a crash while "
+         "writing)")
+    need(opts.seed >= -1, f"--seed={opts.seed}: use -1 (unseeded) or a seed >= 0")
+    need(opts.attn_backend in ("auto", *attn_backends),
+         f"--attn_backend={opts.attn_backend} is not one of auto, {', '.join(attn_backends)}")
+    need(opts.device in ("auto", "cuda", "cpu"),
+         f"--device={opts.device} is not one of auto, cuda, cpu")
+    need(opts.run_id not in (".", "..") and "/" not in opts.run_id and os.sep not in opts.run_id,
+         f"--run_id={opts.run_id!r} names the log file logs/<run_id>.txt: use letters, digits, "
+         "'-', '_' or '.' only")
+    if opts.profile_steps:
+        ranges = [r.partition(":") for r in opts.profile_steps.split(",")]
+        need(all(a.isdigit() and b.isdigit() and int(a) < int(b) <= num_iterations
+                 for a, _, b in ranges)
+             and all(int(ranges[i][2]) <= int(ranges[i + 1][0]) for i in range(len(ranges) - 1)),
+             f"--profile_steps={opts.profile_steps!r} must be 'a:b' ranges "
+             f"(a < b <= {num_iterations}, the step count), comma-separated in increasing order")
+
+
+# ==================================================================================================
+# 2. How a run ends: errors and exit codes
+# ==================================================================================================
+# Exit codes (the README's failure table): 1 data, 2 options / environment / output folders, 3 the
+# loss stopped being finite, 4 a distributed failure (usually another rank failed first), 5 an
+# internal error (a bug: the log has the traceback), 128 + N a signal (130 Ctrl-C, 143 SIGTERM).
+EXIT_DATA, EXIT_CONFIG, EXIT_DIVERGED, EXIT_PEER, EXIT_BUG = 1, 2, 3, 4, 5
+
+
+class ConfigError(ValueError):
+    """A bad option or an environment that cannot run it; the message names what to change."""
+
+
+class DataError(RuntimeError):
+    """Missing or bad data, or options that do not fit the data; the message says what to run or
+    change."""
+
+
+class TrainingDiverged(FloatingPointError):
+    """The loss (train or validation) stopped being finite."""
+
+
+class Interrupted(Exception):
+    """Ctrl-C or SIGTERM ended the run; exit_code is 128 + the signal number."""
+
+    def __init__(self, signum: int, message: str):
+        super().__init__(message)
+        self.signum = signum
+
+
+def describe_failure(e: BaseException, rank: int, world_size: int) -> tuple[int, str]:
+    """(exit code, the one-line message) for an exception that ended the run."""
+    cause = e
+    while cause is not None and not isinstance(cause, (Interrupted, KeyboardInterrupt)):
+        cause = cause.__cause__ or cause.__context__     # a signal inside a compile
+                                                         # comes wrapped (InductorError)
+    if cause is not None:
+        e = cause
+    if isinstance(e, ConfigError):
+        return EXIT_CONFIG, str(e)
+    if isinstance(e, DataError):
+        return EXIT_DATA, str(e)
+    if isinstance(e, TrainingDiverged):
+        return EXIT_DIVERGED, str(e)
+    if isinstance(e, Interrupted):
+        return 128 + e.signum, str(e)
+    if isinstance(e, KeyboardInterrupt):
+        return 130, "stopped by SIGINT"
+    if isinstance(e, torch.OutOfMemoryError):
+        return EXIT_CONFIG, (f"out of GPU memory ({str(e).splitlines()[0][:160]}): lower the "
+                             "batches in --stages and --val_batch_size, or use more GPUs (the math "
+                             "is the same on 1, 2, 4 or 8)")
+    if (write := write_failure(e)) is not None:
+        return EXIT_CONFIG, write
+    first_line = (str(e).strip().splitlines() or [""])[0][:300]
+    if world_size > 1 and isinstance(e, (RuntimeError, dist.DistError)):
+        return EXIT_PEER, (f"{type(e).__name__} in a distributed run ({first_line}). If another "
+                           "rank failed first, its message is the cause; this rank stopped after "
+                           "at most --pg_timeout_s seconds")
+    return EXIT_BUG, (f"internal error, a bug: {type(e).__name__}: {first_line} (the traceback "
+                      "is in the log; --debug=true prints it here too). Please report it")
+
+
+# errno of a write the user's disk or folder refused, and the fix
+_WRITE_FIXES = {"ENOSPC": "the disk is full: free space", "EDQUOT": "the disk quota is used up: "
+                "free space", "EROFS": "the file system is read-only", "EFBIG": "the file is over "
+                "the size limit (ulimit -f)", "EACCES": "permission denied", "EPERM":
+                "permission denied"}
+
+
+def write_failure(e: BaseException) -> str | None:
+    """The one-line message for a write the file system refused (full disk, read-only, size limit,
+    permission), found also where torch.save wraps the OSError in a RuntimeError; else None."""
+    import errno
+    seen = e
+    while seen is not None and not (isinstance(seen, OSError)
+                                    and errno.errorcode.get(seen.errno) in _WRITE_FIXES):
+        seen = seen.__cause__ or seen.__context__
+    if seen is None:
+        text = str(e).lower()
+        name = next((n for n, phrase in (("ENOSPC", "no space left"), ("EFBIG", "file too large"),
+                                         ("EROFS", "read-only file system"))
+                     if phrase in text), None)
+        if name is None:
+            return None
+        where = ""
+    else:
+        name = errno.errorcode[seen.errno]
+        where = f" {seen.filename}" if seen.filename else ""
+    return (f"cannot write{where}: {_WRITE_FIXES[name]}, or choose another --log_dir "
+            "(what was saved before is intact)")
+
+
+# ==================================================================================================
+# 3. Shard files: the token format, read and checked
+# ==================================================================================================
+# header: 256 int32 words: magic, version, n
+SHARD_MAGIC, SHARD_VERSION, SHARD_HEADER_BYTES = 20240520, 1, 1024
+
+DATA_HINT = ("download FineWeb shards with `python data/cached_fineweb10B.py 9` (any N also "
+                  "fetches the val shard), or for a smoke test make synthetic ones with "
+                  "`python data/synthetic.py --out DIR` and pass "
+                  "--train_files='DIR/fineweb_train_*.bin' --val_files='DIR/fineweb_val_*.bin'")
+
+
+def resolve_shards(pattern: str, kind: str) -> list[str]:
+    """The shard files matching `pattern`, sorted; kind is "train" or "val" (for the error
+    message)."""
+    files = sorted(glob.glob(pattern))
+    option = "--train_files" if kind == "train" else "--val_files"
+    for path in files:
+        if os.path.isdir(path):
+            raise DataError(f"{option}={pattern} matches the folder {path}: make the pattern match "
+                            f"shard files only (e.g. DIR/fineweb_{kind}_*.bin)")
+        if not os.path.exists(path):
+            raise DataError(f"{path} (matched by {option}={pattern}) is a broken symbolic link: "
+                            "point it at its shard again or delete it")
+    if files:
+        return files
+    folder = os.path.dirname(pattern) or "."
+    problem = (f"the folder {folder!r} does not exist"
+               if not glob.has_magic(folder) and not os.path.isdir(folder)
+               else f"no file matches {pattern!r}")
+    raise DataError(f"no {kind} shards: {problem} ({option}={pattern}); {DATA_HINT}")
+
+
+def read_header(f, path: str) -> int:
+    """Check the header and the size of the open shard file `f`; return its token count n."""
+    raw = f.read(SHARD_HEADER_BYTES)
+    size = os.fstat(f.fileno()).st_size
+    if len(raw) < SHARD_HEADER_BYTES:
+        raise DataError(f"shard {path} is truncated: {size} bytes, less than the "
+                        f"{SHARD_HEADER_BYTES}-byte header; delete it and download or "
+                        "generate it again")
+    magic, version, n = (int(w) for w in np.frombuffer(raw, dtype="<i4", count=3))
+    if magic != SHARD_MAGIC:
+        raise DataError(f"shard {path} has bad magic {magic} (expected {SHARD_MAGIC}), so it is "
+                        "not a token shard; remove it or change --train_files/--val_files")
+    if version != SHARD_VERSION:
+        raise DataError(f"shard {path} has bad version {version} (expected {SHARD_VERSION}); "
+                        "make it again with data/tokenize_docs.py or download it again with "
+                        "data/cached_fineweb10B.py")
+    expected = SHARD_HEADER_BYTES + 2 * n
+    if size != expected:
+        raise DataError(f"shard {path} is truncated (or has trailing bytes): its header says {n} "
+                        f"tokens, so expected {expected} bytes, found {size}; delete it and "
+                        "download or generate it again")
+    return n
+
+
+def open_shard(path: str):
+    """open(path, "rb"), with the reason a shard cannot be read as a DataError that names the
+    file."""
+    try:
+        return open(path, "rb")
+    except PermissionError:
+        raise DataError(f"cannot read shard {path}: permission denied; make it readable "
+                        "(chmod a+r) or change --train_files/--val_files") from None
+    except OSError as e:
+        raise DataError(f"cannot read shard {path}: {e.strerror or e}; check the file or change "
+                        f"--train_files/--val_files") from None
+
+
+def shard_num_tokens(path: str) -> int:
+    """The token count of a shard, after checking its magic, version and file size."""
+    with open_shard(path) as f:
+        return read_header(f, path)
+
+
+_ID_CHECK_CHUNK = 1 << 22   # tokens per max(): a background thread
+                            # lets go of the GIL between chunks
+
+
+def check_token_ids(tokens: np.ndarray, vocab_size: int, path: str, first: int = 0) -> None:
+    """DataError if a token id does not fit the embedding table (an index past it would crash the
+    GPU mid-run).
+    tokens are positions first.. of the shard `path`."""
+    for s in range(0, len(tokens), _ID_CHECK_CHUNK):
+        chunk = tokens[s:s + _ID_CHECK_CHUNK]
+        top = int(chunk.max(initial=0))
+        if top >= vocab_size:
+            pos = first + s + int(np.argmax(chunk >= vocab_size))
+            raise DataError(f"shard {path} holds token id {top} (first bad id at token {pos:,}) "
+                            f"but --vocab_size={vocab_size}: it was made with another tokenizer. "
+                            "Make shards with GPT-2 ids (data/tokenize_docs.py) or raise "
+                            f"--vocab_size to a multiple of 128 above {top}")
+
+
+def read_tokens(path: str, max_tokens: int | None = None,
+                 out: np.ndarray | None = None) -> tuple[np.ndarray, int]:
+    """(tokens uint16, n): all n tokens of a checked shard, or only its first max_tokens; read into
+    `out` if given."""
+    with open_shard(path) as f:
+        n = read_header(f, path)
+        count = n if max_tokens is None else min(n, max_tokens)
+        tokens = np.empty(count, dtype=np.uint16) if out is None else out[:count]
+        got = f.readinto(memoryview(tokens).cast("B"))
+    if got != 2 * count:
+        raise DataError(f"shard {path}: read {got} of {2 * count} token bytes (did the file change "
+                        "while it was read?); download or generate it again")
+    return tokens, n
+
+
+def load_shard(path: str, pin_memory: bool = False) -> Tensor:
+    """All tokens of a checked shard as a uint16 tensor (n,); page-locked if pin_memory (for fast
+    copies to a GPU)."""
+    tokens = torch.empty(shard_num_tokens(path), dtype=torch.uint16, pin_memory=pin_memory)
+    read_tokens(path, out=tokens.numpy())
+    return tokens
+
+
+class Background:
+    """fn() in a daemon thread. result() joins and returns its value or re-raises its exception in
+    the caller."""
+
+    def __init__(self, fn: Callable[[], Any]):
+        self._value, self._error = None, None
+        self._thread = threading.Thread(target=self._run, args=(fn,), daemon=True)
+        self._thread.start()
+
+    def _run(self, fn: Callable[[], Any]) -> None:
+        try:
+            self._value = fn()
+        except BaseException as e:  # noqa: BLE001 (handed to the consumer
+                                    # by result() and raise_if_failed())
+            self._error = e
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def raise_if_failed(self) -> None:
+        if self.done() and self._error is not None:
+            raise self._error
+
+    def result(self) -> Any:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+def check_document_start(tokens: np.ndarray, path: str, bos_id: int, prefix: bool = False) -> None:
+    """DataError unless `tokens` (a shard, or its first tokens) hold a document start: training
+    batches start at documents."""
+    if not (tokens == bos_id).any():
+        raise DataError(f"shard {path} has no document start (token {bos_id}) in its "
+                        f"{'first ' if prefix else ''}{len(tokens):,} tokens, and training "
+                        "batches start at documents: make shards with data/tokenize_docs.py, "
+                        "which starts every document with it")
+
+
+# ==================================================================================================
+# 4. Preflight: the data and memory checks before anything compiles
+# ==================================================================================================
+# Measured on FineWeb: the loader reads about 1.35x the trained tokens (documents cut at the maximum
+# length, rank-boundary remainders, +1 look-ahead per rank, abandoned shard tails); 1.45 leaves a
+# margin.
+TRAIN_READ_FACTOR = 1.45
+PREFLIGHT_SAMPLE_TOKENS = 1 << 20   # tokens of each training shard checked
+                                    # before compiling (ids, a document start)
+
+
+def preflight(opts: RunOptions, device: torch.device, *, vocab_size: int, bos_id: int,
+              tokens_needed: int, val_tokens: int, val_batch_size: int, max_seq_len: int,
+              rooms: dict[int, int], walk_val: Callable[[list[str]], None],
+              memory_gib: Callable[[], float]) -> list[str]:
+    """Check data, schedule and memory before anything compiles. Raises DataError / ConfigError;
+    returns notes.
+
+    Every shard's header and size; a sample of every training shard (token ids fit the vocabulary, a
+    document start exists; the loader checks all ids of each shard as it loads it); every validation
+    token this rank will read (walk_val: the loader over this rank's validation batches), so a bad
+    val shard fails now and not after the whole run has trained. tokens_needed: the tokens that
+    carry a loss over the run; rooms: micro-batch tokens -> documents its cu_seqlens can hold;
+    memory_gib: the estimated peak GPU memory per rank (asked on CUDA only)."""
+    notes = []
+    train_files = resolve_shards(opts.train_files, "train")
+    val_files = resolve_shards(opts.val_files, "val")
+    train_avail = sum(shard_num_tokens(f) for f in train_files)   # validates every header and size
+    for path in train_files:
+        sample = read_tokens(path, PREFLIGHT_SAMPLE_TOKENS)[0]
+        check_token_ids(sample, vocab_size, path)
+        check_document_start(sample, path, bos_id)
+    val_sizes = [shard_num_tokens(f) for f in val_files]
+    needed = tokens_needed
+    shard = max(1, train_avail // len(train_files))
+    if train_avail < needed:
+        k = math.ceil(needed * TRAIN_READ_FACTOR / shard)
+        raise DataError(f"the schedule trains on {needed:,} tokens but the {len(train_files)} "
+                        f"training shard(s) matching {opts.train_files} hold {train_avail:,}: get "
+                        f"more shards (python data/cached_fineweb10B.py {k}) or shorten the run "
+                        "(--num_scheduled_iterations)")
+    if train_avail < needed * TRAIN_READ_FACTOR:
+        notes.append(f"warning: {train_avail:,} training tokens for {needed:,} trained; the loader "
+                     f"reads about {TRAIN_READ_FACTOR}x that, so the run may run out of data "
+                     "(the loader then stops with a message)")
+    # every validation reads the same first val_tokens tokens plus one look-ahead token, from the
+    # first val shard on
+    if val_sizes[0] < val_tokens + 2 and sum(val_sizes) < val_tokens + 2 * len(val_sizes):
+        raise DataError(f"validation reads {val_tokens:,} tokens (+1 look-ahead) but "
+                        f"{val_files[0]} holds {val_sizes[0]:,}: lower --val_tokens to a multiple "
+                        f"of --val_batch_size={val_batch_size} below that, or use the full "
+                        "FineWeb val shard")
+    walk_val(val_files)
+    check_document_density(train_files[0], bos_id, max_seq_len, rooms)
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory / 2**30
+        est = memory_gib()
+        if est > 0.95 * total:
+            raise ConfigError(f"this configuration needs about {est:.0f} GiB per GPU (an estimate) "
+                              f"but the GPU has {total:.0f} GiB: lower the batches in --stages and "
+                              "--val_batch_size, or use larger GPUs")
+        notes.append(f"memory estimate: about {est:.1f} GiB per GPU of {total:.0f} GiB")
+    notes.append(f"data: {len(train_files)} train shards ({train_avail:,} tokens) for {needed:,} "
+                 f"trained tokens; {len(val_files)} val shard(s), {val_tokens:,} tokens per "
+                 "validation")
+    return notes
+
+
+def check_document_density(path: str, bos_id: int, max_seq_len: int, rooms: dict[int, int],
+                           sample_tokens: int = 4_000_000) -> None:
+    """Fail before compiling if documents are so short that a micro-batch's cu_seqlens (rooms:
+    micro-batch tokens -> documents it can hold) would overflow.
+
+    Samples the first shard: a micro-batch of N tokens holds about
+    N / mean(min(doc_len, max_seq_len)) segments.
+    """
+    tokens = np.memmap(path, dtype=np.uint16, mode="r", offset=SHARD_HEADER_BYTES)[:sample_tokens]
+    starts = np.flatnonzero(tokens == bos_id)
+    if len(starts) < 2:
+        return
+    mean_len = float(np.minimum(np.diff(starts), max_seq_len).mean())
+    for n, room in sorted(rooms.items()):
+        expected = 1.25 * n / mean_len + 2                # 25% margin for batches of
+                                                          # shorter-than-average documents
+        if expected > room:
+            bound = max(1, int(mean_len / 1.25) - 1)
+            raise ConfigError(f"documents in {path} average {mean_len:.0f} tokens, much shorter "
+                              f"than FineWeb's: a {n}-token micro-batch holds about {expected:.0f} "
+                              f"documents but cu_seqlens has room for {room}. Rerun with "
+                              f"--tokens_per_doc_bound={bound} (default 300)")
+
+
+# ==================================================================================================
+# 5. The log and output files
+# ==================================================================================================
+
+def environment_report() -> str:
+    import subprocess
+    import triton
+    lines = [f"python {sys.version}", f"torch {torch.__version__} (cuda {torch.version.cuda})",
+             f"triton {triton.__version__}"]
+    try:
+        smi = subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.SubprocessError):
+        smi = "nvidia-smi: not available"
+    return "\n".join(lines) + "\n" + smi
+
+
+def progress_note(done: int, total: int, train_ms: float, tokens_done: int,
+                  tokens_total: int) -> str:
+    """The console's end of a step line: percent of the schedule, training tokens per second and the
+    time left at that rate. Counted in tokens, not steps, because later steps carry larger
+    batches."""
+    rate = tokens_done / max(train_ms / 1000, 1e-9)
+    left = round((tokens_total - tokens_done) / rate) if rate > 0 else 0
+    eta = (f"{left // 3600}h{left // 60 % 60:02d}m" if left >= 3600
+           else f"{left // 60}m{left % 60:02d}s")
+    return f"  {100 * done / total:.0f}% {rate:,.0f} tok/s ETA {eta}"
+
+
+def result_line(val_loss: float, target: float, train_ms: float, steps: int, peak_mib: int | None,
+                log_path: Path | None) -> str:
+    """The run's last line: what a speedrunner reads first."""
+    memory = f"{peak_mib}MiB" if peak_mib is not None else "n/a"
+    return (f"result: val_loss:{val_loss:.4f} target:{target} "
+            f"reached:{'yes' if val_loss <= target else 'no'} "
+            f"train_time:{train_ms / 1000:.1f}s steps:{steps} peak_memory:{memory} log:{log_path}")
+
+
+class RunLogger:
+    """Rank 0 writes logs/<run_id>.txt (flushed every line, so a crash loses nothing) and echoes to
+    the console.
+    The file is created exclusively: an existing log is never overwritten (prepare_output refuses
+    its run id)."""
+
+    def __init__(self, path: Path | None):
+        self.path = path
+        self.file = None
+        if path is not None:
+            try:
+                self.file = open(path, "x", buffering=1)
+            except FileExistsError:
+                raise ConfigError(f"{path} exists (an earlier run with this --run_id): "
+                                  "choose another --run_id or move that log away") from None
+
+    def __call__(self, msg: str, console: bool = True) -> None:
+        if self.file is None:
+            return
+        if console:
+            print(msg, flush=True)
+        try:
+            self.file.write(msg + "\n")
+        except OSError as e:
+            raise ConfigError(f"cannot write the log {self.path}: {e.strerror or e}; "
+                              "free disk space or choose another --log_dir") from None
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+
+
+def short_environment(device: torch.device) -> str:
+    """One line: GPU, driver, torch, CUDA, Triton and NCCL versions (the log keeps the full
+    report)."""
+    import triton
+    parts = [f"torch {torch.__version__}", f"triton {triton.__version__}"]
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        used = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        parts = [f"{used}x {props.name} "
+                 f"({props.total_memory / 2**30:.0f} GiB)"] + parts
+        parts.append(f"CUDA {torch.version.cuda}")
+        if dist.is_available() and hasattr(torch.cuda, "nccl"):
+            parts.append("NCCL " + ".".join(str(v) for v in torch.cuda.nccl.version()))
+    else:
+        parts = ["CPU"] + parts
+    return ", ".join(parts)
+
+
+__version__ = "1.0"    # named in every log, with this file's digest (the log embeds the script)
+
+
+def log_start(run: Any, sources: dict[str, str], argv_text: str) -> None:
+    """Rank 0 writes the run's head: the script and its kernels in full (sources: name -> text), this
+    file by version and digest, the environment, the command and every option."""
+    if run.rank != 0:
+        return
+    import hashlib
+    print(f"logging to {run.log.path}", flush=True)
+    code = "\n".join(f"==== {name} ====\n{text}" for name, text in sources.items())
+    digest = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
+    run.log(f"{code}\nharness.py: version {__version__}, sha256 {digest}", console=False)
+    run.log("=" * 100 + "\n" + environment_report() + "=" * 100, console=False)
+    run.log(f"command: {argv_text}")
+    run.log("hyperparameters:\n" + "\n".join(f"  {f.name} = {getattr(run.hp, f.name)!r}"
+                                              for f in dataclasses.fields(run.hp)), console=False)
+
+
+def reference_digest(definitions: Sequence[Any]) -> str:
+    """A digest of the code of functions or classes: their syntax trees without docstrings, so
+    comments, layout and docs do not count as edits."""
+    import ast
+    import hashlib
+    import inspect
+    trees = []
+    for obj in definitions:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(obj)))
+        for node in ast.walk(tree):
+            if (isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+                    and node.body and isinstance(node.body[0], ast.Expr)
+                    and isinstance(node.body[0].value, ast.Constant)
+                    and isinstance(node.body[0].value.value, str)):
+                node.body = node.body[1:] or [ast.Pass()]
+        trees.append(ast.dump(tree))
+    return hashlib.sha256("\n".join(trees).encode()).hexdigest()[:16]
+
+
+def edited_references(table: dict[str, tuple[Sequence[Any], str]], refs: frozenset[str],
+                      on_cuda: bool) -> list[str]:
+    """One warning per op whose plain-PyTorch definitions (table: op -> (definitions, the digest
+    they had when its fused kernel was checked against them)) changed since: it says which
+    definitions, whether this run uses the edit, and the --kernels value that runs it on a GPU."""
+    lines = []
+    for op, (definitions, digest) in table.items():
+        try:
+            if reference_digest(definitions) == digest:
+                continue
+        except (OSError, TypeError):     # no source to read (a frozen install): nothing to compare
+            continue
+        names = ", ".join(d.__name__ for d in definitions)
+        uses = ("this run uses the edit" if op in refs or not on_cuda
+                else "this run uses the fused kernel, NOT the edit")
+        lines.append(f"warning: {names} (op {op}) changed since its fused kernel was checked "
+                     f"against it; {uses}: --kernels={op}:torch runs the edit on a GPU (once the "
+                     f"kernel matches it again, set its digest in KERNEL_REFERENCES to "
+                     f"{reference_digest(definitions)})")
+    return lines
+
+
+def prepare_output(opts: RunOptions, run_id: str, rank: int) -> Path:
+    """Before anything trains: refuse a --run_id whose log exists, create the log folder (and the
+    checkpoint folder with --save_checkpoint) and prove that each is writable, so no run trains for
+    an hour and then cannot save.
+    Returns the log path."""
+    log_dir = Path(expand_path(opts.log_dir))
+    log_path = log_dir / f"{run_id}.txt"
+    if log_path.exists():
+        raise ConfigError(f"{log_path} exists (an earlier run with --run_id={run_id}): "
+                          "choose another --run_id or move that log away")
+    saving = opts.save_checkpoint or opts.checkpoint_every
+    for folder in [log_dir] + ([log_dir / run_id] if saving else []):
+        probe = folder / f".write_test_{os.getpid()}_{rank}"
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            probe.write_bytes(b"ok")
+            probe.unlink()
+        except OSError as e:
+            raise ConfigError(f"cannot write to {folder}: {e.strerror or e}; "
+                              "choose a writable --log_dir") from None
+    return log_path
+
+
+def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
+    """write(tmp) to a temporary name beside `path`, then rename it over `path`: a crash leaves the
+    old file or the new one, never half of one."""
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if tmp.is_file():
+            tmp.unlink()
+
+
+def atomic_torch_save(obj: Any, path: Path) -> None:
+    atomic_write(path, lambda tmp: torch.save(obj, tmp))
+
+
+# ==================================================================================================
+# 6. The portable compile cache: torch's compiled artifacts in one file
+# ==================================================================================================
+COMPILE_CACHE_MAGIC = b"nanogpt-speedrun compile cache 1\n"
+
+
+def compile_cache_key(sources: Sequence[str], versions: str) -> str:
+    """What compiled code depends on: the text of both source files and the settings
+    (compile_cache_settings), and the torch / triton / CUDA versions with the GPU model."""
+    import hashlib
+    digest = hashlib.sha256()
+    for text in (*sources, versions):
+        digest.update(hashlib.sha256(text.encode()).digest())
+    return digest.hexdigest()
+
+
+def compile_cache_settings(hp: Any, attn_backend: str) -> str:
+    """The settings part of the compile cache's key: every math field (math_fields; a new one too,
+    so a file made with another model shape is not taken for this run's: it would cover none of its
+    graphs and turn off the compile helpers) and the resolved attention backend (auto picks differ
+    between machines)."""
+    fields = {name: getattr(hp, name) for name in math_fields(hp)}
+    fields["attn_backend"] = attn_backend
+    return repr(sorted(fields.items()))
+
+
+def open_compile_cache(run: Any, hp: Any, attn_backend: str, sources: Sequence[str]) -> None:
+    """Load --compile_cache into torch's caches if this code made it with these settings on this
+    kind of machine (run.cache_loaded); otherwise remember where to save one after the warmup
+    (run.compile_cache). Logs one line either way; never fatal."""
+    path, versions = Path(expand_path(hp.compile_cache)), compile_cache_versions(run.device)
+    if path.is_dir():
+        run.log(f"compile cache: --compile_cache={hp.compile_cache} is a folder; give a file path "
+                f"(e.g. {path / 'compile_cache.bin'}): not used")
+        return
+    key = compile_cache_key([*sources, compile_cache_settings(hp, attn_backend)], versions)
+    loaded, note = load_compile_cache(path, key)
+    run.log(note)
+    run.compile_cache = None if loaded else (path, key, versions)
+    run.cache_loaded = loaded
+
+
+def compile_cache_versions(device: torch.device) -> str:
+    import triton
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return (f"torch {torch.__version__}, triton {triton.__version__}, CUDA {torch.version.cuda}, "
+            f"{gpu}")
+
+
+def save_compile_cache(path: Path, key: str, versions: str) -> str:
+    """Write what torch compiled in this process (torch.compiler.save_cache_artifacts) atomically;
+    returns the line for the log."""
+    import hashlib
+    import json
+    try:
+        saved = torch.compiler.save_cache_artifacts()
+    except Exception as e:         # a cache is a convenience: never the reason a run fails
+        return (f"compile cache: torch could not collect the artifacts ({type(e).__name__}); "
+                f"not saved")
+    if saved is None or not saved[0]:
+        return "compile cache: nothing was compiled, nothing saved"
+    payload = saved[0]
+    header = {"key": key, "versions": versions, "bytes": len(payload),
+              "sha256": hashlib.sha256(payload).hexdigest()}
+    record = COMPILE_CACHE_MAGIC + json.dumps(header).encode() + b"\n" + payload
+    try:
+        atomic_write(path, lambda tmp: tmp.write_bytes(record))
+    except OSError as e:
+        return f"compile cache: could not write {path} ({e.strerror or e}); the run goes on"
+    return f"compile cache: saved {path} ({len(payload) / 2**20:.1f} MiB)"
+
+
+def load_compile_cache(path: Path, key: str) -> tuple[bool, str]:
+    """Hand a saved cache to torch (torch.compiler.load_cache_artifacts) if it was made by this code
+    on this kind of machine. (loaded, the line for the log): a missing, stale or damaged file is
+    reported and ignored, never fatal."""
+    import hashlib
+    import json
+    if not path.is_file():
+        return False, f"compile cache: no {path} yet; it is written after the warmup"
+    try:
+        with open(path, "rb") as f:
+            if f.readline() != COMPILE_CACHE_MAGIC:
+                raise ValueError("not a compile cache file")
+            header = json.loads(f.readline())
+            payload = f.read()
+        if header.get("key") != key:
+            return False, (f"compile cache: {path} was made by other code, with other settings or "
+                           f"on another machine ({header.get('versions')}); ignored, replaced "
+                           f"after the warmup")
+        if len(payload) != header.get("bytes") or (
+                hashlib.sha256(payload).hexdigest() != header.get("sha256")):
+            raise ValueError("truncated or damaged")
+        torch.compiler.load_cache_artifacts(payload)
+    except Exception as e:    # anything wrong in the file: compile as if it were absent
+        reason = type(e).__name__ + (f": {str(e).splitlines()[0][:120]}" if str(e) else "")
+        return False, (f"compile cache: {path} is unreadable ({reason}); ignored, replaced after "
+                       f"the warmup")
+    return True, f"compile cache: loaded {path} ({len(payload) / 2**20:.1f} MiB)"
+
+
+def kernels_cache_tag(kernels_source: str) -> str:
+    """The tag of torch's compile-cache keys for this text of triton_kernels.py."""
+    import hashlib
+    return "triton_kernels:" + hashlib.sha256(kernels_source.encode()).hexdigest()[:16]
+
+
+def eager_autotuners(module: Any) -> list[Any]:
+    """The triton.autotune kernels a module defines (the optimizer runs its kernels outside the
+    compiled graphs, so their tuning is no compilation)."""
+    try:
+        from triton.runtime.autotuner import Autotuner
+    except ImportError:
+        return []
+    return [v for v in vars(module).values() if isinstance(v, Autotuner)]
+
+
+# ==================================================================================================
+# 7. The compile table: where the warmup's compile time goes
+# ==================================================================================================
+
+@dataclass(frozen=True)
+class CompiledGraph:
+    """One compilation seen during the warmup: a row of the compile table."""
+    compile_id: str     # torch's "frame/attempt" id, e.g. "0/3"; a backward shares its forward's
+    graph: str          # the compiled function (GPT.forward is "forward")
+    backward: bool      # the backward graph, compiled at the first backward of that forward
+    step: int           # the warmup step being run
+    phase: str          # "val" (validation, no grad) or "train" (forward, backward, optimizer)
+    seconds: float      # wall time of the compilation
+    cache: str          # "hit", "miss", "mixed" or "-": served by torch's on-disk caches (the
+                        # compile cache fills them), "-" where none was asked
+    reason: str         # "first", "backward", or the guard that failed against an earlier graph
+
+
+def recompile_reason(failures: Sequence[str]) -> str:
+    """Why torch compiled a function again, from the guard failures it recorded just before: one per
+    earlier graph of the function, newest first, each "<its id>: <first failed guard>  # source".
+    The warmup alternates validation (no grad) and training, so the newest graph usually differs
+    only in grad mode; the first failure against a graph of the same grad mode names what really
+    changed (a shape, a window, a constant)."""
+    if not failures:
+        return "first"
+    lines = [re.sub(r"\s+#.*$", "", f.strip().splitlines()[0]) if f.strip() else "?"
+             for f in failures]                         # drop the source-line comment torch adds
+    same_mode = [line for line in lines if "GLOBAL_STATE changed" not in line]
+    return " ".join((same_mode or lines)[0].split())
+
+
+# torch's cache counters on a compilation's metrics (the compile cache fills the local caches)
+_CACHE_COUNTERS = ("inductor_fx_local_cache", "aotautograd_local_cache",
+                   "inductor_fx_remote_cache", "aotautograd_remote_cache")
+
+
+def cache_state(hits: int, misses: int) -> str:
+    """Whether torch's FX-graph / AOTAutograd caches served a compilation."""
+    return {(True, False): "hit", (False, True): "miss", (True, True): "mixed"}.get(
+        (hits > 0, misses > 0), "-")
+
+
+def shorten(text: str, width: int) -> str:
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
+def compile_table(rows: Sequence[CompiledGraph], reason_width: int = 90) -> list[str]:
+    """The rows as fixed-width lines under one header line."""
+    lines = [f"{'#':>3} {'id':<6} {'graph':<20} {'step':>4} {'phase':<6} {'sec':>6} {'cache':<5} "
+             "reason"]
+    for i, r in enumerate(rows, 1):
+        graph = shorten(r.graph + (" (bw)" if r.backward else ""), 20)
+        lines.append(f"{i:>3} {r.compile_id:<6} {graph:<20} {r.step:>4} {r.phase:<6} "
+                     f"{r.seconds:>6.1f} {r.cache:<5} {shorten(r.reason, reason_width)}")
+    return lines
+
+
+def compile_summary(rows: Sequence[CompiledGraph], warmup_s: float, autotune_runs: int,
+                    autotune_s: float, eager_tunings: int) -> str:
+    """One line: how much of the warmup was compiling, what the compile cache saved, and Triton's
+    autotuning (inductor's, at the first run of a compiled graph; the eager autotuners', counted
+    only: triton keeps no total of their time)."""
+    total = sum(r.seconds for r in rows)
+    n_bw = sum(r.backward for r in rows)
+    cached = [r for r in rows if r.cache == "hit"]
+    return (f"compile: {len(rows)} graphs ({len(rows) - n_bw} forward, {n_bw} backward) took "
+            f"{total:.1f}s of the warmup's {warmup_s:.1f}s; {len(cached)} were cache hits "
+            f"({sum(r.seconds for r in cached):.1f}s); Triton autotuning: {autotune_runs} "
+            f"kernels in compiled graphs ({autotune_s:.1f}s), {eager_tunings} eager tunings")
+
+
+@dataclass
+class _Compilation:
+    compile_id: str
+    trigger: str                 # torch's CallbackTrigger name: DYNAMO, LAZY_BACKWARD, ...
+    step: int
+    phase: str
+    failures: list[str]          # the guard failures recorded just before it started
+    t0: float
+    t1: float | None = None
+
+
+class CompileLog:
+    """Records every torch.compile compilation while recording(): the warmup step and phase it ran
+    in (set by during()), its wall time and why it happened; report() turns that into the table.
+
+    The hooks, all present in torch 2.11 to 2.13:
+      torch._dynamo.callback_handler        calls us at the start and the end of every compilation
+                                            (a forward; a backward where it is compiled lazily, at
+                                            its first backward: not in our runs, configure_compiler)
+                                            with torch's compile id;
+      torch._dynamo.utils.guard_failures    code -> the guard failures of each recompile, recorded
+                                            just before the compilation starts;
+      torch._dynamo.utils.get_compilation_metrics()   after it: the function's name and the cache
+                                            hits (a deque of the last 64, so read after each phase);
+      torch._dynamo.utils.compilation_time_metrics    the times of inductor's runtime autotuning.
+    A torch without one of them gets one log line and no table, never an error."""
+
+    AUTOTUNE_KEY = "CachingAutotuner.benchmark_all_configs"
+
+    def __init__(self, enabled: bool, autotuners: Sequence[Any] = ()):
+        """autotuners: eager triton.autotune kernels (their .cache gains a key per tuning)."""
+        self.enabled, self.autotuners = enabled, list(autotuners)
+        self.step, self.phase = -1, "-"
+        self.compilations: list[_Compilation] = []
+        self.metrics: dict[tuple[str, bool], Any] = {}   # (compile id, backward) -> torch's record
+        self.missing: str | None = None                  # the hook this torch lacks
+        self.autotune = (0, 0.0, 0)                      # runs, seconds, eager tunings
+        self._hooks: Any = None
+        self._failures_seen: dict[Any, int] = {}
+
+    @staticmethod
+    def _find_hooks() -> Any:
+        from types import SimpleNamespace
+        from torch._dynamo import callback, utils
+        hooks = SimpleNamespace(handler=callback.callback_handler,
+                                guard_failures=utils.guard_failures,
+                                metrics=utils.get_compilation_metrics,
+                                times=utils.compilation_time_metrics)
+        for name in ("register_start_callback", "register_end_callback",
+                     "remove_start_callback", "remove_end_callback"):
+            getattr(hooks.handler, name)
+        return hooks
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[None]:
+        if not self.enabled:
+            yield
+            return
+        try:
+            self._hooks = self._find_hooks()
+        except (ImportError, AttributeError) as e:
+            self.missing = str(e).splitlines()[0] if str(e) else type(e).__name__
+            yield
+            return
+        h = self._hooks
+        self._failures_seen = {code: len(f) for code, f in list(h.guard_failures.items())}
+        runs0, eager0 = len(h.times.get(self.AUTOTUNE_KEY, [])), self._eager_tunings()
+        h.handler.register_start_callback(self._on_start)
+        h.handler.register_end_callback(self._on_end)
+        try:
+            yield
+        finally:
+            h.handler.remove_start_callback(self._on_start)
+            h.handler.remove_end_callback(self._on_end)
+            self._read_metrics()
+            runs = h.times.get(self.AUTOTUNE_KEY, [])[runs0:]
+            self.autotune = (len(runs), float(sum(runs)), self._eager_tunings() - eager0)
+
+    @contextlib.contextmanager
+    def during(self, step: int, phase: str) -> Iterator[None]:
+        """Compilations from here on belong to this warmup step and phase."""
+        self.step, self.phase = step, phase
+        try:
+            yield
+        finally:
+            if self._hooks is not None:
+                self._read_metrics()
+
+    def _eager_tunings(self) -> int:
+        return sum(len(getattr(a, "cache", ())) for a in self.autotuners)
+
+    def _on_start(self, args: Any) -> None:
+        try:                   # a table is a convenience: never the reason a compilation fails
+            failures = []
+            for code, fails in list(self._hooks.guard_failures.items()):
+                failures += fails[self._failures_seen.get(code, 0):]
+                self._failures_seen[code] = len(fails)
+            self.compilations.append(_Compilation(
+                str(args.compile_id), getattr(args.callback_trigger, "name", "?"), self.step,
+                self.phase, [str(f) for f in failures], time.perf_counter()))
+        except Exception:
+            pass
+
+    def _on_end(self, args: Any) -> None:
+        try:
+            for c in reversed(self.compilations):
+                if c.compile_id == str(args.compile_id) and c.t1 is None:
+                    c.t1 = time.perf_counter()
+                    break
+        except Exception:
+            pass
+
+    def _read_metrics(self) -> None:
+        # getattr: this runs in `finally` blocks, where an error would hide the warmup's own
+        for m in self._hooks.metrics():
+            compile_id = getattr(m, "compile_id", None)
+            if compile_id and not getattr(m, "is_runtime", False):
+                self.metrics[(compile_id, getattr(m, "is_forward", None) is False)] = m
+
+    def rows(self) -> list[CompiledGraph]:
+        rows = []
+        for c in self.compilations:
+            backward = c.trigger == "LAZY_BACKWARD"
+            m = self.metrics.get((c.compile_id, backward))
+            forward = self.metrics.get((c.compile_id, False))
+            hits = sum(getattr(m, f"{k}_hit_count", None) or 0 for k in _CACHE_COUNTERS)
+            misses = sum(getattr(m, f"{k}_miss_count", None) or 0 for k in _CACHE_COUNTERS)
+            if backward:
+                reason = "backward"
+            elif c.trigger != "DYNAMO":
+                reason = c.trigger.lower()
+            elif getattr(m, "fail_type", None):
+                reason = f"failed: {m.fail_type}"
+            else:
+                reason = recompile_reason(c.failures)
+            t1 = c.t1 if c.t1 is not None else c.t0
+            rows.append(CompiledGraph(c.compile_id, getattr(forward, "co_name", None) or "?",
+                                      backward, c.step, c.phase, t1 - c.t0,
+                                      cache_state(hits, misses), reason))
+        return rows
+
+    def report(self, warmup_s: float) -> list[str]:
+        """The log lines: nothing when not enabled; one line when this torch lacks a hook."""
+        if not self.enabled:
+            return []
+        if self.missing is not None:
+            return [f"compile table: not available with torch {torch.__version__} "
+                    f"({self.missing})"]
+        rows = self.rows()
+        return (["compile table: one row per compilation in the warmup (val: validation; train: "
+                 "forward, backward, optimizer; val* / train*: this rank compiling its share "
+                 "alone, no optimizer)"] + compile_table(rows)
+                + [compile_summary(rows, warmup_s, *self.autotune)])
+
+    def log_report(self, log: Callable, warmup_s: float) -> None:
+        """The table into the log file, its summary line on the console too."""
+        report = self.report(warmup_s)
+        for line in report[:-1]:
+            log(line, console=False)
+        if report:
+            log(report[-1])
+
+
+# ==================================================================================================
+# 8. Checkpoints: the whole training state, so that a stopped run continues bit for bit
+# ==================================================================================================
+
+def snapshot_state(model: nn.Module, opt: Any) -> dict[str, Any]:
+    """A detached copy of everything a step changes (used to undo warmup and as the last good
+    state)."""
+    return {"model": {k: v.detach().clone() for k, v in model.state_dict().items()},
+            "optimizer": copy.deepcopy(opt.state_dict())}
+
+
+def states_equal(a: Any, b: Any) -> bool:
+    """Bitwise equality of nested state (tensors compared with torch.equal, which treats NaN as
+    unequal)."""
+    if isinstance(a, Tensor) or isinstance(b, Tensor):
+        return isinstance(a, Tensor) and isinstance(b, Tensor) and a.dtype == b.dtype \
+            and a.shape == b.shape and bool(torch.equal(a, b))
+    if isinstance(a, dict):
+        return (isinstance(b, dict) and a.keys() == b.keys()
+                and all(states_equal(a[k], b[k]) for k in a))
+    if isinstance(a, (list, tuple)):
+        return (isinstance(b, (list, tuple)) and len(a) == len(b)
+                and all(states_equal(x, y) for x, y in zip(a, b)))
+    return a == b
+
+
+CHECKPOINT_FORMAT = "train_gpt state 1"
+CHECKPOINT_NAME = re.compile(r"state_step(\d{6,})(?:_rank(\d+))?\.pt")
+
+
+def checkpoint_path(folder: Path, step: int, rank: int, world_size: int) -> Path:
+    """<folder>/state_step<step>.pt; with several processes one file per rank (optimizer state is
+    sharded)."""
+    return folder / f"state_step{step:06d}{f'_rank{rank}' if world_size > 1 else ''}.pt"
+
+
+def run_facts(world_size: int, device: torch.device, attn_backend: str,
+              train_files: list[str]) -> dict[str, Any]:
+    """What the run-control options resolve to that the math depends on: a resumed run must match
+    them."""
+    return {"processes": world_size, "device": device.type, "attention backend": attn_backend,
+            "training shards": [os.path.basename(f) for f in train_files]}
+
+
+class Checkpointer:
+    """Writes this rank's part of the training state atomically. Periodic checkpoints keep the
+    newest `keep`; the ones written at the end, when stopped, or before a divergence are kept."""
+
+    def __init__(self, hp: Any, run_id: str, rank: int, world_size: int, facts: dict,
+                 log: Callable, code: str):
+        """hp: the run's options (all saved; resume compares the math ones); code: the script's
+        source, saved with the state (its log has it too)."""
+        self.folder, self.keep = Path(expand_path(hp.log_dir)) / run_id, hp.checkpoint_keep
+        self.rank, self.world_size, self.log = rank, world_size, log
+        self.header = {"format": CHECKPOINT_FORMAT, "run_id": run_id,
+                       "hyperparameters": dataclasses.asdict(hp), "facts": facts, "code": code}
+        self.periodic: list[int] = []
+        self.last: Path | None = None      # the newest state this run saved
+
+    def save(self, state: dict, periodic: bool = False) -> Path:
+        path = checkpoint_path(self.folder, state["step"], self.rank, self.world_size)
+        try:
+            atomic_torch_save({**self.header, **state}, path)
+        except Exception as e:   # torch.save reports a full disk as a RuntimeError
+            reason = write_failure(e)
+            if reason is None:
+                raise
+            earlier = (f"the last state saved, {self.last}, is intact" if self.last is not None
+                       else "no earlier state of this run was saved")
+            raise ConfigError(f"cannot write the checkpoint {path}: {reason}; {earlier}") from None
+        self.last = path
+        self.log(f"checkpoint: {path}")
+        if periodic:
+            self.periodic.append(state["step"])
+            if len(self.periodic) > self.keep:
+                if self.world_size > 1:
+                    dist.barrier()       # every rank holds the new checkpoint
+                                         # before any rank deletes an old one
+                for step in self.periodic[:-self.keep]:
+                    checkpoint_path(self.folder, step, self.rank,
+                                    self.world_size).unlink(missing_ok=True)
+                self.periodic = self.periodic[-self.keep:]
+        return path
+
+
+def find_checkpoint(path: str, world_size: int) -> tuple[Path, int]:
+    """(folder, step) of what --resume names: a state file (any rank's) or a run folder, whose
+    newest checkpoint with a file for each of world_size ranks is taken (a crash while writing
+    leaves the previous one complete)."""
+    p = Path(path)
+    if p.is_dir():
+        names = {f.name for f in p.iterdir()}
+        steps = {int(m[1]) for name in names if (m := CHECKPOINT_NAME.fullmatch(name))}
+        complete = [st for st in steps
+                    if all(checkpoint_path(p, st, r, world_size).name in names
+                           for r in range(world_size))]
+        if not complete:
+            found = (f"states for other process counts or incomplete (steps {sorted(steps)})"
+                     if steps else "no states")
+            raise ConfigError(f"--resume={path}: the folder holds {found}, none written by "
+                              f"{world_size} process(es); give a run's folder (logs/<run_id>) or "
+                              "one of its state_step*.pt files")
+        return p, max(complete)
+    m = CHECKPOINT_NAME.fullmatch(p.name)
+    if m is None or not p.is_file():
+        raise ConfigError(f"--resume={path} is "
+                          f"{'not a file' if m else 'neither a folder nor a state_step*.pt file'}: "
+                          "give a run's folder (logs/<run_id>) or one of its state_step*.pt files")
+    return p.parent, int(m[1])
+
+
+def load_checkpoint(path: str, rank: int, world_size: int,
+                    device: str | torch.device = "cpu") -> dict:
+    """This rank's state from the checkpoint `path` names (see find_checkpoint); ConfigError if it
+    cannot be used."""
+    folder, step = find_checkpoint(path, world_size)
+    file = checkpoint_path(folder, step, rank, world_size)
+    if not file.is_file():
+        others = sorted(f.name for f in folder.glob(f"state_step{step:06d}*.pt"))
+        raise ConfigError(f"--resume: {file} does not exist (the step-{step} state has "
+                          f"{', '.join(others)}): resume with the number of processes that "
+                          "wrote it")
+    try:
+        state = torch.load(file, map_location=device, weights_only=True)
+    except Exception as e:  # noqa: BLE001 (a truncated or foreign file, reported as such)
+        raise ConfigError(f"--resume: cannot read {file} "
+                          f"({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
+                          "resume from another checkpoint") from None
+    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
+        raise ConfigError(f"--resume: {file} is not a training state written by this trainer "
+                          "(--checkpoint_every, --save_checkpoint)")
+    state["path"] = str(file)
+    return state
+
+
+def resume_differences(saved: dict, hp: Any, facts: dict) -> list[str]:
+    """The math options (math_fields) and resolved facts (run_facts) that differ between the saved
+    run and this one."""
+    old = from_dict(type(hp), saved["hyperparameters"])
+    diffs = [f"--{name}={show(getattr(old, name))} (now {show(getattr(hp, name))})"
+             for name in math_fields(hp) if getattr(old, name) != getattr(hp, name)]
+    for key, now in facts.items():
+        then = saved["facts"].get(key)
+        if then != now and isinstance(now, list):     # shard lists: the count, or
+                                                      # the first name that differs
+            i = next((i for i, (a, b) in enumerate(zip(then, now)) if a != b), None)
+            diffs.append(f"{key}: {len(then)} (now {len(now)})" if i is None else
+                         f"{key}: number {i + 1} is {then[i]} (now {now[i]})")
+        elif then != now:
+            diffs.append(f"{key} {then} (now {now})")
+    return diffs
+
+
+def check_resume(saved: dict, hp: Any, facts: dict) -> None:
+    if diffs := resume_differences(saved, hp, facts):
+        raise ConfigError(f"--resume: {saved['path']} was written by a run with other math: "
+                          f"{'; '.join(diffs)}. Resume with the same options and processes")
+
+
+# ==================================================================================================
+# 9. Processes: ranks, GPUs and signals
+# ==================================================================================================
+
+def launch_environment() -> tuple[int, int, int]:
+    """(rank, world_size, local_rank) from the variables torchrun sets; (0, 1, 0) without them.
+    ConfigError when they are malformed or incomplete (e.g. WORLD_SIZE left in the shell from
+    another job)."""
+    env = os.environ
+    try:
+        world_size, rank = int(env.get("WORLD_SIZE", 1)), int(env.get("RANK", 0))
+        local_rank = int(env.get("LOCAL_RANK", 0))
+    except ValueError:
+        raise ConfigError(f"WORLD_SIZE={env.get('WORLD_SIZE')!r} RANK={env.get('RANK')!r} "
+                          f"LOCAL_RANK={env.get('LOCAL_RANK')!r} must be integers (torchrun sets "
+                          "them): unset them to run one process, or start with ./run.sh") from None
+    if world_size < 1 or not 0 <= rank < world_size or local_rank < 0:
+        raise ConfigError(f"RANK={rank} is not a rank of WORLD_SIZE={world_size} "
+                          f"(or LOCAL_RANK={local_rank} < 0): unset them to run one process, or "
+                          "start with ./run.sh")
+    return rank, world_size, local_rank
+
+
+def isolate_gpu(local_rank: int, env: dict[str, str] = os.environ,
+                count_gpus: Callable[[], int] = torch.cuda.device_count) -> str | None:
+    """Before CUDA starts, let this process see only its own GPU (the LOCAL_RANK-th of those
+    visible), which it then calls cuda:0. torch's compile caches key on the device index: with
+    every rank on cuda:0 the ranks share what each compiles, and a saved compile cache serves every
+    rank. Returns the CUDA_VISIBLE_DEVICES entry chosen; None where nothing changed (no GPU, or
+    CUDA already started: then cuda:LOCAL_RANK as usual).
+    count_gpus: torch.cuda.device_count, which reads the GPUs through NVML without starting CUDA
+    and honours CUDA_VISIBLE_DEVICES."""
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if torch.cuda.is_initialized() or (visible is not None and not visible.strip()):
+        return None
+    count = count_gpus()
+    if count == 0:
+        return None
+    if local_rank >= count:
+        raise ConfigError(f"LOCAL_RANK={local_rank} but {count} GPU(s) are visible: start one "
+                          "process per GPU (./run.sh does), or check CUDA_VISIBLE_DEVICES")
+    entries = ([e.strip() for e in visible.split(",")] if visible is not None
+               else [str(i) for i in range(count)])
+    env["CUDA_VISIBLE_DEVICES"] = entries[local_rank]
+    if count_gpus() != 1:    # CUDA had started (no NVML) and read the variable already: undo
+        if visible is None:
+            del env["CUDA_VISIBLE_DEVICES"]
+        else:
+            env["CUDA_VISIBLE_DEVICES"] = visible
+        return None
+    return entries[local_rank]
+
+
+def setup_distributed(hp: RunOptions) -> tuple[int, int, int, torch.device]:
+    """(rank, world_size, local_rank, device): this process's GPU (or the CPU) and, with several
+    processes, the process group (NCCL on GPUs, gloo on CPUs)."""
+    import datetime
+    rank, world_size, local_rank = launch_environment()
+    missing = [v for v in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+               if v not in os.environ]
+    if world_size > 1 and missing:
+        raise ConfigError(f"WORLD_SIZE={world_size} is set but {', '.join(missing)} "
+                          f"{'is' if len(missing) == 1 else 'are'} not: start multi-GPU runs with "
+                          "./run.sh (torchrun sets them all), or unset WORLD_SIZE to run one "
+                          "process")
+    gpu = isolate_gpu(local_rank) if world_size > 1 and hp.device != "cpu" else None
+    want_cuda = hp.device == "cuda" or (hp.device == "auto" and torch.cuda.is_available())
+    if want_cuda and not torch.cuda.is_available():
+        raise ConfigError("--device=cuda but no CUDA GPU is visible: check nvidia-smi, "
+                          "or run with --device=cpu")
+    if gpu is None and want_cuda and local_rank >= torch.cuda.device_count():
+        raise ConfigError(f"LOCAL_RANK={local_rank} but {torch.cuda.device_count()} GPU(s) are "
+                          "visible: start one process per GPU (./run.sh does), or check "
+                          "CUDA_VISIBLE_DEVICES")
+    device = (torch.device("cuda", 0 if gpu is not None else local_rank) if want_cuda
+              else torch.device("cpu"))
+    if want_cuda:
+        torch.cuda.set_device(device)
+    if world_size > 1:
+        # A bounded timeout: if one rank dies, the others leave their collective with an error
+        # instead of hanging.
+        timeout = datetime.timedelta(seconds=hp.pg_timeout_s)
+        if want_cuda:
+            dist.init_process_group("nccl", device_id=device, timeout=timeout)
+        else:
+            dist.init_process_group("gloo", timeout=timeout)
+    return rank, world_size, local_rank, device
+
+
+class StopSignals:
+    """Ctrl-C (SIGINT) and SIGTERM. Inside the timed loop (`defer` is set) the first signal asks the
+    run to stop at a step boundary that every rank agrees on, where --save_checkpoint can save a
+    consistent state; a second signal (or one outside the loop) stops at once. torchrun passes a
+    terminal's Ctrl-C on to its workers, who also got it from the terminal: a repeat within a second
+    is that same key press, not a second one."""
+
+    REPEAT_S = 1.0
+
+    def __init__(self, announce: bool = True):
+        self.requested: int | None = None        # the signal asking for a stop at
+                                                 # the next agreed step boundary
+        self.defer = False
+        self.announce = announce
+        self._at = 0.0
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> None:
+        import signal
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            self._previous[signum] = signal.signal(signum, self._on_signal)
+
+    def uninstall(self) -> None:
+        import signal
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous = {}
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        import signal
+        name = signal.Signals(signum).name
+        if self.defer and self.requested is None:
+            self.requested, self._at = signum, time.monotonic()
+            if self.announce:
+                print(f"{name}: stopping at the next step boundary (again to stop at once)",
+                      file=sys.stderr, flush=True)
+            return
+        if self.defer and time.monotonic() - self._at < self.REPEAT_S:
+            return
+        raise Interrupted(signum, f"stopped by {name}")
+
+
+# ==================================================================================================
+# 10. The compile split: each GPU's processes compile a share of the variants first
+# ==================================================================================================
+
+def split_compile_tasks(variants: Sequence[int], workers: int) -> list[list[tuple[int, str]]]:
+    """What each of `workers` processes of one machine compiles alone before the warmup: (variant
+    start, "train" or "val") pairs, dealt round-robin, the longer training graphs (forward and
+    backward) first. With 4 variants, 4 workers each take both graphs of one variant; 8 workers one
+    graph each. Worker w runs on GPU w % ranks: the ranks themselves come first and take the
+    training graphs, their helpers the rest. variants: the first step of each compiled variant."""
+    tasks = [(s, "train") for s in variants] + [(s, "val") for s in variants]
+    return [tasks[w::workers] for w in range(workers)]
+
+
+def split_processes_per_gpu(compile_helpers: int, num_variants: int, ranks: int,
+                            cache_loaded: bool) -> int:
+    """How many processes compile on each GPU in the split: its rank and --compile_helpers
+    helpers. Auto: one variant (its two graphs) per process, at most 4 per GPU (1 GPU: 4; 2 GPUs:
+    2; 4 or 8 GPUs: 1, the ranks alone), and no helpers when the compile cache file was loaded:
+    the caches hold every graph, and a helper would only load graphs that its rank loads again."""
+    if compile_helpers >= 0:
+        return 1 + compile_helpers
+    if cache_loaded:
+        return 1
+    return max(1, min(4, -(-num_variants // ranks)))
+
+
+def compile_split(trainer: Any, run: Run, variants: Sequence[int], ranks: int, per_gpu: int,
+                  compile_log: CompileLog, t0: float) -> None:
+    """Each GPU's processes (its rank and the rank's helpers) compile their share of the variants
+    (split_compile_tasks) alone and at the same time; torch writes each graph to its on-disk
+    caches, which every process of a machine shares (the same code on cuda:0 everywhere,
+    isolate_gpu), so the warmup that follows loads instead of compiling. Compiling is mostly
+    single-threaded Python, so even one GPU gains from several processes; they take turns to run
+    (GpuTurns). Leaves the weights, gradients and schedule state as it found them."""
+    import tempfile
+    shares = split_compile_tasks(variants, ranks * per_gpu)
+    local = run.rank % ranks
+    mine, theirs = shares[local], [share for share in shares[local + ranks::ranks] if share]
+    run.log(f"warmup: {ranks} rank(s), {per_gpu} process(es) per GPU, compile a share alone "
+            f"first (rank 0: {describe_share(mine)}"
+            + "".join(f"; helper {i + 1}: {describe_share(sh)}" for i, sh in enumerate(theirs))
+            + ")")
+    with tempfile.TemporaryDirectory(prefix="compile_split_") as folder:
+        turns = GpuTurns(Path(folder) / "gpu.lock", trainer.device)
+        helpers = [CompileHelper(trainer, share, Path(folder) / f"helper{i + 1}", turns.path)
+                   for i, share in enumerate(theirs)]
+        try:
+            with turns.taken_after_compiling():
+                for step, phase in mine:
+                    with compile_log.during(step, f"{phase}*"):
+                        trainer.compile_alone(step, phase)
+                    turns.give(trainer.model)
+            for i, helper in enumerate(helpers):
+                run.log(f"  helper {i + 1}: {helper.wait()}")
+        finally:
+            for helper in helpers:
+                helper.stop()
+    trainer.reset_schedule_state()
+    run.sync()
+    if run.world_size > 1:
+        dist.barrier()
+    run.log(f"  shares compiled on every GPU at {time.perf_counter() - t0:.1f}s")
+
+
+def describe_share(share: list[tuple[int, str]]) -> str:
+    return ", ".join(f"{phase} of step {step}" for step, phase in share) or "nothing"
+
+
+class GpuTurns:
+    """The processes of one GPU in the split compile at the same time but run one at a time. A
+    process takes the turn (an flock on a file they share) when one of its compilations ends, since
+    running the graph is what follows (a training graph's backward is compiled with its forward,
+    configure_compiler), and gives it back after its task, with the task's memory freed. So the
+    split needs one process's memory for a training micro-batch (34 GiB reserved at the record's
+    sizes on one GPU) and a few GiB for each other process, not a micro-batch each; and inductor
+    times its autotuning candidates without another process's kernels on the GPU."""
+
+    def __init__(self, path: Path, device: torch.device):
+        self.path, self.device = path, device
+        self.file = open(path, "a+b")
+        self.held = False
+
+    def take(self, *_: Any) -> None:
+        import fcntl
+        if not self.held:
+            fcntl.flock(self.file, fcntl.LOCK_EX)
+            self.held = True
+
+    def give(self, model: nn.Module) -> None:
+        import fcntl
+        for p in model.parameters():
+            p.grad = None
+        if self.held:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+                torch.cuda.empty_cache()
+            fcntl.flock(self.file, fcntl.LOCK_UN)
+            self.held = False
+
+    @contextlib.contextmanager
+    def taken_after_compiling(self) -> Iterator[None]:
+        """Take the turn at the end of every compilation (torch's callback, CompileLog's hook)."""
+        from torch._dynamo.callback import callback_handler
+        callback_handler.register_end_callback(self.take)
+        try:
+            yield
+        finally:
+            callback_handler.remove_end_callback(self.take)
+            self.file.close()     # an flock still held goes with it
+
+
+# The variable that makes `python train_gpt.py` a compile helper: the path of its task file.
+COMPILE_HELPER_ENV = "TRAIN_GPT_COMPILE_HELPER"
+
+
+class CompileHelper:
+    """A process beside a rank that compiles a share of the split on the rank's GPU. It runs the
+    trainer's script (the file that defines the trainer's class) again, as __main__ like the rank (torch's cache keys hold the module names of the
+    model's classes, so a multiprocessing child, __mp_main__, would compile graphs the rank cannot
+    load), with a task file instead of options (compile_helper_main). A helper that fails costs
+    nothing but time: the warmup compiles whatever is not in the caches."""
+
+    def __init__(self, trainer: Any, share: list[tuple[int, str]], stem: Path, lock: Path,
+                 compile: bool = True):
+        import inspect
+        import pickle
+        import subprocess
+        t = trainer
+        script = Path(inspect.getfile(type(trainer))).resolve()
+        self.task, self.result, self.output = (stem.with_suffix(".task"),
+                                               stem.with_suffix(".result"),
+                                               stem.with_suffix(".out"))
+        self.task.write_bytes(pickle.dumps(dict(
+            hp=t.hp, device=str(t.device), attn_backend=t.model.cfg.attn_backend, rank=t.rank,
+            world_size=t.world_size, train_files=t.train_files, val_files=t.val_files,
+            share=share, compile=compile, lock=str(lock), result=str(self.result))))
+        with open(self.output, "wb") as out:
+            self.process = subprocess.Popen(
+                [sys.executable, str(script)], stdout=out,
+                stderr=subprocess.STDOUT, env={**os.environ, COMPILE_HELPER_ENV: str(self.task)})
+
+    def wait(self) -> str:
+        """Block until the helper is done; one line saying how it went."""
+        import pickle
+        code = self.process.wait()
+        try:
+            result = pickle.loads(self.result.read_bytes())
+        except (OSError, EOFError, pickle.UnpicklingError):
+            lines = self.output.read_text(errors="replace").strip().splitlines()
+            result = {"error": f"exit code {code}" + (f": {lines[-1]}" if lines else "")}
+        if "error" in result:
+            return f"failed ({result['error']}); the warmup compiles its graphs"
+        return (f"done in {result['seconds']:.1f}s, peak memory reserved "
+                f"{result['peak_bytes'] / 2**20:,.0f} MiB")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait()
+
+
+def exit_with_parent(interval_s: float = 1.0) -> None:
+    """Leave at once (exit status 1) when the process that started this one is gone: a daemon
+    thread polls the parent pid, which changes when the parent dies and this process is adopted. So
+    a helper does not go on compiling for a rank killed with SIGKILL, which runs no cleanup."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(interval_s)
+        os._exit(1)
+    threading.Thread(target=watch, name="exit_with_parent", daemon=True).start()
+
+
+def compile_helper_main(task_path: str, work: Callable[[dict, GpuTurns], None]) -> int:
+    """A CompileHelper's process: work(task, turns) builds the rank's model again on the rank's GPU
+    with the same compiler settings and runs its share (task["share"]) through the trainer's
+    compile_alone (so its graphs are exactly the rank's), giving the GPU turn back after each; this
+    writes {seconds, peak_bytes} or {error} to the result file. No optimizer and no process group:
+    compile_alone needs neither."""
+    import pickle
+    t0 = time.perf_counter()
+    exit_with_parent()
+    task = pickle.loads(Path(task_path).read_bytes())
+    try:
+        device = torch.device(task["device"])
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        turns = GpuTurns(Path(task["lock"]), device)
+        with turns.taken_after_compiling():
+            work(task, turns)
+        peak = torch.cuda.max_memory_reserved(device) if device.type == "cuda" else 0
+        result = {"seconds": time.perf_counter() - t0, "peak_bytes": peak}
+    except BaseException as e:  # Ctrl-C too: the rank reports it, the helper leaves quietly
+        first_line = (str(e).strip().splitlines() or [""])[0]      # the rank's log line is one line
+        result = {"error": f"{type(e).__name__}: {first_line}"}
+    atomic_write(Path(task["result"]), lambda tmp: tmp.write_bytes(pickle.dumps(result)))
+    return 0 if "seconds" in result else 1
+
+
+# ==================================================================================================
+# 11. The run: opening it, the clock, bookkeeping in the timed loop, the dry run, main()
+# ==================================================================================================
+
+@dataclass
+class Run:
+    """One process's view of the run: its place among the ranks, the log, and how the run ends."""
+    hp: Any                              # the run's options (train_gpt.Hyperparameters)
+    rank: int
+    world_size: int
+    device: torch.device
+    run_id: str
+    log: RunLogger
+    stops: StopSignals
+    t_process: float                     # perf_counter at process start,
+                                         # for the untimed phase lines
+    resumed: dict | None                 # the checkpoint this run continues, if any
+    compile_cache: tuple | None = None   # (path, key, versions) to save after the warmup
+    cache_loaded: bool = False           # the compile cache file filled torch's caches
+    compiling: bool = False              # torch.compile is on (CUDA and --compile)
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def since_start_ms(self) -> float:
+        return 1000 * (time.perf_counter() - self.t_process)
+
+    @contextlib.contextmanager
+    def failures_logged(self) -> Iterator[None]:
+        """The log ends with the error line main() prints (and a bug's traceback); the log is closed
+        either way."""
+        try:
+            yield
+        except BaseException as e:
+            self.stops.defer = False
+            if not isinstance(e, SystemExit):
+                code, message = describe_failure(e, self.rank, self.world_size)
+                if code in (EXIT_BUG, EXIT_PEER):
+                    import traceback
+                    self.log(traceback.format_exc().rstrip(), console=False)
+                self.log(f"error: {message}", console=False)
+            raise
+        finally:
+            self.log.close()
+
+
+def open_run(hp: Any, stops: StopSignals, validate: Callable[[Any, int], None]) -> Run:
+    """Check the options (validate(hp, world_size): the script's checks), join the process group,
+    read a checkpoint to resume, agree on a run id, create the log."""
+    t_process = time.perf_counter()
+    validate(hp, launch_environment()[1])
+    rank, world_size, _, device = setup_distributed(hp)
+    stops.announce = rank == 0
+    resumed = load_checkpoint(expand_path(hp.resume), rank, world_size) if hp.resume else None
+    run_id = hp.run_id or (f"{resumed['run_id']}-from{resumed['step']}" if resumed
+                           else str(uuid.uuid4()))
+    if world_size > 1:                  # one name for every rank's checkpoints and traces
+        shared = [run_id]
+        dist.broadcast_object_list(shared, 0)
+        run_id = shared[0]
+    log_path = prepare_output(hp, run_id, rank)
+    if world_size > 1:
+        dist.barrier()                  # every rank has checked that the log
+                                        # does not exist before rank 0 makes it
+    log = RunLogger(log_path if rank == 0 else None)
+    return Run(hp, rank, world_size, device, run_id, log, stops, t_process, resumed)
+
+
+class TrainClock:
+    """The timed training clock: it runs during steps and is paused for validation and checkpoints.
+    Pausing and starting wait for the GPU, so the time of queued work lands on the right side."""
+
+    def __init__(self, sync: Callable[[], None]):
+        self.sync, self.ms, self.t0 = sync, 0.0, None
+
+    def start(self) -> None:
+        self.sync()
+        self.t0 = time.perf_counter()
+
+    def pause(self) -> float:
+        self.sync()
+        self.ms, self.t0 = self.now_ms(), None
+        return self.ms
+
+    def now_ms(self) -> float:
+        """The time so far without waiting for the GPU (for progress lines)."""
+        return self.ms + (1000 * (time.perf_counter() - self.t0) if self.t0 is not None else 0.0)
+
+
+class StepProfiler:
+    """--profile_steps=a:b,...: torch.profiler over steps a..b-1, one chrome trace per range in the
+    log folder."""
+
+    def __init__(self, opts: RunOptions, run_id: str, rank: int, log: Callable):
+        self.ranges = dict(tuple(int(x) for x in r.split(":"))
+                           for r in opts.profile_steps.split(",") if r)
+        self.prefix, self.log = Path(expand_path(opts.log_dir)) / f"{run_id}_rank{rank}", log
+        self.active, self.start, self.end = None, -1, -1
+
+    def before_step(self, step: int) -> None:
+        if step in self.ranges:
+            self.active, self.start, self.end = torch.profiler.profile(), step, self.ranges[step]
+            self.active.__enter__()
+
+    def after_step(self, done: int, sync: Callable[[], None]) -> None:
+        if self.active is not None and done == self.end:
+            sync()
+            self.active.__exit__(None, None, None)
+            trace = Path(f"{self.prefix}_steps{self.start}-{done - 1}_trace.json")
+            self.active.export_chrome_trace(str(trace))
+            self.active = None
+            self.log(f"profile of steps {self.start}..{done - 1} written to {trace}")
+
+
+class Bookkeeping:
+    """What the timed loop does besides training: the clock, validation lines, the NaN guard and its
+    last good state, step lines and progress, checkpoints, stop signals and profiling. The trainer
+    is the script's: state(steps_done, train_ms), validate(ws_short, ws_long) and
+    mean_train_loss(summed, sched) are all this uses of it."""
+
+    def __init__(self, run: Run, trainer: Any, checkpointer: Checkpointer, start: int,
+                 train_ms: float, tokens_after: Sequence[int]):
+        """tokens_after[s]: the training tokens of steps 0..s (for the ETA)."""
+        hp = run.hp
+        self.run, self.trainer, self.checkpointer, self.hp = run, trainer, checkpointer, hp
+        self.clock = TrainClock(run.sync)
+        self.clock.ms = train_ms
+        self.profiler = StepProfiler(hp, run.run_id, run.rank, run.log)
+        self.saving = hp.save_checkpoint or hp.checkpoint_every > 0
+        self.check_every = hp.nonfinite_check_every
+        # Signals are polled between steps: every step with one process (a host flag, free); with
+        # several, at the NaN check's sync points (or every 25 steps), where the ranks agree on
+        # stopping with one tiny all-reduce.
+        self.poll_every = 1 if run.world_size == 1 else (self.check_every or 25)
+        # first step with a bad loss
+        self.first_bad = torch.full((), -1, dtype=torch.int64, device=run.device)
+        # When states are saved, `pending` is the state at the last check; it is known good once the
+        # steps after it have produced finite losses, and only then becomes `last_good` (the state
+        # saved if training blows up).
+        self.last_good = None
+        self.pending = trainer.state(start, train_ms) if self.saving else None
+        self.tokens_after = tokens_after
+
+    def start(self) -> None:
+        self.run.log(f"phase:process_start_to_timed_loop time:{self.run.since_start_ms():.0f}ms")
+        self.run.stops.defer = True
+        self.clock.start()
+
+    def validate(self, step: int, ws_short: int, ws_long: int) -> float:
+        """Validate off the clock and log it."""
+        train_ms = self.clock.pause()
+        tv = time.perf_counter()
+        val_loss = self.trainer.validate(ws_short, ws_long)
+        self.run.log(f"step:{step}/{self.hp.num_iterations} val_loss:{val_loss:.4f} "
+                     f"train_time:{train_ms:.0f}ms step_avg:{train_ms / max(step, 1):.2f}ms")
+        self.run.log(f"phase:validation time:{1000 * (time.perf_counter() - tv):.0f}ms",
+                     console=False)
+        if not math.isfinite(val_loss):
+            raise TrainingDiverged(f"the validation loss is {val_loss} at step {step}: lower the "
+                                   "learning rates (--adam_lr, --muon_lr) or check the data")
+        self.clock.start()
+        return val_loss
+
+    @contextlib.contextmanager
+    def profiled(self, step: int) -> Iterator[None]:
+        self.profiler.before_step(step)
+        yield
+        self.profiler.after_step(step + 1, self.run.sync)
+
+    def after_step(self, done: int, loss: Tensor, sched: Any) -> None:
+        self._check_finite(done, loss)
+        self._log_step(done, loss, sched)
+        total = self.hp.num_iterations
+        if self.hp.checkpoint_every and done % self.hp.checkpoint_every == 0 and done < total:
+            # off the clock
+            self.checkpointer.save(self.trainer.state(done, self.clock.pause()), periodic=True)
+            self.clock.start()
+        if done % self.poll_every == 0 and done < total:
+            self._stop_if_asked(done)
+
+    def _check_finite(self, done: int, loss: Tensor) -> None:
+        """No sync per step: the first bad step is remembered on the device and looked at every
+        check_every steps."""
+        if not self.check_every:
+            return
+        bad_now = (self.first_bad < 0) & ~torch.isfinite(loss)
+        self.first_bad.copy_(torch.where(bad_now, done - 1, self.first_bad))
+        if done % self.check_every and done != self.hp.num_iterations:
+            return
+        bad = int(self.first_bad.item())
+        if bad >= 0:
+            if self.last_good is not None:
+                self.checkpointer.save(self.last_good)
+            raise TrainingDiverged(
+                f"the training loss became NaN or infinite at step {bad}"
+                + (f"; the last good state (step {self.last_good['step']}) was saved"
+                   if self.last_good else "")
+                + ": lower the learning rates (--adam_lr, --muon_lr) or check the data")
+        if self.saving:
+            self.last_good, self.pending = (self.pending,
+                                            self.trainer.state(done, self.clock.now_ms()))
+
+    def _log_step(self, done: int, loss: Tensor, sched: Any) -> None:
+        total, ms = self.hp.num_iterations, self.clock.now_ms()
+        line = f"step:{done}/{total} train_time:{ms:.0f}ms step_avg:{ms / done:.2f}ms"
+        if self.hp.train_loss_every and done % self.hp.train_loss_every == 0:
+            line += f" train_loss:{self.trainer.mean_train_loss(loss, sched):.6f}"
+        self.run.log(line, console=False)      # the file keeps the fixed format;
+                                               # the console adds progress
+        if self.run.rank == 0:
+            print(line + progress_note(done, total, ms, int(self.tokens_after[done - 1]),
+                                       int(self.tokens_after[-1])),
+                  flush=True)
+
+    def _stop_if_asked(self, done: int) -> None:
+        signum = self.run.stops.requested or 0
+        if self.run.world_size > 1:                 # any rank's signal stops
+                                                    # every rank at this same step
+            agreed = torch.tensor(signum, device=self.run.device)
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+            signum = int(agreed.item())
+        if signum:
+            import signal
+            saved = ""
+            if self.saving:
+                path = self.checkpointer.save(self.trainer.state(done, self.clock.pause()))
+                saved = (f"; the state after step {done} is saved in {path.parent}: "
+                         f"--resume={path.parent}")
+            raise Interrupted(signum, f"stopped by {signal.Signals(signum).name} after step "
+                                      f"{done} of {self.hp.num_iterations}{saved}")
+
+    def finish(self, val_loss: float) -> dict[str, Any]:
+        """After the last step: the final checkpoint, peak memory, the result line; returns the
+        run's summary."""
+        self.run.stops.defer = False
+        if self.saving:
+            self.checkpointer.save(self.trainer.state(self.hp.num_iterations, self.clock.ms))
+        device, log = self.run.device, self.run.log
+        peak_mib = (torch.cuda.max_memory_allocated(device) // 2**20 if device.type == "cuda"
+                    else None)
+        if peak_mib is not None:
+            log(f"peak memory allocated: {peak_mib} MiB reserved: "
+                f"{torch.cuda.max_memory_reserved(device) // 2**20} MiB")
+        log(result_line(val_loss, self.hp.val_loss_target, self.clock.ms, self.hp.num_iterations,
+                        peak_mib, log.path))
+        return {"val_loss": val_loss, "train_time_ms": self.clock.ms, "run_id": self.run.run_id,
+                "log": str(log.path)}
+
+
+def _debug_requested(argv: Sequence[str]) -> bool:
+    """--debug / --debug=true, read before parsing (so a parse error can show its traceback too)."""
+    return any(a == "--debug"
+               or (a.startswith("--debug=") and a[8:].lower() in ("1", "true", "yes", "on"))
+               for a in argv)
+
+
+def dry_run(hp: Any, validate: Callable[[Any, int], None],
+            backends: Callable[[torch.device], tuple[list[str], str]],
+            preflight: Callable[[Any, int, torch.device, int], list[str]]) -> dict[str, Any]:
+    """Every check a run makes before it builds or compiles anything, printed (rank 0) as a
+    checklist. The first failing check raises, and main() reports it with its exit code as for a
+    real run. The script's own checks come in as validate(hp, world_size), backends(device) ->
+    (available, chosen) and preflight(hp, world_size, device, rank) -> notes."""
+    world = launch_environment()[1]
+    validate(hp, world)
+    rank, world_size, _, device = setup_distributed(hp)
+    say = print if rank == 0 else (lambda *a, **k: None)
+    say(f"dry run: the checks before compiling, for {world_size} process(es)")
+    say(f"  ok  options: valid for {world_size} process(es) x {hp.batch_slices // world_size} "
+        "accumulation steps")
+    available, chosen = backends(device)
+    say(f"  ok  environment: {short_environment(device)}; attention backends "
+        f"{', '.join(available)} (--attn_backend={hp.attn_backend} runs {chosen})")
+    run_id = hp.run_id or "<a new run id>"
+    if hp.run_id:
+        prepare_output(hp, run_id, rank)
+    else:
+        prepare_output(dataclasses.replace(hp, save_checkpoint=False), f".dry_run_{os.getpid()}",
+                       rank)
+    say(f"  ok  output: {hp.log_dir}/ is writable; the log would be {hp.log_dir}/{run_id}.txt")
+    if hp.resume:
+        saved = load_checkpoint(expand_path(hp.resume), rank, world_size)
+        check_resume(saved, hp, run_facts(world_size, device, chosen,
+                                          resolve_shards(hp.train_files, "train")))
+        say(f"  ok  resume: {saved['path']} continues after step {saved['step']} of "
+            f"{hp.num_iterations}; the math options match")
+    for note in preflight(hp, world_size, device, rank):
+        say(f"  {'!!' if note.startswith('warning') else 'ok'}  {note}")
+    say("dry run passed: nothing was built, compiled or trained")
+    return {"dry_run": True}
+
+
+def main(argv: Sequence[str] | None, cls: type, presets: dict[str, dict],
+         train: Callable[[Any, str, StopSignals], Any], dry_run: Callable[[Any], Any]) -> int:
+    """Run from the command line: --help, or the options parsed into `cls` (with `presets`), then
+    dry_run(hp) or train(hp, argv_text, stops); one `error: ...` line and an exit code for every
+    failure (see EXIT_* above)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help", "help") for a in argv):
+        print(help_text(cls, presets))
+        return 0
+    os.environ.setdefault("PYTORCH_ALLOC_CONF", "expandable_segments:True")
+    stops = StopSignals()
+    stops.install()
+    try:
+        hp = parse_args(argv, cls, presets)
+        if hp.dry_run:
+            dry_run(hp)
+        else:
+            train(hp, " ".join(argv), stops)
+        return 0
+    except Exception as e:
+        return _report_failure(e, _debug_requested(argv))
+    except KeyboardInterrupt as e:   # a Ctrl-C that arrived before the handler was installed
+        return _report_failure(e, _debug_requested(argv))
+    finally:
+        stops.uninstall()
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _report_failure(e: BaseException, debug: bool) -> int:
+    distributed = dist.is_available() and dist.is_initialized()
+    rank, world_size = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    code, message = describe_failure(e, rank, world_size)
+    if debug:
+        import traceback
+        traceback.print_exception(e)
+    # Options, data and signals are the same on every rank: rank 0 speaks for all of them.
+    if rank == 0 or code in (EXIT_DIVERGED, EXIT_PEER, EXIT_BUG):
+        print(f"error: {'' if world_size == 1 else f'rank {rank}: '}{message}", file=sys.stderr,
+              flush=True)
+
+    return code
+

@@ -1,0 +1,113 @@
+"""run.sh's data step, on a CPU and without network: run.sh and the data scripts are copied into a temporary folder
+(so the checkout's data/fineweb10B/ is never touched) and run there. With the default data missing, run.sh runs
+data/cached_fineweb10B.py itself, before it looks for GPUs; offline, that download fails and run.sh ends with one
+`run.sh: error:` line naming the synthetic smoke run. With the shards present it downloads nothing and goes on to the
+GPU check, which on a CPU (CUDA_VISIBLE_DEVICES empty) stops with its own error."""
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from _data_helpers import load_script
+from _shards import ROOT, write_shard
+
+pytestmark = pytest.mark.slow     # each run.sh call imports torch twice: several seconds
+
+# run.sh installs requirements.txt when one of these is missing: that needs the network, so such a machine skips
+for _module in ("torch", "triton", "numpy", "tiktoken", "huggingface_hub"):
+    pytest.importorskip(_module)
+
+HANG_GUARD_S = 180        # the offline download takes about 7 s (3 attempts, 2 s and 4 s apart)
+SYNTHETIC_RUN = ("python3 data/synthetic.py --out data/synthetic --preset=full",
+                 "./run.sh --train_files='data/synthetic/fineweb_train_*.bin' "
+                 "--val_files='data/synthetic/fineweb_val_*.bin'")
+
+
+@pytest.fixture
+def tree(tmp_path):
+    """A copy of run.sh and data/*.py: what run.sh needs up to the GPU check."""
+    shutil.copy2(ROOT / "run.sh", tmp_path / "run.sh")
+    (tmp_path / "data").mkdir()
+    for script in (ROOT / "data").glob("*.py"):
+        shutil.copy2(script, tmp_path / "data" / script.name)
+    return tmp_path
+
+
+def default_shard_names():
+    """The val shard and the train shards the download script fetches by default."""
+    fineweb = load_script("cached_fineweb10B")
+    return fineweb.shard_names(fineweb.DEFAULT_TRAIN_SHARDS)
+
+
+def write_default_shards(tree, names):
+    folder = tree / "data" / "fineweb10B"
+    folder.mkdir(exist_ok=True)
+    tokens = np.full(64, 50256, dtype=np.uint16)     # tiny, but a valid header and size: all the check reads
+    for name in names:
+        write_shard(folder / name, tokens)
+
+
+def run_sh(tree, *args):
+    env = dict(os.environ, PYTHON=sys.executable, CUDA_VISIBLE_DEVICES="", HF_HUB_OFFLINE="1",
+               HF_ENDPOINT="http://127.0.0.1:9", PYTHONUNBUFFERED="1")
+    env.pop("NPROC", None)
+    result = subprocess.run(["bash", str(tree / "run.sh"), *args], cwd=tree, env=env, capture_output=True, text=True,
+                            timeout=HANG_GUARD_S)
+    return result, result.stdout + result.stderr
+
+
+def test_offline_download_fails_with_one_error_line_naming_the_synthetic_run(tree):
+    result, out = run_sh(tree)
+    assert result.returncode == 1, out
+    assert "Traceback" not in out
+    errors = [line for line in out.splitlines() if line.startswith("run.sh: error:")]
+    assert len(errors) == 1, out
+    assert "could not be downloaded" in errors[0]
+    for command in SYNTHETIC_RUN:
+        assert command in errors[0]
+    assert "data/cached_fineweb10B.py" in out         # run.sh said what it runs
+    assert "no CUDA GPU" not in out                   # the data step came first
+    # nothing under a shard's name, no temporary folder left behind
+    assert [p.name for p in (tree / "data" / "fineweb10B").iterdir()] == []
+
+
+def test_partial_data_fetches_only_what_is_missing(tree):
+    names = default_shard_names()
+    write_default_shards(tree, names[:3])               # the val shard and train shards 1 and 2
+    result, out = run_sh(tree)
+    assert result.returncode == 1, out
+    assert f"lacks {len(names) - 3} of the {len(names)} shards" in out
+    assert f"{names[0]}: present and valid, skipped" in out
+    assert f"{names[3]}: downloading" in out
+    assert sum(line.startswith("run.sh: error:") for line in out.splitlines()) == 1, out
+    assert "Traceback" not in out
+
+
+def test_data_present_goes_on_to_the_gpu_check_without_downloading(tree):
+    write_default_shards(tree, default_shard_names())
+    result, out = run_sh(tree)
+    assert result.returncode == 1, out
+    assert "run.sh: error: no CUDA GPU found" in out
+    assert "cached_fineweb10B" not in out and "downloading" not in out
+    assert "Traceback" not in out
+
+
+@pytest.mark.parametrize("args", [("--train_files=elsewhere/fineweb_train_*.bin",), ("--dry_run",)])
+def test_own_data_or_a_dry_run_skips_the_data_step(tree, args):
+    result, out = run_sh(tree, *args)                 # no shards at all
+    assert result.returncode == 1, out
+    assert "run.sh: error: no CUDA GPU found" in out
+    assert "cached_fineweb10B" not in out and "downloading" not in out
+    assert not (tree / "data" / "fineweb10B").exists()
+
+
+def test_a_bad_nproc_is_refused_before_anything_else(tree):
+    env = dict(os.environ, PYTHON=sys.executable, NPROC="3", CUDA_VISIBLE_DEVICES="")
+    result = subprocess.run(["bash", str(tree / "run.sh")], cwd=tree, env=env, capture_output=True, text=True,
+                            timeout=HANG_GUARD_S)
+    assert result.returncode == 1
+    assert result.stderr.strip() == "run.sh: error: NPROC=3 must divide 8 (1, 2, 4 or 8)"
+    assert not (tree / "data" / "fineweb10B").exists()
