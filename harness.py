@@ -38,7 +38,7 @@ import torch.nn as nn
 from torch import Tensor
 
 # ==================================================================================================
-# 1. Run-control options and the command line
+# 1. Options: run control, the command line, the checks of layouts and tables
 # ==================================================================================================
 
 
@@ -124,15 +124,29 @@ def show(value: Any) -> str:
 
 def _parse_row(cls: type, text: str) -> Any:
     """One table row (e.g. a train_gpt.Stage) from 'a:b:c/d': one ':' field per dataclass field,
-    '/' inside a tuple field (of floats); the annotations name each field's type."""
+    '/' inside a tuple field (of floats); the annotations name each field's type. A ValueError
+    names the field that does not parse."""
     names = [f.name for f in dataclasses.fields(cls)]
     values = text.split(":")
     if len(values) != len(names):
-        raise ValueError(text)
+        raise ValueError(f"it has {len(values)} ':' fields, not {len(names)}")
     kinds = {f.name: str(f.type) for f in dataclasses.fields(cls)}
     parse = {"int": int, "float": lambda x: _finite(float(x))}
-    return cls(**{n: (tuple(_finite(float(x)) for x in v.split("/")) if kinds[n].startswith("tuple")
-                      else parse.get(kinds[n], str)(v)) for n, v in zip(names, values)})
+    row = {}
+    for n, v in zip(names, values):
+        try:
+            row[n] = (tuple(_finite(float(x)) for x in v.split("/")) if kinds[n].startswith("tuple")
+                      else parse.get(kinds[n], str)(v))
+        except ValueError:
+            kind = "finite floats joined by /" if kinds[n].startswith("tuple") else (
+                "a finite float" if kinds[n] == "float" else f"an {kinds[n]}")
+            raise ValueError(f"its {n} {v!r} is not {kind}") from None
+    return cls(**row)
+
+
+def _row_format(cls: type) -> str:
+    return (f"{':'.join(f.name for f in dataclasses.fields(cls))} per {cls.__name__.lower()} "
+            "(tuples as a/b/...), comma-separated")
 
 
 def _finite(x: float) -> float:
@@ -144,6 +158,16 @@ def _finite(x: float) -> float:
 def _parse_value(text: str, like: Any, name: str) -> Any:
     """Parse a command-line value into the type of the field's default."""
     row = type(like[0]) if isinstance(like, tuple) and like else None
+    if row is not None and dataclasses.is_dataclass(row):
+        rows = []
+        for k, r in enumerate(text.split(","), 1):
+            try:
+                rows.append(_parse_row(row, r))
+            except ValueError as e:
+                raise ConfigError(f"--{name}={text!r} is not {_row_format(row)}: "
+                                  f"{row.__name__.lower()} {k} ({r!r}): {e} (default: "
+                                  f"{show(like)})") from None
+        return tuple(rows)
     try:
         if isinstance(like, bool):
             if text.lower() in ("1", "true", "yes", "on"):
@@ -155,18 +179,13 @@ def _parse_value(text: str, like: Any, name: str) -> Any:
             return int(text)
         if isinstance(like, float):
             return _finite(float(text))
-        if row is not None and dataclasses.is_dataclass(row):
-            return tuple(_parse_row(row, r) for r in text.split(","))
         if isinstance(like, tuple):
             items = [t for t in text.split(",") if t.strip()]
             return tuple(_finite(row(t)) if row is float else row(t) for t in items)
         if isinstance(like, str):
             return text
     except ValueError:
-        kind = ("true or false" if isinstance(like, bool) else
-                f"{':'.join(f.name for f in dataclasses.fields(row))} per "
-                f"{row.__name__.lower()} (tuples as a/b/...), comma-separated"
-                if row is not None and dataclasses.is_dataclass(row)
+        kind = ("true or false" if isinstance(like, bool)
                 else f"comma-separated finite {row.__name__}s" if row is not None
                 else "a finite float" if isinstance(like, float)
                 else f"a{'n' if type(like).__name__[0] in 'aeiou' else ''} {type(like).__name__}")
@@ -325,6 +344,120 @@ def check_run_options(opts: RunOptions, num_iterations: int, attn_backends: Sequ
              f"(a < b <= {num_iterations}, the step count), comma-separated in increasing order")
 
 
+def check_model_layout(cfg: Any, gate_input_dim: int) -> None:
+    """Raise ValueError naming the option to change for a layer layout the model cannot build (cfg:
+    the script's ModelConfig)."""
+    L = cfg.num_layers
+    if cfg.num_heads * cfg.head_dim != cfg.model_dim:
+        raise ValueError(f"num_heads * head_dim = {cfg.num_heads * cfg.head_dim} must equal "
+                         f"model_dim = {cfg.model_dim}; change --num_heads, --head_dim or "
+                         "--model_dim")
+    if cfg.head_dim % 4 or cfg.model_dim < gate_input_dim:
+        raise ValueError(f"--head_dim={cfg.head_dim} must be a multiple of 4 (rotary pairs "
+                         f"on its first half) and --model_dim >= {gate_input_dim} "
+                         "(gate inputs)")
+    if len(cfg.attn_layout) != L or set(cfg.attn_layout) - set("PN-"):
+        raise ValueError(f"--attn_layout={cfg.attn_layout!r} needs one of P, N, - per layer "
+                         f"({L} layers)")
+    if "P" in cfg.attn_layout and cfg.num_heads % 2:
+        raise ValueError(f"paired-head layers need an even --num_heads (got {cfg.num_heads}); "
+                         "or remove P from --attn_layout")
+    if len(cfg.ve_layout) != L or any(not -1 <= j < cfg.num_value_embeds
+                                       for j in cfg.ve_layout):
+        raise ValueError(f"--ve_layout={cfg.ve_layout} needs one entry per layer ({L}), "
+                         "each -1 or a table index below "
+                         f"--num_value_embeds={cfg.num_value_embeds}")
+    if any(j >= 0 and cfg.attn_layout[i] == "-" for i, j in enumerate(cfg.ve_layout)):
+        raise ValueError("--ve_layout puts a value embedding on a layer without attention "
+                         "(- in --attn_layout)")
+    if any(not 0 <= i < L for i in cfg.long_window_layers):
+        raise ValueError(f"--long_window_layers={cfg.long_window_layers} must be layer "
+                         f"indices below {L}")
+    if (not 0 <= cfg.skip_source_layer < cfg.skip_dest_layer < L
+            or not 0 <= cfg.backout_layer < L):
+        raise ValueError("need 0 <= --skip_source_layer < --skip_dest_layer < num_layers and "
+                         "0 <= --backout_layer < num_layers")
+    if cfg.dtype not in ("bfloat16", "float32", "float64"):
+        raise ValueError(f"--dtype={cfg.dtype}: use bfloat16 (training), float32 or float64 "
+                         "(CPU checks)")
+    if cfg.use_fp8 and cfg.dtype != "bfloat16":
+        raise ValueError("the FP8 LM head reads bf16 weights: use --use_fp8=false with "
+                         f"--dtype={cfg.dtype}")
+    if cfg.rotary_max_len < 1:
+        raise ValueError("rotary_max_len must be the largest micro-batch in tokens "
+                         "(train or val)")
+
+
+def check_param_table(params: dict[str, Tensor], table: dict[str, dict], rank: int,
+                      world_size: int, tied: tuple[str, str] | None) -> None:
+    """Raise ValueError naming the fix for an optimizer table (one row per parameter label) that
+    cannot drive these parameters on this process placement."""
+    for label in params:
+        if label not in table:
+            raise ValueError(f"parameter {label!r} has no row in the optimizer table: "
+                             "add it to param_table (DEFAULT_PARAM_TABLE in train_gpt.py)")
+    for label in table:
+        if label not in params:
+            raise ValueError(f"param_table row {label!r} names no model parameter (parameters: "
+                             f"{', '.join(params)}): remove the row or fix its name")
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} / world_size {world_size} is not a valid "
+                         "process placement")
+    for label, row in table.items():
+        p = params[label]
+        if row.get("optim") not in ("adam", "normuon"):
+            raise ValueError(f"param_table[{label!r}] optim={row.get('optim')!r}: "
+                             "use 'adam' or 'normuon'")
+        if row.get("comms") not in ("none", "replicated", "sharded"):
+            raise ValueError(f"param_table[{label!r}] comms={row.get('comms')!r}: "
+                             "use 'none', 'replicated' or 'sharded'")
+        for key in ("lr_mul", "wd_mul"):
+            if not isinstance(row.get(key), (int, float)):
+                raise ValueError(f"param_table[{label!r}] needs a number {key}=")
+        if row["optim"] == "adam":
+            betas = row.get("betas")
+            if betas is None or len(betas) != 2 or not all(0 <= b < 1 for b in betas):
+                raise ValueError(f"param_table[{label!r}] is an Adam row and needs "
+                                 "betas=(beta1, beta2) in [0, 1)")
+            if row["comms"] == "sharded" and p.shape[0] % world_size:
+                raise ValueError(f"{label} has {p.shape[0]} rows in dim 0 of {tuple(p.shape)}, "
+                                 f"not divisible by world_size {world_size}: "
+                                 f"set param_table[{label!r}] comms='replicated' "
+                                 f"or use a world size that divides {p.shape[0]}")
+            continue
+        shape = row.get("matrix_shape")
+        if (shape is None or len(shape) != 2 or p.numel() % (shape[0] * shape[1])
+                or p.shape[-1] != shape[1]):
+            raise ValueError(f"{label} of shape {tuple(p.shape)} cannot be viewed as a stack "
+                             f"of matrix_shape={shape} matrices: fix "
+                             f"param_table[{label!r}]['matrix_shape'] (rows, cols) to match "
+                             "the bank")
+        if p.dtype not in (torch.bfloat16, torch.float32, torch.float64):
+            raise ValueError(f"NorMuon parameter {label} is {p.dtype}; store it in bf16 "
+                             "(its fp32 master is bf16 + a 16-bit mantissa), float32 or "
+                             "float64, or make it an Adam row")
+        if not row.get("matrix_lr_muls", (1.0,)):
+            raise ValueError(f"param_table[{label!r}] matrix_lr_muls is empty: "
+                             "give at least one multiplier")
+        n_matrices = p.numel() // (shape[0] * shape[1])
+        if row["comms"] == "sharded" and n_matrices % world_size:
+            raise ValueError(f"{label} bank has {n_matrices} matrices, not divisible by "
+                             f"world_size {world_size}: pad the bank "
+                             "(ModelConfig.bank_multiple) or use a world size that divides "
+                             f"{n_matrices}")
+    if tied is not None:
+        head, embed = tied
+        for label in (head, embed):
+            if label not in table or table[label]["optim"] != "adam":
+                raise ValueError(f"tied=({head!r}, {embed!r}): {label!r} must be an Adam "
+                                 "parameter label; pass tied=None to train them separately")
+        if (params[head].shape != params[embed].shape[::-1]
+                or params[head].dim() != 2):
+            raise ValueError(f"tied {head} {tuple(params[head].shape)} is not the "
+                             f"transpose of {embed} {tuple(params[embed].shape)}: "
+                             f"store {head} as (model_dim, vocab)")
+
+
 # ==================================================================================================
 # 2. How a run ends: errors and exit codes
 # ==================================================================================================
@@ -378,7 +511,9 @@ def describe_failure(e: BaseException, rank: int, world_size: int) -> tuple[int,
                              "batches in --stages and --val_batch_size, or use more GPUs (the math "
                              "is the same on 1, 2, 4 or 8)")
     if (write := write_failure(e)) is not None:
-        return EXIT_CONFIG, write
+        where = next((x.filename for x in (e, e.__cause__, e.__context__)
+                      if isinstance(x, OSError) and x.filename), None)
+        return EXIT_CONFIG, f"cannot write{f' {where}' if where else ''}: {write}"
     first_line = (str(e).strip().splitlines() or [""])[0][:300]
     if world_size > 1 and isinstance(e, (RuntimeError, dist.DistError)):
         return EXIT_PEER, (f"{type(e).__name__} in a distributed run ({first_line}). If another "
@@ -393,29 +528,27 @@ _WRITE_FIXES = {"ENOSPC": "the disk is full: free space", "EDQUOT": "the disk qu
                 "free space", "EROFS": "the file system is read-only", "EFBIG": "the file is over "
                 "the size limit (ulimit -f)", "EACCES": "permission denied", "EPERM":
                 "permission denied"}
+_WRITE_PHRASES = {"no space left": "ENOSPC", "file too large": "EFBIG",
+                  "read-only file system": "EROFS", "quota exceeded": "EDQUOT"}
 
 
 def write_failure(e: BaseException) -> str | None:
-    """The one-line message for a write the file system refused (full disk, read-only, size limit,
-    permission), found also where torch.save wraps the OSError in a RuntimeError; else None."""
+    """What the file system refused and the fix, for a write that failed on a full disk, a
+    read-only folder, a size limit or a permission (also where torch.save wraps the OSError in a
+    RuntimeError, or only its message survives); None for any other error."""
     import errno
-    seen = e
-    while seen is not None and not (isinstance(seen, OSError)
-                                    and errno.errorcode.get(seen.errno) in _WRITE_FIXES):
+    seen: BaseException | None = e
+    while seen is not None:
+        if isinstance(seen, OSError) and errno.errorcode.get(seen.errno) in _WRITE_FIXES:
+            name = errno.errorcode[seen.errno]
+            break
         seen = seen.__cause__ or seen.__context__
-    if seen is None:
+    else:
         text = str(e).lower()
-        name = next((n for n, phrase in (("ENOSPC", "no space left"), ("EFBIG", "file too large"),
-                                         ("EROFS", "read-only file system"))
-                     if phrase in text), None)
+        name = next((n for phrase, n in _WRITE_PHRASES.items() if phrase in text), None)
         if name is None:
             return None
-        where = ""
-    else:
-        name = errno.errorcode[seen.errno]
-        where = f" {seen.filename}" if seen.filename else ""
-    return (f"cannot write{where}: {_WRITE_FIXES[name]}, or choose another --log_dir "
-            "(what was saved before is intact)")
+    return f"{_WRITE_FIXES[name]}, or choose another --log_dir"
 
 
 # ==================================================================================================
@@ -433,7 +566,7 @@ DATA_HINT = ("download FineWeb shards with `python data/cached_fineweb10B.py 9` 
 def resolve_shards(pattern: str, kind: str) -> list[str]:
     """The shard files matching `pattern`, sorted; kind is "train" or "val" (for the error
     message)."""
-    files = sorted(glob.glob(pattern))
+    files = sorted(glob.glob(expand_path(pattern)))
     option = "--train_files" if kind == "train" else "--val_files"
     for path in files:
         if os.path.isdir(path):
@@ -729,13 +862,19 @@ class RunLogger:
         try:
             self.file.write(msg + "\n")
         except OSError as e:
-            raise ConfigError(f"cannot write the log {self.path}: {e.strerror or e}; "
-                              "free disk space or choose another --log_dir") from None
+            self.file = None         # the file cannot take more: later lines go to the console only
+            raise ConfigError(f"cannot write the log {self.path}: "
+                              f"{write_failure(e) or e.strerror or e}") from None
 
-    def close(self) -> None:
+    def close(self, remove: bool = False) -> None:
+        """Close the file (an error while flushing is not the run's error); remove: delete it (an
+        attempt refused before it trained leaves no log behind)."""
         if self.file is not None:
-            self.file.close()
+            with contextlib.suppress(OSError):
+                self.file.close()
             self.file = None
+        if remove and self.path is not None:
+            self.path.unlink(missing_ok=True)
 
 
 def short_environment(device: torch.device) -> str:
@@ -773,6 +912,36 @@ def log_start(run: Any, sources: dict[str, str], argv_text: str) -> None:
     run.log(f"command: {argv_text}")
     run.log("hyperparameters:\n" + "\n".join(f"  {f.name} = {getattr(run.hp, f.name)!r}"
                                               for f in dataclasses.fields(run.hp)), console=False)
+
+
+def begin_run(run: Any, sources: dict[str, str], argv_text: str,
+              preflight: Callable[[], list[str]], attn_backend: str,
+              warnings: Sequence[str]) -> tuple[list[str], list[str], Checkpointer]:
+    """The run's head in the log (log_start), the preflight notes, the setup line and `warnings`,
+    the checks of a resume; returns the training and validation shards and the checkpointer."""
+    hp, device = run.hp, run.device
+    log_start(run, sources, argv_text)
+    for note in preflight():
+        run.log(note)
+    train_files, val_files = resolve_shards(hp.train_files, "train"), resolve_shards(hp.val_files,
+                                                                                     "val")
+    run.compiling = hp.compile and device.type == "cuda"
+    run.log(f"world_size:{run.world_size} grad_accum:{hp.batch_slices // run.world_size} "
+            f"device:{device} attn_backend:{attn_backend} (asked: {hp.attn_backend}) "
+            f"compile:{run.compiling} dtype:{hp.dtype} kernels:{hp.kernels}")
+    for line in warnings:
+        run.log(line)
+    script = next(iter(sources.values()))
+    facts = run_facts(run.world_size, device, attn_backend, train_files)
+    if run.resumed is not None:
+        check_resume(run.resumed, hp, facts)
+        if run.resumed["code"] != script:
+            run.log(f"warning: {next(iter(sources))} differs from the code that wrote the "
+                    "checkpoint (its log has that code); the continuation is exact only if the "
+                    "change leaves the math alone")
+    run.accepted = True
+    return train_files, val_files, Checkpointer(hp, run.run_id, run.rank, run.world_size, facts,
+                                                run.log, script)
 
 
 def reference_digest(definitions: Sequence[Any]) -> str:
@@ -853,7 +1022,12 @@ def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
 
 
 def atomic_torch_save(obj: Any, path: Path) -> None:
-    atomic_write(path, lambda tmp: torch.save(obj, tmp))
+    """torch.save into memory, then atomic_write: the file system's refusal (a full disk, a size
+    limit) then comes as an OSError naming its cause, which torch's own writer would hide."""
+    import io
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    atomic_write(path, lambda tmp: tmp.write_bytes(buffer.getbuffer()))
 
 
 # ==================================================================================================
@@ -1236,6 +1410,8 @@ def states_equal(a: Any, b: Any) -> bool:
 
 CHECKPOINT_FORMAT = "train_gpt state 1"
 CHECKPOINT_NAME = re.compile(r"state_step(\d{6,})(?:_rank(\d+))?\.pt")
+STATE_KEYS = frozenset({"run_id", "hyperparameters", "facts", "code", "step", "model", "optimizer",
+                        "grads", "train_time_ms", "loader", "rng"})
 
 
 def checkpoint_path(folder: Path, step: int, rank: int, world_size: int) -> Path:
@@ -1333,13 +1509,27 @@ def load_checkpoint(path: str, rank: int, world_size: int,
     try:
         state = torch.load(file, map_location=device, weights_only=True)
     except Exception as e:  # noqa: BLE001 (a truncated or foreign file, reported as such)
-        raise ConfigError(f"--resume: cannot read {file} "
-                          f"({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
-                          "resume from another checkpoint") from None
+        raise ConfigError(f"--resume: cannot read {file} as a training state (torch.load: "
+                          f"{type(e).__name__}, the file is empty, cut short or foreign); resume "
+                          "from another checkpoint") from None
     if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
         raise ConfigError(f"--resume: {file} is not a training state written by this trainer "
                           "(--checkpoint_every, --save_checkpoint)")
+    missing = sorted(STATE_KEYS - set(state))
+    if missing or not isinstance(state["step"], int):
+        raise ConfigError(f"--resume: {file} is not a whole training state (no "
+                          f"{', '.join(missing) or 'step number'}): resume from another checkpoint")
     state["path"] = str(file)
+    return state
+
+
+def load_resume(hp: Any, rank: int, world_size: int) -> dict:
+    """The state --resume names, for this rank; ConfigError when it cannot continue (see
+    load_checkpoint), or when its run already finished."""
+    state = load_checkpoint(expand_path(hp.resume), rank, world_size)
+    if state["step"] >= hp.num_iterations:
+        raise ConfigError(f"--resume: {state['path']} is the state after step {state['step']} of "
+                          f"{hp.num_iterations}: that run finished, there is nothing to continue")
     return state
 
 
@@ -1368,7 +1558,7 @@ def check_resume(saved: dict, hp: Any, facts: dict) -> None:
 
 
 # ==================================================================================================
-# 9. Processes: ranks, GPUs and signals
+# 9. Processes and libraries: ranks, GPUs, signals, attention libraries
 # ==================================================================================================
 
 def launch_environment() -> tuple[int, int, int]:
@@ -1498,6 +1688,95 @@ class StopSignals:
         raise Interrupted(signum, f"stopped by {name}")
 
 
+# ---- attention libraries: the optional FlashAttention builds and torch's own varlen kernel ----
+
+def import_fa3() -> Any:
+    """The FlashAttention-3 module, or None when it is not installed (or its CUDA library does not
+    load)."""
+    try:
+        import flash_attn_interface
+    except Exception:  # ImportError, or OSError from a .so built for another torch/CUDA
+        return None
+    return flash_attn_interface
+
+
+def import_fa4() -> Any:
+    """FlashAttention-4's interface module with the nanogpt_fa4 ops registered, or None when it is
+    not installed (or does not load)."""
+    try:
+        from flash_attn.cute import interface
+    except Exception:  # ImportError, or a CUDA / CuTe DSL library that does not load
+        return None
+    register_fa4_ops(interface)
+    return interface
+
+
+def register_fa4_ops(fa4: Any) -> None:
+    """torch.ops.nanogpt_fa4.fwd / .bwd: FA4's internal varlen forward and backward as custom ops
+    with fake implementations and autograd. Its public flash_attn_varlen_func is an
+    autograd.Function full of host-side Python (caches, device queries) that dynamo cannot trace.
+    The arguments are what that function passes for causal=True, window_size=(window, 0)."""
+    if hasattr(torch.ops.nanogpt_fa4, "fwd"):
+        return
+
+    @torch.library.custom_op("nanogpt_fa4::fwd", mutates_args=())
+    def fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, window: int,
+            scale: float) -> tuple[Tensor, Tensor]:
+        # return_lse=True: the public wrapper gets the lse only because its inputs require grad,
+        # which they do not inside a custom op
+        res = fa4._flash_attn_fwd(q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
+                                  max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen,
+                                  softmax_scale=scale, causal=True, window_size_left=window,
+                                  window_size_right=0, softcap=0.0, num_splits=1, pack_gqa=None,
+                                  return_lse=True)
+        return res[0], res[1]         # out (T, H, D); lse (H, T) fp32; later fields vary by version
+
+    @fwd.register_fake
+    def _(q, k, v, cu_seqlens, max_seqlen, window, scale):
+        return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+    @torch.library.custom_op("nanogpt_fa4::bwd", mutates_args=())
+    def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+            cu_seqlens: Tensor, max_seqlen: int, window: int, scale: float
+            ) -> tuple[Tensor, Tensor, Tensor]:
+        dq, dk, dv = fa4._flash_attn_bwd(q, k, v, out, dout, lse, scale, True, 0.0,
+                                         window_size_left=window, window_size_right=0,
+                                         cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
+                                         seqused_q=None, seqused_k=None, max_seqlen_q=max_seqlen,
+                                         max_seqlen_k=max_seqlen, deterministic=False, dlse=None)
+        return dq.contiguous(), dk.contiguous(), dv.contiguous()
+
+    @bwd.register_fake
+    def _(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, window, scale):
+        return tuple(torch.empty_like(t, memory_format=torch.contiguous_format)
+                     for t in (q, k, v))
+
+    def setup_context(ctx, inputs, output):
+        q, k, v, cu_seqlens, max_seqlen, window, scale = inputs
+        ctx.save_for_backward(q, k, v, output[0], output[1], cu_seqlens)
+        ctx.args = (max_seqlen, window, scale)
+
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
+        dq, dk, dv = torch.ops.nanogpt_fa4.bwd(dout.contiguous(), q, k, v, out, lse, cu_seqlens,
+                                               *ctx.args)
+        return dq, dk, dv, None, None, None, None
+
+    fwd.register_autograd(backward, setup_context=setup_context)
+
+
+def import_torch_varlen() -> Callable | None:
+    """torch's varlen_attn if this torch has it with sliding-window and scale arguments
+    (torch >= 2.11), else None."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    import inspect
+    params = inspect.signature(varlen_attn).parameters
+    return varlen_attn if "window_size" in params and "scale" in params else None
+
+
 # ==================================================================================================
 # 10. The compile split: each GPU's processes compile a share of the variants first
 # ==================================================================================================
@@ -1525,15 +1804,21 @@ def split_processes_per_gpu(compile_helpers: int, num_variants: int, ranks: int,
     return max(1, min(4, -(-num_variants // ranks)))
 
 
-def compile_split(trainer: Any, run: Run, variants: Sequence[int], ranks: int, per_gpu: int,
-                  compile_log: CompileLog, t0: float) -> None:
+def compile_split(trainer: Any, run: Run, variants: Sequence[int], compile_log: CompileLog,
+                  t0: float) -> None:
     """Each GPU's processes (its rank and the rank's helpers) compile their share of the variants
     (split_compile_tasks) alone and at the same time; torch writes each graph to its on-disk
     caches, which every process of a machine shares (the same code on cuda:0 everywhere,
     isolate_gpu), so the warmup that follows loads instead of compiling. Compiling is mostly
     single-threaded Python, so even one GPU gains from several processes; they take turns to run
-    (GpuTurns). Leaves the weights, gradients and schedule state as it found them."""
+    (GpuTurns). Leaves the weights, gradients and schedule state as it found them. Runs only when
+    compiling with --compile_split and more than one process per machine would compile."""
     import tempfile
+    hp = run.hp
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", run.world_size))   # GPUs of this machine
+    per_gpu = split_processes_per_gpu(hp.compile_helpers, len(variants), ranks, run.cache_loaded)
+    if not (run.compiling and hp.compile_split and ranks * per_gpu > 1):
+        return
     shares = split_compile_tasks(variants, ranks * per_gpu)
     local = run.rank % ranks
     mine, theirs = shares[local], [share for share in shares[local + ranks::ranks] if share]
@@ -1572,7 +1857,7 @@ class GpuTurns:
     process takes the turn (an flock on a file they share) when one of its compilations ends, since
     running the graph is what follows (a training graph's backward is compiled with its forward,
     configure_compiler), and gives it back after its task, with the task's memory freed. So the
-    split needs one process's memory for a training micro-batch (34 GiB reserved at the record's
+    split needs one process's memory for a training micro-batch (tens of GiB at the record's
     sizes on one GPU) and a few GiB for each other process, not a micro-batch each; and inductor
     times its autotuning candidates without another process's kernels on the GPU."""
 
@@ -1719,6 +2004,8 @@ class Run:
     compile_cache: tuple | None = None   # (path, key, versions) to save after the warmup
     cache_loaded: bool = False           # the compile cache file filled torch's caches
     compiling: bool = False              # torch.compile is on (CUDA and --compile)
+    accepted: bool = False               # the checks passed (begin_run): a failure before this
+                                         # is a refused attempt, which leaves no log
 
     def sync(self) -> None:
         if self.device.type == "cuda":
@@ -1731,19 +2018,22 @@ class Run:
     def failures_logged(self) -> Iterator[None]:
         """The log ends with the error line main() prints (and a bug's traceback); the log is closed
         either way."""
+        refused = False
         try:
             yield
         except BaseException as e:
             self.stops.defer = False
             if not isinstance(e, SystemExit):
                 code, message = describe_failure(e, self.rank, self.world_size)
+                refused = not self.accepted and code in (EXIT_CONFIG, EXIT_DATA)
                 if code in (EXIT_BUG, EXIT_PEER):
                     import traceback
                     self.log(traceback.format_exc().rstrip(), console=False)
-                self.log(f"error: {message}", console=False)
+                with contextlib.suppress(ConfigError):     # a log that cannot take the line
+                    self.log(f"error: {message}", console=False)
             raise
         finally:
-            self.log.close()
+            self.log.close(remove=refused)
 
 
 def open_run(hp: Any, stops: StopSignals, validate: Callable[[Any, int], None]) -> Run:
@@ -1753,7 +2043,7 @@ def open_run(hp: Any, stops: StopSignals, validate: Callable[[Any, int], None]) 
     validate(hp, launch_environment()[1])
     rank, world_size, _, device = setup_distributed(hp)
     stops.announce = rank == 0
-    resumed = load_checkpoint(expand_path(hp.resume), rank, world_size) if hp.resume else None
+    resumed = load_resume(hp, rank, world_size) if hp.resume else None
     run_id = hp.run_id or (f"{resumed['run_id']}-from{resumed['step']}" if resumed
                            else str(uuid.uuid4()))
     if world_size > 1:                  # one name for every rank's checkpoints and traces
@@ -1926,8 +2216,7 @@ class Bookkeeping:
             saved = ""
             if self.saving:
                 path = self.checkpointer.save(self.trainer.state(done, self.clock.pause()))
-                saved = (f"; the state after step {done} is saved in {path.parent}: "
-                         f"--resume={path.parent}")
+                saved = f"; the state after step {done} is saved: --resume={path}"
             raise Interrupted(signum, f"stopped by {signal.Signals(signum).name} after step "
                                       f"{done} of {self.hp.num_iterations}{saved}")
 
@@ -1981,7 +2270,7 @@ def dry_run(hp: Any, validate: Callable[[Any, int], None],
                        rank)
     say(f"  ok  output: {hp.log_dir}/ is writable; the log would be {hp.log_dir}/{run_id}.txt")
     if hp.resume:
-        saved = load_checkpoint(expand_path(hp.resume), rank, world_size)
+        saved = load_resume(hp, rank, world_size)
         check_resume(saved, hp, run_facts(world_size, device, chosen,
                                           resolve_shards(hp.train_files, "train")))
         say(f"  ok  resume: {saved['path']} continues after step {saved['step']} of "

@@ -69,12 +69,9 @@ class Stage:
     """One row of the schedule table: the scheduled steps are split evenly between the stages, in
     order."""
     batch: int             # global tokens per step
-    lr_peak: float         # lr factor before the cooldown (from the
-                           # step after the stage starts; see lr_factor)
-    ws_long: int           # long attention window in blocks; the
-                           # short one is half of it, rounded down
-    mtp_weights: tuple     # multi-token-prediction weights of the next 1, 2, ... tokens; the last
-                           # of several fades linearly to 0 over the stage
+    lr_peak: float         # lr factor before the cooldown (from the step after the stage starts)
+    ws_long: int           # long attention window in blocks; the short one is half, rounded down
+    mtp_weights: tuple     # weights of the next 1, 2, ... tokens; the last of several fades to 0
 
 
 @dataclass
@@ -83,35 +80,26 @@ class Hyperparameters(harness.RunOptions):
     cache). The run-control options (data paths, logging, checkpoints, devices, compiling) are the
     fields of harness.RunOptions, which this class extends: any field is --name=value."""
     # ---- data shapes ----
-    val_tokens: int = 10_485_760           # tokens scored per validation (the
-                                           # fixed prefix of the val stream)
+    val_tokens: int = 10_485_760           # tokens per validation (a fixed val prefix)
     val_batch_size: int = 2_097_152        # global val tokens per val step (4*64*1024*8)
     train_max_seq_len: int = 2048          # training documents are cut to this many tokens
-    tokens_per_doc_bound: int = 300        # cu_seqlens holds ceil128(N / this)
-                                           # entries; lower it for short-doc data
-    batch_slices: int = 8                  # the global batch is cut into this many
-                                           # micro-batches (world_size * accum)
+    tokens_per_doc_bound: int = 300        # cu_seqlens holds ceil128(N / this) entries
+    batch_slices: int = 8                  # micro-batches per global batch (world * accum)
     # ---- steps and schedules ----
-    stages: tuple = (                      # the schedule table, one Stage per
-                                           # row (batch, lr peak, windows, MTP)
+    stages: tuple = (                      # schedule table (option: batch:lr_peak:ws_long:w1/w2)
         Stage(batch=131_072, lr_peak=1.0, ws_long=3, mtp_weights=(1.0, 0.5, 0.25)),
         Stage(batch=262_144, lr_peak=1.52, ws_long=7, mtp_weights=(1.0, 0.5)),
         Stage(batch=393_216, lr_peak=1.73, ws_long=11, mtp_weights=(1.0,)),
     )
-                                           # on the command line: batch:lr_peak:ws_long:w1/w2/...
-                                           # per stage, comma-separated
     num_scheduled_iterations: int = 1725   # steps of the lr / batch / window schedule
     num_extension_iterations: int = 40     # extra steps at the final lr with the extended window
     cooldown_frac: float = 0.5             # fraction of scheduled steps spent decaying lr to lr_min
-    lr_min: float = 0.1                    # lr factor at the end of cooldown
-                                           # and during the extension
-    split_frac: float = 2 / 3              # untie embed / lm_head after step
-                                           # ceil(frac * scheduled) | 1
-    momentum_min: float = 0.85             # NorMuon momentum at step 0 ...
-    momentum_max: float = 0.95             # ... rising linearly to this ...
+    lr_min: float = 0.1                    # lr factor at the end of cooldown and in the extension
+    split_frac: float = 2 / 3              # untie embed, lm_head after ceil(frac * scheduled) | 1
+    momentum_min: float = 0.85             # NorMuon momentum at step 0, rising linearly ...
+    momentum_max: float = 0.95             # ... to this ...
     momentum_warmup_steps: int = 300       # ... over this many steps,
-    momentum_cooldown_steps: int = 50      # and falling by (max - min)
-                                           # over the last this-many steps
+    momentum_cooldown_steps: int = 50      # falling by (max - min) over the last this-many steps
     # ---- attention windows (in blocks of block_size tokens) ----
     block_size: int = 128                  # tokens per window block
     ws_long_extension: int = 13            # long window during the extension steps
@@ -119,59 +107,38 @@ class Hyperparameters(harness.RunOptions):
     # ---- model ----
     vocab_size: int = 50304                # 50257 GPT-2 ids padded to a multiple of 128
     model_dim: int = 768                   # residual width = num_heads * head_dim
-    num_heads: int = 6                     # attention heads per layer (paired
-                                           # layers need an even count)
-    head_dim: int = 128                    # channels per head (a multiple of 4: rotary pairs on
-                                           # its first half)
+    num_heads: int = 6                     # attention heads per layer (even for paired layers)
+    head_dim: int = 128                    # channels per head (a multiple of 4: rotary pairs)
     mlp_hidden: int = 3072                 # MLP hidden width
-    num_layers: int = 11                   # transformer layers (the layouts
-                                           # below have one entry per layer)
+    num_layers: int = 11                   # transformer layers (one layout entry each)
     num_value_embeds: int = 3              # value-embedding tables (vocab x model_dim each)
-    # layer layout, as data: per-layer attention kind (P paired heads, N normal, - none), which
-    # layers use the long window (these also get the key offset), which value-embedding table each
-    # layer adds (-1 none)
-    attn_layout: str = "PNPNNP-NNPN"
-    long_window_layers: tuple = (3, 10)
-    ve_layout: tuple = (1, 2, -1, -1, -1, -1, -1, -1, 0, 1, 2)
-    skip_source_layer: int = 3             # its output is added (gated) to
-                                           # the input of skip_dest_layer
-    skip_dest_layer: int = 6               # the layer whose input receives the skip
-    backout_layer: int = 7                 # backout_lambda * its output is
-                                           # subtracted after the last layer
-    rope_base: float = 1024.0              # frequencies (1/base)^(j/(n-1))
-                                           # on the rotated half of each head
-    attn_scale: float = 0.1                # softmax scale at the start (YaRN
-                                           # grows it at window changes)
-    yarn_alpha: float = 1.0                # YaRN: frequencies turning fewer than
-                                           # alpha times over the old window
-    yarn_beta: float = 32.0                # are stretched fully, beta+ times
-                                           # not at all, a linear ramp between
+    attn_layout: str = "PNPNNP-NNPN"       # per layer: P paired heads, N normal, - no attention
+    long_window_layers: tuple = (3, 10)    # layers with the long window (normal ones: key offset)
+    ve_layout: tuple = (1, 2, -1, -1, -1, -1, -1, -1, 0, 1, 2)  # value-embedding table per layer
+    skip_source_layer: int = 3             # its output is added (gated) to the input of ...
+    skip_dest_layer: int = 6               # ... this layer
+    backout_layer: int = 7                 # backout_lambda * its output is subtracted at the end
+    rope_base: float = 1024.0              # frequencies (1/base)^(j/(n-1)) on a head's first half
+    attn_scale: float = 0.1                # softmax scale at the start (YaRN grows it)
+    yarn_alpha: float = 1.0                # YaRN: frequencies turning fewer than alpha times over
+    yarn_beta: float = 32.0                # the old window stretch fully, beta+ times not at all
     fp8_scales: tuple = (100 / 448, 1.6 / 448, 0.75 / 448)  # x, w, grad scales of the FP8 LM head
-    use_fp8: bool = True                   # FP8 LM head in training (CUDA
-                                           # only; the CPU emulates it)
-    dtype: str = "bfloat16"                # weights and activations; float32 / float64 (CPU,
-                                           # --use_fp8=false) run the same math without bf16
-                                           # rounding, for exact cross-checks of code paths
+    use_fp8: bool = True                   # FP8 LM head in training (emulated off CUDA)
+    dtype: str = "bfloat16"                # float32 / float64: the math without bf16 (CPU only)
     # ---- optimizer ----
-    adam_lr: float = 0.008                 # Adam base lr (times the table's
-                                           # lr_mul and the schedule's factor)
+    adam_lr: float = 0.008                 # Adam base lr (times the row's lr_mul and the schedule)
     adam_eps: float = 1e-10                # Adam epsilon (not bias corrected)
-    adam_wd: float = 0.005                 # Adam cautious weight decay (times
-                                           # the table's wd_mul), decay = lr^2 * wd
+    adam_wd: float = 0.005                 # Adam cautious weight decay (times wd_mul): lr^2 * wd
     muon_lr: float = 0.023                 # NorMuon base lr for the matrix banks
     muon_beta2: float = 0.95               # NorMuon second-moment decay
-                                           # of the variance normalisation
-    muon_wd: float = 1.2                   # NorMuon cautious weight decay
-                                           # (times the table's wd_mul)
+    muon_wd: float = 1.2                   # NorMuon cautious weight decay (times the row's wd_mul)
     param_table: dict = field(             # optimizer row per label
         default_factory=lambda: copy.deepcopy(DEFAULT_PARAM_TABLE))
     # ---- system ----
     preset: str = ""                       # "tiny": a few narrow layers for CPU tests and newcomers
     compile: bool = True                   # torch.compile the model (ignored on CPU)
-    kernels: str = "fused"                 # fused: every op by its Triton kernel on CUDA; torch:
-                                           # every op by its plain-PyTorch reference (compiled with
-                                           # the model); op:torch,...: those ops only (KERNEL_OPS);
-                                           # a CPU always runs the references (README: Changing it)
+    kernels: str = "fused"                 # fused | torch | op:torch,... (KERNEL_OPS): ops that run
+                                           # their plain-PyTorch reference on CUDA (CPUs always do)
 
     # ---- derived ----
     @property
@@ -251,103 +218,13 @@ ATTN_BACKENDS = ("triton", "varlen", "fa3", "fa4", "sdpa")
 ATTN_AUTO_ORDER_CUDA = ("fa3", "fa4", "triton", "varlen", "sdpa")
 
 
-def _import_fa3() -> Any:
-    """The FlashAttention-3 module, or None when it is not installed (or its CUDA library does not
-    load)."""
-    try:
-        import flash_attn_interface
-    except Exception:  # ImportError, or OSError from a .so built for another torch/CUDA
-        return None
-    return flash_attn_interface
-
-
-def _import_fa4() -> Any:
-    """FlashAttention-4's interface module with the nanogpt_fa4 ops registered, or None when it is
-    not installed (or does not load)."""
-    try:
-        from flash_attn.cute import interface
-    except Exception:  # ImportError, or a CUDA / CuTe DSL library that does not load
-        return None
-    register_fa4_ops(interface)
-    return interface
-
-
-def register_fa4_ops(fa4: Any) -> None:
-    """torch.ops.nanogpt_fa4.fwd / .bwd: FA4's internal varlen forward and backward as custom ops
-    with fake implementations and autograd. Its public flash_attn_varlen_func is an
-    autograd.Function full of host-side Python (caches, device queries) that dynamo cannot trace.
-    The arguments are what that function passes for causal=True, window_size=(window, 0)."""
-    if hasattr(torch.ops.nanogpt_fa4, "fwd"):
-        return
-
-    @torch.library.custom_op("nanogpt_fa4::fwd", mutates_args=())
-    def fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, window: int,
-            scale: float) -> tuple[Tensor, Tensor]:
-        # return_lse=True: the public wrapper gets the lse only because its inputs require grad,
-        # which they do not inside a custom op
-        res = fa4._flash_attn_fwd(q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
-                                  max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen,
-                                  softmax_scale=scale, causal=True, window_size_left=window,
-                                  window_size_right=0, softcap=0.0, num_splits=1, pack_gqa=None,
-                                  return_lse=True)
-        return res[0], res[1]         # out (T, H, D); lse (H, T) fp32; later fields vary by version
-
-    @fwd.register_fake
-    def _(q, k, v, cu_seqlens, max_seqlen, window, scale):
-        return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
-
-    @torch.library.custom_op("nanogpt_fa4::bwd", mutates_args=())
-    def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-            cu_seqlens: Tensor, max_seqlen: int, window: int, scale: float
-            ) -> tuple[Tensor, Tensor, Tensor]:
-        dq, dk, dv = fa4._flash_attn_bwd(q, k, v, out, dout, lse, scale, True, 0.0,
-                                         window_size_left=window, window_size_right=0,
-                                         cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
-                                         seqused_q=None, seqused_k=None, max_seqlen_q=max_seqlen,
-                                         max_seqlen_k=max_seqlen, deterministic=False, dlse=None)
-        return dq.contiguous(), dk.contiguous(), dv.contiguous()
-
-    @bwd.register_fake
-    def _(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, window, scale):
-        return tuple(torch.empty_like(t, memory_format=torch.contiguous_format)
-                     for t in (q, k, v))
-
-    def setup_context(ctx, inputs, output):
-        q, k, v, cu_seqlens, max_seqlen, window, scale = inputs
-        ctx.save_for_backward(q, k, v, output[0], output[1], cu_seqlens)
-        ctx.args = (max_seqlen, window, scale)
-
-    def backward(ctx, dout, dlse):
-        q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
-        dq, dk, dv = torch.ops.nanogpt_fa4.bwd(dout.contiguous(), q, k, v, out, lse, cu_seqlens,
-                                               *ctx.args)
-        return dq, dk, dv, None, None, None, None
-
-    fwd.register_autograd(backward, setup_context=setup_context)
-
-
-def _import_torch_varlen() -> Callable | None:
-    """torch's varlen_attn if this torch has it with sliding-window and scale arguments
-    (torch >= 2.11), else None."""
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return None
-    import inspect
-    params = inspect.signature(varlen_attn).parameters
-    return varlen_attn if "window_size" in params and "scale" in params else None
-
-
 def available_attn_backends(device: torch.device) -> list[str]:
-    """Backends that can run on `device`, in ATTN_BACKENDS order."""
+    """Backends that can run on `device`, in ATTN_BACKENDS order (the optional libraries are probed,
+    and FA4's ops registered, by harness.py)."""
     on_cuda = torch.device(device).type == "cuda"
-    usable = {
-        "triton": on_cuda,
-        "varlen": on_cuda and _import_torch_varlen() is not None,
-        "fa3": on_cuda and _import_fa3() is not None,
-        "fa4": on_cuda and _import_fa4() is not None,
-        "sdpa": True,
-    }
+    usable = {"triton": on_cuda, "varlen": on_cuda and harness.import_torch_varlen() is not None,
+              "fa3": on_cuda and harness.import_fa3() is not None,
+              "fa4": on_cuda and harness.import_fa4() is not None, "sdpa": True}
     return [name for name in ATTN_BACKENDS if usable[name]]
 
 
@@ -417,8 +294,7 @@ YARN_ATTN_SCALE_SLOPE = 0.2                # attn_scale *= 1 + slope * ln(new/ol
 
 @dataclass
 class ModelConfig:
-    """Everything the GPT needs; field names equal the Hyperparameters names where they overlap
-    (see its comments)."""
+    """Everything the GPT needs: fields of Hyperparameters (see its comments) and three more."""
     vocab_size: int
     model_dim: int
     num_heads: int
@@ -426,73 +302,25 @@ class ModelConfig:
     mlp_hidden: int
     num_layers: int
     num_value_embeds: int
-    attn_layout: str              # one char per layer: P paired heads, N normal, - no attention
-    long_window_layers: tuple     # layers using the long window (normal
-                                  # ones also get the key offset)
-    ve_layout: tuple              # per layer: value-embedding table index, or -1
+    attn_layout: str
+    long_window_layers: tuple
+    ve_layout: tuple
     skip_source_layer: int
     skip_dest_layer: int
     backout_layer: int
-    block_size: int               # tokens per window block
+    block_size: int
     rope_base: float
-    attn_scale: float             # softmax scale after reset_rotary()
+    attn_scale: float
     yarn_alpha: float
     yarn_beta: float
-    fp8_scales: tuple             # (s_x, s_w, s_g) of the FP8 LM head
-    use_fp8: bool                 # FP8 LM head in training (CUDA: the custom
-                                  # op; CPU: its plain-PyTorch emulation)
+    fp8_scales: tuple
+    use_fp8: bool
     attn_backend: str             # resolved backend name, passed through to varlen_attention
-    rotary_max_len: int           # packed positions the rotary tables cover:
-                                  # max(train, val) micro-batch tokens
-    dtype: str = "bfloat16"       # weights and activations: bf16 (the record),
-                                  # or float32 / float64 on a CPU
-    kernels: str = "fused"        # which ops run their plain-PyTorch reference
-                                  # (--kernels, reference_ops)
-    bank_multiple: int = 8        # each bank holds a multiple of this many matrices (padded
-                                  # with unused slices), so the optimizer shards it evenly over any
-                                  # world size that divides this
-
-    def validate(self) -> None:
-        """Raise ValueError naming the option to change for layouts the model cannot build."""
-        L = self.num_layers
-        if self.num_heads * self.head_dim != self.model_dim:
-            raise ValueError(f"num_heads * head_dim = {self.num_heads * self.head_dim} must equal "
-                             f"model_dim = {self.model_dim}; change --num_heads, --head_dim or "
-                             "--model_dim")
-        if self.head_dim % 4 or self.model_dim < GATE_INPUT_DIM:
-            raise ValueError(f"--head_dim={self.head_dim} must be a multiple of 4 (rotary pairs "
-                             f"on its first half) and --model_dim >= {GATE_INPUT_DIM} "
-                             "(gate inputs)")
-        if len(self.attn_layout) != L or set(self.attn_layout) - set("PN-"):
-            raise ValueError(f"--attn_layout={self.attn_layout!r} needs one of P, N, - per layer "
-                             f"({L} layers)")
-        if "P" in self.attn_layout and self.num_heads % 2:
-            raise ValueError(f"paired-head layers need an even --num_heads (got {self.num_heads}); "
-                             "or remove P from --attn_layout")
-        if len(self.ve_layout) != L or any(not -1 <= j < self.num_value_embeds
-                                           for j in self.ve_layout):
-            raise ValueError(f"--ve_layout={self.ve_layout} needs one entry per layer ({L}), "
-                             "each -1 or a table index below "
-                             f"--num_value_embeds={self.num_value_embeds}")
-        if any(j >= 0 and self.attn_layout[i] == "-" for i, j in enumerate(self.ve_layout)):
-            raise ValueError("--ve_layout puts a value embedding on a layer without attention "
-                             "(- in --attn_layout)")
-        if any(not 0 <= i < L for i in self.long_window_layers):
-            raise ValueError(f"--long_window_layers={self.long_window_layers} must be layer "
-                             f"indices below {L}")
-        if (not 0 <= self.skip_source_layer < self.skip_dest_layer < L
-                or not 0 <= self.backout_layer < L):
-            raise ValueError("need 0 <= --skip_source_layer < --skip_dest_layer < num_layers and "
-                             "0 <= --backout_layer < num_layers")
-        if self.dtype not in ("bfloat16", "float32", "float64"):
-            raise ValueError(f"--dtype={self.dtype}: use bfloat16 (training), float32 or float64 "
-                             "(CPU checks)")
-        if self.use_fp8 and self.dtype != "bfloat16":
-            raise ValueError("the FP8 LM head reads bf16 weights: use --use_fp8=false with "
-                             f"--dtype={self.dtype}")
-        if self.rotary_max_len < 1:
-            raise ValueError("rotary_max_len must be the largest micro-batch in tokens "
-                             "(train or val)")
+    rotary_max_len: int           # positions the rotary tables cover: the largest micro-batch
+    dtype: str = "bfloat16"
+    kernels: str = "fused"
+    bank_multiple: int = 8        # banks hold a multiple of this many matrices (padded with unused
+                                  # slices), to shard evenly over any world size dividing it
 
 
 def bank_padding(slices: int, matrices_per_slice: int, multiple: int) -> int:
@@ -524,8 +352,8 @@ def rotary_base_omega(head_dim: int, base: float, device: torch.device) -> Tenso
     """(head_dim,) fp32 angular frequencies: [f0, f0, f1, f1, ..., 0 x head_dim/2],
     f_j = (1/base)^(j/(n-1)).
 
-    Half-truncated RoPE: n = head_dim/4 frequencies on adjacent pairs of the first half; the second
-    half is stationary.
+    Half-truncated RoPE (@YouJiacheng upstream): n = head_dim/4 frequencies on adjacent pairs of the
+    first half; the second half is stationary.
     """
     n = head_dim // 4
     freqs = (1.0 / base) ** torch.linspace(0, 1, n, dtype=torch.float32, device=device)
@@ -566,9 +394,9 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 def shift_keys_by_one(k: Tensor) -> Tensor:
-    """Key offset: the second quarter of each half of every head (dims [hd/4, hd/2), [3hd/4, hd))
-    takes the values of the previous packed position (position 0 keeps its own; document boundaries
-    are ignored). k (T, H, hd)."""
+    """Key offset (@classiclarryd, upstream record 49): the second quarter of each half of every head
+    (dims [hd/4, hd/2), [3hd/4, hd)) takes the values of the previous packed position (position 0
+    keeps its own; document boundaries are ignored). k (T, H, hd)."""
     T, H, hd = k.shape
     k_prev = torch.cat([k[:1], k[:-1]], dim=0)
     quarters_now = k.view(T, H, 2, 2, hd // 4)
@@ -697,6 +525,7 @@ def register_fp8_head_op() -> None:
 
 class FP8HeadMTPCE(torch.autograd.Function):
     """Per-row softcapped MTP losses of the FP8 head's logits (CUDA; register_fp8_head_op() first).
+    FP8 head: @YouJiacheng, upstream record 19; fused loss: @soren_dunn_ and Locus, record 60.
 
     Forward: the FP8 logits, then the cross entropy's forward kernel. Backward: one kernel reads the
     logits once and writes the logit gradient already quantised to e5m2 (half the bytes of the bf16
@@ -790,7 +619,7 @@ class GPT(nn.Module):
 
     def __init__(self, cfg: ModelConfig, device: torch.device):
         super().__init__()
-        cfg.validate()
+        harness.check_model_layout(cfg, GATE_INPUT_DIM)
         self.cfg = cfg
         D, H, L, hd, V = cfg.model_dim, cfg.num_heads, cfg.num_layers, cfg.head_dim, cfg.vocab_size
         self.plan = self._layer_plan(cfg)
@@ -852,7 +681,7 @@ class GPT(nn.Module):
         if cfg.use_fp8:
             register_fp8_head_op()
         if cfg.attn_backend == "fa4":
-            _import_fa4()
+            harness.import_fa4()
 
     @staticmethod
     def _layer_plan(cfg: ModelConfig) -> tuple[LayerPlan, ...]:
@@ -888,9 +717,9 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def apply_yarn(self, old_ws_long: int, new_ws_long: int) -> None:
-        """YaRN for a long window going old -> new (blocks): frequencies turning fewer than alpha
-        times over the old window are scaled by old/new, those turning beta+ times are kept, a
-        linear ramp between; compounds."""
+        """YaRN (@classiclarryd, upstream record 31) for a long window going old -> new (blocks):
+        frequencies turning fewer than alpha times over the old window are scaled by old/new, those
+        turning beta+ times are kept, a linear ramp between; compounds."""
         cfg, omega = self.cfg, self.rotary_omega
         ratio = old_ws_long / new_ws_long
         turns = (cfg.block_size * old_ws_long) * omega / (2 * math.pi)
@@ -941,10 +770,10 @@ class GPT(nn.Module):
         L = cfg.num_layers
         resid_lambdas, sa_lambdas = self.scalars[:L], self.scalars[L: 3 * L].view(L, 2)
         smear_lambda, backout_lambda, skip_lambda = self.scalars[3 * L: 3 * L + 3].unbind()
-        # (T, D) bf16 each
+        # value embeddings (@KoszarskyB, upstream record 14), (T, D) bf16 each
         ve = [F.embedding(inputs, getattr(self, name)) for name in self.ve_names]
 
-        # Token smear: e'_t = e_t + smear_lambda * sigmoid(e_t[:12] . w) * e_{t-1}, across
+        # Token smear (@classiclarryd, upstream record 34): e'_t = e_t + smear_lambda * sigmoid(e_t[:12] . w) * e_{t-1}, across
         # document boundaries.
         e = F.embedding(inputs, self.embed)  # (T, D) bf16
         # (T-1, 1) bf16
@@ -960,7 +789,7 @@ class GPT(nn.Module):
         skip_saved = backout_saved = None
         for p in self.plan:
             i = p.index
-            if i == cfg.skip_dest_layer:  # U-net skip, added before the lambda mix, per-token gate
+            if i == cfg.skip_dest_layer:  # U-net skip (@brendanh0gan, upstream record 11), gated
                 skip_scale = torch.sigmoid(skip_lambda) * 2                               # fp32 0-d
                 x = x + (skip_scale * torch.sigmoid(x0[:, :GATE_INPUT_DIM] @ self.skip_gate.T)
                          * skip_saved)
@@ -994,7 +823,8 @@ class GPT(nn.Module):
         q, k = rms(q), rms(k)                      # QK-norm per head
         gate_in = u[:, :GATE_INPUT_DIM]
         if p.attn == "P":
-            # Heads 2b, 2b+1 rotate at angle positions 2t, 2t+1: table rows [0, 2T) viewed as
+            # Paired heads (@classiclarryd, upstream record 58): heads 2b, 2b+1 rotate at angle
+            # positions 2t, 2t+1: table rows [0, 2T) viewed as
             # (T, 1, 2, hd/2).
             cos = self.rotary_cos[: 2 * T].view(T, 1, 2, hd // 2)
             sin = self.rotary_sin[: 2 * T].view(T, 1, 2, hd // 2)
@@ -1055,7 +885,8 @@ def _fp32(x: float) -> float:
 
 def polar_express(G: Tensor, split_final_product: bool, dtype: torch.dtype = torch.bfloat16,
                   fused: bool = True) -> Tensor:
-    """Approximate U·Vᵀ of G = U·S·Vᵀ for a batch (..., R, C) of matrices, in bf16.
+    """Approximate U·Vᵀ of G = U·S·Vᵀ for a batch (..., R, C) of matrices, in bf16: Polar Express
+    (Amsel, Persson, Musco, Gower 2025; in the speedrun @varunneal, upstream record 38).
 
     Five odd-polynomial iterations X <- a·X + (b·A + c·A²)·X with A = X·Xᵀ, on the short
     side (transposed when R > C, so A is the smaller Gram matrix). X is first scaled by its
@@ -1126,7 +957,7 @@ def adam_scalars(lr: float, t: int, beta1: float, beta2: float, wd: float) -> tu
 
 
 def variance_normalize_(O: Tensor, second_moment: Tensor, beta2: float) -> Tensor:
-    """NorMuon's low-rank second moment: O (n, R, C) bf16 -> O with each row (R >= C) or column
+    """NorMuon's low-rank second moment (@li_zichong, upstream record 41): O (n, R, C) bf16 -> O with each row (R >= C) or column
     scaled by 1/sqrt(running mean of its squares), then the matrix rescaled to its previous
     Frobenius norm.
 
@@ -1164,7 +995,8 @@ def normuon_direction_(grad: Tensor, momentum_buffer: Tensor, second_moment: Ten
 def cautious_update_with_mantissa_(param: Tensor, mantissa: Tensor, O: Tensor, *,
                                    lr: float | Tensor, wd: float | Tensor,
                                    fused: bool = True) -> None:
-    """P <- (P - ((P·mask)·wd)·lr) - O·lr on the fp32 master P = (bf16 bits << 16) | mantissa.
+    """P <- (P - ((P·mask)·wd)·lr) - O·lr on the fp32 master P = (bf16 bits << 16) | mantissa
+    (cautious decay: @varunneal, upstream record 43; the mantissa: @classiclarryd, record 57).
 
     param (n, R, C) bf16 and mantissa (n, R, C) uint16 are updated in place: the bf16 keeps the high
     16 bits of the new master (truncation toward zero), the mantissa the low 16. mask = [O·P >= 0]
@@ -1224,7 +1056,8 @@ def update_order(table: dict[str, dict]) -> tuple[str, ...]:
 
 
 class NorMuonAndAdam:
-    """One optimizer for every parameter, configured per label by a table.
+    """One optimizer for every parameter, configured per label by a table (@chrisjmccormick,
+    upstream record 61; Muon: Keller Jordan).
 
     NorMuon (Polar Express + low-rank variance normalisation, fp32 master kept as bf16 + a 16-bit
     mantissa) updates the matrix banks every step; Adam updates everything else on odd steps only,
@@ -1264,7 +1097,7 @@ class NorMuonAndAdam:
         self.rank, self.world_size = rank, world_size
         self.refs = reference_ops(kernels)   # ops run by their references (--kernels)
         self.tied = tuple(tied) if tied is not None else None
-        self._validate()
+        harness.check_param_table(self.params, self.table, rank, world_size, self.tied)
         self._tied_now = self.tied is not None
         self.adam_t = {label: 0 for label, row in self.table.items() if row["optim"] == "adam"}
         self.buffers: dict[str, dict[str, Tensor]] = {}
@@ -1296,73 +1129,6 @@ class NorMuonAndAdam:
             self._lr_scales[label] = (scales[0] if len(set(scales)) == 1 else
                                       torch.tensor(scales, dtype=torch.float64,
                                                    device=p.device).view(n, 1, 1))
-
-    # ---- validation ------------------------------------------------------------------------------
-    def _validate(self) -> None:
-        for label in self.params:
-            if label not in self.table:
-                raise ValueError(f"parameter {label!r} has no row in the optimizer table: "
-                                 "add it to param_table (DEFAULT_PARAM_TABLE in train_gpt.py)")
-        for label in self.table:
-            if label not in self.params:
-                raise ValueError(f"param_table row {label!r} names no model parameter (parameters: "
-                                 f"{', '.join(self.params)}): remove the row or fix its name")
-        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
-            raise ValueError(f"rank {self.rank} / world_size {self.world_size} is not a valid "
-                             "process placement")
-        for label, row in self.table.items():
-            p = self.params[label]
-            if row.get("optim") not in ("adam", "normuon"):
-                raise ValueError(f"param_table[{label!r}] optim={row.get('optim')!r}: "
-                                 "use 'adam' or 'normuon'")
-            if row.get("comms") not in ("none", "replicated", "sharded"):
-                raise ValueError(f"param_table[{label!r}] comms={row.get('comms')!r}: "
-                                 "use 'none', 'replicated' or 'sharded'")
-            for key in ("lr_mul", "wd_mul"):
-                if not isinstance(row.get(key), (int, float)):
-                    raise ValueError(f"param_table[{label!r}] needs a number {key}=")
-            if row["optim"] == "adam":
-                betas = row.get("betas")
-                if betas is None or len(betas) != 2 or not all(0 <= b < 1 for b in betas):
-                    raise ValueError(f"param_table[{label!r}] is an Adam row and needs "
-                                     "betas=(beta1, beta2) in [0, 1)")
-                if row["comms"] == "sharded" and p.shape[0] % self.world_size:
-                    raise ValueError(f"{label} has {p.shape[0]} rows in dim 0 of {tuple(p.shape)}, "
-                                     f"not divisible by world_size {self.world_size}: "
-                                     f"set param_table[{label!r}] comms='replicated' "
-                                     f"or use a world size that divides {p.shape[0]}")
-                continue
-            shape = row.get("matrix_shape")
-            if (shape is None or len(shape) != 2 or p.numel() % (shape[0] * shape[1])
-                    or p.shape[-1] != shape[1]):
-                raise ValueError(f"{label} of shape {tuple(p.shape)} cannot be viewed as a stack "
-                                 f"of matrix_shape={shape} matrices: fix "
-                                 f"param_table[{label!r}]['matrix_shape'] (rows, cols) to match "
-                                 "the bank")
-            if p.dtype not in (torch.bfloat16, torch.float32, torch.float64):
-                raise ValueError(f"NorMuon parameter {label} is {p.dtype}; store it in bf16 "
-                                 "(its fp32 master is bf16 + a 16-bit mantissa), float32 or "
-                                 "float64, or make it an Adam row")
-            if not row.get("matrix_lr_muls", (1.0,)):
-                raise ValueError(f"param_table[{label!r}] matrix_lr_muls is empty: "
-                                 "give at least one multiplier")
-            n_matrices = p.numel() // (shape[0] * shape[1])
-            if row["comms"] == "sharded" and n_matrices % self.world_size:
-                raise ValueError(f"{label} bank has {n_matrices} matrices, not divisible by "
-                                 f"world_size {self.world_size}: pad the bank "
-                                 "(ModelConfig.bank_multiple) or use a world size that divides "
-                                 f"{n_matrices}")
-        if self.tied is not None:
-            head, embed = self.tied
-            for label in (head, embed):
-                if label not in self.table or self.table[label]["optim"] != "adam":
-                    raise ValueError(f"tied=({head!r}, {embed!r}): {label!r} must be an Adam "
-                                     "parameter label; pass tied=None to train them separately")
-            if (self.params[head].shape != self.params[embed].shape[::-1]
-                    or self.params[head].dim() != 2):
-                raise ValueError(f"tied {head} {tuple(self.params[head].shape)} is not the "
-                                 f"transpose of {embed} {tuple(self.params[embed].shape)}: "
-                                 f"store {head} as (model_dim, vocab)")
 
     # ---- layout helpers --------------------------------------------------------------------------
     def _is_sharded(self, label: str) -> bool:
@@ -1912,7 +1678,7 @@ class StepSchedule:
     lr_factor: float
     momentum: float
     mtp_weights: tuple
-    do_adam: bool                # Adam steps on odd steps only, on the sum of two steps' gradients
+    do_adam: bool                # Adam on odd steps, on two steps' gradients (upstream record 39)
 
 
 def schedule_at(step: int, hp: Hyperparameters) -> StepSchedule:
@@ -2125,8 +1891,8 @@ def preflight(hp: Hyperparameters, world_size: int, device: torch.device,
     grad_accum = hp.batch_slices // world_size
     check_fused_kernel_shapes(hp, device)
     rooms = {micro_batch_tokens(st.batch, hp.batch_slices):
-             max_num_docs(micro_batch_tokens(st.batch, hp.batch_slices), hp.tokens_per_doc_bound) - 1
-             for st in hp.stages}
+             max_num_docs(micro_batch_tokens(st.batch, hp.batch_slices),
+                          hp.tokens_per_doc_bound) - 1 for st in hp.stages}
 
     def walk_val(files: list[str]) -> None:
         for _ in val_batches(files, hp.val_batch_size, hp.val_tokens, grad_accum, rank, world_size,
@@ -2363,33 +2129,16 @@ def compile_model(model: nn.Module) -> Callable:
 
 
 def prepare_training(run: harness.Run, argv_text: str) -> tuple[Trainer, harness.Checkpointer]:
-    """Log the code and settings, run the preflight checks, build the model and optimizer,
-    compile."""
+    """Log and check the run (harness.begin_run), build the model and optimizer, compile."""
     hp, device = run.hp, run.device
     sources = {name: Path(__file__).with_name(name).read_text()
                for name in ("train_gpt.py", "triton_kernels.py")}
-    harness.log_start(run, sources, argv_text)
-    for note in preflight(hp, run.world_size, device, run.rank):
-        run.log(note)
-    train_files, val_files = (harness.resolve_shards(hp.train_files, "train"),
-                              harness.resolve_shards(hp.val_files, "val"))
     attn_backend = resolve_attn_backend(hp.attn_backend, device)
-    run.compiling = hp.compile and device.type == "cuda"
-    run.log(f"world_size:{run.world_size} grad_accum:{hp.batch_slices // run.world_size} "
-            f"device:{device} attn_backend:{attn_backend} (asked: {hp.attn_backend}) "
-            f"compile:{run.compiling} dtype:{hp.dtype} kernels:{hp.kernels}")
-    for line in harness.edited_references(KERNEL_REFERENCES, reference_ops(hp.kernels),
-                                          device.type == "cuda"):
-        run.log(line)
-    facts = harness.run_facts(run.world_size, device, attn_backend, train_files)
-    if run.resumed is not None:
-        harness.check_resume(run.resumed, hp, facts)
-        if run.resumed["code"] != sources["train_gpt.py"]:
-            run.log("warning: train_gpt.py differs from the code that wrote the checkpoint (its "
-                    "log has that code); the continuation is exact only if the change leaves the "
-                    "math alone")
-    checkpointer = harness.Checkpointer(hp, run.run_id, run.rank, run.world_size, facts, run.log,
-                                        sources["train_gpt.py"])
+    edits = harness.edited_references(KERNEL_REFERENCES, reference_ops(hp.kernels),
+                                      device.type == "cuda")
+    train_files, val_files, checkpointer = harness.begin_run(
+        run, sources, argv_text, lambda: preflight(hp, run.world_size, device, run.rank),
+        attn_backend, edits)
     if hp.seed >= 0:
         torch.manual_seed(hp.seed)
     model = build_model(hp, device, attn_backend)
@@ -2417,12 +2166,8 @@ def warmup_and_reset(trainer: Trainer, run: harness.Run) -> None:
     initial = harness.snapshot_state(model, opt)
     steps, variants = warmup_steps(hp), variant_starts(hp)
     compile_log = harness.CompileLog(run.compiling, harness.eager_autotuners(tk))
-    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", run.world_size))   # GPUs of this machine
-    per_gpu = harness.split_processes_per_gpu(hp.compile_helpers, len(variants), ranks,
-                                              run.cache_loaded)
     with compile_log.recording():
-        if run.compiling and hp.compile_split and ranks * per_gpu > 1:
-            harness.compile_split(trainer, run, variants, ranks, per_gpu, compile_log, t0)
+        harness.compile_split(trainer, run, variants, compile_log, t0)   # when it pays
         run.log(f"warmup: compiling on steps {steps}")
         for i, step in enumerate(steps):
             sched = schedule_at(step, hp)

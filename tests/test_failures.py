@@ -249,6 +249,7 @@ def test_signal_in_the_timed_loop_stops_at_a_step_and_saves_it(tmp_path, data, s
     assert len(errors) == 1 and f"stopped by {name} after step" in errors[0], err
     step = int(errors[0].split("after step ")[1].split()[0])
     saved = tmp_path / "logs" / "sig" / f"state_step{step:06d}.pt"
+    assert errors[0].endswith(f"--resume={saved}")                 # this run's state, by name
     state = torch.load(saved, weights_only=False)                  # complete: it loads
     assert state["step"] == step and not leftovers(tmp_path / "logs")
     log = (tmp_path / "logs" / "sig.txt").read_text().splitlines()

@@ -131,14 +131,25 @@ def test_resume_names_every_math_difference_and_lets_run_control_differ():
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_resume_with_other_math_is_one_error_line(tmp_path):
+@pytest.mark.timeout(900)
+def test_refused_resumes_are_one_error_line_and_leave_nothing_behind(tmp_path):
+    """Other math is refused by name, and so is a state whose run finished; neither leaves a log, so the corrected
+    command then continues the run under the id the resume gives it."""
     train, val = make_dataset(tmp_path / "d", train_tokens=400_000, val_tokens=20_000)
+    logs = tmp_path / "logs"
     common = [*SCHEDULE, "--num_scheduled_iterations=3", "--num_extension_iterations=1", f"--train_files={train}",
-              f"--val_files={val}", f"--log_dir={tmp_path}/logs", "--checkpoint_every=0"]
+              f"--val_files={val}", f"--log_dir={logs}", "--checkpoint_every=2"]
     p = run_trainer([*common, "--run_id=a"], tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
-    p = run_trainer([*common, "--adam_lr=0.01", f"--resume={tmp_path}/logs/a"], tmp_path)
-    assert p.returncode == 2 and "Traceback" not in p.stderr
-    errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "--adam_lr=0.008 (now 0.01)" in errors[0], p.stderr
+    before = {f: f.read_bytes() for f in logs.rglob("*") if f.is_file()}
+    middle, final = logs / "a" / "state_step000002.pt", logs / "a" / "state_step000004.pt"
+    for args, words in ((["--adam_lr=0.01", f"--resume={middle}"], "--adam_lr=0.008 (now 0.01)"),
+                        ([f"--resume={final}"], "that run finished, there is nothing to continue")):
+        p = run_trainer([*common, *args], tmp_path)
+        assert p.returncode == 2 and "Traceback" not in p.stderr
+        errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and words in errors[0], p.stderr
+        assert {f: f.read_bytes() for f in logs.rglob("*") if f.is_file()} == before    # no log, nothing changed
+    p = run_trainer([*common, f"--resume={middle}"], tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "result: " in (logs / "a-from2.txt").read_text()
