@@ -2,7 +2,7 @@
 
 Each section has the kernel(s), a launcher that checks its inputs, a plain-PyTorch reference with
 the same contract, and the public op used by train_gpt.py. A public op runs the Triton kernel on
-CUDA tensors and the reference elsewhere (for the cross entropy, in blocks of rows, for memory), so
+CUDA tensors and the reference elsewhere (for a large cross entropy, in blocks of rows), so
 the trainer runs unchanged on a CPU, and an edit of a reference takes effect there.
 Importing this file does nothing: no device queries, no compiles. Nothing autotunes at start-up:
 each launcher's tiles are fixed, chosen by a bench/ script (measurements: notes/kernels.md).
@@ -854,15 +854,19 @@ def softcapped_mtp_ce_reference(logits: Tensor, targets: Tensor, mtp_weights: Te
     return losses
 
 
-_CE_REFERENCE_ROWS = 32   # rows per block of the chunked reference
+_CE_REFERENCE_BLOCK = 1 << 27   # logits per block of the chunked reference: its fp32
+                                # temporaries stay near 512 MiB each
 
 
 def softcapped_mtp_ce_chunked(logits: Tensor, targets: Tensor, mtp_weights: Tensor,
-                              rows: int = _CE_REFERENCE_ROWS) -> Tensor:
-    """softcapped_mtp_ce_reference a block of rows at a time, each block recomputed in the backward
-    (activation checkpointing): the reference's numbers, with (rows, V) temporaries instead of
-    (n, V) ones, which at the vocabulary's size would not stay in a CPU's cache."""
+                              rows: int | None = None) -> Tensor:
+    """softcapped_mtp_ce_reference, for logits too large for its (n, V) fp32 temporaries a block of
+    `rows` rows at a time (default: _CE_REFERENCE_BLOCK logits), each block recomputed in the
+    backward (activation checkpointing): the reference's numbers in bounded memory."""
     from torch.utils.checkpoint import checkpoint
+    rows = rows or max(1, _CE_REFERENCE_BLOCK // max(1, logits.shape[-1]))
+    if logits.shape[0] <= rows:
+        return softcapped_mtp_ce_reference(logits, targets, mtp_weights)
     K = mtp_weights.shape[0]
     return torch.cat([checkpoint(softcapped_mtp_ce_reference, logits[r:r + rows],
                                  targets[r:r + rows + K - 1], mtp_weights, use_reentrant=False)

@@ -35,7 +35,8 @@ commands:
                      batch phase with the ratio to BASE, last validation, peak memory. Both runs share torch's
                      caches, whose keys see the graphs, triton_kernels.py and the trainer's graph pass; to measure a
                      change they do not see (an inductor heuristic), run each tree's bench/run.sh backends under its
-                     own TORCHINDUCTOR_CACHE_DIR
+                     own TORCHINDUCTOR_CACHE_DIR. EXTRA="--name=value ..." adds a third run of this code with
+                     those options (e.g. EXTRA=--kernels=mlp:torch), in the same table
   startup [OPTION ...]
                      start-up times: NS (default 30) + 3 steps three times with torch's caches in $OUT/startup_cache:
                      cold (no caches, no compile cache file), second (everything kept), fresh (only the compile cache
@@ -54,8 +55,8 @@ environment:
   NS, BACKENDS, CHECKS, RUNS, SAMPLE   see the commands
   LIMIT_S   a time limit in seconds for each step (default none)
 
-example: the attention tests, then a FlexAttention run
-  bench/run.sh tests tests/test_attention.py && BACKENDS=flex bench/run.sh backends
+example: the attention tests, then a run with torch's varlen attention
+  bench/run.sh tests tests/test_attention.py && BACKENDS=varlen bench/run.sh backends
 EOF
 }
 
@@ -201,8 +202,19 @@ case "$command" in
     opts=(--num_scheduled_iterations="${NS:-60}" --num_extension_iterations=6 --val_loss_every=20 --seed=0 "$@")
     RUNSH="$base/run.sh" train_run base "${opts[@]}"
     train_run new "${opts[@]}"
-    if [ -n "$(newest_log "$OUT/base")" ] && [ -n "$(newest_log "$OUT/new")" ]; then
-      "$PY" bench/phase_times.py "$(newest_log "$OUT/base")" "$(newest_log "$OUT/new")" | sed -n '/^| |/,$p'
+    runs=(base new)
+    if [ -n "${EXTRA:-}" ]; then
+      # shellcheck disable=SC2086  # EXTRA holds options separated by spaces
+      train_run extra "${opts[@]}" $EXTRA
+      runs+=(extra)
+    fi
+    logs=()
+    for run in "${runs[@]}"; do
+      log=$(newest_log "$OUT/$run")
+      if [ -n "$log" ]; then logs+=("$log"); fi
+    done
+    if [ "${#logs[@]}" -ge 2 ]; then
+      "$PY" bench/phase_times.py "${logs[@]}" | sed -n '/^| |/,$p'
     fi ;;
   startup)
     make_data

@@ -26,8 +26,7 @@ def test_parse_types_and_preset_order():
     (["num_layers=3"], "expected --name=value"),
     (["--lr=0.1"], "did you mean --adam_lr, --muon_lr, --lr_min?"),
     (["--stages=4096:1:3"], "--stages='4096:1:3' is not batch:lr_peak:ws_long:mtp_weights per stage"),
-    (["--train_bs_schedule=1,2,3"], "--train_bs_schedule is gone: the batches are a column of --stages"),
-    (["--mlp_bank_pad=1"], "--mlp_bank_pad is gone: the banks pad themselves"),
+    (["--train_bs_schedule=1,2,3"], "unknown option --train_bs_schedule"),    # no shims for old options
     (["--muon_lrr=0.1"], "did you mean --muon_lr"),
     (["--num_layers", "3"], "--num_layers needs a value: write --num_layers=VALUE"),
     (["--compile=maybe"], "--compile='maybe' is not true or false"),

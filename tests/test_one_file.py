@@ -222,3 +222,20 @@ def test_an_edited_loss_changes_a_default_cpu_run_and_is_named_at_start(tmp_path
     assert first_val["edited"] == pytest.approx(2 * first_val["plain"], abs=2e-4)
     assert "warning: softcap, softcapped_mtp_ce_reference (op ce) changed" in logs["edited"]
     assert "--kernels=ce:torch" in logs["edited"] and "warning: " not in logs["plain"]
+
+
+def test_the_chunked_loss_is_the_reference_in_blocks():
+    """Past a memory bound a CPU runs the loss's reference a block of rows at a time (each block sees the targets of
+    the rows after it); in float64 that is the reference's numbers, losses and gradients."""
+    g = torch.Generator().manual_seed(3)
+    logits = (3 * torch.randn(50, 300, generator=g, dtype=torch.float64)).requires_grad_()
+    targets = torch.randint(0, 300, (50,), generator=g)
+    weights = torch.tensor([1.0, 0.5, 0.25], dtype=torch.float64)
+    ref = tk.softcapped_mtp_ce_reference(logits, targets, weights)
+    ref_grad, = torch.autograd.grad(ref.sum(), logits)
+    for rows in (7, 16, 50):
+        got = tk.softcapped_mtp_ce_chunked(logits, targets, weights, rows=rows)
+        grad, = torch.autograd.grad(got.sum(), logits)
+        torch.testing.assert_close(got, ref, rtol=1e-13, atol=1e-13)
+        torch.testing.assert_close(grad, ref_grad, rtol=1e-12, atol=1e-14)
+    assert tk.softcapped_mtp_ce(logits, targets, weights).shape == (50,)
