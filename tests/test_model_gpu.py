@@ -212,8 +212,9 @@ def test_kernels_torch_runs_an_edited_activation_and_loss_on_the_gpu(monkeypatch
 
 
 def test_optimizer_kernels_torch_on_cuda_is_the_fused_update():
-    """fused=False runs the eager definitions on CUDA: Adam's and the cautious update's are bitwise the kernels';
-    Polar Express's Gram products (fp32 matmuls instead of the symmetric Triton kernels) agree to bf16 rounding."""
+    """--kernels=torch runs the references on CUDA: Adam's and the cautious update's are bitwise the kernels';
+    Polar Express's Gram products (fp32 matmuls instead of the symmetric Triton kernels) agree to bf16 rounding.
+    Per op: adam:torch,normuon:torch keeps Polar Express fused, so the whole step is bitwise the fused one."""
     hp = tg.Hyperparameters()
     torch.manual_seed(0)
     model = tg.GPT(real_cfg(rotary_max_len=16), torch.device("cuda"))
@@ -221,27 +222,29 @@ def test_optimizer_kernels_torch_on_cuda_is_the_fused_update():
     g = torch.Generator(device="cuda").manual_seed(3)
     grads = {k: 1e-3 * torch.randn(p.shape, device="cuda", generator=g).to(p.dtype) for k, p in params.items()}
     results = {}
-    for fused in (True, False):
+    for kernels in ("fused", "torch", "adam:torch,normuon:torch"):
         with torch.no_grad():
             copies = {k: torch.nn.Parameter(p.detach().clone()) for k, p in params.items()}
         opt = tg.NorMuonAndAdam(copies, tg.build_optimizer(hp, model, 0, 1).table, adam_lr=hp.adam_lr,
                                 adam_eps=hp.adam_eps, adam_wd=hp.adam_wd, muon_lr=hp.muon_lr,
-                                muon_beta2=hp.muon_beta2, muon_wd=hp.muon_wd, rank=0, world_size=1, fused=fused)
+                                muon_beta2=hp.muon_beta2, muon_wd=hp.muon_wd, rank=0, world_size=1, kernels=kernels)
         for k, p in copies.items():
             p.grad = grads[k].clone()
         opt.step(do_adam=True, lr_factor=1.0, momentum=0.95)
-        results[fused] = {k: p.detach() for k, p in copies.items()}
+        results[kernels] = {k: p.detach() for k, p in copies.items()}
         for k in ("attn", "mlp"):       # the fp32 masters: bf16 bits << 16 | mantissa (the mantissa started at 0)
             mantissa = opt.buffers[k]["mantissa"]                       # (matrices, R, C)
             high = copies[k].detach().view(mantissa.shape).view(torch.int16).to(torch.int32) << 16
             low = mantissa.view(torch.int16).to(torch.int32) & 0xFFFF
-            results[fused][k] = (high | low).view(torch.float32)
-    for k in results[True]:
+            results[kernels][k] = (high | low).view(torch.float32)
+    fused = results["fused"]
+    for k in fused:
+        assert torch.equal(results["adam:torch,normuon:torch"][k], fused[k]), k
         if k in ("attn", "mlp"):
-            old = params[k].detach().float().view(results[True][k].shape)
-            assert rel_err(results[False][k] - old, results[True][k] - old) < 5e-2, k
+            old = params[k].detach().float().view(fused[k].shape)
+            assert rel_err(results["torch"][k] - old, fused[k] - old) < 5e-2, k
         else:
-            assert torch.equal(results[False][k], results[True][k]), k
+            assert torch.equal(results["torch"][k], fused[k]), k
 
 
 def test_residual_sums_are_unfused_on_the_gpu(compiler_settings_restored, monkeypatch):

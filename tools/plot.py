@@ -3,17 +3,21 @@
     python3 tools/plot.py logs/*.txt --out=curves.png [--target=3.28] [--title=TEXT]
 
 Two panels (loss vs step, loss vs train time in seconds), one line per run labelled by its run id, the target as a
-dashed horizontal line. Unfinished runs are drawn too (their label says so). Exit codes: 0 written, 2 bad arguments
-or no validation line in any log.
+dashed horizontal line. Unfinished, failed and diverged runs are drawn too (their label says so; a NaN or infinite
+validation loss is left out of the curve). Logs with nothing to draw (no validation line, not a train_gpt.py log,
+unreadable, named twice) are listed as "skipped <log>: <reason>". The image is written atomically. Needs matplotlib
+(pip install matplotlib). Exit codes: 0 written, 2 bad arguments, a log that does not exist, no validation line in any
+log, or matplotlib missing.
 """
 from __future__ import annotations
 
+import math
 import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from runlogs import Run, ToolArgumentParser, read_run  # noqa: E402
+from runlogs import Run, ToolArgumentParser, finite_float, load_runs, user_path  # noqa: E402
 
 
 IMAGE_SUFFIXES = (".png", ".pdf", ".svg")
@@ -23,11 +27,26 @@ def curves(runs: list[Run]) -> list[tuple[str, list[int], list[float], list[floa
     """(label, steps, val losses, train times in s) per run with at least one validation line."""
     out = []
     for r in runs:
-        if r.val:
+        if r.is_log and r.val:
             label = r.run_id if r.finished else f"{r.run_id} ({r.why_excluded.split(':')[0]})"
             steps, losses, times = (list(col) for col in zip(*r.val))
             out.append((label, steps, losses, times))
     return out
+
+
+def finite(data):
+    """The curves without their NaN / infinite validations (a diverged run's), and without curves left empty."""
+    out = []
+    for label, steps, losses, times in data:
+        keep = [(s, x, t) for s, x, t in zip(steps, losses, times) if math.isfinite(x)]
+        if keep:
+            out.append((label, *(list(col) for col in zip(*keep))))
+    return out
+
+
+def plain(text: str) -> str:
+    """Text matplotlib shows as it is (a `$` would start mathtext, which can fail to parse)."""
+    return text.replace("$", r"\$")
 
 
 def plot(data, out: str, target: float, title: str) -> None:
@@ -35,10 +54,11 @@ def plot(data, out: str, target: float, title: str) -> None:
     matplotlib.use("Agg")  # files only: no display needed
     import matplotlib.pyplot as plt
 
+    data = finite(data)
     fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(12, 4.5), constrained_layout=True)
     for label, steps, losses, times in data:
-        line, = by_step.plot(steps, losses, marker=".", label=label)
-        by_time.plot(times, losses, marker=".", color=line.get_color(), label=label)
+        line, = by_step.plot(steps, losses, marker=".", label=plain(label))
+        by_time.plot(times, losses, marker=".", color=line.get_color(), label=plain(label))
     finals = [losses[-1] for _, _, losses, _ in data]
     # the interesting part is near the target: show every validation but the untrained first one (~10.8 nats)
     later = [x for _, _, losses, _ in data for x in losses[1:]] or finals
@@ -50,7 +70,7 @@ def plot(data, out: str, target: float, title: str) -> None:
         ax.set_ylim(min(finals + [target]) - 0.05, top)
         ax.grid(alpha=0.3)
     by_step.legend(fontsize=8)
-    fig.suptitle(title)
+    fig.suptitle(plain(title))
     path = Path(out)
     tmp = path.with_name(f".{path.stem}.tmp{os.getpid()}{path.suffix}")  # same suffix: it sets the format
     try:
@@ -61,22 +81,37 @@ def plot(data, out: str, target: float, title: str) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def matplotlib_missing() -> str:
+    """Why matplotlib cannot be imported ("" if it can)."""
+    try:
+        import matplotlib  # noqa: F401
+    except Exception as e:  # noqa: BLE001 (ImportError, or a broken install failing in its own way)
+        return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else 'no message'}"
+    return ""
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = ToolArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("logs", nargs="+", help="run logs (logs/<run_id>.txt)")
-    ap.add_argument("--out", required=True, help="image file to write (.png)")
-    ap.add_argument("--target", type=float, default=3.28, help="validation loss drawn as the target line")
+    ap = ToolArgumentParser(prog="tools/plot.py", description=__doc__.split("\n")[0])
+    ap.add_argument("logs", nargs="+", type=user_path, help="run logs (logs/<run_id>.txt)")
+    ap.add_argument("--out", required=True, type=user_path, help="image file to write (.png, .pdf or .svg)")
+    ap.add_argument("--target", type=finite_float, default=3.28, help="validation loss drawn as the target line")
     ap.add_argument("--title", default="validation loss", help="figure title")
     args = ap.parse_args(argv)
+    missing = matplotlib_missing()
+    if missing:
+        print(f"error: tools/plot.py needs matplotlib, which cannot be imported ({missing}): "
+              f"pip install matplotlib", file=sys.stderr)
+        return 2
     try:
-        runs = [read_run(p) for p in args.logs]
-    except OSError as e:
+        runs, repeats = load_runs(args.logs)
+    except FileNotFoundError as e:
         print(f"error: cannot read {e.filename}: {e.strerror}; pass existing log files", file=sys.stderr)
         return 2
-    data = curves(runs)
+    data = finite(curves(runs))
     if not data:
-        print("error: no validation line in any of the logs; pass logs of runs that reached a validation",
-              file=sys.stderr)
+        reasons = "; ".join(f"{r.path}: {r.why_excluded}" for r in runs)
+        print(f"error: no validation line in any of the logs ({reasons}); pass logs of runs that reached a "
+              f"validation", file=sys.stderr)
         return 2
     out_dir = Path(args.out).resolve().parent
     if not out_dir.is_dir():
@@ -85,11 +120,19 @@ def main(argv: list[str] | None = None) -> int:
     if Path(args.out).suffix.lower() not in IMAGE_SUFFIXES:
         print(f"error: --out={args.out}: name a {', '.join(IMAGE_SUFFIXES)} file", file=sys.stderr)
         return 2
+    if Path(args.out).is_dir():
+        print(f"error: --out={args.out} is a folder; name an image file", file=sys.stderr)
+        return 2
     try:
         plot(data, args.out, args.target, args.title)
     except OSError as e:
         print(f"error: cannot write {args.out}: {e.strerror}; choose a writable --out", file=sys.stderr)
         return 2
+    for r in runs:
+        if not (r.is_log and any(math.isfinite(x) for _, x, _ in r.val)):
+            print(f"skipped {r.path}: {r.why_excluded}")
+    for path, reason in repeats:
+        print(f"skipped {path}: {reason}")
     print(f"wrote {args.out} ({len(data)} runs)")
     return 0
 

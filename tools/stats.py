@@ -5,9 +5,21 @@
 Prints one row per finished run (final validation loss, train time, steps), then n, mean, sample standard deviation
 and 95% confidence interval of the loss and the time, and the one-sided one-sample t-test p-value for "the mean
 final validation loss is below the target". With --baseline, also Welch's t-test p-value for "these runs train
-faster than the baseline runs" and the mean time difference with its 95% confidence interval. Logs of failed or
-unfinished runs are listed with the reason and left out of every number. --json prints one JSON object instead.
-Exit codes: 0 done, 2 bad arguments or no finished run to summarise.
+faster than the baseline runs" and the mean time difference with its 95% confidence interval. Logs of failed,
+diverged or unfinished runs, and files that are not train_gpt.py logs (empty, binary, foreign, unreadable), are
+listed with the reason and left out of every number. --json prints one JSON object instead.
+
+Each run counts once:
+  * a log named twice (the same file, however the path is spelled) is read once;
+  * a resumed run is one run with the run it continues. Its log (by default <run_id>-from<S>.txt) has the line
+    `resumed from <log_dir>/<run_id>/state_step<S>.pt after step S`: the checkpoint's folder names the run id, so
+    that log continues the log <run_id>.txt of the same set (the one in the continuation's folder if several
+    share the name). Logs linked this way form one run, whose result is that of its finished log that was resumed
+    from the latest step (the later one on the command line on a tie): its validation lines carry the whole run's
+    train_time, since the clock is saved with the state. Every other log of that run is excluded, as "continued by
+    <log>" (or "same run as <log>" for a second continuation of one checkpoint folder), even if it finished.
+    The runs and the --baseline runs are grouped separately.
+Exit codes: 0 done, 2 bad arguments, a log that does not exist, or no finished run to summarise.
 """
 from __future__ import annotations
 
@@ -20,7 +32,7 @@ import numpy as np
 from scipy import stats as sps
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from runlogs import Run, ToolArgumentParser, read_run  # noqa: E402
+from runlogs import Run, ToolArgumentParser, checkpoint_folder, finite_float, load_runs, user_path  # noqa: E402
 
 
 def summary(values: list[float]) -> dict[str, float]:
@@ -58,16 +70,74 @@ def welch_faster(times: list[float], baseline: list[float]) -> dict[str, float]:
     return {"diff": diff, "ci95": (diff - half, diff + half), "p_value": p}
 
 
-def load(paths: list[str]) -> tuple[list[Run], list[Run]]:
-    runs = [read_run(p) for p in paths]
-    return [r for r in runs if r.finished], [r for r in runs if not r.finished]
+def continued(runs: list[Run]) -> dict[int, int]:
+    """{index of a resumed run's log: index of the log it continues}, within `runs` (see the module docstring)."""
+    by_id: dict[str, list[int]] = {}
+    for i, r in enumerate(runs):
+        by_id.setdefault(Path(r.path).stem, []).append(i)
+    links = {}
+    for i, r in enumerate(runs):
+        folder = checkpoint_folder(r) if r.is_log else None
+        if folder is None:
+            continue
+        candidates = [j for j in by_id.get(folder.name, []) if j != i]
+        if len(candidates) > 1:  # the same run id in several folders: the one beside the continuation
+            here = Path(r.path).resolve().parent
+            candidates = [j for j in candidates if Path(runs[j].path).resolve().parent == here] or candidates
+        if candidates:
+            links[i] = candidates[0]
+    return links
+
+
+def load(paths: list[str]) -> tuple[list[Run], list[tuple[str, str]]]:
+    """(the finished runs, each counted once; [(log, reason)] for every log left out). Raises FileNotFoundError for
+    a path that does not exist."""
+    runs, excluded = load_runs(paths)
+    links = continued(runs)
+    root = list(range(len(runs)))
+
+    def find(i: int) -> int:
+        while root[i] != i:
+            root[i] = root[root[i]]
+            i = root[i]
+        return i
+
+    for i, j in links.items():
+        root[find(i)] = find(j)
+    groups: dict[int, list[int]] = {}
+    for i in range(len(runs)):
+        groups.setdefault(find(i), []).append(i)
+    done, left_out = [], {}
+    for members in groups.values():
+        finished = [i for i in members if runs[i].finished]
+        counted = max(finished, key=lambda i: (runs[i].resumed_step, i)) if finished else None
+        for i in members:
+            if i == counted:
+                continue
+            r = runs[i]
+            own = "finished" if r.finished else r.why_excluded
+            followers = [k for k, j in links.items() if j == i]
+            if followers:
+                head = f"continued by {runs[counted if counted in followers else followers[-1]].path}"
+            elif counted is not None:
+                head = f"same run as {runs[counted].path}"
+            else:
+                left_out[i] = own
+                continue
+            tail = f"one run, counted once as {runs[counted].path}" if counted is not None else "one run"
+            left_out[i] = f"{head} ({tail}; this log: {own})"
+        if counted is not None:
+            done.append(counted)
+    done.sort()
+    return ([runs[i] for i in done],
+            [(runs[i].path, left_out[i]) for i in sorted(left_out)] + excluded)
 
 
 def fmt(x: float, digits: int = 4) -> str:
     return "n/a" if math.isnan(x) else f"{x:.{digits}f}"
 
 
-def report(done: list[Run], excluded: list[Run], target: float, base: list[Run] | None) -> dict:
+def report(done: list[Run], excluded: list[tuple[str, str]], target: float, base: list[Run] | None) -> dict:
     losses = [r.final_val_loss for r in done]
     times = [r.train_time_s for r in done]
     loss_s, time_s = summary(losses), summary(times)
@@ -78,7 +148,7 @@ def report(done: list[Run], excluded: list[Run], target: float, base: list[Run] 
            "train_time_ci95_s": list(time_s["ci95"]),
            "runs": [{"run_id": r.run_id, "val_loss": r.final_val_loss, "train_time_s": r.train_time_s,
                      "steps": r.total_steps, "log": r.path} for r in done],
-           "excluded": [{"log": r.path, "reason": r.why_excluded} for r in excluded]}
+           "excluded": [{"log": log, "reason": reason} for log, reason in excluded]}
     if base is not None:
         w = welch_faster(times, [r.train_time_s for r in base])
         out.update(baseline_n=len(base), baseline_train_time_mean_s=float(np.mean([r.train_time_s for r in base])),
@@ -119,10 +189,11 @@ def markdown(r: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = ToolArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("logs", nargs="+", help="run logs (logs/<run_id>.txt)")
-    ap.add_argument("--target", type=float, default=3.28, help="validation loss to beat (default 3.28)")
-    ap.add_argument("--baseline", nargs="+", default=None, metavar="LOG", help="logs of the runs to compare times with")
+    ap = ToolArgumentParser(prog="tools/stats.py", description=__doc__.split("\n")[0])
+    ap.add_argument("logs", nargs="+", type=user_path, help="run logs (logs/<run_id>.txt)")
+    ap.add_argument("--target", type=finite_float, default=3.28, help="validation loss to beat (default 3.28)")
+    ap.add_argument("--baseline", nargs="+", type=user_path, default=None, metavar="LOG",
+                    help="logs of the runs to compare times with")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the markdown")
     args = ap.parse_args(argv)
     try:
@@ -131,12 +202,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.baseline is not None:
             base, base_excluded = load(args.baseline)
             excluded += base_excluded
-    except OSError as e:
+    except FileNotFoundError as e:
         print(f"error: cannot read {e.filename}: {e.strerror}; pass existing log files", file=sys.stderr)
         return 2
     if not done or (base is not None and not base):
         which = "baseline " if done else ""
-        reasons = "; ".join(f"{r.path}: {r.why_excluded}" for r in excluded) or "no logs"
+        reasons = "; ".join(f"{log}: {reason}" for log, reason in excluded) or "no logs"
         print(f"error: no finished {which}run to summarise ({reasons}); pass logs of runs that reached their last "
               f"step", file=sys.stderr)
         return 2
