@@ -944,9 +944,22 @@ def begin_run(run: Any, sources: dict[str, str], argv_text: str,
                                                 run.log, script)
 
 
+def _canonical(node: Any) -> str:
+    """A syntax tree as text, leaving out empty fields, so that the fields later Pythons add (empty
+    for this code) do not change it."""
+    import ast
+    if isinstance(node, ast.AST):
+        fields = [f"{name}={_canonical(value)}" for name, value in ast.iter_fields(node)
+                  if value is not None and value != []]
+        return f"{type(node).__name__}({', '.join(fields)})"
+    if isinstance(node, list):
+        return "[" + ", ".join(_canonical(x) for x in node) + "]"
+    return repr(node)
+
+
 def reference_digest(definitions: Sequence[Any]) -> str:
     """A digest of the code of functions or classes: their syntax trees without docstrings, so
-    comments, layout and docs do not count as edits."""
+    comments, layout and docs do not count as edits, and the same on every Python version."""
     import ast
     import hashlib
     import inspect
@@ -959,7 +972,7 @@ def reference_digest(definitions: Sequence[Any]) -> str:
                     and isinstance(node.body[0].value, ast.Constant)
                     and isinstance(node.body[0].value.value, str)):
                 node.body = node.body[1:] or [ast.Pass()]
-        trees.append(ast.dump(tree))
+        trees.append(_canonical(tree))
     return hashlib.sha256("\n".join(trees).encode()).hexdigest()[:16]
 
 

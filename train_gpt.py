@@ -593,14 +593,14 @@ def head_losses(h: Tensor, w: Tensor, targets: Tensor, mtp_weights: Tensor, use_
 # tests, tests/test_kernels_gpu.py), with a digest of their code then. A run warns at start when an
 # edit changed one (harness.edited_references); after checking the kernel again, update the digest.
 KERNEL_REFERENCES = {
-    "mlp": ((tk.relu2_mlp_reference,), "961a2ff196253466"),
-    "ce": ((tk.softcap, tk.softcapped_mtp_ce_reference), "792eddd79619887f"),
-    "fp8": ((fp8_quantize, FP8HeadEmulated), "d10b4e977162037f"),
-    "adam": ((tk.adam_update_reference,), "a3d9c191f39b87d8"),
+    "mlp": ((tk.relu2_mlp_reference,), "8b6fad1b2f4093ba"),
+    "ce": ((tk.softcap, tk.softcapped_mtp_ce_reference), "257ad305df15c9ff"),
+    "fp8": ((fp8_quantize, FP8HeadEmulated), "eddd6931e4db74c4"),
+    "adam": ((tk.adam_update_reference,), "941fc473b01c2c49"),
     "normuon": ((tk.normuon_momentum_reference, tk.cautious_step,
-                 tk.cautious_update_with_mantissa_reference), "5cbde3a93a8429cf"),
+                 tk.cautious_update_with_mantissa_reference), "2ddb60702546e03c"),
     "polar": ((tk.xxt_reference, tk.ba_plus_cAA_reference, tk.polar_split_product_reference),
-              "fd0530f32815d070"),
+              "72bf46270921669e"),
 }
 
 
