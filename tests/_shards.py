@@ -56,13 +56,13 @@ def make_dataset(directory, train_tokens=400_000, val_tokens=20_000, seed=0, n_t
     return str(d / "fineweb_train_*.bin"), str(d / "fineweb_val_*.bin")
 
 
-def run_trainer(args, cwd, timeout=300, env=None, script=None):
+def run_trainer(args, cwd, timeout=900, env=None, script=None):
     full_env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1", **CPU_MALLOC_ENV, **(env or {}))
     return subprocess.run([sys.executable, str(script or ROOT / "train_gpt.py"), *args], cwd=cwd,
                           capture_output=True, text=True, timeout=timeout, env=full_env)
 
 
-def run_gloo(args, world_size, cwd, timeout=240):
+def run_gloo(args, world_size, cwd, timeout=900):
     """The trainer in world_size processes on gloo, started the way torchrun would (one thread each)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -332,7 +332,7 @@ def test_short_documents_overflow_cu_seqlens(tmp_path):
             break
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(900)
 def test_corrupt_next_shard_reaches_the_caller(labelled_dir, tmp_path):
     """The background thread loading shard 2 fails: the caller gets that error (not a hang, not StopIteration)."""
     files = shard_files(labelled_dir)
@@ -349,7 +349,7 @@ def test_corrupt_next_shard_reaches_the_caller(labelled_dir, tmp_path):
     assert bad in str(info.value) and "bad magic 999" in str(info.value)
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(900)
 def test_exception_in_loader_thread_is_reraised(labelled_dir, monkeypatch):
     """The error surfaces on the first request after the thread failed, long before shard 1 is used up."""
     files = shard_files(labelled_dir)

@@ -20,7 +20,7 @@ tok = load_script("tokenize_docs")
 syn = load_script("synthetic")
 
 
-def run_script(name, *args, timeout=60, cwd=None):
+def run_script(name, *args, timeout=300, cwd=None):
     return subprocess.run([sys.executable, os.path.join(ROOT, "data", f"{name}.py"), *args], capture_output=True,
                           text=True, timeout=timeout, cwd=cwd or ROOT)
 
@@ -395,7 +395,7 @@ def test_synthetic_unknown_preset(tmp_path):
 @pytest.mark.slow
 def test_synthetic_script_is_worker_count_independent(tmp_path):
     args = ["--train_shards", "3", "--shard_tokens", "200000", "--val_tokens", "50000", "--seed", "9"]
-    result = run_script("synthetic", "--out", str(tmp_path / "two"), "--workers", "2", *args, timeout=120)
+    result = run_script("synthetic", "--out", str(tmp_path / "two"), "--workers", "2", *args, timeout=600)
     assert result.returncode == 0, result.stderr
     assert syn.main(["--out", str(tmp_path / "one"), "--workers", "1", *args]) == 0
     names = ["fineweb_train_000001.bin", "fineweb_train_000002.bin", "fineweb_train_000003.bin",
@@ -547,7 +547,7 @@ def test_synthetic_ctrl_c_with_workers_leaves_nothing(tmp_path):
         while not list(out.glob(".staging-*/fineweb_val_000000.bin")) and time.monotonic() < deadline:
             time.sleep(0.01)
         os.killpg(proc.pid, signal.SIGINT)
-        _, err = proc.communicate(timeout=60)
+        _, err = proc.communicate(timeout=600)
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -46,7 +46,7 @@ def golden_run(tmp: Path) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(900)
 def test_tiny_run_matches_the_golden_curve(tmp_path):
     golden = json.loads(GOLDEN.read_text())
     assert golden["args"] == ARGS, "the golden file was recorded with other options: re-record it"

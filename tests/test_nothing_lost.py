@@ -59,7 +59,7 @@ def _file_size_limit(limit: int):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("limit,what", [(8 << 20, "checkpoint"), (64 << 10, "log")])
 def test_a_file_size_limit_ends_the_run_with_exit_2_and_the_fix(tmp_path, limit, what):
     """A real size limit (ulimit -f): the tiny model's checkpoint is far over 8 MiB, its log (the code) over 64 KiB."""

@@ -83,7 +83,7 @@ def worker(rank, world_size, init_file, err_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_sharded_and_replicated_paths_match_world_size_one(world_size):
     with tempfile.TemporaryDirectory() as tmp:

@@ -37,7 +37,7 @@ def test_schedule_crosses_what_the_resume_must_restore():
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_resumed_run_is_bitwise_the_straight_run(tmp_path, world_size):
     train, val = make_dataset(tmp_path / "d", train_tokens=400_000, val_tokens=20_000)

@@ -32,13 +32,13 @@ def assert_clean_failure(proc, code, *needles):
         assert n in err, err[-3000:]
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(900)
 def test_missing_data_names_the_download(tmp_path):
     p = run_trainer([*SHORT, f"--train_files={tmp_path}/nope/*.bin", f"--val_files={tmp_path}/nope/v*.bin"], tmp_path)
     assert_clean_failure(p, 1, "cached_fineweb10B.py")
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(900)
 def test_short_val_shard(tmp_path):
     train, _ = make_dataset(tmp_path, train_tokens=300_000, val_tokens=20_000)
     write_shard(tmp_path / "fineweb_val_000000.bin", structured_docs(3_000, 1))     # < 4096 + look-ahead
@@ -46,7 +46,7 @@ def test_short_val_shard(tmp_path):
     assert_clean_failure(p, 1, "--val_tokens", "fineweb_val_000000.bin")
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("kind,needle", [("magic", "magic"), ("version", "version"), ("truncated", "truncated")])
 def test_corrupt_train_shard(tmp_path, kind, needle):
     train, val = make_dataset(tmp_path, train_tokens=300_000, val_tokens=20_000, n_train_shards=2)
@@ -63,14 +63,14 @@ def test_corrupt_train_shard(tmp_path, kind, needle):
     assert needle in (p.stderr + p.stdout).lower()
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(900)
 def test_too_little_training_data_for_the_schedule(tmp_path):
     train, val = make_dataset(tmp_path, train_tokens=tokens_trained(SHORT) * 9 // 10, val_tokens=20_000)
     p = run_trainer([*SHORT, *data_args(train, val)], tmp_path)
     assert_clean_failure(p, 1, "cached_fineweb10B.py", "--num_scheduled_iterations")
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(900)
 def test_training_data_running_out_mid_run(tmp_path):
     # enough tokens to pass the preflight (>= the trained tokens) but not the ~1.4x the loader reads
     train, val = make_dataset(tmp_path, train_tokens=tokens_trained(SHORT) + 100, val_tokens=20_000)
@@ -78,7 +78,7 @@ def test_training_data_running_out_mid_run(tmp_path):
     assert_clean_failure(p, 1, "ran out")
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(900)
 def test_short_documents_overflow_cu_seqlens_is_caught_early(tmp_path):
     # documents of 3 tokens: a 512-token micro-batch holds ~170 segments but cu_seqlens has room for 127
     d = tmp_path
@@ -92,7 +92,7 @@ def test_short_documents_overflow_cu_seqlens_is_caught_early(tmp_path):
     assert "--tokens_per_doc_bound" in p.stderr + p.stdout and "Traceback" not in p.stderr
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(900)
 def test_world_size_that_does_not_divide_8(tmp_path):
     train, val = make_dataset(tmp_path, train_tokens=300_000, val_tokens=20_000)
     p = run_trainer(["--num_scheduled_iterations=6", *data_args(train, val)], tmp_path,
@@ -100,7 +100,7 @@ def test_world_size_that_does_not_divide_8(tmp_path):
     assert_clean_failure(p, 2, "world size 3 does not divide --batch_slices=8")
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(900)
 def test_nan_loss_stops_at_the_step_and_saves_last_good_state(tmp_path):
     train, val = make_dataset(tmp_path, train_tokens=300_000, val_tokens=20_000)
     p = run_trainer([*SHORT, *data_args(train, val), "--muon_lr=1e38", "--adam_lr=1e38", "--nonfinite_check_every=1",
@@ -120,7 +120,7 @@ def _free_port():
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(900)
 def test_killed_rank_ends_the_others_with_a_message(tmp_path):
     train, val = make_dataset(tmp_path, train_tokens=2_000_000, val_tokens=20_000)
     port = _free_port()
@@ -139,7 +139,7 @@ def test_killed_rank_ends_the_others_with_a_message(tmp_path):
                 break
         procs[1].send_signal(signal.SIGKILL)
         t0 = time.time()
-        out, err = procs[0].communicate(timeout=90)
+        out, err = procs[0].communicate(timeout=600)
         assert time.time() - t0 < 90
         assert procs[0].returncode not in (0, None)
         assert "another rank failed" in err or "Another rank" in err, err[-3000:]

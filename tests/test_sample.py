@@ -29,11 +29,11 @@ def pattern_docs(n_tokens, seed):
 
 def run_sampler(args, cwd):
     return subprocess.run([sys.executable, str(ROOT / "tools" / "sample.py"), *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=120, env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+                          text=True, timeout=600, env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(900)
 def test_a_model_trained_on_a_repeated_pattern_continues_it(tmp_path, capsys):
     write_shard(tmp_path / "p_train_000001.bin", pattern_docs(200_000, seed=1))
     write_shard(tmp_path / "p_val_000000.bin", pattern_docs(20_000, seed=0))

@@ -119,7 +119,7 @@ def test_plot_writes_a_png_of_every_run_with_validations(tmp_path, capsys):
     assert plot.main([a, f"--out={tmp_path / 'nope' / 'x.png'}"]) == 2
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(900)
 def test_tools_read_the_trainers_own_log(tmp_path, capsys):
     """The interface is the trainer's log: a real tiny run's log parses as finished, with its validation lines."""
     train, val = make_dataset(tmp_path / "d", train_tokens=200_000, val_tokens=20_000)
@@ -156,7 +156,7 @@ def test_progress_note_counts_tokens_not_steps():
     assert line == "result: val_loss:3.2791 target:3.28 reached:yes train_time:88.1s steps:1765 peak_memory:31010MiB log:None"
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(900)
 def test_repeat_runs_consecutive_seeds_and_prints_their_statistics(tmp_path, capsys):
     import repeat
     train, val = make_dataset(tmp_path / "d", train_tokens=200_000, val_tokens=20_000)
