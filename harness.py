@@ -7,9 +7,10 @@ codes, and the per-step bookkeeping of the timed loop. It never imports train_gp
 what it needs (its Hyperparameters class, its model, its trainer) as arguments.
 
 Sections, in the order a run meets them:
-    1. run-control options and the command line   2. how a run ends: errors and exit codes
-    3. shard files   4. preflight   5. the log and output files   6. the compile cache
-    7. the compile table   8. checkpoints and resume   9. processes: ranks, GPUs, signals
+    1. options: run control, the command line, the checks of layouts and tables
+    2. how a run ends: errors and exit codes   3. shard files   4. preflight
+    5. the log and output files   6. the compile cache   7. the compile table
+    8. checkpoints and resume   9. processes and libraries: ranks, GPUs, signals, attention libraries
     10. the compile split   11. the run: opening it, bookkeeping in the timed loop, the dry run, main()
 Nothing happens at import.
 """

@@ -83,9 +83,12 @@ def test_padding_after_the_last_token_does_not_change_its_scores():
 
 def test_sampler_reports_a_bad_checkpoint_in_one_line(tmp_path):
     (tmp_path / "state_step000001.pt").write_bytes(b"not a checkpoint")
-    for path in (tmp_path / "state_step000001.pt", tmp_path / "missing.pt"):
+    (tmp_path / "state_step000002.pt").write_bytes(b"")
+    torch.save({"weights": torch.ones(2)}, tmp_path / "state_step000003.pt")
+    for path in [tmp_path / f"state_step00000{k}.pt" for k in (1, 2, 3)] + [tmp_path / "missing.pt"]:
         p = run_sampler([f"--checkpoint={path}", "--encoding=bytes"], tmp_path)
         assert p.returncode == 2 and "Traceback" not in p.stderr
         assert p.stderr.count("error:") == 1 and str(path) in p.stderr, p.stderr
-    p = run_sampler([f"--checkpoint={tmp_path}/x.pt", "--temperature=-1"], tmp_path)
-    assert p.returncode == 2 and p.stderr.startswith("error:") and "--temperature" in p.stderr
+    for temperature in ("-1", "nan", "inf"):
+        p = run_sampler([f"--checkpoint={tmp_path}/x.pt", f"--temperature={temperature}"], tmp_path)
+        assert p.returncode == 2 and p.stderr.startswith("error:") and "--temperature" in p.stderr

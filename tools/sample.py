@@ -16,7 +16,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "data"), str(ROOT / "tools")]
-from runlogs import ToolArgumentParser  # noqa: E402
+from runlogs import ToolArgumentParser, finite_float  # noqa: E402
 
 
 def load_model(path: str, device):
@@ -46,9 +46,12 @@ def load_state(path: str) -> dict:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 (missing, truncated or foreign: one message)
-        raise harness.ConfigError(f"cannot read {path} ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
-    if not isinstance(state, dict) or state.get("format") != harness.CHECKPOINT_FORMAT:
-        raise harness.ConfigError(f"{path} is not a training state written by train_gpt.py")
+        raise harness.ConfigError(f"cannot read {path} as a training state (torch.load: {type(e).__name__}: the "
+                                  "file is missing, empty, cut short or foreign); give a state_step*.pt file") from None
+    if (not isinstance(state, dict) or state.get("format") != harness.CHECKPOINT_FORMAT
+            or not {"model", "hyperparameters", "step"} <= set(state)):
+        raise harness.ConfigError(f"{path} is not a whole training state written by train_gpt.py; give a "
+                                  "state_step*.pt file")
     return state
 
 
@@ -101,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--checkpoint", required=True, help="a state_step<step>.pt file written by train_gpt.py")
     ap.add_argument("--prompt", default="", help="text to continue (default: a new document)")
     ap.add_argument("--max_new_tokens", type=int, default=100)
-    ap.add_argument("--temperature", type=float, default=0.8, help="0: always the most likely token")
+    ap.add_argument("--temperature", type=finite_float, default=0.8, help="0: always the most likely token")
     ap.add_argument("--top_k", type=int, default=50, help="sample among the k most likely tokens (0: all)")
     ap.add_argument("--num_samples", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
