@@ -1447,7 +1447,7 @@ class Checkpointer:
     newest `keep`; the ones written at the end, when stopped, or before a divergence are kept."""
 
     def __init__(self, hp: Any, run_id: str, rank: int, world_size: int, facts: dict,
-                 log: Callable, code: str):
+                 log: Callable, code: str = ""):
         """hp: the run's options (all saved; resume compares the math ones); code: the script's
         source, saved with the state (its log has it too)."""
         self.folder, self.keep = Path(expand_path(hp.log_dir)) / run_id, hp.checkpoint_keep
@@ -2018,8 +2018,8 @@ class Run:
     compile_cache: tuple | None = None   # (path, key, versions) to save after the warmup
     cache_loaded: bool = False           # the compile cache file filled torch's caches
     compiling: bool = False              # torch.compile is on (CUDA and --compile)
-    accepted: bool = False               # the checks passed (begin_run): a failure before this
-                                         # is a refused attempt, which leaves no log
+    accepted: bool = False               # the checks passed (begin_run): a resume refused before
+                                         # this leaves no log, so the corrected command can follow
 
     def sync(self) -> None:
         if self.device.type == "cuda":
@@ -2039,7 +2039,8 @@ class Run:
             self.stops.defer = False
             if not isinstance(e, SystemExit):
                 code, message = describe_failure(e, self.rank, self.world_size)
-                refused = not self.accepted and code in (EXIT_CONFIG, EXIT_DATA)
+                refused = (self.resumed is not None and not self.accepted
+                           and code in (EXIT_CONFIG, EXIT_DATA))
                 if code in (EXIT_BUG, EXIT_PEER):
                     import traceback
                     self.log(traceback.format_exc().rstrip(), console=False)

@@ -14,6 +14,7 @@ functions too); file-system errors (OSError) exit 1 and Ctrl-C exits 130.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import shutil
@@ -70,6 +71,12 @@ def check_shard(path: str) -> str | None:
     return None
 
 
+# what to do when the file system refuses a write
+WRITE_FIXES = {"ENOSPC": " (free space, or choose another --out)", "EDQUOT": " (free space, or choose another --out)",
+               "EROFS": " (choose a writable --out)", "EACCES": " (choose a writable --out)",
+               "EPERM": " (choose a writable --out)", "EFBIG": " (raise the file size limit, ulimit -f)"}
+
+
 class UsageError(Exception):
     """A bad command-line option value: the message names the flag and what it must be."""
 
@@ -87,7 +94,9 @@ def run_main(main: Callable[[list[str] | None], int], argv: list[str] | None) ->
         message, status = e.code.removeprefix("error: "), 1
     except OSError as e:        # disk full, unreadable input, ...
         where = f"{e.filename}: " if e.filename else ""
-        message, status = f"{where}{e.strerror or e}; no shards were written (partial output was removed)", 1
+        fix = WRITE_FIXES.get(errno.errorcode.get(e.errno, ""), "")
+        message, status = (f"{where}{e.strerror or e}{fix}; no shards were written (partial output was removed)",
+                           1)
     except MemoryError:
         message, status = "out of memory; use a smaller --shard_tokens (or fewer --workers)", 1
     except KeyboardInterrupt:

@@ -362,7 +362,7 @@ def test_exception_in_loader_thread_is_reraised(labelled_dir, monkeypatch):
             raise OSError("disk went away")
         return real_read(path, *args, **kwargs)
 
-    monkeypatch.setattr(tg, "_read_tokens", failing_read)
+    monkeypatch.setattr(harness, "read_tokens", failing_read)
     gen = tg.train_batches(files, 1024, 1, 0, 1, CPU, 2048, 4)
     with pytest.raises(OSError, match="disk went away"):
         next(gen)                            # raises here if the thread already failed,

@@ -506,7 +506,8 @@ def test_tokenize_failure_half_way_leaves_nothing(tmp_path, capsys, monkeypatch,
 
 
 @pytest.mark.parametrize("workers,exc,code,words", [
-    (1, OSError(errno.ENOSPC, "No space left on device"), 1, ["No space left on device", "no shards were written"]),
+    (1, OSError(errno.ENOSPC, "No space left on device"), 1, ["No space left on device (free space, or choose another "
+                                                              "--out)", "no shards were written"]),
     (2, OSError(errno.ENOSPC, "No space left on device"), 1, ["No space left on device", "no shards were written"]),
     (1, KeyboardInterrupt(), 130, ["interrupted", "no shards were written"])])
 def test_synthetic_failure_half_way_keeps_the_earlier_set(tmp_path, capsys, monkeypatch, workers, exc, code, words):

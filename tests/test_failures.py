@@ -137,7 +137,7 @@ def test_shard_the_process_cannot_read(capsys, tmp_path, data, monkeypatch):
     ("--batch_slices=0", ["--batch_slices=0 must be positive"]),
     ("--block_size=0", ["--block_size=0 must be positive"]),
     ("--adam_lr=-0.1", ["--adam_lr=-0.1 must be >= 0"]),
-    ("--muon_lr=nan", ["--muon_lr=nan must be >= 0"]),
+    ("--muon_lr=nan", ["--muon_lr='nan' is not a finite float"]),
     ("--num_extension_iterations=-1", ["--num_extension_iterations=-1 must be >= 0"]),
     ("--stages=0:1:3:1,768:1:3:1", ["stage 1 of --stages (0:1.0:3:1.0) needs a positive batch"]),
     ("--cooldown_frac=0", ["--cooldown_frac=0.0 must be in (0, 1]"]),
