@@ -1915,10 +1915,11 @@ COMPILE_HELPER_ENV = "TRAIN_GPT_COMPILE_HELPER"
 
 class CompileHelper:
     """A process beside a rank that compiles a share of the split on the rank's GPU. It runs the
-    trainer's script (the file that defines the trainer's class) again, as __main__ like the rank (torch's cache keys hold the module names of the
-    model's classes, so a multiprocessing child, __mp_main__, would compile graphs the rank cannot
-    load), with a task file instead of options (compile_helper_main). A helper that fails costs
-    nothing but time: the warmup compiles whatever is not in the caches."""
+    trainer's script (the file that defines the trainer's class) again, as __main__ like the
+    rank (torch's cache keys hold the module names of the model's classes, so a multiprocessing
+    child, __mp_main__, would compile graphs the rank cannot load), with a task file instead of
+    options (compile_helper_main). A helper that fails costs nothing but time: the warmup
+    compiles whatever is not in the caches."""
 
     def __init__(self, trainer: Any, share: list[tuple[int, str]], stem: Path, lock: Path,
                  compile: bool = True):
@@ -2051,13 +2052,17 @@ class Run:
             self.log.close(remove=refused)
 
 
-def open_run(hp: Any, stops: StopSignals, validate: Callable[[Any, int], None]) -> Run:
+def open_run(hp: Any, stops: StopSignals, validate: Callable[[Any, int], None],
+             code: Sequence[Path] = ()) -> Run:
     """Check the options (validate(hp, world_size): the script's checks), join the process group,
-    read a checkpoint to resume, agree on a run id, create the log."""
+    check that every rank runs the same code (the files in `code`, and this one) with the same
+    options, read a checkpoint to resume, agree on a run id, create the log."""
     t_process = time.perf_counter()
     validate(hp, launch_environment()[1])
     rank, world_size, _, device = setup_distributed(hp)
     stops.announce = rank == 0
+    if world_size > 1:
+        check_same_everywhere(hp, [*code, Path(__file__)], world_size)
     resumed = load_resume(hp, rank, world_size) if hp.resume else None
     run_id = hp.run_id or (f"{resumed['run_id']}-from{resumed['step']}" if resumed
                            else str(uuid.uuid4()))
@@ -2071,6 +2076,28 @@ def open_run(hp: Any, stops: StopSignals, validate: Callable[[Any, int], None]) 
                                         # does not exist before rank 0 makes it
     log = RunLogger(log_path if rank == 0 else None)
     return Run(hp, rank, world_size, device, run_id, log, stops, t_process, resumed)
+
+
+def check_same_everywhere(hp: Any, files: Sequence[Path], world_size: int) -> None:
+    """ConfigError, on every rank, when a rank (a node set up differently) runs other code or was
+    started with other options than rank 0: the files' digest and the resolved options are
+    gathered from every rank and compared."""
+    import hashlib
+    digest = hashlib.sha256(b"".join(Path(f).read_bytes() for f in files)).hexdigest()
+    mine = (digest, {f.name: repr(getattr(hp, f.name)) for f in dataclasses.fields(hp)})
+    every: list[Any] = [None] * world_size
+    dist.all_gather_object(every, mine)
+    first = every[0]
+    for r, (code, options) in enumerate(every):
+        if code != first[0]:
+            names = ", ".join(Path(f).name for f in files)
+            raise ConfigError(f"rank {r} runs other code than rank 0 ({names} differ): copy the "
+                              "same files to every node")
+        diffs = [f"--{k}={options[k]} (rank 0: {first[1][k]})" for k in first[1]
+                 if options.get(k) != first[1][k]]
+        if diffs:
+            raise ConfigError(f"rank {r} was started with other options than rank 0: "
+                              f"{'; '.join(diffs)}. Start every node with the same command")
 
 
 class TrainClock:
@@ -2325,10 +2352,28 @@ def main(argv: Sequence[str] | None, cls: type, presets: dict[str, dict],
             dist.destroy_process_group()
 
 
+def share_failure(store: Any, code: int, rank: int, message: str) -> str:
+    """Across ranks (and nodes), name the first failure: a rank that failed on its own records its
+    line in the process group's store, and a rank that stopped because another failed (exit 4)
+    appends that line to its own. A store that cannot be reached (its node is gone) changes
+    nothing."""
+    try:
+        if code != EXIT_PEER:
+            if store.add("failures", 1) == 1:
+                store.set("first_failure", f"rank {rank}: {message}")
+        elif store.check(["first_failure"]):
+            return f"{message}. The first failure: {store.get('first_failure').decode()}"
+    except Exception:      # noqa: BLE001 (a convenience: never the reason a report fails)
+        pass
+    return message
+
+
 def _report_failure(e: BaseException, debug: bool) -> int:
     distributed = dist.is_available() and dist.is_initialized()
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     code, message = describe_failure(e, rank, world_size)
+    if distributed:
+        message = share_failure(dist.distributed_c10d._get_default_store(), code, rank, message)
     if debug:
         import traceback
         traceback.print_exception(e)

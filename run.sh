@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Train the record model on this node's GPUs:  ./run.sh [--name=value ...]   (options: see Hyperparameters in train_gpt.py)
 # NPROC=4 ./run.sh uses 4 GPUs; the math is the same on 1, 2, 4 or 8 (gradient accumulation keeps the global batch).
+# Several nodes: the same command on each, NNODES=2 MASTER_ADDR=<an address of the first node> ./run.sh (torchrun's
+# c10d rendezvous at MASTER_ADDR:MASTER_PORT, default port 29500; every node uses NPROC GPUs, default all it has).
 # Steps: install what is missing, fetch the FineWeb shards the default schedule reads (unless --train_files is given),
 # find the GPUs, start torchrun. The data step comes before the GPU check: the download is needed whatever the GPUs
 # say, it resumes where it stopped, and a machine without a GPU can still fetch (and test) it.
@@ -67,4 +69,22 @@ else
 fi
 
 export PYTORCH_ALLOC_CONF=${PYTORCH_ALLOC_CONF:-expandable_segments:True}
-exec "$PY" -m torch.distributed.run --standalone --nproc_per_node="$NPROC" train_gpt.py "$@"
+NNODES=${NNODES:-1}
+case "$NNODES" in ''|*[!0-9]*|0) echo "run.sh: error: NNODES=$NNODES must be a node count (1, 2, ...)" >&2; exit 1;; esac
+if [ "$NNODES" -eq 1 ]; then
+  exec "$PY" -m torch.distributed.run --standalone --nproc_per_node="$NPROC" train_gpt.py "$@"
+fi
+if [ -z "${MASTER_ADDR:-}" ]; then
+  echo "run.sh: error: NNODES=$NNODES needs MASTER_ADDR, an address of the first node that every node can reach" \
+       "(the same command on every node: NNODES=$NNODES MASTER_ADDR=10.0.0.1 ./run.sh)" >&2
+  exit 1
+fi
+WORLD=$((NNODES * NPROC))
+if [ $((8 % WORLD)) -ne 0 ] && [ $((WORLD % 8)) -ne 0 ]; then
+  echo "run.sh: error: $NNODES nodes x $NPROC GPUs = $WORLD processes: use a count that divides 8 or is a multiple" \
+       "of 8 (set NPROC)" >&2
+  exit 1
+fi
+echo "run.sh: node of $NNODES, $NPROC GPUs each ($WORLD processes); rendezvous at ${MASTER_ADDR}:${MASTER_PORT:-29500}"
+exec "$PY" -m torch.distributed.run --nnodes="$NNODES" --nproc_per_node="$NPROC" --rdzv_backend=c10d \
+  --rdzv_endpoint="${MASTER_ADDR}:${MASTER_PORT:-29500}" --rdzv_id="${RDZV_ID:-nanogpt_speedrun}" train_gpt.py "$@"

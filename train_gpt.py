@@ -323,6 +323,9 @@ class ModelConfig:
                                   # slices), to shard evenly over any world size dividing it
 
 
+RECORD_BANK_MULTIPLE = 8      # the record pads its banks to shard over 8 GPUs
+
+
 def bank_padding(slices: int, matrices_per_slice: int, multiple: int) -> int:
     """Unused slices to append so that (slices + pad) * matrices_per_slice is a multiple of
     `multiple`."""
@@ -631,8 +634,9 @@ class GPT(nn.Module):
 
         # Banks: attn slice i = [W_q; W_k; W_v; W_o] (4D, D) of the i-th attention layer; mlp slice
         # j = [c_fc, c_proj] (2, hidden, D) of layer j. Unused pad slices at the end make each bank
-        # shard evenly (cfg.bank_multiple): the attn pad stays zero; the mlp pad's c_fc is drawn, as
-        # the record draws its whole 12-slice bank.
+        # shard evenly (cfg.bank_multiple): the attn pad stays zero; the mlp pad's c_fc is drawn as
+        # far as the record's 8-GPU padding goes (it draws its whole 12-slice bank), so the random
+        # draws, and every initial weight, are the same on any world size.
         # Built in fp32 on `device`, then cast to bf16. With --dtype=float32/float64 the bf16
         # tensors are that dtype instead and the fp32 ones at least fp32.
         wdt = getattr(torch, cfg.dtype)
@@ -643,7 +647,8 @@ class GPT(nn.Module):
         attn[:n_attn, : 3 * D].uniform_(-bound, bound)               # QKV; the O rows stay zero
         mlp = torch.zeros(L + bank_padding(L, 2, cfg.bank_multiple), 2, cfg.mlp_hidden, D,
                           device=device)
-        mlp[:, 0].uniform_(-0.5 * bound, 0.5 * bound)                # c_fc; c_proj stays zero
+        drawn = L + bank_padding(L, 2, RECORD_BANK_MULTIPLE)
+        mlp[:drawn, 0].uniform_(-0.5 * bound, 0.5 * bound)           # c_fc; c_proj stays zero
         # drawn into bf16
         lm_head = torch.empty(D, V, dtype=torch.bfloat16, device=device).normal_(0.0, 0.005)
         scalars = torch.cat([
@@ -1785,6 +1790,18 @@ def _residual_matmul_pass() -> Any:
 # 8. Building and checking a run
 # ==================================================================================================
 
+def slices_for(hp: Hyperparameters, world_size: int) -> Hyperparameters:
+    """The options as world_size processes run them. Up to --batch_slices processes share the slices
+    (accumulating the rest): the same math on any such count. More processes (16, 32, 64 GPUs) each
+    take one slice of the batch cut world_size ways: a slice cannot be split between processes
+    without cutting its documents, whose attention would then miss keys. The global batch and the
+    schedule stay; what differs is where documents are cut (at world_size boundaries instead of
+    batch_slices) and the banks' unused padding."""
+    if world_size > hp.batch_slices and world_size % hp.batch_slices == 0:
+        return dataclasses.replace(hp, batch_slices=world_size)
+    return hp
+
+
 def micro_batch_tokens(global_batch: int, batch_slices: int) -> int:
     """Per-rank tokens per micro-step: the global batch cut into batch_slices, whatever the world
     size."""
@@ -1817,10 +1834,11 @@ def validate_hyperparameters(hp: Hyperparameters, world_size: int) -> None:
              and st.mtp_weights[0] > 0 and min(st.mtp_weights) >= 0,
              f"stage {i + 1} of --stages ({harness.show(st)}) needs a positive batch and window, "
              "an lr peak >= 0, and weights >= 0 with a positive first (next-token) weight")
-    need(world_size >= 1 and hp.batch_slices % world_size == 0,
-         f"world size {world_size} does not divide --batch_slices={hp.batch_slices}: "
-         "run on 1, 2, 4 or 8 GPUs (./run.sh picks the GPU count; set CUDA_VISIBLE_DEVICES or "
-         "NPROC to choose)")
+    need(world_size >= 1 and (hp.batch_slices % world_size == 0
+                              or world_size % hp.batch_slices == 0),
+         f"world size {world_size} neither divides --batch_slices={hp.batch_slices} nor is a "
+         "multiple of it: run on 1, 2, 4 or 8 GPUs, or a multiple of 8 across nodes (./run.sh picks "
+         "the GPU count; set CUDA_VISIBLE_DEVICES or NPROC to choose)")
     for st in hp.stages:
         need(st.batch % hp.batch_slices == 0
              and micro_batch_tokens(st.batch, hp.batch_slices) % 16 == 0,
@@ -1927,7 +1945,7 @@ def build_model(hp: Hyperparameters, device: torch.device, attn_backend: str) ->
     # Banks shard evenly on 8 GPUs (and on any world size --batch_slices allows), the same on every
     # world size.
     extra = dict(attn_backend=attn_backend, rotary_max_len=max(n_train, n_val),
-                 bank_multiple=math.lcm(8, hp.batch_slices))
+                 bank_multiple=math.lcm(RECORD_BANK_MULTIPLE, hp.batch_slices))
     cfg = ModelConfig(**{n: getattr(hp, n) for n in names if hasattr(hp, n) and n not in extra},
                       **extra)
     return GPT(cfg, device)
@@ -2128,14 +2146,15 @@ def compile_model(model: nn.Module) -> Callable:
     return torch.compile(model, dynamic=False, fullgraph=True)
 
 
-def prepare_training(run: harness.Run, argv_text: str) -> tuple[Trainer, harness.Checkpointer]:
+def prepare_training(run: harness.Run, argv_text: str,
+                     notes: Sequence[str] = ()) -> tuple[Trainer, harness.Checkpointer]:
     """Log and check the run (harness.begin_run), build the model and optimizer, compile."""
     hp, device = run.hp, run.device
     sources = {name: Path(__file__).with_name(name).read_text()
                for name in ("train_gpt.py", "triton_kernels.py")}
     attn_backend = resolve_attn_backend(hp.attn_backend, device)
-    edits = harness.edited_references(KERNEL_REFERENCES, reference_ops(hp.kernels),
-                                      device.type == "cuda")
+    edits = [*notes, *harness.edited_references(KERNEL_REFERENCES, reference_ops(hp.kernels),
+                                                device.type == "cuda")]
     train_files, val_files, checkpointer = harness.begin_run(
         run, sources, argv_text, lambda: preflight(hp, run.world_size, device, run.rank),
         attn_backend, edits)
@@ -2196,9 +2215,15 @@ def train(hp: Hyperparameters, argv_text: str,
           stops: harness.StopSignals | None = None) -> dict[str, Any]:
     """The whole run: setup, warmup and reset, then the timed loop. Returns a summary (final val
     loss, train time)."""
-    run = harness.open_run(hp, stops or harness.StopSignals(), validate_hyperparameters)
+    asked, hp = hp.batch_slices, slices_for(hp, harness.launch_environment()[1])
+    notes = [] if hp.batch_slices == asked else [
+        f"note: {hp.batch_slices} processes, more than --batch_slices={asked}: each takes one slice "
+        f"of the batch cut {hp.batch_slices} ways, so documents are cut where {asked} slices would "
+        "not cut them (the record's exact math needs at most 8 processes; README: more GPUs)"]
+    run = harness.open_run(hp, stops or harness.StopSignals(), validate_hyperparameters,
+                           [Path(__file__), Path(tk.__file__)])
     with run.failures_logged():
-        trainer, checkpointer = prepare_training(run, argv_text)
+        trainer, checkpointer = prepare_training(run, argv_text, notes)
         if hp.warmup:
             warmup_and_reset(trainer, run)
             if run.compile_cache is not None and run.rank == 0:   # compiled: keep it for next time
@@ -2250,6 +2275,7 @@ def dry_run(hp: Hyperparameters) -> dict[str, Any]:
     """--dry_run: every check a run makes before compiling, as a checklist (harness.dry_run)."""
     def backends(device: torch.device) -> tuple[list[str], str]:
         return available_attn_backends(device), resolve_attn_backend(hp.attn_backend, device)
+    hp = slices_for(hp, harness.launch_environment()[1])
     return harness.dry_run(hp, validate_hyperparameters, backends, preflight)
 
 

@@ -62,8 +62,9 @@ def run_trainer(args, cwd, timeout=900, env=None, script=None):
                           capture_output=True, text=True, timeout=timeout, env=full_env)
 
 
-def run_gloo(args, world_size, cwd, timeout=900):
-    """The trainer in world_size processes on gloo, started the way torchrun would (one thread each)."""
+def run_gloo(args, world_size, cwd, timeout=900, rank_args=None, scripts=None):
+    """The trainer in world_size processes on gloo, started the way torchrun would (one thread each); rank_args
+    {rank: extra options} and scripts {rank: path of its train_gpt.py} start some ranks differently."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -72,8 +73,9 @@ def run_gloo(args, world_size, cwd, timeout=900):
         env = dict(os.environ, CUDA_VISIBLE_DEVICES="", RANK=str(rank), LOCAL_RANK=str(rank),
                    WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
                    **CPU_MALLOC_ENV)
-        procs.append(subprocess.Popen([sys.executable, str(ROOT / "train_gpt.py"), *args], cwd=cwd, env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        script = (scripts or {}).get(rank, ROOT / "train_gpt.py")
+        procs.append(subprocess.Popen([sys.executable, str(script), *args, *(rank_args or {}).get(rank, [])],
+                                      cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     results = []
     for p in procs:
         out, err = p.communicate(timeout=timeout)
