@@ -20,8 +20,8 @@ ncu_profile.sh (which profiles the second launches).
 
 Unshipped experiment, kept as evidence (README.md): Gluon forwards (FlashAttention-3 overlaps, warp specialisation,
 ping-pong) and a Gluon dK/dV kernel against the shipped Triton kernels on an H100; none beat them (bench.txt), not
-taken. Self-contained: the shipped kernels and bench helpers it uses are copied in attention_snapshot.py, this
-folder.
+taken. Self-contained within notes/: the shipped kernels and bench helpers it uses are the copy in
+notes/2026-11-25_attention_experiments_H100/attention_snapshot.py.
 """
 import os
 import sys
@@ -35,7 +35,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_init, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-import attention_snapshot as snapshot  # this folder's copy of the shipped kernels and bench helpers
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
+                                "2026-11-25_attention_experiments_H100"))
+import attention_snapshot as snapshot  # noqa: E402 (the copy of the shipped kernels and bench helpers)
 
 # cp.async with a pointer tensor: async_load from triton 3.7, async_copy_global_to_shared before
 _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
