@@ -2219,7 +2219,7 @@ def train(hp: Hyperparameters, argv_text: str,
     notes = [] if hp.batch_slices == asked else [
         f"note: {hp.batch_slices} processes, more than --batch_slices={asked}: each takes one slice "
         f"of the batch cut {hp.batch_slices} ways, so documents are cut where {asked} slices would "
-        "not cut them (the record's exact math needs at most 8 processes; README: more GPUs)"]
+        "not cut them (the record's exact math needs at most 8 processes; README: More than one node)"]
     run = harness.open_run(hp, stops or harness.StopSignals(), validate_hyperparameters,
                            [Path(__file__), Path(tk.__file__)])
     with run.failures_logged():
