@@ -1797,7 +1797,7 @@ def slices_for(hp: Hyperparameters, world_size: int) -> Hyperparameters:
     without cutting its documents, whose attention would then miss keys. The global batch and the
     schedule stay; what differs is where documents are cut (at world_size boundaries instead of
     batch_slices) and the banks' unused padding."""
-    if world_size > hp.batch_slices and world_size % hp.batch_slices == 0:
+    if 0 < hp.batch_slices < world_size and world_size % hp.batch_slices == 0:
         return dataclasses.replace(hp, batch_slices=world_size)
     return hp
 

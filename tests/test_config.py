@@ -38,7 +38,7 @@ def test_parse_errors(argv, needle):
 
 
 @pytest.mark.parametrize("world_size,argv,needle", [
-    (3, [], "world size 3 does not divide --batch_slices=8"),
+    (3, [], "world size 3 neither divides --batch_slices=8 nor is a multiple of it"),
     (1, ["--stages=131072:1:3:1,1000:1:3:1"], "global batch 1000"),
     (1, ["--stages=1024:1:3:0/1"], "stage 1 of --stages (1024:1.0:3:0.0/1.0) needs"),
     (1, ["--val_tokens=1000"], "--val_tokens=1000"),

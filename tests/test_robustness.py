@@ -97,7 +97,7 @@ def test_world_size_that_does_not_divide_8(tmp_path):
     train, val = make_dataset(tmp_path, train_tokens=300_000, val_tokens=20_000)
     p = run_trainer(["--num_scheduled_iterations=6", *data_args(train, val)], tmp_path,
                     env={"WORLD_SIZE": "3", "RANK": "0"})
-    assert_clean_failure(p, 2, "world size 3 does not divide --batch_slices=8")
+    assert_clean_failure(p, 2, "world size 3 neither divides --batch_slices=8 nor is a multiple of it")
 
 
 @pytest.mark.timeout(900)
