@@ -172,7 +172,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 # The ops --kernels switches, each fused on CUDA or run by its plain-PyTorch reference (the
 # definitions listed in KERNEL_REFERENCES, section 3).
-KERNEL_OPS = ("mlp", "ce", "fp8", "adam", "normuon", "polar")
+KERNEL_OPS = ("qk", "mlp", "ce", "fp8", "adam", "normuon", "polar")
 
 
 def reference_ops(kernels: str) -> frozenset[str]:
@@ -368,10 +368,9 @@ def rotary_tables(omega: Tensor, num_positions: int,
     """(num_positions, head_dim/2) cos and sign-flipped sin of theta = p * omega (fp32) for the
     rotating half, in `dtype` (the model's: bf16).
 
-    The odd columns of sin are negated so that apply_rotary is x*cos + pairswap(x)*sin
-    (clockwise rotation).
-    The stationary half (omega = 0: cos 1, sin 0) is left out; apply_rotary passes it through
-    unchanged.
+    The odd columns of sin are negated so that the rotation is x*cos + pairswap(x)*sin
+    (clockwise; tk.qk_norm_rotary_reference). The stationary half (omega = 0: cos 1, sin 0) is left
+    out: the rotation passes it through unchanged.
     """
     half = omega.shape[0] // 2
     theta = torch.outer(torch.arange(num_positions, dtype=torch.float32, device=omega.device),
@@ -379,21 +378,6 @@ def rotary_tables(omega: Tensor, num_positions: int,
     cos, sin = theta.cos().to(dtype), theta.sin().to(dtype)
     sin[:, 1::2] *= -1
     return cos, sin
-
-
-def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate adjacent pairs (2m, 2m+1) of x's first half clockwise; cos/sin broadcast to
-    x[..., :head_dim/2].
-
-    out[2m] = cos*x[2m] + sin*x[2m+1];  out[2m+1] = cos*x[2m+1] - sin*x[2m]
-    (the minus lives in the sin table).
-    The swap is a flip of each pair; the other formulations measured no faster in the compiled
-    model (bench/qk_rotary.py, notes/history.md).
-    """
-    half = x.shape[-1] // 2
-    x_rot, x_pass = x[..., :half], x[..., half:]
-    x_swapped = x_rot.unflatten(-1, (half // 2, 2)).flip(-1).flatten(-2)
-    return torch.cat([x_rot * cos + x_swapped * sin, x_pass], dim=-1)
 
 
 def shift_keys_by_one(k: Tensor) -> Tensor:
@@ -596,6 +580,7 @@ def head_losses(h: Tensor, w: Tensor, targets: Tensor, mtp_weights: Tensor, use_
 # tests, tests/test_kernels_gpu.py), with a digest of their code then. A run warns at start when an
 # edit changed one (harness.edited_references); after checking the kernel again, update the digest.
 KERNEL_REFERENCES = {
+    "qk": ((tk.qk_norm_rotary_reference,), "98f4da9145a9df17"),
     "mlp": ((tk.relu2_mlp_reference,), "8b6fad1b2f4093ba"),
     "ce": ((tk.softcap, tk.softcapped_mtp_ce_reference), "257ad305df15c9ff"),
     "fp8": ((fp8_quantize, FP8HeadEmulated), "eddd6931e4db74c4"),
@@ -824,23 +809,15 @@ class GPT(nn.Module):
         T, D, H, hd = u.shape[0], cfg.model_dim, cfg.num_heads, cfg.head_dim
         lambda_qkv, lambda_o = sa_lambda.unbind()
         qkv = u @ (lambda_qkv * bank[: 3 * D]).T   # weights scaled and rounded to bf16 first
-        q, k, v = qkv.view(T, 3, H, hd).unbind(1)  # (T, H, hd) each
-        q, k = rms(q), rms(k)                      # QK-norm per head
+        # QK-norm per head, then half-truncated rotary on the first half of each head in adjacent
+        # pairs, one pass over qkv (triton_kernels.py section 9). Normal layers rotate token t's
+        # heads at angle position t. Paired heads (@classiclarryd, upstream record 58): heads 2b,
+        # 2b+1 of token t rotate at angle positions 2t, 2t+1.
+        qk_rotary = tk.qk_norm_rotary_reference if "qk" in self.refs else tk.qk_norm_rotary
+        q, k, v = qk_rotary(qkv, self.rotary_cos, self.rotary_sin, 2 if p.attn == "P" else 1)
+        if p.key_offset:
+            k = shift_keys_by_one(k)
         gate_in = u[:, :GATE_INPUT_DIM]
-        if p.attn == "P":
-            # Paired heads (@classiclarryd, upstream record 58): heads 2b, 2b+1 rotate at angle
-            # positions 2t, 2t+1: table rows [0, 2T) viewed as
-            # (T, 1, 2, hd/2).
-            cos = self.rotary_cos[: 2 * T].view(T, 1, 2, hd // 2)
-            sin = self.rotary_sin[: 2 * T].view(T, 1, 2, hd // 2)
-            q = apply_rotary(q.view(T, H // 2, 2, hd), cos, sin).view(T, H, hd)
-            k = apply_rotary(k.view(T, H // 2, 2, hd), cos, sin).view(T, H, hd)
-        else:
-            # (T, 1, hd/2): angle = packed position
-            cos, sin = self.rotary_cos[:T, None], self.rotary_sin[:T, None]
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-            if p.key_offset:
-                k = shift_keys_by_one(k)
         if ve is not None:
             # Elementwise per (token, head), so adding it before the paired interleave equals adding
             # it after.

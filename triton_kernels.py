@@ -1689,3 +1689,230 @@ def varlen_attention_reference(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tens
     qh, kh, vh = (t.transpose(0, 1).to(acc_dtype(q.dtype)) for t in (q, k, v))  # (H, T, D)
     out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=allowed, scale=scale)
     return out.transpose(0, 1).to(q.dtype)
+
+
+# ==================================================================================================
+# 9. Fused q/k RMSNorm + rotary  (GPT.attention's QK-norm and half-truncated rotary)
+# ==================================================================================================
+# qkv (T, 3*H*hd), the qkv matmul's output, is rows of hd elements (token t, part q/k/v, head h).
+# The forward kernel normalises each q and k row (fp32 statistics, eps 2^-23, no gain) and rotates
+# its first half in adjacent pairs at table row POS_MULT*t + h % POS_MULT (1: normal layers; 2:
+# paired layers, rows 2t, 2t+1 for even/odd heads): out[d] = n[d]*cos[d] + n[d^1]*sin[d] for
+# d < hd/2 (the minus is in the sin table), n[d] after. It copies v too (a custom op may not return
+# a view of its input), so the backward kernel writes all of d(qkv) in one pass. Pair partners come
+# from a split and join of the row's (hd/2, 2) view, in registers: a gathered load of column d^1
+# compiled to scalar loads, well below a copy's bandwidth.
+# Rounding: fp32 throughout, one rounding at the store; the unfused trainer (rms, then the rotary)
+# also rounded the normed row to bf16 before rotating, a rounding-level difference.
+# Backward, from the saved qkv (not q, k): dn[d] = g[d]*cos[d] + g[d^1]*sin[d^1] (the rotation's
+# transpose) for d < hd/2, dn = g after, then dx = r*(dn - n*mean(dn*n)).
+# Grid (blocks of BLOCK_R (t, h) rows, part); part 2 copies v. Tiles: 16 rows of hd=128 and 4 warps,
+# picked by timing (notes/2026-11-26_speed3_H200); the tiles set the fp32 sums' order.
+
+_QK_RMS_EPS = 2.0 ** -23  # train_gpt.FLT_EPS, the eps of every rms()
+_QK_ROTARY_ELEMENTS = 2048
+_QK_ROTARY_WARPS = 4
+_QK_ROTARY_INTERPRETER_ROWS = 8  # CPU tests: several blocks and a partial last one
+
+
+@triton.jit
+def _qk_rotary_rows(n_rows, H, part, POS_MULT: tl.constexpr, HD: tl.constexpr,
+                    BLOCK_R: tl.constexpr):
+    """This program's BLOCK_R (t, h) rows of qkv's `part` (0 q, 1 k, 2 v): row offsets into qkv
+    and into a (T, H, HD) tensor, the row mask and the table row offsets (in rows)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # t * H + h
+    t, h = rows // H, rows % H
+    qkv_row = ((t * 3 + part) * H + h).to(tl.int64)[:, None] * HD
+    out_row = rows.to(tl.int64)[:, None] * HD
+    return qkv_row, out_row, (rows < n_rows)[:, None], (t * POS_MULT + h % POS_MULT).to(tl.int64)
+
+
+@triton.jit
+def _qk_rotary_normed(qkv_ptr, cos_ptr, sin_ptr, qkv_row, mask, tab_row, stride_tab,
+                      HD: tl.constexpr, EPS: tl.constexpr):
+    """fp32 n = x * r of these q or k rows, r, the rotating-half mask and the rows' cos and sin."""
+    cols = tl.arange(0, HD)[None, :]
+    x = _load_as_fp32(qkv_ptr + qkv_row + cols, mask)
+    r = tl.rsqrt(tl.sum(x * x, axis=1) / HD + EPS)[:, None]
+    rot = cols < HD // 2
+    tab = tab_row[:, None] * stride_tab + cols
+    c = _load_as_fp32(cos_ptr + tab, mask & rot)
+    return x * r, r, rot, c, _load_as_fp32(sin_ptr + tab, mask & rot)
+
+
+@triton.jit
+def _swap_pairs(x, BLOCK_R: tl.constexpr, HD: tl.constexpr):
+    """(BLOCK_R, HD) -> the same with the elements of each adjacent pair (2m, 2m+1) swapped."""
+    even, odd = tl.split(tl.reshape(x, (BLOCK_R, HD // 2, 2)))
+    return tl.reshape(tl.join(odd, even), (BLOCK_R, HD))
+
+
+@triton.jit
+def _qk_rotary_fwd_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, stride_tab, n_rows, H,
+                          POS_MULT: tl.constexpr, HD: tl.constexpr, EPS: tl.constexpr,
+                          BLOCK_R: tl.constexpr):
+    part = tl.program_id(1)
+    qkv_row, out_row, mask, tab_row = _qk_rotary_rows(n_rows, H, part, POS_MULT, HD, BLOCK_R)
+    cols = tl.arange(0, HD)[None, :]
+    if part == 2:
+        _store_from_fp32(v_ptr + out_row + cols, _load_as_fp32(qkv_ptr + qkv_row + cols, mask),
+                         mask)
+    else:
+        n, r, rot, c, s = _qk_rotary_normed(qkv_ptr, cos_ptr, sin_ptr, qkv_row, mask, tab_row,
+                                            stride_tab, HD, EPS)
+        out = tl.where(rot, n * c + _swap_pairs(n, BLOCK_R, HD) * s, n)
+        out_ptr = q_ptr
+        if part == 1:
+            out_ptr = k_ptr
+        _store_from_fp32(out_ptr + out_row + cols, out, mask)
+
+
+@triton.jit
+def _qk_rotary_bwd_kernel(dq_ptr, dk_ptr, dv_ptr, qkv_ptr, cos_ptr, sin_ptr, dqkv_ptr, stride_tab,
+                          n_rows, H, POS_MULT: tl.constexpr, HD: tl.constexpr,
+                          EPS: tl.constexpr, BLOCK_R: tl.constexpr):
+    part = tl.program_id(1)
+    qkv_row, out_row, mask, tab_row = _qk_rotary_rows(n_rows, H, part, POS_MULT, HD, BLOCK_R)
+    cols = tl.arange(0, HD)[None, :]
+    if part == 2:
+        _store_from_fp32(dqkv_ptr + qkv_row + cols, _load_as_fp32(dv_ptr + out_row + cols, mask),
+                         mask)
+    else:
+        n, r, rot, c, s = _qk_rotary_normed(qkv_ptr, cos_ptr, sin_ptr, qkv_row, mask, tab_row,
+                                            stride_tab, HD, EPS)
+        g_ptr = dq_ptr
+        if part == 1:
+            g_ptr = dk_ptr
+        g = _load_as_fp32(g_ptr + out_row + cols, mask)
+        dn = tl.where(rot, g * c + _swap_pairs(g * s, BLOCK_R, HD), g)
+        dx = r * (dn - n * (tl.sum(dn * n, axis=1) / HD)[:, None])
+        _store_from_fp32(dqkv_ptr + qkv_row + cols, dx, mask)
+
+
+def _check_qk_rotary_inputs(qkv: Tensor, cos: Tensor, sin: Tensor, pos_mult: int
+                            ) -> tuple[int, int]:
+    """-> (H, hd) after checking the layout the kernels assume."""
+    _check(qkv.ndim == 2 and cos.ndim == 2 and cos.shape == sin.shape, "expected qkv (T, 3*H*hd) "
+           f"and cos, sin (rows, hd/2), got {[tuple(t.shape) for t in (qkv, cos, sin)]}")
+    for name, t in (("qkv", qkv), ("cos", cos), ("sin", sin)):
+        _check_dtype(name, t)
+        _check(t.device == qkv.device, f"{name} is on {t.device} but qkv on {qkv.device}")
+    hd = 2 * cos.shape[1]
+    H = qkv.shape[1] // (3 * hd)
+    _check(hd >= 4 and hd & (hd - 1) == 0,
+           f"head dim {hd} (2 x the tables' width) must be a power of 2, at least 4")
+    _check(H >= 1 and qkv.shape[1] == 3 * H * hd,
+           f"qkv's width {qkv.shape[1]} is not 3 * heads * {hd} (2 x the tables' width)")
+    _check(qkv.is_contiguous() and cos.stride(1) == 1 and sin.stride() == cos.stride(),
+           "qkv must be contiguous and cos, sin have unit column stride (one row stride for both); "
+           "call .contiguous()")
+    _check(pos_mult in (1, 2), f"pos_mult must be 1 (normal layer) or 2 (paired), got {pos_mult}")
+    _check(cos.shape[0] >= pos_mult * qkv.shape[0],
+           f"the tables have {cos.shape[0]} rows; {pos_mult} x {qkv.shape[0]} tokens are needed")
+    return H, hd
+
+
+def _qk_rotary_launch(qkv: Tensor, H: int, hd: int, rows: int | None) -> tuple[tuple, dict]:
+    """Grid and launch options; rows (a power of 2) overrides the rows per program."""
+    block_r = rows or (max(1, _QK_ROTARY_ELEMENTS // hd) if qkv.is_cuda
+                       else _QK_ROTARY_INTERPRETER_ROWS)
+    n_rows = qkv.shape[0] * H
+    return (triton.cdiv(n_rows, block_r), 3), dict(n_rows=n_rows, H=H, HD=hd, EPS=_QK_RMS_EPS,
+                                                   BLOCK_R=block_r, num_warps=_QK_ROTARY_WARPS)
+
+
+def qk_norm_rotary_fwd_triton(qkv: Tensor, cos: Tensor, sin: Tensor, pos_mult: int,
+                              rows: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """qkv (T, 3*H*hd), tables (>= pos_mult*T, hd/2) -> q, k (normed and rotated) and a copy of v,
+    each (T, H, hd) contiguous in qkv's dtype. rows fixes the rows per program (tests)."""
+    H, hd = _check_qk_rotary_inputs(qkv, cos, sin, pos_mult)
+    q, k, v = (qkv.new_empty((qkv.shape[0], H, hd)) for _ in range(3))
+    if qkv.shape[0] > 0:
+        grid, options = _qk_rotary_launch(qkv, H, hd, rows)
+        wrap_triton(_qk_rotary_fwd_kernel)[grid](qkv, cos, sin, q, k, v, cos.stride(0),
+                                                 POS_MULT=pos_mult, **options)
+    return q, k, v
+
+
+def qk_norm_rotary_bwd_triton(dq: Tensor, dk: Tensor, dv: Tensor, qkv: Tensor, cos: Tensor,
+                              sin: Tensor, pos_mult: int, rows: int | None = None) -> Tensor:
+    """Gradients of q, k, v (each (T, H, hd) contiguous) and the forward's inputs -> d(qkv), with
+    qkv's shape and dtype, written in one pass."""
+    H, hd = _check_qk_rotary_inputs(qkv, cos, sin, pos_mult)
+    for name, t in (("dq", dq), ("dk", dk), ("dv", dv)):
+        _check(t.shape == (qkv.shape[0], H, hd) and t.is_contiguous() and t.dtype == qkv.dtype,
+               f"{name} must be a contiguous ({qkv.shape[0]}, {H}, {hd}) {qkv.dtype} tensor, got "
+               f"{tuple(t.shape)} {t.dtype}")
+    dqkv = torch.empty_like(qkv)
+    if qkv.shape[0] > 0:
+        grid, options = _qk_rotary_launch(qkv, H, hd, rows)
+        wrap_triton(_qk_rotary_bwd_kernel)[grid](dq, dk, dv, qkv, cos, sin, dqkv, cos.stride(0),
+                                                 POS_MULT=pos_mult, **options)
+    return dqkv
+
+
+@triton_op(f"{_LIB}::qk_norm_rotary_fwd", mutates_args=())
+def _qk_norm_rotary_fwd_op(qkv: Tensor, cos: Tensor, sin: Tensor, pos_mult: int
+                           ) -> tuple[Tensor, Tensor, Tensor]:
+    return qk_norm_rotary_fwd_triton(qkv, cos, sin, pos_mult)
+
+
+@triton_op(f"{_LIB}::qk_norm_rotary_bwd", mutates_args=())
+def _qk_norm_rotary_bwd_op(dq: Tensor, dk: Tensor, dv: Tensor, qkv: Tensor, cos: Tensor,
+                           sin: Tensor, pos_mult: int) -> Tensor:
+    return qk_norm_rotary_bwd_triton(dq, dk, dv, qkv, cos, sin, pos_mult)
+
+
+class _QKNormRotaryFunction(torch.autograd.Function):
+    """Autograd of the fused q/k norm + rotary: saves only qkv and the tables."""
+
+    @staticmethod
+    def forward(ctx, qkv: Tensor, cos: Tensor, sin: Tensor, pos_mult: int):
+        q, k, v = torch.ops.nanogpt_kernels.qk_norm_rotary_fwd(qkv, cos, sin, pos_mult)
+        ctx.save_for_backward(qkv, cos, sin)
+        ctx.pos_mult = pos_mult
+        return q, k, v
+
+    @staticmethod
+    def backward(ctx, dq: Tensor, dk: Tensor, dv: Tensor):
+        qkv, cos, sin = ctx.saved_tensors
+        dqkv = torch.ops.nanogpt_kernels.qk_norm_rotary_bwd(
+            dq.contiguous(), dk.contiguous(), dv.contiguous(), qkv, cos, sin, ctx.pos_mult)
+        return dqkv, None, None, None
+
+
+def qk_norm_rotary_triton(qkv: Tensor, cos: Tensor, sin: Tensor, pos_mult: int
+                          ) -> tuple[Tensor, Tensor, Tensor]:
+    """Differentiable Triton path (CUDA; CPU only under the interpreter, in float32)."""
+    return _QKNormRotaryFunction.apply(qkv, cos, sin, pos_mult)
+
+
+def qk_norm_rotary_reference(qkv: Tensor, cos: Tensor, sin: Tensor, pos_mult: int
+                             ) -> tuple[Tensor, Tensor, Tensor]:
+    """q, k = rotary(rms(q)), rotary(rms(k)) in acc_dtype, rounded once, head h of token t at table
+    row pos_mult*t + h % pos_mult; v copied; each (T, H, hd) contiguous in qkv's dtype."""
+    T, half = qkv.shape[0], cos.shape[1]
+    hd = 2 * half
+    H = qkv.shape[1] // (3 * hd)
+    acc = acc_dtype(qkv.dtype)
+    pos = torch.arange(T, device=qkv.device)[:, None]
+    table_rows = pos_mult * pos + torch.arange(H, device=qkv.device) % pos_mult  # (T, H)
+    c, s = cos[table_rows].to(acc), sin[table_rows].to(acc)                        # (T, H, hd/2)
+
+    def norm_rotate(x: Tensor) -> Tensor:
+        x = x.to(acc)
+        n = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + _QK_RMS_EPS)
+        n_rot, n_pass = n[..., :half], n[..., half:]
+        n_swapped = n_rot.unflatten(-1, (half // 2, 2)).flip(-1).flatten(-2)
+        return torch.cat([n_rot * c + n_swapped * s, n_pass], dim=-1).to(qkv.dtype)
+
+    q, k, v = qkv.view(T, 3, H, hd).unbind(1)
+    return norm_rotate(q), norm_rotate(k), v.contiguous()
+
+
+def qk_norm_rotary(qkv: Tensor, cos: Tensor, sin: Tensor, pos_mult: int
+                   ) -> tuple[Tensor, Tensor, Tensor]:
+    """q, k normed and rotated, v copied, each (T, H, hd), from qkv (T, 3*H*hd): Triton on CUDA, the
+    reference elsewhere."""
+    return (qk_norm_rotary_triton(qkv, cos, sin, pos_mult) if qkv.is_cuda
+            else qk_norm_rotary_reference(qkv, cos, sin, pos_mult))

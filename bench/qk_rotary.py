@@ -16,7 +16,8 @@ kernels), and how many elements of q, k and d(qkv) differ from the first formula
 
 Measured (notes/2026-11-26_4xH200_record61_and_rotary_1xH200): every formulation still loops, and unbind's faster
 block alone did not carry into the model, where both unbind variants made a phase-3 step 5-6 ms slower and a
-rotate-half layout was no faster. Confirm a win here with `bench/run.sh ab` before changing the trainer.
+rotate-half layout was no faster. The trainer has since replaced the block with one Triton kernel pair
+(triton_kernels.py section 9, `qk_norm_rotary`); these are the compiled formulations it replaced.
 """
 from __future__ import annotations
 
@@ -32,8 +33,11 @@ import train_gpt as tg  # noqa: E402
 
 
 def rotary_flip(x, cos, sin):
-    """The trainer's apply_rotary: the pair swap as a flip of each pair."""
-    return tg.apply_rotary(x, cos, sin)
+    """The trainer's former apply_rotary: the pair swap as a flip of each pair."""
+    half = x.shape[-1] // 2
+    x_rot, x_pass = x[..., :half], x[..., half:]
+    x_swapped = x_rot.unflatten(-1, (half // 2, 2)).flip(-1).flatten(-2)
+    return torch.cat([x_rot * cos + x_swapped * sin, x_pass], dim=-1)
 
 
 def rotary_select(x, cos, sin):

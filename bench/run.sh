@@ -28,6 +28,11 @@ commands:
   profile [OPTION ...]
                      GPU time per bucket of a step late in each batch phase of an NS-step run (default 60;
                      bench/profile_step.py --run)
+  full BASE [OPTION ...]
+                     the whole default schedule (1725 + 40 steps), seed 0: each run in RUNS (default "base new"; "base" is
+                     the code in the folder BASE, "new" this code, "extra" this code with EXTRA's options), then
+                     bench/phase_times.py's table of the runs made. On 4 GPUs a run takes about 5 minutes: split the runs
+                     over consecutive calls (RUNS=base, then RUNS=new) and compare the logs afterwards with phase_times.py
   ab BASE [OPTION ...]
                      before/after, both in this call: NS (default 60) + 6 steps of the code in the folder BASE (a
                      checkout of the baseline, e.g. `git worktree add /tmp/base <commit>`), then the same run of this
@@ -60,7 +65,7 @@ example: the attention tests, then a run with torch's varlen attention
 EOF
 }
 
-COMMANDS="tests kernels train smoke backends overhead resume profile ab startup"
+COMMANDS="tests kernels train smoke backends overhead resume profile full ab startup"
 command=${1:-}
 case "$command" in
   -h|--help|help) usage; exit 0 ;;
@@ -71,9 +76,9 @@ if [[ " $COMMANDS " != *" $command "* ]]; then
   echo "error: unknown command '$command'; use one of: $COMMANDS (bench/run.sh --help)" >&2
   exit 2
 fi
-if [ "$command" = ab ] && { [ $# -eq 0 ] || [ ! -x "$1/run.sh" ]; }; then
-  echo "error: 'ab' needs the baseline's folder first, one with run.sh (got '${1:-}'): git worktree add /tmp/base" \
-    "<commit>, then bench/run.sh ab /tmp/base" >&2
+if { [ "$command" = ab ] || [ "$command" = full ]; } && { [ $# -eq 0 ] || [ ! -x "$1/run.sh" ]; }; then
+  echo "error: '$command' needs the baseline's folder first, one with run.sh (got '${1:-}'): git worktree add /tmp/base" \
+    "<commit>, then bench/run.sh $command /tmp/base" >&2
   exit 2
 fi
 if [ "$command" = kernels ] && [ $# -gt 0 ]; then
@@ -195,6 +200,25 @@ case "$command" in
     step profile "$PY" bench/profile_step.py --run --out="$OUT/profile" --scheduled="${NS:-60}" \
       --train_files="$DATA/fineweb_train_*.bin" --val_files="$DATA/fineweb_val_*.bin" "$@"
     grep -E "^\||error" "$OUT/profile.txt" || true ;;
+  full)
+    base=$(cd "$1" && pwd)
+    shift
+    make_data
+    logs=()
+    for run in ${RUNS:-base new}; do
+      case "$run" in
+        base) RUNSH="$base/run.sh" train_run base --seed=0 "$@" ;;
+        new) train_run new --seed=0 "$@" ;;
+        # shellcheck disable=SC2086  # EXTRA holds options separated by spaces
+        extra) train_run extra --seed=0 "$@" $EXTRA ;;
+        *) echo "error: RUNS takes base, new and extra, got '$run'" >&2; exit 2 ;;
+      esac
+      log=$(newest_log "$OUT/$run")
+      if [ -n "$log" ]; then logs+=("$log"); fi
+    done
+    if [ "${#logs[@]}" -ge 2 ]; then
+      "$PY" bench/phase_times.py "${logs[@]}" | sed -n '/^| |/,$p'
+    fi ;;
   ab)
     base=$(cd "$1" && pwd)
     shift

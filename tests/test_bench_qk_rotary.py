@@ -1,4 +1,4 @@
-"""bench/qk_rotary.py's formulations of the rotary: each must be the trainer's apply_rotary bit for bit (eager, on the
+"""bench/qk_rotary.py's formulations of the rotary: each must be the flip formulation (the trainer's former one) bit for bit (eager, on the
 CPU), in bf16 and float32, for the normal and the paired layout, forward and backward; otherwise its timings would
 compare different math."""
 import sys

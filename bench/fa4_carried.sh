@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# FlashAttention-4 for a GPU machine that cannot reach the package index (the device machines here).
+#   bench/fa4_carried.sh pack WHEELS   here: unpack every wheel in the folder WHEELS (flash-attn-4 and its dependencies,
+#                                      from `pip download`), pack the files as one tar.xz and cut it in two halves,
+#                                      .fa4a/part and .fa4b/part (ignored by git), each small enough to be carried
+#   bench/fa4_carried.sh add DIR       there: keep DIR/part in /tmp/fa4_parts; once both halves are there, unpack them
+#                                      into /tmp/fa4_site
+#   eval "$(bench/fa4_carried.sh env)" there: the PYTHONPATH that imports flash_attn.cute from /tmp/fa4_site
+# `pip install --target` would not run nvidia-cutlass-dsl's .pth file, so `env` adds its dsl_packages folder by hand.
+set -euo pipefail
+site=/tmp/fa4_site
+parts=/tmp/fa4_parts
+case "${1:-}" in
+  pack)
+    wheels=$(cd "${2:?pack needs the folder of wheels}" && pwd)
+    cd "$(dirname "$0")/.."
+    tmp=$(mktemp -d)
+    for w in "$wheels"/*.whl; do unzip -q -o "$w" -d "$tmp/site"; done
+    (cd "$tmp/site" && tar cf - . | xz -T0 -6 > "$tmp/fa4.tar.xz")
+    mkdir -p .fa4a .fa4b
+    split -n 2 -d "$tmp/fa4.tar.xz" "$tmp/half."
+    mv "$tmp/half.00" .fa4a/part
+    mv "$tmp/half.01" .fa4b/part
+    rm -rf "$tmp"
+    ls -l .fa4a/part .fa4b/part ;;
+  add)
+    mkdir -p "$parts"
+    cp "${2:?add needs .fa4a or .fa4b}/part" "$parts/$(basename "$2")"
+    if [ -e "$parts/.fa4a" ] && [ -e "$parts/.fa4b" ]; then
+      rm -rf "$site" && mkdir -p "$site"
+      cat "$parts/.fa4a" "$parts/.fa4b" | xz -d | tar xf - -C "$site"
+      echo "fa4_carried: unpacked into $site"
+    else
+      echo "fa4_carried: kept $2's half; the other half comes with the next call"
+    fi ;;
+  env)
+    echo "export PYTHONPATH=$site:$site/nvidia_cutlass_dsl/dsl_packages\${PYTHONPATH:+:\$PYTHONPATH}" ;;
+  *)
+    echo "usage: bench/fa4_carried.sh pack WHEELS | add DIR | env" >&2
+    exit 2 ;;
+esac
