@@ -195,7 +195,8 @@ def test_kernels_torch_runs_an_edited_activation_and_loss_on_the_gpu(monkeypatch
     monkeypatch.setattr(tk, "softcapped_mtp_ce_reference", lambda *args: 2 * reference_loss(*args))
     torch._dynamo.reset()
     doubled, _ = _loss_and_grads("torch")
-    assert doubled == pytest.approx(2 * plain, rel=1e-6)
+    # two compiles may pick different configs for inductor's reductions: the same math summed in another order
+    assert doubled == pytest.approx(2 * plain, rel=1e-4)
     monkeypatch.setattr(tk, "softcapped_mtp_ce_reference", reference_loss)
     traced = []
 
