@@ -203,6 +203,9 @@ case "$command" in
   full)
     base=$(cd "$1" && pwd)
     shift
+    for run in ${RUNS:-base new}; do
+      case "$run" in base|new|extra) ;; *) echo "error: RUNS takes base, new and extra, got '$run'" >&2; exit 2 ;; esac
+    done
     make_data
     logs=()
     for run in ${RUNS:-base new}; do
@@ -211,7 +214,6 @@ case "$command" in
         new) train_run new --seed=0 "$@" ;;
         # shellcheck disable=SC2086  # EXTRA holds options separated by spaces
         extra) train_run extra --seed=0 "$@" $EXTRA ;;
-        *) echo "error: RUNS takes base, new and extra, got '$run'" >&2; exit 2 ;;
       esac
       log=$(newest_log "$OUT/$run")
       if [ -n "$log" ]; then logs+=("$log"); fi

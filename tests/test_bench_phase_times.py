@@ -59,11 +59,22 @@ def test_a_missing_log_is_one_error_line(tmp_path):
                                              "pass the run's logs/<run_id>.txt"]
 
 
+@pytest.mark.parametrize("command", ["ab", "full"])
 @pytest.mark.parametrize("args", [[], ["/no/such/checkout"]])
-def test_bench_ab_without_a_baseline_checkout_is_one_error_line(tmp_path, args):
-    r = subprocess.run(["bash", str(ROOT / "bench" / "run.sh"), "ab", *args], capture_output=True, text=True,
+def test_bench_ab_without_a_baseline_checkout_is_one_error_line(tmp_path, args, command):
+    r = subprocess.run(["bash", str(ROOT / "bench" / "run.sh"), command, *args], capture_output=True, text=True,
                        env={"PATH": "/usr/bin:/bin", "OUT": str(tmp_path / "out")})
     assert r.returncode == 2 and r.stdout == ""
     lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: 'ab' needs the baseline's folder first")
+    assert len(lines) == 1 and lines[0].startswith(f"error: '{command}' needs the baseline's folder first")
     assert "git worktree add" in lines[0]
+
+
+def test_bench_full_names_an_unknown_run_before_making_data(tmp_path):
+    """RUNS is checked before anything runs: a typo costs one error line, not a data set and a training run."""
+    env = {"PATH": "/usr/bin:/bin", "OUT": str(tmp_path / "out"), "DATA": str(tmp_path / "data"), "RUNS": "base nwe"}
+    r = subprocess.run(["bash", str(ROOT / "bench" / "run.sh"), "full", str(ROOT)], capture_output=True, text=True,
+                       env=env, timeout=60)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.strip().splitlines() == ["error: RUNS takes base, new and extra, got 'nwe'"]
+    assert not (tmp_path / "data").exists()
