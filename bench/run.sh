@@ -143,6 +143,18 @@ train_run() {
   if [ -n "$log" ]; then "$PY" bench/phase_times.py "$log" || true; fi
 }
 
+# compare_runs NAME ...: bench/phase_times.py's before/after table of the named runs' logs (the first is the baseline)
+compare_runs() {
+  local run log logs=()
+  for run in "$@"; do
+    log=$(newest_log "$OUT/$run")
+    if [ -n "$log" ]; then logs+=("$log"); fi
+  done
+  if [ "${#logs[@]}" -ge 2 ]; then
+    "$PY" bench/phase_times.py "${logs[@]}" | sed -n '/^| |/,$p'
+  fi
+}
+
 case "$command" in
   tests)
     gpu_tests "${@:-tests}" ;;
@@ -207,7 +219,6 @@ case "$command" in
       case "$run" in base|new|extra) ;; *) echo "error: RUNS takes base, new and extra, got '$run'" >&2; exit 2 ;; esac
     done
     make_data
-    logs=()
     for run in ${RUNS:-base new}; do
       case "$run" in
         base) RUNSH="$base/run.sh" train_run base --seed=0 "$@" ;;
@@ -215,12 +226,9 @@ case "$command" in
         # shellcheck disable=SC2086  # EXTRA holds options separated by spaces
         extra) train_run extra --seed=0 "$@" $EXTRA ;;
       esac
-      log=$(newest_log "$OUT/$run")
-      if [ -n "$log" ]; then logs+=("$log"); fi
     done
-    if [ "${#logs[@]}" -ge 2 ]; then
-      "$PY" bench/phase_times.py "${logs[@]}" | sed -n '/^| |/,$p'
-    fi ;;
+    # shellcheck disable=SC2086  # the run names, separated by spaces
+    compare_runs ${RUNS:-base new} ;;
   ab)
     base=$(cd "$1" && pwd)
     shift
@@ -234,14 +242,7 @@ case "$command" in
       train_run extra "${opts[@]}" $EXTRA
       runs+=(extra)
     fi
-    logs=()
-    for run in "${runs[@]}"; do
-      log=$(newest_log "$OUT/$run")
-      if [ -n "$log" ]; then logs+=("$log"); fi
-    done
-    if [ "${#logs[@]}" -ge 2 ]; then
-      "$PY" bench/phase_times.py "${logs[@]}" | sed -n '/^| |/,$p'
-    fi ;;
+    compare_runs "${runs[@]}" ;;
   startup)
     make_data
     cache="$OUT/startup_cache"
