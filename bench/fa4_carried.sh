@@ -3,13 +3,13 @@
 #   bench/fa4_carried.sh pack WHEELS   here: unpack every wheel in the folder WHEELS (flash-attn-4 and its dependencies,
 #                                      from `pip download`), pack the files as one tar.xz and cut it in two halves,
 #                                      .fa4a/part and .fa4b/part (ignored by git), each small enough to be carried
-#   bench/fa4_carried.sh add DIR       there: keep DIR/part in /tmp/fa4_parts; once both halves are there, unpack them
-#                                      into /tmp/fa4_site
-#   eval "$(bench/fa4_carried.sh env)" there: the PYTHONPATH that imports flash_attn.cute from /tmp/fa4_site
+#   bench/fa4_carried.sh add DIR       there: keep DIR/part in $FA4_PARTS; once both halves are there, unpack them
+#                                      into $FA4_SITE (defaults below)
+#   eval "$(bench/fa4_carried.sh env)" there: the PYTHONPATH that imports flash_attn.cute from $FA4_SITE
 # `pip install --target` would not run nvidia-cutlass-dsl's .pth file, so `env` adds its dsl_packages folder by hand.
 set -euo pipefail
-site=/tmp/fa4_site
-parts=/tmp/fa4_parts
+site=${FA4_SITE:-/tmp/fa4_site}      # where the packages are unpacked
+parts=${FA4_PARTS:-/tmp/fa4_parts}   # where the first half waits for the second
 case "${1:-}" in
   pack)
     wheels=$(cd "${2:?pack needs the folder of wheels}" && pwd)
