@@ -98,7 +98,15 @@ def test_a_cpu_run_with_default_flags_uses_edited_activation_and_loss(monkeypatc
     assert abs(edited_mlp - plain) > 1e-3 * abs(plain)
     loss_reference = tk.softcapped_mtp_ce_reference
     monkeypatch.setattr(tk, "softcapped_mtp_ce_reference", lambda *args: 2 * loss_reference(*args))  # an edited loss
-    assert loss_of(tiny_model()).item() == pytest.approx(2 * edited_mlp, rel=1e-6)
+    doubled = loss_of(tiny_model()).item()
+    assert doubled == pytest.approx(2 * edited_mlp, rel=1e-6)
+    qk_reference = tk.qk_norm_rotary_reference
+
+    def sharper_queries(qkv, cos, sin, pos_mult):            # an edited QK-norm: queries at twice the norm
+        q, k, v = qk_reference(qkv, cos, sin, pos_mult)
+        return 2 * q, k, v
+    monkeypatch.setattr(tk, "qk_norm_rotary_reference", sharper_queries)
+    assert abs(loss_of(tiny_model()).item() - doubled) > 1e-5 * abs(doubled)   # measured 8e-5; unedited: 0
 
 
 def _one_optimizer_step(kernels: str = "fused") -> dict[str, torch.Tensor]:
@@ -132,7 +140,7 @@ def test_a_cpu_run_with_default_flags_uses_edited_optimizer_steps(monkeypatch):
 def test_the_per_op_switch_runs_exactly_the_ops_asked_for(monkeypatch):
     """Each op has a dispatcher (the kernel on CUDA, the reference elsewhere) and a reference; --kernels=op:torch
     calls the reference directly. Recording both shows which one the model and the optimizer chose."""
-    pairs = {"mlp": ("relu2_mlp", "relu2_mlp_reference"), "ce": ("softcapped_mtp_ce", "softcapped_mtp_ce_reference"),
+    pairs = {"qk": ("qk_norm_rotary", "qk_norm_rotary_reference"), "mlp": ("relu2_mlp", "relu2_mlp_reference"), "ce": ("softcapped_mtp_ce", "softcapped_mtp_ce_reference"),
              "normuon": ("normuon_momentum", "normuon_momentum_reference"), "polar": ("xxt", "xxt_reference")}
     calls = []
 
@@ -145,7 +153,7 @@ def test_the_per_op_switch_runs_exactly_the_ops_asked_for(monkeypatch):
         dispatch_fn, reference_fn = getattr(tk, dispatcher), getattr(tk, reference)
         monkeypatch.setattr(tk, dispatcher, recorder(dispatcher, dispatch_fn))
         monkeypatch.setattr(tk, reference, recorder(reference, reference_fn))
-    for kernels, as_reference in [("fused", set()), ("mlp:torch,polar:torch", {"mlp", "polar"}),
+    for kernels, as_reference in [("fused", set()), ("mlp:torch,polar:torch,qk:torch", {"mlp", "polar", "qk"}),
                                   ("ce:torch,normuon:torch,mlp:fused", {"ce", "normuon"}),
                                   ("torch", set(pairs))]:
         calls.clear()
