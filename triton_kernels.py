@@ -9,7 +9,7 @@ each launcher's tiles are fixed, chosen by a bench/ script (measurements: notes/
 
 How the ops reach torch.compile: every kernel launch sits inside a `torch.library.triton_op`
 (namespace `nanogpt_kernels`) and goes through `torch.library.wrap_triton`, so
-`torch.compile(fullgraph=True)` traces through it with no graph break; the two differentiable ops
+`torch.compile(fullgraph=True)` traces through it with no graph break; the differentiable ops
 wrap those in a `torch.autograd.Function`. Float scalars (b, c of `ba_plus_cAA`) are plain fp32
 kernel arguments, so Triton never recompiles when they change; torch.compile bakes them into the
 graph as constants, which is what Polar Express wants (its coefficient table is fixed).
