@@ -5,7 +5,6 @@ import ast
 import dataclasses
 import re
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
