@@ -1702,8 +1702,9 @@ def varlen_attention_reference(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tens
 # a view of its input), so the backward kernel writes all of d(qkv) in one pass. Pair partners come
 # from a split and join of the row's (hd/2, 2) view, in registers: a gathered load of column d^1
 # compiled to scalar loads, well below a copy's bandwidth.
-# Rounding: fp32 throughout, one rounding at the store; the unfused trainer (rms, then the rotary)
-# also rounded the normed row to bf16 before rotating, a rounding-level difference.
+# Rounding: fp32 throughout, one rounding at the store. The compiled formulation this replaced also
+# rounded the normed row to bf16 before rotating; a fused pass has no reason to, and one rounding is
+# closer to the exact value (tests/test_qk_rotary.py: against a float64 transcription of the former one).
 # Backward, from the saved qkv (not q, k): dn[d] = g[d]*cos[d] + g[d^1]*sin[d^1] (the rotation's
 # transpose) for d < hd/2, dn = g after, then dx = r*(dn - n*mean(dn*n)).
 # Grid (blocks of BLOCK_R (t, h) rows, part); part 2 copies v. Tiles: 16 rows of hd=128 and 4 warps,

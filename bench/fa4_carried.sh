@@ -12,7 +12,11 @@ site=${FA4_SITE:-/tmp/fa4_site}      # where the packages are unpacked
 parts=${FA4_PARTS:-/tmp/fa4_parts}   # where the first half waits for the second
 case "${1:-}" in
   pack)
-    wheels=$(cd "${2:?pack needs the folder of wheels}" && pwd)
+    if [ ! -d "${2:-}" ]; then
+      echo "error: pack needs the folder of wheels (pip download flash-attn-4 and its dependencies into it)" >&2
+      exit 2
+    fi
+    wheels=$(cd "$2" && pwd)
     cd "$(dirname "$0")/.."
     tmp=$(mktemp -d)
     for w in "$wheels"/*.whl; do unzip -q -o "$w" -d "$tmp/site"; done
@@ -24,8 +28,12 @@ case "${1:-}" in
     rm -rf "$tmp"
     ls -l .fa4a/part .fa4b/part ;;
   add)
+    if [ ! -f "${2:-}/part" ]; then
+      echo "error: add needs .fa4a or .fa4b, a folder holding a half named part (made by pack)" >&2
+      exit 2
+    fi
     mkdir -p "$parts"
-    cp "${2:?add needs .fa4a or .fa4b}/part" "$parts/$(basename "$2")"
+    cp "$2/part" "$parts/$(basename "$2")"
     if [ -e "$parts/.fa4a" ] && [ -e "$parts/.fa4b" ]; then
       rm -rf "$site" && mkdir -p "$site"
       cat "$parts/.fa4a" "$parts/.fa4b" | xz -d | tar xf - -C "$site"

@@ -57,3 +57,13 @@ def test_pack_add_env_round_trip(tmp_path):
 def test_unknown_command_is_a_usage_line():
     r = subprocess.run(["bash", str(ROOT / "bench" / "fa4_carried.sh"), "unpack"], capture_output=True, text=True)
     assert r.returncode == 2 and r.stderr.startswith("usage: bench/fa4_carried.sh")
+
+
+def test_a_missing_folder_is_one_error_line(tmp_path):
+    env = dict(os.environ, FA4_SITE=str(tmp_path / "site"), FA4_PARTS=str(tmp_path / "parts"))
+    for args, fix in ((["pack", str(tmp_path / "nope")], "folder of wheels"), (["add", str(tmp_path)], ".fa4a or .fa4b")):
+        r = subprocess.run(["bash", str(ROOT / "bench" / "fa4_carried.sh"), *args], capture_output=True, text=True,
+                           env=env, timeout=60)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error:") and fix in lines[0], r.stderr
+    assert not (tmp_path / "parts").exists()
