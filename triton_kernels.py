@@ -1704,7 +1704,7 @@ def varlen_attention_reference(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tens
 # compiled to scalar loads, well below a copy's bandwidth.
 # Rounding: fp32 throughout, one rounding at the store. The compiled formulation this replaced also
 # rounded the normed row to bf16 before rotating; a fused pass has no reason to, and one rounding is
-# closer to the exact value (tests/test_qk_rotary.py: against a float64 transcription of the former one).
+# closer to the exact value (tested against a float64 transcription of the former formulation).
 # Backward, from the saved qkv (not q, k): dn[d] = g[d]*cos[d] + g[d^1]*sin[d^1] (the rotation's
 # transpose) for d < hd/2, dn = g after, then dx = r*(dn - n*mean(dn*n)).
 # Grid (blocks of BLOCK_R (t, h) rows, part); part 2 copies v. Tiles: 16 rows of hd=128 and 4 warps,
