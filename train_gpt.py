@@ -580,7 +580,7 @@ def head_losses(h: Tensor, w: Tensor, targets: Tensor, mtp_weights: Tensor, use_
 # tests, tests/test_kernels_gpu.py), with a digest of their code then. A run warns at start when an
 # edit changed one (harness.edited_references); after checking the kernel again, update the digest.
 KERNEL_REFERENCES = {
-    "qk": ((tk.qk_norm_rotary_reference,), "98f4da9145a9df17"),
+    "qk": ((tk.qk_norm_rotary_reference,), "da92015dd3614de1"),
     "mlp": ((tk.relu2_mlp_reference,), "8b6fad1b2f4093ba"),
     "ce": ((tk.softcap, tk.softcapped_mtp_ce_reference), "257ad305df15c9ff"),
     "fp8": ((fp8_quantize, FP8HeadEmulated), "eddd6931e4db74c4"),

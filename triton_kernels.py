@@ -1698,17 +1698,19 @@ def varlen_attention_reference(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tens
 # The forward kernel normalises each q and k row (fp32 statistics, eps 2^-23, no gain) and rotates
 # its first half in adjacent pairs at table row POS_MULT*t + h % POS_MULT (1: normal layers; 2:
 # paired layers, rows 2t, 2t+1 for even/odd heads): out[d] = n[d]*cos[d] + n[d^1]*sin[d] for
-# d < hd/2 (the minus is in the sin table), n[d] after. It copies v too (a custom op may not return
-# a view of its input), so the backward kernel writes all of d(qkv) in one pass. Pair partners come
-# from a split and join of the row's (hd/2, 2) view, in registers: a gathered load of column d^1
-# compiled to scalar loads, well below a copy's bandwidth.
+# d < hd/2 (the minus is in the sin table), n[d] after. v stays a view of qkv, which the backward
+# keeps anyway, because a copy that attention saves would add memory; the autograd.Function returns
+# that view (a custom op may not), so v's gradient reaches the backward kernel, which writes all of
+# d(qkv) in one pass. Pair partners come from a split and join of the row's (hd/2, 2) view, in
+# registers: a gathered load of column d^1 compiled to scalar loads, well below a copy's bandwidth.
 # Rounding: fp32 throughout, one rounding at the store. The compiled formulation this replaced also
 # rounded the normed row to bf16 before rotating; a fused pass has no reason to, and one rounding is
 # closer to the exact value (tested against a float64 transcription of the former formulation).
 # Backward, from the saved qkv (not q, k): dn[d] = g[d]*cos[d] + g[d^1]*sin[d^1] (the rotation's
 # transpose) for d < hd/2, dn = g after, then dx = r*(dn - n*mean(dn*n)).
-# Grid (blocks of BLOCK_R (t, h) rows, part); part 2 copies v. Tiles: 16 rows of hd=128 and 4 warps,
-# picked by timing (notes/2026-11-26_speed3_H200); the tiles set the fp32 sums' order.
+# Grid (blocks of BLOCK_R (t, h) rows, part): parts q and k forward; the backward's part 2 copies
+# dv. Tiles: 16 rows of hd=128 and 4 warps, picked by timing (notes/2026-11-26_speed3_H200); the
+# tiles set the fp32 sums' order.
 
 _QK_RMS_EPS = 2.0 ** -23  # train_gpt.FLT_EPS, the eps of every rms()
 _QK_ROTARY_ELEMENTS = 2048
@@ -1749,23 +1751,19 @@ def _swap_pairs(x, BLOCK_R: tl.constexpr, HD: tl.constexpr):
 
 
 @triton.jit
-def _qk_rotary_fwd_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, stride_tab, n_rows, H,
+def _qk_rotary_fwd_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, stride_tab, n_rows, H,
                           POS_MULT: tl.constexpr, HD: tl.constexpr, EPS: tl.constexpr,
                           BLOCK_R: tl.constexpr):
     part = tl.program_id(1)
     qkv_row, out_row, mask, tab_row = _qk_rotary_rows(n_rows, H, part, POS_MULT, HD, BLOCK_R)
+    n, r, rot, c, s = _qk_rotary_normed(qkv_ptr, cos_ptr, sin_ptr, qkv_row, mask, tab_row,
+                                        stride_tab, HD, EPS)
+    out = tl.where(rot, n * c + _swap_pairs(n, BLOCK_R, HD) * s, n)
+    out_ptr = q_ptr
+    if part == 1:
+        out_ptr = k_ptr
     cols = tl.arange(0, HD)[None, :]
-    if part == 2:
-        _store_from_fp32(v_ptr + out_row + cols, _load_as_fp32(qkv_ptr + qkv_row + cols, mask),
-                         mask)
-    else:
-        n, r, rot, c, s = _qk_rotary_normed(qkv_ptr, cos_ptr, sin_ptr, qkv_row, mask, tab_row,
-                                            stride_tab, HD, EPS)
-        out = tl.where(rot, n * c + _swap_pairs(n, BLOCK_R, HD) * s, n)
-        out_ptr = q_ptr
-        if part == 1:
-            out_ptr = k_ptr
-        _store_from_fp32(out_ptr + out_row + cols, out, mask)
+    _store_from_fp32(out_ptr + out_row + cols, out, mask)
 
 
 @triton.jit
@@ -1813,26 +1811,28 @@ def _check_qk_rotary_inputs(qkv: Tensor, cos: Tensor, sin: Tensor, pos_mult: int
     return H, hd
 
 
-def _qk_rotary_launch(qkv: Tensor, H: int, hd: int, rows: int | None) -> tuple[tuple, dict]:
-    """Grid and launch options; rows (a power of 2) overrides the rows per program."""
+def _qk_rotary_launch(qkv: Tensor, H: int, hd: int, parts: int, rows: int | None
+                      ) -> tuple[tuple, dict]:
+    """Grid over `parts` of qkv and launch options; rows (a power of 2) overrides the rows per
+    program."""
     block_r = rows or (max(1, _QK_ROTARY_ELEMENTS // hd) if qkv.is_cuda
                        else _QK_ROTARY_INTERPRETER_ROWS)
     n_rows = qkv.shape[0] * H
-    return (triton.cdiv(n_rows, block_r), 3), dict(n_rows=n_rows, H=H, HD=hd, EPS=_QK_RMS_EPS,
+    return (triton.cdiv(n_rows, block_r), parts), dict(n_rows=n_rows, H=H, HD=hd, EPS=_QK_RMS_EPS,
                                                    BLOCK_R=block_r, num_warps=_QK_ROTARY_WARPS)
 
 
 def qk_norm_rotary_fwd_triton(qkv: Tensor, cos: Tensor, sin: Tensor, pos_mult: int,
-                              rows: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """qkv (T, 3*H*hd), tables (>= pos_mult*T, hd/2) -> q, k (normed and rotated) and a copy of v,
-    each (T, H, hd) contiguous in qkv's dtype. rows fixes the rows per program (tests)."""
+                              rows: int | None = None) -> tuple[Tensor, Tensor]:
+    """qkv (T, 3*H*hd), tables (>= pos_mult*T, hd/2) -> q, k normed and rotated, each (T, H, hd)
+    contiguous in qkv's dtype. rows fixes the rows per program (tests)."""
     H, hd = _check_qk_rotary_inputs(qkv, cos, sin, pos_mult)
-    q, k, v = (qkv.new_empty((qkv.shape[0], H, hd)) for _ in range(3))
+    q, k = (qkv.new_empty((qkv.shape[0], H, hd)) for _ in range(2))
     if qkv.shape[0] > 0:
-        grid, options = _qk_rotary_launch(qkv, H, hd, rows)
-        wrap_triton(_qk_rotary_fwd_kernel)[grid](qkv, cos, sin, q, k, v, cos.stride(0),
+        grid, options = _qk_rotary_launch(qkv, H, hd, 2, rows)
+        wrap_triton(_qk_rotary_fwd_kernel)[grid](qkv, cos, sin, q, k, cos.stride(0),
                                                  POS_MULT=pos_mult, **options)
-    return q, k, v
+    return q, k
 
 
 def qk_norm_rotary_bwd_triton(dq: Tensor, dk: Tensor, dv: Tensor, qkv: Tensor, cos: Tensor,
@@ -1846,7 +1846,7 @@ def qk_norm_rotary_bwd_triton(dq: Tensor, dk: Tensor, dv: Tensor, qkv: Tensor, c
                f"{tuple(t.shape)} {t.dtype}")
     dqkv = torch.empty_like(qkv)
     if qkv.shape[0] > 0:
-        grid, options = _qk_rotary_launch(qkv, H, hd, rows)
+        grid, options = _qk_rotary_launch(qkv, H, hd, 3, rows)
         wrap_triton(_qk_rotary_bwd_kernel)[grid](dq, dk, dv, qkv, cos, sin, dqkv, cos.stride(0),
                                                  POS_MULT=pos_mult, **options)
     return dqkv
@@ -1854,7 +1854,7 @@ def qk_norm_rotary_bwd_triton(dq: Tensor, dk: Tensor, dv: Tensor, qkv: Tensor, c
 
 @triton_op(f"{_LIB}::qk_norm_rotary_fwd", mutates_args=())
 def _qk_norm_rotary_fwd_op(qkv: Tensor, cos: Tensor, sin: Tensor, pos_mult: int
-                           ) -> tuple[Tensor, Tensor, Tensor]:
+                           ) -> tuple[Tensor, Tensor]:
     return qk_norm_rotary_fwd_triton(qkv, cos, sin, pos_mult)
 
 
@@ -1865,14 +1865,15 @@ def _qk_norm_rotary_bwd_op(dq: Tensor, dk: Tensor, dv: Tensor, qkv: Tensor, cos:
 
 
 class _QKNormRotaryFunction(torch.autograd.Function):
-    """Autograd of the fused q/k norm + rotary: saves only qkv and the tables."""
+    """Autograd of the fused q/k norm + rotary: saves only qkv and the tables, and returns v as a
+    view of qkv so that its gradient reaches the one backward kernel."""
 
     @staticmethod
     def forward(ctx, qkv: Tensor, cos: Tensor, sin: Tensor, pos_mult: int):
-        q, k, v = torch.ops.nanogpt_kernels.qk_norm_rotary_fwd(qkv, cos, sin, pos_mult)
+        q, k = torch.ops.nanogpt_kernels.qk_norm_rotary_fwd(qkv, cos, sin, pos_mult)
         ctx.save_for_backward(qkv, cos, sin)
         ctx.pos_mult = pos_mult
-        return q, k, v
+        return q, k, qkv.view(q.shape[0], 3, *q.shape[1:])[:, 2]
 
     @staticmethod
     def backward(ctx, dq: Tensor, dk: Tensor, dv: Tensor):
@@ -1891,7 +1892,7 @@ def qk_norm_rotary_triton(qkv: Tensor, cos: Tensor, sin: Tensor, pos_mult: int
 def qk_norm_rotary_reference(qkv: Tensor, cos: Tensor, sin: Tensor, pos_mult: int
                              ) -> tuple[Tensor, Tensor, Tensor]:
     """q, k = rotary(rms(q)), rotary(rms(k)) in acc_dtype, rounded once, head h of token t at table
-    row pos_mult*t + h % pos_mult; v copied; each (T, H, hd) contiguous in qkv's dtype."""
+    row pos_mult*t + h % pos_mult, each (T, H, hd) contiguous in qkv's dtype; v a view of qkv."""
     T, half = qkv.shape[0], cos.shape[1]
     hd = 2 * half
     H = qkv.shape[1] // (3 * hd)
@@ -1908,12 +1909,12 @@ def qk_norm_rotary_reference(qkv: Tensor, cos: Tensor, sin: Tensor, pos_mult: in
         return torch.cat([n_rot * c + n_swapped * s, n_pass], dim=-1).to(qkv.dtype)
 
     q, k, v = qkv.view(T, 3, H, hd).unbind(1)
-    return norm_rotate(q), norm_rotate(k), v.contiguous()
+    return norm_rotate(q), norm_rotate(k), v
 
 
 def qk_norm_rotary(qkv: Tensor, cos: Tensor, sin: Tensor, pos_mult: int
                    ) -> tuple[Tensor, Tensor, Tensor]:
-    """q, k normed and rotated, v copied, each (T, H, hd), from qkv (T, 3*H*hd): Triton on CUDA, the
-    reference elsewhere."""
+    """q, k normed and rotated (contiguous) and v (a view), each (T, H, hd), from qkv (T, 3*H*hd):
+    Triton on CUDA, the reference elsewhere."""
     return (qk_norm_rotary_triton(qkv, cos, sin, pos_mult) if qkv.is_cuda
             else qk_norm_rotary_reference(qkv, cos, sin, pos_mult))
