@@ -29,8 +29,9 @@ commands:
                      GPU time per bucket of a step late in each batch phase of an NS-step run (default 60;
                      bench/profile_step.py --run)
   full BASE [OPTION ...]
-                     the whole default schedule (1725 + 40 steps), seed 0: each run in RUNS (default "base new"; "base" is
-                     the code in the folder BASE, "new" this code, "extra" this code with EXTRA's options), then
+                     the whole default schedule (1725 + 40 steps), seed 0: each run in RUNS (default "base new", and
+                     "extra" when EXTRA is set; "base" is the code in the folder BASE, "new" this code, "extra" this
+                     code with EXTRA's options), then
                      bench/phase_times.py's table of the runs made. On 4 GPUs a run takes about 5 minutes: split the runs
                      over consecutive calls (RUNS=base, then RUNS=new) and compare the logs afterwards with phase_times.py
   ab BASE [OPTION ...]
@@ -41,7 +42,7 @@ commands:
                      caches, whose keys see the graphs, triton_kernels.py and the trainer's graph pass; to measure a
                      change they do not see (an inductor heuristic), run each tree's bench/run.sh backends under its
                      own TORCHINDUCTOR_CACHE_DIR. EXTRA="--name=value ..." adds a third run of this code with
-                     those options (e.g. EXTRA=--kernels=mlp:torch), in the same table
+                     those options (e.g. EXTRA=--kernels=mlp:torch), in the same table. RUNS picks runs as for full
   startup [OPTION ...]
                      start-up times: NS (default 30) + 3 steps three times with torch's caches in $OUT/startup_cache:
                      cold (no caches, no compile cache file), second (everything kept), fresh (only the compile cache
@@ -212,37 +213,28 @@ case "$command" in
     step profile "$PY" bench/profile_step.py --run --out="$OUT/profile" --scheduled="${NS:-60}" \
       --train_files="$DATA/fineweb_train_*.bin" --val_files="$DATA/fineweb_val_*.bin" "$@"
     grep -E "^\||error" "$OUT/profile.txt" || true ;;
-  full)
+  full|ab)
     base=$(cd "$1" && pwd)
     shift
-    for run in ${RUNS:-base new}; do
+    runs=${RUNS:-base new${EXTRA:+ extra}}
+    for run in $runs; do
       case "$run" in base|new|extra) ;; *) echo "error: RUNS takes base, new and extra, got '$run'" >&2; exit 2 ;; esac
     done
+    opts=(--seed=0 "$@")
+    if [ "$command" = ab ]; then
+      opts=(--num_scheduled_iterations="${NS:-60}" --num_extension_iterations=6 --val_loss_every=20 "${opts[@]}")
+    fi
     make_data
-    for run in ${RUNS:-base new}; do
+    for run in $runs; do
       case "$run" in
-        base) RUNSH="$base/run.sh" train_run base --seed=0 "$@" ;;
-        new) train_run new --seed=0 "$@" ;;
+        base) RUNSH="$base/run.sh" train_run base "${opts[@]}" ;;
+        new) train_run new "${opts[@]}" ;;
         # shellcheck disable=SC2086  # EXTRA holds options separated by spaces
-        extra) train_run extra --seed=0 "$@" $EXTRA ;;
+        extra) train_run extra "${opts[@]}" $EXTRA ;;
       esac
     done
     # shellcheck disable=SC2086  # the run names, separated by spaces
-    compare_runs ${RUNS:-base new} ;;
-  ab)
-    base=$(cd "$1" && pwd)
-    shift
-    make_data
-    opts=(--num_scheduled_iterations="${NS:-60}" --num_extension_iterations=6 --val_loss_every=20 --seed=0 "$@")
-    RUNSH="$base/run.sh" train_run base "${opts[@]}"
-    train_run new "${opts[@]}"
-    runs=(base new)
-    if [ -n "${EXTRA:-}" ]; then
-      # shellcheck disable=SC2086  # EXTRA holds options separated by spaces
-      train_run extra "${opts[@]}" $EXTRA
-      runs+=(extra)
-    fi
-    compare_runs "${runs[@]}" ;;
+    compare_runs $runs ;;
   startup)
     make_data
     cache="$OUT/startup_cache"

@@ -70,10 +70,11 @@ def test_bench_ab_without_a_baseline_checkout_is_one_error_line(tmp_path, args, 
     assert "git worktree add" in lines[0]
 
 
-def test_bench_full_names_an_unknown_run_before_making_data(tmp_path):
+@pytest.mark.parametrize("command", ["ab", "full"])
+def test_bench_names_an_unknown_run_before_making_data(tmp_path, command):
     """RUNS is checked before anything runs: a typo costs one error line, not a data set and a training run."""
     env = {"PATH": "/usr/bin:/bin", "OUT": str(tmp_path / "out"), "DATA": str(tmp_path / "data"), "RUNS": "base nwe"}
-    r = subprocess.run(["bash", str(ROOT / "bench" / "run.sh"), "full", str(ROOT)], capture_output=True, text=True,
+    r = subprocess.run(["bash", str(ROOT / "bench" / "run.sh"), command, str(ROOT)], capture_output=True, text=True,
                        env=env, timeout=60)
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr.strip().splitlines() == ["error: RUNS takes base, new and extra, got 'nwe'"]
