@@ -2205,11 +2205,8 @@ def train(hp: Hyperparameters, argv_text: str,
             warmup_and_reset(trainer, run)
             if run.compile_cache is not None and run.rank == 0:   # compiled: keep it for next time
                 run.log(harness.save_compile_cache(*run.compile_cache))
-        # What exists now (model, compiled graphs, caches) lives for the whole run: frozen out of the
-        # collector's reach, so that a collection in the timed loop walks only what the loop made.
         import gc
         gc.collect()
-        gc.freeze()
         start, train_ms = 0, 0.0
         if run.resumed is not None:  # the saved state replaces the initial one
             trainer.restore(run.resumed)

@@ -1,10 +1,10 @@
-"""Python garbage-collector pauses in the timed loop of a run on one GPU, with train_gpt's gc.freeze() and without.
+"""Python garbage-collector pauses from the start of the timed loop to the end of a run on one GPU.
 
-    python3 bench/gc_pauses.py [--no-freeze] [train_gpt options]
+    python3 bench/gc_pauses.py [train_gpt options]
 
-Runs train_gpt.main in this process (one GPU, no torchrun) and times every collection from the start of the timed
-loop to the end of the run with gc.callbacks; --no-freeze turns the trainer's gc.freeze() into a no-op, so the
-collector walks every object the setup made. Prints one line per generation: collections, total and longest pause.
+Runs train_gpt.main in this process (one GPU, no torchrun) and times every collection with gc.callbacks, from the
+timed loop's start (harness.Bookkeeping.start) to the end, validations and their compiles included. Prints one line
+per generation: collections, total and longest pause.
 """
 import gc
 import sys
@@ -17,8 +17,6 @@ import train_gpt  # noqa: E402
 
 
 def main(argv: list[str]) -> int:
-    freeze = "--no-freeze" not in argv
-    argv = [a for a in argv if a != "--no-freeze"]
     pauses: dict[int, list[float]] = {0: [], 1: [], 2: []}
     state = {"timed": False, "t0": 0.0}
 
@@ -35,11 +33,9 @@ def main(argv: list[str]) -> int:
         start(self)
 
     harness.Bookkeeping.start = timed_start
-    if not freeze:
-        gc.freeze = lambda: None
     gc.callbacks.append(on_collect)
     rc = train_gpt.main(argv)
-    print(f"gc pauses in the timed loop ({'with' if freeze else 'without'} gc.freeze):")
+    print("gc pauses from the timed loop's start to the end:")
     for generation, ms in pauses.items():
         print(f"  generation {generation}: {len(ms)} collections, {sum(ms):.1f} ms in all, "
               f"longest {max(ms, default=0.0):.2f} ms")
