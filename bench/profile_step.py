@@ -10,6 +10,7 @@ One table row per trace (the steps it covers, e.g. one step of each batch phase)
     attention   flash / varlen / triton attention kernels
     mlp         the fused linear + ReLU^2 kernel (triton_kernels.py section 3)
     ce          the fused softcapped cross-entropy kernels (section 4)
+    qk          the fused q/k RMSNorm + rotary kernels (section 9)
     fp8_quant   kernels inside the FP8 head op other than its matmuls (quantisation, transposes)
     inductor    other kernels of the compiled model (element-wise and reductions fused by inductor)
     opt_compute kernels launched inside the optimizer step (Polar Express, Adam, NorMuon), communication excluded
@@ -31,7 +32,7 @@ import re
 import sys
 from pathlib import Path
 
-BUCKETS = ("matmul", "attention", "mlp", "ce", "fp8_quant", "inductor", "opt_compute", "opt_comm", "other", "idle")
+BUCKETS = ("matmul", "attention", "mlp", "ce", "qk", "fp8_quant", "inductor", "opt_compute", "opt_comm", "other", "idle")
 MATMUL = re.compile(r"gemm|nvjet|cutlass|xmma|cublas|sm90_|splitk|scaled_mm", re.I)
 ATTENTION = re.compile(r"flash|fmha|attn_|attention", re.I)   # checked first: flash kernels carry cutlass types
 COMM = re.compile(r"nccl", re.I)
@@ -92,6 +93,8 @@ def analyse(path: str) -> dict[str, float]:
             bucket = "mlp"
         elif "_ce_" in name:
             bucket = "ce"
+        elif "_qk_rotary" in name:
+            bucket = "qk"
         elif name.startswith("triton_"):
             bucket = "inductor"
         else:

@@ -28,6 +28,7 @@ def test_buckets_overlap_and_idle(tmp_path):
         launch(21, 4), kernel("_relu2_linear_kernel", 450, 50, 4),                          # mlp
         launch(22, 5), kernel("_ce_fwd_kernel", 500, 30, 5),                                # ce
         launch(23, 6), kernel("triton_red_fused_rms_norm_1", 530, 20, 6),                  # inductor
+        launch(24, 10), kernel("_qk_rotary_fwd_kernel", 550, 40, 10),                       # qk
         {"ph": "X", "cat": "user_annotation", "name": "optimizer_step", "ts": 30, "dur": 20, "tid": 1},
         launch(31, 7, driver=True), kernel("_sym_aat_kernel", 600, 100, 7),                 # optimizer compute
         launch(32, 8), kernel("ncclDevKernel_ReduceScatter", 650, 150, 8, stream=9),        # 50 hidden, 100 exposed
@@ -36,8 +37,8 @@ def test_buckets_overlap_and_idle(tmp_path):
     path = tmp_path / "run_rank0_steps10-10_trace.json"
     path.write_text(json.dumps({"traceEvents": events}))
     r = profile_step.analyse(str(path))
-    want = dict(fp8_quant=0.05, matmul=0.2, attention=0.1, mlp=0.05, ce=0.03, inductor=0.02, opt_compute=0.1,
-                other=0.01, opt_comm=0.1, idle=0.05, step=0.71)   # ms; comm exposed 700..800, idle 550..600
+    want = dict(fp8_quant=0.05, matmul=0.2, attention=0.1, mlp=0.05, ce=0.03, qk=0.04, inductor=0.02,
+                opt_compute=0.1, other=0.01, opt_comm=0.1, idle=0.01, step=0.71)   # ms; comm exposed 700..800, idle 590..600
     assert {k: round(r[k], 9) for k in want} == want and r["steps"] == 1
 
 
