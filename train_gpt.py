@@ -2080,10 +2080,8 @@ class Trainer:
         """A micro-steps of forward/backward, then the optimizer step; returns this rank's summed
         loss (on device)."""
         hp = self.hp
-        # From pinned memory: a copy from pageable memory waits for the stream, so the host could
-        # not queue this step's work while the GPU still runs the last optimizer step.
-        mtp = torch.tensor(sched.mtp_weights, dtype=torch.float32,
-                           pin_memory=self.device.type == "cuda").to(self.device, non_blocking=True)
+        mtp = torch.tensor(sched.mtp_weights,
+                           dtype=torch.float32).to(self.device, non_blocking=True)
         total = torch.zeros((), device=self.device)
         for _ in range(self.grad_accum):
             loss = self.train_loss(self.loader.send(message), sched, mtp)
