@@ -1698,11 +1698,12 @@ def varlen_attention_reference(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tens
 # The forward kernel normalises each q and k row (fp32 statistics, eps 2^-23, no gain) and rotates
 # its first half in adjacent pairs at table row POS_MULT*t + h % POS_MULT (1: normal layers; 2:
 # paired layers, rows 2t, 2t+1 for even/odd heads): out[d] = n[d]*cos[d] + n[d^1]*sin[d] for
-# d < hd/2 (the minus is in the sin table), n[d] after. v stays a view of qkv, which the backward
-# keeps anyway, because a copy that attention saves would add memory; the autograd.Function returns
-# that view (a custom op may not), so v's gradient reaches the backward kernel, which writes all of
-# d(qkv) in one pass. Pair partners come from a split and join of the row's (hd/2, 2) view, in
-# registers: a gathered load of column d^1 compiled to scalar loads, well below a copy's bandwidth.
+# d < hd/2 (the minus is in the sin table), n[d] after. v stays a view of qkv: attention saves the v
+# it gets, and a copy would be memory beside the qkv this op's backward keeps anyway. The
+# autograd.Function returns the view (a custom op may not), so v's gradient reaches the backward
+# kernel, which writes all of d(qkv) in one pass. Pair partners come from a split and join of the
+# row's (hd/2, 2) view, in registers: a gathered load of column d^1 compiled to scalar loads, well
+# below a copy's bandwidth.
 # Rounding: fp32 throughout, one rounding at the store. The compiled formulation this replaced also
 # rounded the normed row to bf16 before rotating; a fused pass has no reason to, and one rounding is
 # closer to the exact value (tested against a float64 transcription of the former formulation).
