@@ -32,7 +32,8 @@ import re
 import sys
 from pathlib import Path
 
-BUCKETS = ("matmul", "attention", "mlp", "ce", "qk", "fp8_quant", "inductor", "opt_compute", "opt_comm", "other", "idle")
+BUCKETS = ("matmul", "attention", "mlp", "ce", "qk", "fp8_quant", "inductor", "opt_compute", "opt_comm", "other",
+           "idle")
 MATMUL = re.compile(r"gemm|nvjet|cutlass|xmma|cublas|sm90_|splitk|scaled_mm", re.I)
 ATTENTION = re.compile(r"flash|fmha|attn_|attention", re.I)   # checked first: flash kernels carry cutlass types
 COMM = re.compile(r"nccl", re.I)

@@ -38,7 +38,8 @@ def test_buckets_overlap_and_idle(tmp_path):
     path.write_text(json.dumps({"traceEvents": events}))
     r = profile_step.analyse(str(path))
     want = dict(fp8_quant=0.05, matmul=0.2, attention=0.1, mlp=0.05, ce=0.03, qk=0.04, inductor=0.02,
-                opt_compute=0.1, other=0.01, opt_comm=0.1, idle=0.01, step=0.71)   # ms; comm exposed 700..800, idle 590..600
+                opt_compute=0.1, other=0.01, opt_comm=0.1, idle=0.01, step=0.71)
+    # ms; comm exposed 700..800, idle 590..600
     assert {k: round(r[k], 9) for k in want} == want and r["steps"] == 1
 
 
