@@ -1418,10 +1418,10 @@ def _micro_batch_tokens(global_batch: int, grad_accum: int, world_size: int) -> 
 
 
 def _to_device(array: np.ndarray, dtype: type, device: torch.device) -> Tensor:
-    """Host array -> tensor of numpy `dtype` (np.int32 / np.int64) on `device`; numpy does the cast
-    (torch's uint16 casts are slow). On CUDA the data goes through a fresh pinned buffer and a
-    non-blocking copy; the caching host allocator does not reuse that buffer before the copy has
-    run."""
+    """Host array -> tensor of numpy `dtype` on `device`; numpy does the cast (torch's uint16 casts
+    are slow). On CUDA the data goes through a fresh pinned buffer and a non-blocking copy (from
+    pageable memory the driver would first wait for the stream, and the host with it); the caching
+    host allocator does not reuse that buffer before the copy has run."""
     if device.type != "cuda":
         return torch.from_numpy(array.astype(dtype))
     host = torch.empty(array.shape, dtype=torch.from_numpy(np.empty(0, dtype)).dtype,
@@ -2072,16 +2072,18 @@ class Trainer:
         batches = train_batches(self.train_files, sched.global_batch, self.grad_accum, self.rank,
                                 self.world_size, self.device, hp.train_max_seq_len,
                                 hp.tokens_per_doc_bound, hp.vocab_size, TrainPosition())
-        mtp = torch.tensor(sched.mtp_weights, dtype=torch.float32, device=self.device)
-        self.train_loss(next(batches), sched, mtp).backward()
+        self.train_loss(next(batches), sched, self.mtp_weights(sched)).backward()
         batches.close()
+
+    def mtp_weights(self, sched: StepSchedule) -> Tensor:
+        """The step's MTP weights on the device, copied without waiting for the GPU: the host stays
+        a step ahead of it."""
+        return _to_device(np.array(sched.mtp_weights), np.float32, self.device)
 
     def train_step(self, sched: StepSchedule, message: tuple | None) -> Tensor:
         """A micro-steps of forward/backward, then the optimizer step; returns this rank's summed
         loss (on device)."""
-        hp = self.hp
-        mtp = torch.tensor(sched.mtp_weights,
-                           dtype=torch.float32).to(self.device, non_blocking=True)
+        hp, mtp = self.hp, self.mtp_weights(sched)
         total = torch.zeros((), device=self.device)
         for _ in range(self.grad_accum):
             loss = self.train_loss(self.loader.send(message), sched, mtp)

@@ -296,3 +296,27 @@ def test_residual_sums_are_unfused_on_the_gpu(compiler_settings_restored, monkey
         print(f"\n{name}: against float64, unfused {err:.3e}, addmm {base_err:.3e}")
         assert err <= 1.1 * base_err, name             # measured on an H100: x.grad 1.002x, w.grad 1.05x
     torch._dynamo.reset()
+
+
+def test_a_training_step_makes_no_copy_that_waits_for_the_gpu(tmp_path):
+    """Every host-to-device copy of a training step (the batch, the MTP weights) comes from pinned memory: a copy
+    from pageable memory makes the driver wait for the stream first, so the host would stop at every step and the
+    GPU would start the next one with nothing queued."""
+    import harness
+    from _shards import make_dataset
+    train, val = make_dataset(tmp_path, train_tokens=60_000)
+    hp = tg.parse_args(["--preset=tiny", "--kernels=torch", f"--train_files={train}", f"--val_files={val}"])
+    dev = torch.device("cuda")
+    model = tg.build_model(hp, dev, "sdpa")
+    trainer = tg.Trainer(hp, model, model, tg.build_optimizer(hp, model, 0, 1), dev, 0, 1,
+                         harness.resolve_shards(hp.train_files, "train"), harness.resolve_shards(hp.val_files, "val"))
+    sched = tg.schedule_at(0, hp)
+    trainer.train_step(sched, trainer.advance_schedule(sched))           # the first shard is read outside the trace
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        trainer.train_step(tg.schedule_at(1, hp), None)
+        torch.cuda.synchronize()
+    copies = [e.name for e in prof.events() if e.name.startswith("Memcpy HtoD")]
+    # per micro-batch inputs, targets and cu_seqlens, and once the MTP weights
+    assert len(copies) == 3 * trainer.grad_accum + 1, copies
+    assert all("Pinned" in name for name in copies), copies
