@@ -2076,8 +2076,7 @@ class Trainer:
         batches.close()
 
     def mtp_weights(self, sched: StepSchedule) -> Tensor:
-        """The step's MTP weights on the device, copied without waiting for the GPU: the host stays
-        a step ahead of it."""
+        """The step's MTP weights on the device, copied as the batches are (_to_device)."""
         return _to_device(np.array(sched.mtp_weights), np.float32, self.device)
 
     def train_step(self, sched: StepSchedule, message: tuple | None) -> Tensor:

@@ -2,6 +2,7 @@
 import math
 
 import pytest
+import torch
 
 import train_gpt as tg
 
@@ -94,6 +95,17 @@ def test_mtp_weights():
     assert w(575) == (1.0, 0.5)                       # 575/1725 is the double nearest 1/3: 3x rounds to 1
     assert w(1149)[1] == pytest.approx(0.000869565, abs=1e-9)
     assert w(1150) == (1.0,) and w(1764) == (1.0,)
+
+
+def test_the_step_hands_the_model_each_mtp_weight_rounded_once_to_float32():
+    """The model sees fp32(w) of every schedule weight, as torch.tensor(w, dtype=float32) makes it (one rounding
+    from the double), at every step of the default schedule."""
+    host = type("HostTrainer", (), {"device": torch.device("cpu")})()
+    for step in range(HP.num_iterations):
+        sched = tg.schedule_at(step, HP)
+        got = tg.Trainer.mtp_weights(host, sched)
+        want = torch.tensor(sched.mtp_weights, dtype=torch.float32)
+        assert got.dtype == torch.float32 and torch.equal(got, want), step
 
 
 def test_schedule_at_parity_and_fields():
