@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import gc
 import math
 import os
 import sys
@@ -2206,8 +2207,7 @@ def train(hp: Hyperparameters, argv_text: str,
             warmup_and_reset(trainer, run)
             if run.compile_cache is not None and run.rank == 0:   # compiled: keep it for next time
                 run.log(harness.save_compile_cache(*run.compile_cache))
-        import gc
-        gc.collect()
+        gc.collect()    # the warmup's garbage, collected before the clock starts
         start, train_ms = 0, 0.0
         if run.resumed is not None:  # the saved state replaces the initial one
             trainer.restore(run.resumed)
