@@ -1,5 +1,6 @@
 """Schedules as pure functions of the step, checked against the record's boundary values and formulas."""
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -100,7 +101,7 @@ def test_mtp_weights():
 def test_the_step_hands_the_model_each_mtp_weight_rounded_once_to_float32():
     """The model sees fp32(w) of every schedule weight, as torch.tensor(w, dtype=float32) makes it (one rounding
     from the double), at every step of the default schedule."""
-    host = type("HostTrainer", (), {"device": torch.device("cpu")})()
+    host = SimpleNamespace(device=torch.device("cpu"))      # all that Trainer.mtp_weights reads
     for step in range(HP.num_iterations):
         sched = tg.schedule_at(step, HP)
         got = tg.Trainer.mtp_weights(host, sched)
