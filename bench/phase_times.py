@@ -9,8 +9,8 @@ from pathlib import Path
 
 
 def summarise(text: str) -> dict:
-    """A log's numbers: untimed phases [(name, s)], batch phases [(first step, last step, global batch, ms/step)],
-    validations [(step, loss text, train time s)] and peak memory (allocated, reserved MiB) or None."""
+    """A log's numbers: untimed phases [(name, s)], batch phases [(first step, last step, global batch, mean ms/step)],
+    the extension steps' (first step, last step, global batch, mean ms/step) or None, validations [(step, loss text, train time s)] and peak memory (allocated, reserved MiB) or None."""
     hp = dict(re.findall(r"^  (\w+) = (.*)$", text, re.M))
     steps = {int(m[0]): float(m[1]) for m in re.findall(r"^step:(\d+)/\d+ train_time:(\d+)ms", text, re.M)}
     vals = [(int(s), loss, int(ms) / 1000)
@@ -20,20 +20,27 @@ def summarise(text: str) -> dict:
     bs = [int(x) for x in re.findall(r"batch=(\d+)", hp.get("stages", ""))] or \
         [int(x) for x in re.findall(r"\d+", hp.get("train_bs_schedule", "(131072, 262144, 393216)"))]
     val_steps = {v[0] for v in vals}
-    phases = []
+    phases, extension = [], None
     if steps:
         n = len(bs)
-        bounds = [(k * ns // n, (k + 1) * ns // n if k < n - 1 else max(steps)) for k in range(n)]
+        # the stages split the scheduled steps evenly; the extension steps after them run the last stage's batch
+        bounds = [(k * ns // n, (k + 1) * ns // n if k < n - 1 else min(ns, max(steps))) for k in range(n)]
+        if max(steps) > ns:
+            bounds.append((ns, max(steps)))
         for i, (a, b) in enumerate(bounds):
             # train_time is cumulative and excludes validation: the per-step time is the difference of successive
             # lines; skip steps right after a validation (their line includes the restart) and a phase's first steps.
-            d = sorted(steps[s + 1] - steps[s] for s in range(a + 2, b)
-                       if s in steps and s + 1 in steps and s not in val_steps)
-            if d:
-                phases.append((a, b - 1, bs[i], d[len(d) // 2]))
+            # The mean, not the median: the log's whole milliseconds then cost no resolution, and a slow step counts
+            # as it does in train_time.
+            d = [steps[s + 1] - steps[s] for s in range(a + 2, b)
+                 if s in steps and s + 1 in steps and s not in val_steps]
+            if d and i < n:
+                phases.append((a, b - 1, bs[i], sum(d) / len(d)))
+            elif d:
+                extension = (a, b - 1, bs[-1], sum(d) / len(d))
     m = re.search(r"peak memory allocated: (\d+) MiB reserved: (\d+) MiB", text)
     return {"untimed": [(name, int(ms) / 1000) for name, ms in re.findall(r"^phase:(\w+) time:(\d+)ms", text, re.M)],
-            "phases": phases, "vals": vals, "peak": (int(m[1]), int(m[2])) if m else None}
+            "phases": phases, "extension": extension, "vals": vals, "peak": (int(m[1]), int(m[2])) if m else None}
 
 
 def print_summary(path: str, s: dict) -> None:
@@ -44,8 +51,9 @@ def print_summary(path: str, s: dict) -> None:
         print("  no training steps in this log")
         return
     print("  phase  steps        global_batch  ms/step   tokens/s")
-    for i, (a, b, batch, ms) in enumerate(s["phases"]):
-        print(f"  {i}      {a:>4}-{b:<6} {batch:>12}  {ms:8.1f}  {batch / ms * 1000:10.0f}")
+    for i, (a, b, batch, ms) in enumerate(s["phases"] + ([s["extension"]] if s["extension"] else [])):
+        name = "ext" if i == len(s["phases"]) else str(i)
+        print(f"  {name:<6} {a:>4}-{b:<6} {batch:>12}  {ms:8.2f}  {batch / ms * 1000:10.0f}")
     for step, loss, sec in s["vals"]:
         print(f"  val step {step}: {loss} (train_time {sec:.1f} s)")
     if s["peak"]:
@@ -53,7 +61,8 @@ def print_summary(path: str, s: dict) -> None:
 
 
 def print_comparison(paths: list[str], summaries: list[dict]) -> None:
-    """ms/step per phase of every log and its ratio to the first log's, the last validation and the peak memory."""
+    """ms/step per phase and train_time of every log with their ratios to the first log's, the last validation and the
+    peak memory."""
     names = [Path(p).stem for p in paths]
     if len(set(names)) < len(names):   # the same run id in two folders: name them by their paths
         names = list(paths)
@@ -65,8 +74,24 @@ def print_comparison(paths: list[str], summaries: list[dict]) -> None:
         for s in summaries:
             ms = {b: m for _, _, b, m in s["phases"]}.get(batch)
             ratio = f" ({ms / base[batch]:.3f}x)" if ms is not None and batch in base and s is not summaries[0] else ""
-            cells.append("-" if ms is None else f"{ms:.1f}{ratio}")
+            cells.append("-" if ms is None else f"{ms:.2f}{ratio}")
         print(f"| ms/step at {batch} tokens | " + " | ".join(cells) + " |")
+    if any(s["extension"] for s in summaries):
+        base_ms = summaries[0]["extension"][3] if summaries[0]["extension"] else None
+        cells = []
+        for s in summaries:
+            ms = s["extension"][3] if s["extension"] else None
+            ratio = f" ({ms / base_ms:.3f}x)" if ms and base_ms and s is not summaries[0] else ""
+            cells.append("-" if ms is None else f"{ms:.2f}{ratio}")
+        print("| ms/step in the extension | " + " | ".join(cells) + " |")
+    # the last validation's train_time: the whole timed loop, validation excluded
+    first = summaries[0]["vals"][-1][2] if summaries[0]["vals"] else None
+    cells = []
+    for s in summaries:
+        sec = s["vals"][-1][2] if s["vals"] else None
+        ratio = f" ({sec / first:.3f}x)" if sec and first and s is not summaries[0] else ""
+        cells.append("-" if sec is None else f"{sec:.1f} s{ratio}")
+    print("| train_time | " + " | ".join(cells) + " |")
     print("| last validation | " + " | ".join(f"{s['vals'][-1][1]} (step {s['vals'][-1][0]})" if s["vals"] else "-"
                                            for s in summaries) + " |")
     print("| peak memory allocated | " + " | ".join(f"{s['peak'][0]} MiB" if s["peak"] else "-"

@@ -55,8 +55,9 @@ OPTIONs are train_gpt.py's --name=value and go to every training run. Each step'
 
 environment:
   OUT       results folder (default ./out)
-  DATA      synthetic shards (default /tmp/syn_bench), made with `data/synthetic.py --preset=bench` unless it holds
-            a val shard; give another folder rather than one with shards of other sizes
+  DATA      synthetic shards (default /tmp/syn_bench, or /tmp/syn_full for full), made with `data/synthetic.py
+            --preset=bench` (full: --preset=full, the 7 shards the whole schedule reads) unless it holds a val shard;
+            give another folder rather than one with shards of other sizes
   NPROC     GPUs to use (./run.sh's default: all of them, if their count divides 8)
   NS, BACKENDS, CHECKS, RUNS, SAMPLE   see the commands
   LIMIT_S   a time limit in seconds for each step (default none)
@@ -88,7 +89,9 @@ if [ "$command" = kernels ] && [ $# -gt 0 ]; then
 fi
 
 OUT=${OUT:-out}
-DATA=${DATA:-/tmp/syn_bench}
+preset=bench   # one 100M-token shard: enough for every shortened run, not for the whole schedule's 468M tokens
+[ "$command" = full ] && preset=full
+DATA=${DATA:-/tmp/syn_$preset}
 # absolute paths: the commands below run from the repository root
 case "$OUT" in /*) ;; *) OUT="$PWD/$OUT" ;; esac
 case "$DATA" in /*) ;; *) DATA="$PWD/$DATA" ;; esac
@@ -115,7 +118,7 @@ step() {
 # The synthetic shards. synthetic.py moves a complete set into place at once, so a val shard means the set is whole.
 make_data() {
   [ -e "$DATA/fineweb_val_000000.bin" ] && return 0
-  if ! "$PY" data/synthetic.py --out "$DATA" --preset=bench > "$OUT/synthetic.txt" 2>&1; then
+  if ! "$PY" data/synthetic.py --out "$DATA" --preset="$preset" > "$OUT/synthetic.txt" 2>&1; then
     echo "error: making synthetic shards in $DATA failed: see $OUT/synthetic.txt" >&2
     return 1
   fi
