@@ -49,8 +49,8 @@ def main() -> int:
     args = ap.parse_args()
     import train_gpt as tg
     hp = tg.Hyperparameters()
-    print(f"| GPUs | nodes | bytes per GPU per step | link | comm ms (lower bound) | compute ms (8/W of {args.step_ms_8:.1f}) "
-          "| comm / compute |")
+    print("| GPUs | nodes | bytes per GPU per step | link | comm ms (lower bound) | "
+          f"compute ms (8/W of {args.step_ms_8:.1f}) | comm / compute |")
     print("|---|---|---|---|---|---|---|")
     for world in (8, 16, 32, 64):
         per = traffic_bytes(hp, world)

@@ -3,10 +3,11 @@
     torchrun --standalone --nproc_per_node=1 bench/optimizer.py
     torchrun --standalone --nproc_per_node=4 bench/optimizer.py [--iters=20]
 
-Builds the trainer's model on CUDA (its 13 labelled parameters) with random gradients and times, with CUDA events, (a) an Adam step while
-embed and lm_head are tied, (b) the same after untie(), (c) a NorMuon-only step. "compute" runs the same step with
-the communication removed (each rank updates its own shard and launches no collective), so total - compute is the
-communication the step fails to hide. Prints one table on rank 0 (each number: the max over ranks of the median).
+Builds the trainer's model on CUDA (its 13 labelled parameters) with random gradients and times, with CUDA events,
+(a) an Adam step while embed and lm_head are tied, (b) the same after untie(), (c) a NorMuon-only step. "compute"
+runs the same step with the communication removed (each rank updates its own shard and launches no collective), so
+total - compute is the communication the step fails to hide. Prints one table on rank 0 (each number: the max over
+ranks of the median).
 """
 import os
 import statistics
@@ -83,7 +84,8 @@ def main():
         dist.all_reduce(result, op=dist.ReduceOp.MAX)
     if rank == 0:
         name = torch.cuda.get_device_name(device)
-        print(f"NorMuonAndAdam step, {world_size} x {name}, torch {torch.__version__}, median of {iters} (max over ranks)")
+        print(f"NorMuonAndAdam step, {world_size} x {name}, torch {torch.__version__}, "
+              f"median of {iters} (max over ranks)")
         print(f"{'case':<20} {'total ms':>10} {'compute ms':>11} {'exposed comm ms':>16}")
         for (case, _, _), (total, comp) in zip(rows, result.tolist()):
             print(f"{case:<20} {total:>10.3f} {comp:>11.3f} {total - comp:>16.3f}")

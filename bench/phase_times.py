@@ -10,7 +10,8 @@ from pathlib import Path
 
 def summarise(text: str) -> dict:
     """A log's numbers: untimed phases [(name, s)], batch phases [(first step, last step, global batch, mean ms/step)],
-    the extension steps' (first step, last step, global batch, mean ms/step) or None, validations [(step, loss text, train time s)] and peak memory (allocated, reserved MiB) or None."""
+    the extension steps' (first step, last step, global batch, mean ms/step) or None, validations [(step, loss text,
+    train time s)] and peak memory (allocated, reserved MiB) or None."""
     hp = dict(re.findall(r"^  (\w+) = (.*)$", text, re.M))
     steps = {int(m[0]): float(m[1]) for m in re.findall(r"^step:(\d+)/\d+ train_time:(\d+)ms", text, re.M)}
     vals = [(int(s), loss, int(ms) / 1000)

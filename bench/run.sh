@@ -31,9 +31,9 @@ commands:
   full BASE [OPTION ...]
                      the whole default schedule (1725 + 40 steps), seed 0: each run in RUNS (default "base new", and
                      "extra" when EXTRA is set; "base" is the code in the folder BASE, "new" this code, "extra" this
-                     code with EXTRA's options), then
-                     bench/phase_times.py's table of the runs made. On 4 GPUs a run takes about 5 minutes: split the runs
-                     over consecutive calls (RUNS=base, then RUNS=new) and compare the logs afterwards with phase_times.py
+                     code with EXTRA's options), then bench/phase_times.py's table of the runs made. On 4 GPUs a run
+                     takes about 5 minutes: split the runs over consecutive calls (RUNS=base, then RUNS=new) and
+                     compare the logs afterwards with phase_times.py
   ab BASE [OPTION ...]
                      before/after, both in this call: NS (default 60) + 6 steps of the code in the folder BASE (a
                      checkout of the baseline, e.g. `git worktree add /tmp/base <commit>`), then the same run of this
@@ -79,8 +79,8 @@ if [[ " $COMMANDS " != *" $command "* ]]; then
   exit 2
 fi
 if { [ "$command" = ab ] || [ "$command" = full ]; } && { [ $# -eq 0 ] || [ ! -x "$1/run.sh" ]; }; then
-  echo "error: '$command' needs the baseline's folder first, one with run.sh (got '${1:-}'): git worktree add /tmp/base" \
-    "<commit>, then bench/run.sh $command /tmp/base" >&2
+  echo "error: '$command' needs the baseline's folder first, one with run.sh (got '${1:-}'):" \
+    "git worktree add /tmp/base <commit>, then bench/run.sh $command /tmp/base" >&2
   exit 2
 fi
 if [ "$command" = kernels ] && [ $# -gt 0 ]; then

@@ -1,5 +1,5 @@
-"""Test helpers for the data pipeline: a shard writer, a pure-Python reference of the training and validation batch rules, and an importer
-of the scripts under data/."""
+"""Test helpers for the data pipeline: a shard writer, a pure-Python reference of the training and validation
+batch rules, and an importer of the scripts under data/."""
 import importlib
 import os
 import struct

@@ -158,7 +158,8 @@ A_, B_, C_ = 23.0, 5.0, 7.5
 
 
 def ce_float64(logits, targets, weights):
-    """The softcapped MTP cross entropy in float64, written as loops: (losses, lse, dz-free parts) for checking both kernels."""
+    """The softcapped MTP cross entropy in float64, written as loops: (losses, lse, dz-free parts) for checking both
+    kernels."""
     n, V = logits.shape
     z = A_ * torch.sigmoid((logits.double() + B_) / C_)
     lse = torch.logsumexp(z, dim=1)

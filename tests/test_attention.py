@@ -98,7 +98,8 @@ def test_bfloat16_matches_reference(backend):
 
 @pytest.mark.parametrize("backend", ["sdpa"])
 def test_traces_as_one_graph(backend):
-    # The model is compiled with fullgraph=True, so the call must trace without graph breaks. aot_eager traces like inductor but runs the ops eagerly (no CPU codegen).
+    # The model is compiled with fullgraph=True, so the call must trace without graph breaks. aot_eager traces like
+    # inductor but runs the ops eagerly (no CPU codegen).
     q, k, v, cu = make_case(1040, 37, 300, torch.float32)
     ref, _ = reference_attention(q, k, v, cu, 37, 0.12)
     compiled = torch.compile(tg.varlen_attention, fullgraph=True, backend="aot_eager")

@@ -1,4 +1,5 @@
-"""bench/ce.py's --tiles: the launches it times, and one error line for a malformed list; its --digest (no GPU needed)."""
+"""bench/ce.py's --tiles: the launches it times, and one error line for a malformed list; its --digest
+(no GPU needed)."""
 import sys
 
 import pytest

@@ -22,7 +22,8 @@ def make_log(step_ms: dict[int, float], val_every: int = 4, ns: int = 12, total:
     t = 0.0
     for step in range(total + 1):
         if step % val_every == 0 or step == total:
-            lines.append(f"step:{step}/{total} val_loss:{max(10 - step / 10, 1):.4f} train_time:{t:.0f}ms step_avg:1.00ms")
+            lines.append(f"step:{step}/{total} val_loss:{max(10 - step / 10, 1):.4f} "
+                         f"train_time:{t:.0f}ms step_avg:1.00ms")
             lines.append("phase:validation time:1200ms")
             t += 50   # the first step after a validation carries the restart
         if step < total:

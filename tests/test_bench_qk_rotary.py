@@ -1,6 +1,6 @@
-"""bench/qk_rotary.py's formulations of the rotary: each must be the flip formulation (the trainer's former one) bit for bit (eager, on the
-CPU), in bf16 and float32, for the normal and the paired layout, forward and backward; otherwise its timings would
-compare different math."""
+"""bench/qk_rotary.py's formulations of the rotary: each must be the flip formulation (the trainer's former one) bit
+for bit (eager, on the CPU), in bf16 and float32, for the normal and the paired layout, forward and backward; otherwise
+its timings would compare different math."""
 import sys
 
 import pytest

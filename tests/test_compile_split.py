@@ -34,10 +34,11 @@ def test_variant_starts_and_warmup_steps_of_the_record_schedule():
                                                       (1, 0, 1), (4, 0, 1), (1, 7, 8), (8, 1, 2)])
 def test_processes_per_gpu(ranks, helpers, per_gpu):
     hp = tg.Hyperparameters(compile_helpers=helpers)
-    assert harness.split_processes_per_gpu(hp.compile_helpers, len(tg.variant_starts(hp)), ranks, cache_loaded=False) == per_gpu
+    assert harness.split_processes_per_gpu(hp.compile_helpers, len(tg.variant_starts(hp)), ranks,
+                                           cache_loaded=False) == per_gpu
     # a loaded compile cache file: the auto count has no helpers, an explicit one stands
-    assert harness.split_processes_per_gpu(hp.compile_helpers, len(tg.variant_starts(hp)), ranks, cache_loaded=True) == (
-        1 if helpers == -1 else per_gpu)
+    assert harness.split_processes_per_gpu(hp.compile_helpers, len(tg.variant_starts(hp)), ranks,
+                                           cache_loaded=True) == (1 if helpers == -1 else per_gpu)
 
 
 @pytest.mark.parametrize("ranks", [1, 2, 4, 8])

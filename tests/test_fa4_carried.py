@@ -1,6 +1,6 @@
 """bench/fa4_carried.sh on a CPU: two fake wheels packed into the two halves, the halves added one call at a time, and
-the unpacked packages importable with the PYTHONPATH it prints (the dsl_packages folder included, as nvidia-cutlass-dsl's
-.pth file would add it)."""
+the unpacked packages importable with the PYTHONPATH it prints (the dsl_packages folder included, as
+nvidia-cutlass-dsl's .pth file would add it)."""
 import os
 import shutil
 import subprocess
@@ -61,7 +61,8 @@ def test_unknown_command_is_a_usage_line():
 
 def test_a_missing_folder_is_one_error_line(tmp_path):
     env = dict(os.environ, FA4_SITE=str(tmp_path / "site"), FA4_PARTS=str(tmp_path / "parts"))
-    for args, fix in ((["pack", str(tmp_path / "nope")], "folder of wheels"), (["add", str(tmp_path)], ".fa4a or .fa4b")):
+    for args, fix in ((["pack", str(tmp_path / "nope")], "folder of wheels"),
+                      (["add", str(tmp_path)], ".fa4a or .fa4b")):
         r = subprocess.run(["bash", str(ROOT / "bench" / "fa4_carried.sh"), *args], capture_output=True, text=True,
                            env=env, timeout=60)
         lines = r.stderr.strip().splitlines()

@@ -277,7 +277,8 @@ def test_readme_failure_table_gives_the_exit_codes_the_trainer_uses():
     table = text.split("## When something is wrong", 1)[1].split("\n## ", 1)[0]
     codes = {int(c) for row in table.splitlines() if row.startswith("| ") and not row.startswith("| failure")
              for c in [row.split("|")[3].strip()] if c.isdigit()}
-    assert codes == {harness.EXIT_DATA, harness.EXIT_CONFIG, harness.EXIT_DIVERGED, harness.EXIT_PEER, harness.EXIT_BUG, 130, 143}, codes
+    assert codes == {harness.EXIT_DATA, harness.EXIT_CONFIG, harness.EXIT_DIVERGED, harness.EXIT_PEER, harness.EXIT_BUG,
+                     130, 143}, codes
 
 
 def test_a_signal_wrapped_by_the_compiler_is_still_a_signal():

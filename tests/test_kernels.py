@@ -57,8 +57,8 @@ def test_relu2_mlp_reference_rounding_points_and_backward():
     dx, dc_fc, dc_proj = torch.autograd.grad(out, (x, c_fc, c_proj), grad)
     dpost = (grad.double() @ c_proj.double().T).bfloat16()
     dpre = (2 * dpost.double() * pre.double().clamp_min(0)).bfloat16().double()
-    for name, got, want in [("dc_proj", dc_proj, post.double().T @ grad.double()), ("dc_fc", dc_fc, dpre.T @ x.double()),
-                            ("dx", dx, dpre @ c_fc.double())]:
+    for name, got, want in [("dc_proj", dc_proj, post.double().T @ grad.double()),
+                            ("dc_fc", dc_fc, dpre.T @ x.double()), ("dx", dx, dpre @ c_fc.double())]:
         assert got.dtype == torch.bfloat16, name
         assert ((got.double() - want).abs().max() / want.abs().max()).item() < 2e-2, name
 

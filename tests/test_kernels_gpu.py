@@ -240,7 +240,8 @@ def test_ce_bwd_fp8_is_the_bf16_gradient_quantised(n, weights, g_row):
     want = tk.softcapped_mtp_ce_bwd_fp8_reference(d, S_G)
     assert q.dtype == q_t.dtype == torch.float8_e5m2 and q.shape == (n, V) and q_t.shape == (V, n)
     diff = fp8_bits(q) != fp8_bits(want)
-    assert not diff.any(), f"{int(diff.sum())} of {diff.numel()} differ: {q[diff][:4].float()} vs {want[diff][:4].float()}"
+    assert not diff.any(), (f"{int(diff.sum())} of {diff.numel()} differ: "
+                            f"{q[diff][:4].float()} vs {want[diff][:4].float()}")
     assert torch.equal(fp8_bits(q_t), fp8_bits(want).t()), "the transposed layout is not the transpose"
     assert (q.float() != 0).float().mean() > 0.5  # the scale keeps most gradients above e5m2's underflow
     if g_row > 1:

@@ -110,7 +110,8 @@ def doc_of(cu, t):
 
 
 def attention_direct(model, layer, u, ve, cu, window, *, swap_slot=True):
-    """The attention sublayer (paired and normal) written out per token and head, in fp32. u (T, D) bf16 -> (T, D) fp32."""
+    """The attention sublayer (paired and normal) written out per token and head, in fp32.
+    u (T, D) bf16 -> (T, D) fp32."""
     cfg = model.cfg
     T, D, H, hd, L = u.shape[0], cfg.model_dim, cfg.num_heads, cfg.head_dim, cfg.num_layers
     kind = cfg.attn_layout[layer]
@@ -499,7 +500,8 @@ def test_fp8_quantize_every_bf16_value_against_a_float64_transcription():
     quantiser as a product changed no result."""
     x = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
     x = x[torch.isfinite(x)]
-    for s, dtype in ((0.75 / 448, torch.float8_e5m2), (100 / 448, torch.float8_e4m3fn), (1.6 / 448, torch.float8_e4m3fn)):
+    for s, dtype in ((0.75 / 448, torch.float8_e5m2), (100 / 448, torch.float8_e4m3fn),
+                     (1.6 / 448, torch.float8_e4m3fn)):
         lim = torch.finfo(dtype).max
         inv32 = float(torch.tensor(1 / s, dtype=torch.float32))
         want = (x.double() * inv32).float().clamp(-lim, lim).to(dtype).view(torch.uint8)

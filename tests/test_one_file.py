@@ -139,7 +139,8 @@ def test_a_cpu_run_with_default_flags_uses_edited_optimizer_steps(monkeypatch):
 def test_the_per_op_switch_runs_exactly_the_ops_asked_for(monkeypatch):
     """Each op has a dispatcher (the kernel on CUDA, the reference elsewhere) and a reference; --kernels=op:torch
     calls the reference directly. Recording both shows which one the model and the optimizer chose."""
-    pairs = {"qk": ("qk_norm_rotary", "qk_norm_rotary_reference"), "mlp": ("relu2_mlp", "relu2_mlp_reference"), "ce": ("softcapped_mtp_ce", "softcapped_mtp_ce_reference"),
+    pairs = {"qk": ("qk_norm_rotary", "qk_norm_rotary_reference"), "mlp": ("relu2_mlp", "relu2_mlp_reference"),
+             "ce": ("softcapped_mtp_ce", "softcapped_mtp_ce_reference"),
              "normuon": ("normuon_momentum", "normuon_momentum_reference"), "polar": ("xxt", "xxt_reference")}
     calls = []
 
@@ -189,7 +190,8 @@ def test_comments_layout_and_docstrings_are_not_edits(tmp_path):
     import importlib.util
     versions = {
         "same": 'def f(x):\n    """Doc."""\n    return x * 2\n',
-        "commented": 'def f(x):\n    """Another docstring."""\n    # a comment\n    return (x *\n            2)  # why\n',
+        "commented": ('def f(x):\n    """Another docstring."""\n    # a comment\n'
+                      '    return (x *\n            2)  # why\n'),
         "edited": 'def f(x):\n    """Doc."""\n    return x * 3\n'}
     digests = {}
     for name, code in versions.items():

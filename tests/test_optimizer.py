@@ -245,7 +245,8 @@ def test_adam_update_in_cpu_blocks_is_bitwise_the_whole_tensor_update(monkeypatc
 # ---------------------------------------------------------------------------------------------------------------------
 
 def variance_reference(O, Q, beta2):
-    """NorMuon's variance normalisation in float64: O bf16-valued (n, R, C), Q (n, R, 1) or (n, 1, C) -> (O scaled, rounded to bf16; new Q)."""
+    """NorMuon's variance normalisation in float64: O bf16-valued (n, R, C), Q (n, R, 1) or (n, 1, C)
+    -> (O scaled, rounded to bf16; new Q)."""
     red = -1 if O.shape[-2] >= O.shape[-1] else -2
     n_red = O.shape[red]
     r = (O * O).mean(dim=red, keepdim=True)

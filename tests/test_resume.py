@@ -1,4 +1,5 @@
-"""Checkpoints and --resume: a resumed run is bit for bit the run that was stopped; what cannot continue it is refused."""
+"""Checkpoints and --resume: a resumed run is bit for bit the run that was stopped; what cannot continue it is
+refused."""
 from pathlib import Path
 
 import pytest

@@ -34,7 +34,8 @@ def write_log(path, vals, total=TOTAL, error=None):
 
 
 def finished_log(tmp_path, name, loss, seconds):
-    return write_log(tmp_path / f"{name}.txt", [(0, 10.8258, 0.0), (1000, 3.61, seconds * 0.56), (TOTAL, loss, seconds)])
+    return write_log(tmp_path / f"{name}.txt",
+                     [(0, 10.8258, 0.0), (1000, 3.61, seconds * 0.56), (TOTAL, loss, seconds)])
 
 
 def run_json(capsys, args):
@@ -153,7 +154,8 @@ def test_progress_note_counts_tokens_not_steps():
     assert harness.progress_note(10, 100, 5000, 1_000_000, 20_000_000) == "  10% 200,000 tok/s ETA 1m35s"
     assert harness.progress_note(1, 1765, 1000, 1000, 4_000_000) == "  0% 1,000 tok/s ETA 1h06m"
     line = harness.result_line(3.2791, 3.28, 88_123, 1765, 31010, None)
-    assert line == "result: val_loss:3.2791 target:3.28 reached:yes train_time:88.1s steps:1765 peak_memory:31010MiB log:None"
+    assert line == ("result: val_loss:3.2791 target:3.28 reached:yes train_time:88.1s steps:1765 "
+                    "peak_memory:31010MiB log:None")
 
 
 @pytest.mark.timeout(900)

@@ -43,8 +43,9 @@ def val_losses(stdout):
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_tiny_preset_learns_text_tokenized_by_data_tokenize_docs(tmp_path):
-    """Text -> data/tokenize_docs.py (byte encoding, offline) -> the tiny preset: the val loss falls from ln(vocab) to well
-    below the unigram entropy of the scored val tokens, so the model learned context, not just token frequencies."""
+    """Text -> data/tokenize_docs.py (byte encoding, offline) -> the tiny preset: the val loss falls from ln(vocab) to
+    well below the unigram entropy of the scored val tokens, so the model learned context, not just token
+    frequencies."""
     with open(tmp_path / "docs.jsonl", "w", encoding="utf-8") as f:
         for text in paragraphs(400, seed=0):
             f.write(json.dumps({"text": text}) + "\n")
