@@ -61,6 +61,13 @@ def print_summary(path: str, s: dict) -> None:
         print(f"  peak memory allocated {s['peak'][0]} MiB, reserved {s['peak'][1]} MiB")
 
 
+def ratio_cells(values: list, fmt: str) -> str:
+    """Table cells: each value in fmt with its ratio to the first log's, "-" where a log has none."""
+    first = values[0]
+    return " | ".join("-" if v is None else fmt.format(v) + (f" ({v / first:.3f}x)" if k and first else "")
+                      for k, v in enumerate(values))
+
+
 def print_comparison(paths: list[str], summaries: list[dict]) -> None:
     """ms/step per phase and train_time of every log with their ratios to the first log's, the last validation and the
     peak memory."""
@@ -69,30 +76,15 @@ def print_comparison(paths: list[str], summaries: list[dict]) -> None:
         names = list(paths)
     print("\n| | " + " | ".join(names) + " |")
     print("|---" * (len(names) + 1) + "|")
-    base = {batch: ms for _, _, batch, ms in summaries[0]["phases"]}
     for batch in sorted({batch for s in summaries for _, _, batch, _ in s["phases"]}):
-        cells = []
-        for s in summaries:
-            ms = {b: m for _, _, b, m in s["phases"]}.get(batch)
-            ratio = f" ({ms / base[batch]:.3f}x)" if ms is not None and batch in base and s is not summaries[0] else ""
-            cells.append("-" if ms is None else f"{ms:.2f}{ratio}")
-        print(f"| ms/step at {batch} tokens | " + " | ".join(cells) + " |")
+        values = [{b: ms for _, _, b, ms in s["phases"]}.get(batch) for s in summaries]
+        print(f"| ms/step at {batch} tokens | {ratio_cells(values, '{:.2f}')} |")
     if any(s["extension"] for s in summaries):
-        base_ms = summaries[0]["extension"][3] if summaries[0]["extension"] else None
-        cells = []
-        for s in summaries:
-            ms = s["extension"][3] if s["extension"] else None
-            ratio = f" ({ms / base_ms:.3f}x)" if ms and base_ms and s is not summaries[0] else ""
-            cells.append("-" if ms is None else f"{ms:.2f}{ratio}")
-        print("| ms/step in the extension | " + " | ".join(cells) + " |")
+        values = [s["extension"][3] if s["extension"] else None for s in summaries]
+        print(f"| ms/step in the extension | {ratio_cells(values, '{:.2f}')} |")
     # the last validation's train_time: the whole timed loop, validation excluded
-    first = summaries[0]["vals"][-1][2] if summaries[0]["vals"] else None
-    cells = []
-    for s in summaries:
-        sec = s["vals"][-1][2] if s["vals"] else None
-        ratio = f" ({sec / first:.3f}x)" if sec and first and s is not summaries[0] else ""
-        cells.append("-" if sec is None else f"{sec:.1f} s{ratio}")
-    print("| train_time | " + " | ".join(cells) + " |")
+    values = [s["vals"][-1][2] if s["vals"] else None for s in summaries]
+    print(f"| train_time | {ratio_cells(values, '{:.1f} s')} |")
     print("| last validation | " + " | ".join(f"{s['vals'][-1][1]} (step {s['vals'][-1][0]})" if s["vals"] else "-"
                                            for s in summaries) + " |")
     print("| peak memory allocated | " + " | ".join(f"{s['peak'][0]} MiB" if s["peak"] else "-"
