@@ -23,6 +23,10 @@ A kernel is attributed to the optimizer or the FP8 op through the CPU range (rec
 --owners=REGEX lists, for the kernels and copies whose name matches, the CPU ops around their launch (an autograd node,
 an aten op: where in the code a copy comes from); --gaps=N lists the N longest stretches with no kernel running and
 the ops that launched the kernel after each.
+When the traces of the other ranks lie beside a trace (a multi-GPU run), each step also gets the time each rank reached
+its first gradient reduction, after the first rank: the waiting for the slowest rank that opt_comm counts on the others.
+The profiler's own CPU cost is part of what a profiled step measures: where the CPU only just keeps ahead of the GPU
+(short micro-batches), the idle time and the ranks' spread are larger than in a run without it.
 """
 from __future__ import annotations
 
@@ -170,6 +174,54 @@ def idle_gaps(path: str, top: int = 10) -> list[tuple[float, str, str, str]]:
             for us, prev, k in sorted(gaps, key=lambda g: -g[0])[:top]]
 
 
+def sibling_traces(path: str) -> list[str]:
+    """The traces of every rank for the same steps as `path` (..._rank<r>_steps<a>-<b>_trace.json), by rank."""
+    p = Path(path)
+    m = re.fullmatch(r"(.*_rank)\d+(_steps\d+-\d+_trace\.json)", p.name)
+    if not m:
+        return [path]
+    ranks = {}
+    for q in p.parent.iterdir():
+        r = re.fullmatch(re.escape(m[1]) + r"(\d+)" + re.escape(m[2]), q.name)
+        if r:
+            ranks[int(r[1])] = str(q)
+    return [ranks[r] for r in sorted(ranks)]
+
+
+def first_collectives(path: str) -> list[tuple[float, float]]:
+    """(start, duration) in us of each step's first communication kernel: the earliest one launched inside the
+    step's optimizer_step range, which launches the gradient reductions once the backward is done."""
+    trace = _Trace(path)
+    steps = sorted((e["ts"], e["ts"] + e["dur"]) for e in trace.events
+                   if e.get("name") == "optimizer_step" and e.get("cat") == "user_annotation")
+    first: list[tuple[float, float] | None] = [None] * len(steps)
+    for k in trace.kernels:
+        launch = trace.launches.get(k.get("args", {}).get("correlation"))
+        if not COMM.search(k.get("name", "")) or launch is None:
+            continue
+        i = next((i for i, (a, b) in enumerate(steps) if a <= launch["ts"] <= b), None)
+        if i is not None and (first[i] is None or k["ts"] < first[i][0]):
+            first[i] = (k["ts"], k["dur"])
+    return [f for f in first if f is not None]
+
+
+def rank_arrivals(paths: list[str]) -> list[tuple[list[float], int, float]]:
+    """Per step, for the traces of all ranks (one per rank, the same steps): when each rank's first collective
+    started, in ms after the first rank's (it ends on every rank at once, when the last one has joined), the rank
+    that came last, and that rank's kernel time (the reduction itself, with no waiting in it). The traces share
+    the host's clock. A spread here is time the other ranks spend waiting for the slowest one's backward (different
+    documents, clocks, or the profiler's own CPU cost), which the buckets count as exposed communication."""
+    per_rank = [first_collectives(p) for p in paths]
+    if len({len(f) for f in per_rank}) != 1:
+        raise ValueError(f"the rank traces hold different numbers of steps: {[len(f) for f in per_rank]}")
+    rows = []
+    for step in zip(*per_rank):
+        starts = [s for s, _ in step]
+        last = max(range(len(step)), key=lambda r: starts[r])
+        rows.append(([(s - min(starts)) / 1000 for s in starts], last, step[last][1] / 1000))
+    return rows
+
+
 def run_and_profile(out: str, scheduled: int, extra: list[str]) -> list[str]:
     """./run.sh on a short schedule (scheduled steps + 6 extension steps), profiling two steps late in each third."""
     import subprocess
@@ -226,6 +278,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  longest idle stretches (ms; the kernel before -> the kernel after <- its launching ops):")
             for ms, prev, nxt, chain in idle_gaps(path, args.gaps):
                 print(f"    {ms:7.3f} ms  {prev} -> {nxt}  <-  {chain}")
+        ranks = sibling_traces(path)
+        if len(ranks) > 1:
+            print(f"  ranks at each step's first collective (ms after the first rank; the last rank's kernel):")
+            try:
+                for i, (late, last, ms) in enumerate(rank_arrivals(ranks)):
+                    print(f"    step {i + 1}: " + "  ".join(f"rank{r} +{t:.2f}" for r, t in enumerate(late))
+                          + f"  | rank{last} last, its kernel {ms:.2f} ms")
+            except (OSError, ValueError, KeyError) as e:
+                print(f"error: cannot compare the ranks' traces of {path}: {e}", file=sys.stderr)
+                return 1
         if args.owners:
             print(f"  launched by (kernels matching {args.owners!r}; ms per step, launches per step):")
             for ms, n, kernel_name, chain in owners(path, args.owners)[:20]:

@@ -104,3 +104,55 @@ def test_a_bad_owners_pattern_is_one_error_line(capsys):
     assert profile_step.main(["--owners=(", "unused_trace.json"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: --owners='(' is not a regular expression") and err.count("\n") == 1
+
+
+def rank_trace(path, arrivals, kernel_us):
+    """A trace of two steps: step i's optimizer_step (CPU) launches the reduce-scatter that starts at arrivals[i] and
+    runs kernel_us[i]; a later all-gather of the same step and the loss's all-reduce before it must not count."""
+    events = []
+    for i, (start, dur) in enumerate(zip(arrivals, kernel_us)):
+        t = 10_000 * i
+        corr = 10 * i
+        events += [
+            launch(t + 5, corr + 1), kernel("ncclDevKernel_AllReduce_Sum_f32", t + 100, 5, corr + 1, stream=9),
+            {"ph": "X", "cat": "user_annotation", "name": "optimizer_step", "ts": t + 50, "dur": 200, "tid": 1},
+            launch(t + 60, corr + 2), kernel("ncclDevKernel_ReduceScatter_Sum_bf16", start, dur, corr + 2, stream=9),
+            launch(t + 70, corr + 3), kernel("ncclDevKernel_AllGather", start + dur + 500, 40, corr + 3, stream=9),
+        ]
+    path.write_text(json.dumps({"traceEvents": events}))
+    return str(path)
+
+
+def test_rank_arrivals_are_the_spread_at_each_steps_first_reduction(tmp_path):
+    """Rank 1 reaches the first reduce-scatter 3 ms after rank 0 in step 1 and rank 0 is 0.5 ms late in step 2;
+    the one that came last reports its own kernel time (the transfer, no waiting)."""
+    r0 = rank_trace(tmp_path / "run_rank0_steps16-17_trace.json", [1000, 11_500], [3300, 400])
+    r1 = rank_trace(tmp_path / "run_rank1_steps16-17_trace.json", [4000, 11_000], [300, 900])
+    rows = profile_step.rank_arrivals([r0, r1])
+    assert [([round(t, 6) for t in late], last, round(ms, 6)) for late, last, ms in rows] == [
+        ([0.0, 3.0], 1, 0.3), ([0.5, 0.0], 0, 0.4)]
+
+
+def test_sibling_traces_are_the_same_steps_of_every_rank(tmp_path):
+    for name in ("run_rank0_steps16-17", "run_rank1_steps16-17", "run_rank10_steps16-17", "run_rank2_steps16-17",
+                 "run_rank2_steps36-37",
+                 "other_rank1_steps16-17"):
+        (tmp_path / f"{name}_trace.json").write_text("{}")
+    found = profile_step.sibling_traces(str(tmp_path / "run_rank0_steps16-17_trace.json"))
+    assert [p.rsplit("/", 1)[1] for p in found] == [
+        "run_rank0_steps16-17_trace.json", "run_rank1_steps16-17_trace.json", "run_rank2_steps16-17_trace.json",
+        "run_rank10_steps16-17_trace.json"]                                  # by number, not by name
+    assert profile_step.sibling_traces(str(tmp_path / "t.json")) == [str(tmp_path / "t.json")]
+
+
+def test_main_prints_the_ranks_and_names_a_step_mismatch(tmp_path, capsys):
+    r0 = rank_trace(tmp_path / "run_rank0_steps16-17_trace.json", [1000, 11_500], [3300, 400])
+    rank_trace(tmp_path / "run_rank1_steps16-17_trace.json", [4000, 11_000], [300, 900])
+    assert profile_step.main([r0]) == 0
+    out = capsys.readouterr().out
+    assert "    step 1: rank0 +0.00  rank1 +3.00  | rank1 last, its kernel 0.30 ms\n" in out
+    assert "    step 2: rank0 +0.50  rank1 +0.00  | rank0 last, its kernel 0.40 ms\n" in out
+    rank_trace(tmp_path / "run_rank1_steps16-17_trace.json", [4000], [300])     # one step only
+    assert profile_step.main([r0]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: cannot compare the ranks' traces") and "[2, 1]" in err and err.count("\n") == 1
