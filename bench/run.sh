@@ -28,6 +28,11 @@ commands:
   profile [OPTION ...]
                      GPU time per bucket of a step late in each batch phase of an NS-step run (default 60;
                      bench/profile_step.py --run)
+  rank8 [OPTION ...]  an 8-GPU run's step as each of its ranks sees it, on this node's NPROC GPUs: every batch (the
+                     stages', the validation's) cut to NPROC/8 of its size and one micro-batch per GPU
+                     (--batch_slices=NPROC), so each GPU runs one micro-batch of the 8-GPU size per step, then the
+                     optimizer. NS (default 60) + 6 steps, then the same under bench/profile_step.py --run. For the
+                     time per step only: the smaller batch is not the record's math
   full BASE [OPTION ...]
                      the whole default schedule (1725 + 40 steps), seed 0: each run in RUNS (default "base new", and
                      "extra" when EXTRA is set; "base" is the code in the folder BASE, "new" this code, "extra" this
@@ -67,7 +72,7 @@ example: the attention tests, then a run with torch's varlen attention
 EOF
 }
 
-COMMANDS="tests kernels train smoke backends overhead resume profile full ab startup"
+COMMANDS="tests kernels train smoke backends overhead resume profile rank8 full ab startup"
 command=${1:-}
 case "$command" in
   -h|--help|help) usage; exit 0 ;;
@@ -216,6 +221,25 @@ case "$command" in
     step profile "$PY" bench/profile_step.py --run --out="$OUT/profile" --scheduled="${NS:-60}" \
       --train_files="$DATA/fineweb_train_*.bin" --val_files="$DATA/fineweb_val_*.bin" "$@"
     grep -E "^\||error" "$OUT/profile.txt" || true ;;
+  rank8)
+    gpus=${NPROC:-$("$PY" -c "import torch; print(torch.cuda.device_count())")}
+    case "$gpus" in 1|2|4|8) ;; *)
+      echo "error: rank8 needs a GPU count that divides 8, got $gpus: set NPROC to 1, 2, 4 or 8" >&2; exit 2 ;;
+    esac
+    export NPROC=$gpus
+    # the default batches (stages, validation) at NPROC/8 of their size; a stage reads "batch:lr_peak:ws_long:w1/w2/..."
+    # shellcheck disable=SC2207  # options without spaces or wildcards, one per word
+    shape=($("$PY" -c 'import sys, train_gpt as t
+n, hp = int(sys.argv[1]), t.Hyperparameters()
+stages = ",".join(":".join([str(s.batch * n // 8), str(s.lr_peak), str(s.ws_long), "/".join(map(str, s.mtp_weights))])
+                  for s in hp.stages)
+print(f"--batch_slices={n} --stages={stages} --val_batch_size={hp.val_batch_size * n // 8}")' "$gpus"))
+    make_data
+    train_run rank8 --num_scheduled_iterations="${NS:-60}" --num_extension_iterations=6 --val_loss_every=0 \
+      "${shape[@]}" "$@"
+    step rank8_profile "$PY" bench/profile_step.py --run --out="$OUT/rank8_profile" --scheduled="${NS:-60}" \
+      --train_files="$DATA/fineweb_train_*.bin" --val_files="$DATA/fineweb_val_*.bin" "${shape[@]}" "$@"
+    grep -E "^\||error|rank[0-9]+ \+" "$OUT/rank8_profile.txt" || true ;;
   full|ab)
     base=$(cd "$1" && pwd)
     shift

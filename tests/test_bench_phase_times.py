@@ -7,7 +7,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT))
 import phase_times  # noqa: E402
+import train_gpt  # noqa: E402
 
 
 def make_log(step_ms: dict[int, float], val_every: int = 4, ns: int = 12, total: int = 14, peak: int = 1000,
@@ -119,3 +121,47 @@ def test_bench_makes_the_data_set_its_runs_read(tmp_path, command, preset):
                        env=env, timeout=60)
     assert r.returncode == 1 and r.stderr.startswith("error: making synthetic shards")
     assert record.read_text().split() == ["data/synthetic.py", "--out", str(tmp_path / "data"), f"--preset={preset}"]
+
+
+@pytest.mark.parametrize("gpus", [1, 2, 4])
+def test_bench_rank8_gives_each_gpu_one_micro_batch_of_the_8_gpu_size(tmp_path, gpus):
+    """`rank8` times an 8-GPU rank's step on fewer GPUs: the options it passes to the run and to the profile must give
+    every GPU one micro-batch per step, of the size a rank of the default 8-GPU run trains and validates on."""
+    record = tmp_path / "calls.txt"
+    python = tmp_path / "python"   # runs `-c` snippets, notes every other call (the profile) and succeeds
+    python.write_text(f'#!/bin/sh\nif [ "$1" = -c ]; then exec {sys.executable} "$@"; fi\n'
+                      f'echo "python $@" >> {record}\n')
+    runsh = tmp_path / "run.sh"    # stands in for ./run.sh: notes NPROC and its options
+    runsh.write_text(f'#!/bin/sh\necho "run.sh NPROC=$NPROC $@" >> {record}\n')
+    for f in (python, runsh):
+        f.chmod(0o755)
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "fineweb_val_000000.bin").write_bytes(b"")    # a made set: no synthetic.py call
+    env = {"PATH": "/usr/bin:/bin", "OUT": str(tmp_path / "out"), "DATA": str(data), "PYTHON": str(python),
+           "RUNSH": str(runsh), "NPROC": str(gpus)}
+    r = subprocess.run(["bash", str(ROOT / "bench" / "run.sh"), "rank8", "--seed=1"], capture_output=True, text=True,
+                       env=env, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    run, profile = record.read_text().splitlines()
+    assert run.startswith(f"run.sh NPROC={gpus} ") and profile.startswith("python bench/profile_step.py --run ")
+    default = train_gpt.Hyperparameters()
+    for call in (run, profile):
+        opts = [a for a in call.split() if a.startswith(("--batch_slices", "--stages", "--val_batch_size"))]
+        assert len(opts) == 3 and call.endswith("--seed=1")
+        hp = train_gpt.parse_args(opts)
+        assert hp.batch_slices == gpus                                   # one micro-batch per GPU and step
+        assert [train_gpt.micro_batch_tokens(s.batch, gpus) for s in hp.stages] == [
+            train_gpt.micro_batch_tokens(s.batch, 8) for s in default.stages]
+        assert hp.val_batch_size // gpus == default.val_batch_size // 8
+        assert [(s.lr_peak, s.ws_long, s.mtp_weights) for s in hp.stages] == [
+            (s.lr_peak, s.ws_long, s.mtp_weights) for s in default.stages]
+
+
+def test_bench_rank8_needs_a_gpu_count_that_divides_8(tmp_path):
+    env = {"PATH": "/usr/bin:/bin", "OUT": str(tmp_path / "out"), "DATA": str(tmp_path / "data"), "NPROC": "3"}
+    r = subprocess.run(["bash", str(ROOT / "bench" / "run.sh"), "rank8"], capture_output=True, text=True, env=env,
+                       timeout=60)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "error: rank8 needs a GPU count that divides 8, got 3: set NPROC to 1, 2, 4 or 8"]
+    assert not (tmp_path / "data").exists()
