@@ -174,18 +174,15 @@ def idle_gaps(path: str, top: int = 10) -> list[tuple[float, str, str, str]]:
             for us, prev, k in sorted(gaps, key=lambda g: -g[0])[:top]]
 
 
-def sibling_traces(path: str) -> list[str]:
-    """The traces of every rank for the same steps as `path` (..._rank<r>_steps<a>-<b>_trace.json), by rank."""
+def sibling_traces(path: str) -> list[tuple[int, str]]:
+    """(rank, trace) of every rank's trace of the same steps as `path` (..._rank<r>_steps<a>-<b>_trace.json), by
+    rank; empty if the name has no rank in it."""
     p = Path(path)
     m = re.fullmatch(r"(.*_rank)\d+(_steps\d+-\d+_trace\.json)", p.name)
     if not m:
-        return [path]
-    ranks = {}
-    for q in p.parent.iterdir():
-        r = re.fullmatch(re.escape(m[1]) + r"(\d+)" + re.escape(m[2]), q.name)
-        if r:
-            ranks[int(r[1])] = str(q)
-    return [ranks[r] for r in sorted(ranks)]
+        return []
+    found = (re.fullmatch(re.escape(m[1]) + r"(\d+)" + re.escape(m[2]), q.name) for q in p.parent.iterdir())
+    return sorted((int(r[1]), str(p.parent / r[0])) for r in found if r)
 
 
 def first_collectives(path: str) -> list[tuple[float, float]]:
@@ -200,7 +197,7 @@ def first_collectives(path: str) -> list[tuple[float, float]]:
         if not COMM.search(k.get("name", "")) or launch is None:
             continue
         i = next((i for i, (a, b) in enumerate(steps) if a <= launch["ts"] <= b), None)
-        if i is not None and (first[i] is None or k["ts"] < first[i][0]):
+        if i is not None and first[i] is None:     # the kernels are in start order
             first[i] = (k["ts"], k["dur"])
     return [f for f in first if f is not None]
 
@@ -281,10 +278,11 @@ def main(argv: list[str] | None = None) -> int:
         ranks = sibling_traces(path)
         if len(ranks) > 1:
             print(f"  ranks at each step's first collective (ms after the first rank; the last rank's kernel):")
+            names = [f"rank{r}" for r, _ in ranks]
             try:
-                for i, (late, last, ms) in enumerate(rank_arrivals(ranks)):
-                    print(f"    step {i + 1}: " + "  ".join(f"rank{r} +{t:.2f}" for r, t in enumerate(late))
-                          + f"  | rank{last} last, its kernel {ms:.2f} ms")
+                for i, (late, last, ms) in enumerate(rank_arrivals([q for _, q in ranks])):
+                    print(f"    step {i + 1}: " + "  ".join(f"{n} +{t:.2f}" for n, t in zip(names, late))
+                          + f"  | {names[last]} last, its kernel {ms:.2f} ms")
             except (OSError, ValueError, KeyError) as e:
                 print(f"error: cannot compare the ranks' traces of {path}: {e}", file=sys.stderr)
                 return 1

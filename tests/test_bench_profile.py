@@ -139,10 +139,10 @@ def test_sibling_traces_are_the_same_steps_of_every_rank(tmp_path):
                  "other_rank1_steps16-17"):
         (tmp_path / f"{name}_trace.json").write_text("{}")
     found = profile_step.sibling_traces(str(tmp_path / "run_rank0_steps16-17_trace.json"))
-    assert [p.rsplit("/", 1)[1] for p in found] == [
-        "run_rank0_steps16-17_trace.json", "run_rank1_steps16-17_trace.json", "run_rank2_steps16-17_trace.json",
-        "run_rank10_steps16-17_trace.json"]                                  # by number, not by name
-    assert profile_step.sibling_traces(str(tmp_path / "t.json")) == [str(tmp_path / "t.json")]
+    assert [(r, p.rsplit("/", 1)[1]) for r, p in found] == [
+        (0, "run_rank0_steps16-17_trace.json"), (1, "run_rank1_steps16-17_trace.json"),
+        (2, "run_rank2_steps16-17_trace.json"), (10, "run_rank10_steps16-17_trace.json")]   # by number, not name
+    assert profile_step.sibling_traces(str(tmp_path / "t.json")) == []
 
 
 def test_main_prints_the_ranks_and_names_a_step_mismatch(tmp_path, capsys):
@@ -152,7 +152,10 @@ def test_main_prints_the_ranks_and_names_a_step_mismatch(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "    step 1: rank0 +0.00  rank1 +3.00  | rank1 last, its kernel 0.30 ms\n" in out
     assert "    step 2: rank0 +0.50  rank1 +0.00  | rank0 last, its kernel 0.40 ms\n" in out
+    (tmp_path / "run_rank1_steps16-17_trace.json").rename(tmp_path / "run_rank2_steps16-17_trace.json")
+    assert profile_step.main([r0]) == 0                                          # rank 1's trace missing: named
+    assert "    step 1: rank0 +0.00  rank2 +3.00  | rank2 last" in capsys.readouterr().out   # by their ranks
     rank_trace(tmp_path / "run_rank1_steps16-17_trace.json", [4000], [300])     # one step only
     assert profile_step.main([r0]) == 1
     err = capsys.readouterr().err
-    assert err.startswith("error: cannot compare the ranks' traces") and "[2, 1]" in err and err.count("\n") == 1
+    assert err.startswith("error: cannot compare the ranks' traces") and "[2, 1, 2]" in err and err.count("\n") == 1
