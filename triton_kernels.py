@@ -1919,3 +1919,81 @@ def qk_norm_rotary(qkv: Tensor, cos: Tensor, sin: Tensor, pos_mult: int
     Triton on CUDA, the reference elsewhere."""
     return (qk_norm_rotary_triton(qkv, cos, sin, pos_mult) if qkv.is_cuda
             else qk_norm_rotary_reference(qkv, cos, sin, pos_mult))
+
+
+# ==================================================================================================
+# 10. FP8 matmul with a bf16 output  (the FP8 LM head's logits, train_gpt._fp8_head_forward_impl)
+# ==================================================================================================
+# out = bf16(fp32(a @ b.T) * scale) for a (M, K) and b (N, K) in e4m3, both K-major, as
+# torch._scaled_mm computes it with use_fast_accum=True and the scale = fp32(scale_a * scale_b).
+# K is short here (the model dim), so a tile spends as long writing its bf16 outputs as multiplying:
+# a persistent program stores each tile through TMA, which drains while the next tile's products
+# run. Tiles (BM, BN, BK, GROUP_M, warps, stages), fixed: bench/fp8_mm.py times the candidates.
+
+_FP8_MM_TILES = (128, 256, 128, 8, 8, 3)
+_FP8_MM_INTERPRETER_TILES = (16, 32, 16, 2, 4, 2)
+
+
+@triton.jit
+def _fp8_mm_kernel(a_ptr, b_ptr, out_ptr, M, N, K, scale, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                   WARP_SPECIALIZE: tl.constexpr):
+    """Persistent bf16(a @ b.T * scale); K a multiple of BLOCK_K, rows 16-byte aligned (checked by
+    the launcher). Out-of-range rows and columns load as zeros and are not stored."""
+    a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[K, 1],
+                                       block_shape=[BLOCK_M, BLOCK_K])
+    b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[K, 1],
+                                       block_shape=[BLOCK_N, BLOCK_K])
+    out_desc = tl.make_tensor_descriptor(out_ptr, shape=[M, N], strides=[N, 1],
+                                         block_shape=[BLOCK_M, BLOCK_N])
+    scale = tl.cast(scale, tl.float32)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, tl.num_programs(0),
+                         warp_specialize=WARP_SPECIALIZE):
+        pid_m, pid_n = _grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, K // BLOCK_K):
+            a = a_desc.load([pid_m * BLOCK_M, k * BLOCK_K])
+            b = b_desc.load([pid_n * BLOCK_N, k * BLOCK_K])
+            acc = tl.dot(a, b.T, acc)
+        out_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N],
+                       (acc * scale).to(out_ptr.dtype.element_ty))
+
+
+def fp8_mm_triton(a: Tensor, b: Tensor, scale: float, tiles: tuple | None = None,
+                  warp_specialize: bool = False) -> Tensor:
+    """a (M, K), b (N, K), e4m3 (float32 holding e4m3 values under the interpreter), both
+    contiguous -> bf16(a @ b.T * fp32(scale)) (M, N) (float32 for float32 inputs).
+    tiles=(BM, BN, BK, GROUP_M, warps, stages) overrides the launch (tests, bench/fp8_mm.py)."""
+    _check(a.ndim == 2 and b.ndim == 2 and a.shape[1] == b.shape[1],
+           f"fp8_mm expects a (M, K) and b (N, K), got {tuple(a.shape)} and {tuple(b.shape)}")
+    _check(a.dtype == b.dtype and a.dtype in (torch.float8_e4m3fn, torch.float32),
+           f"fp8_mm takes two float8_e4m3fn tensors (float32 for interpreter tests), got {a.dtype} "
+           f"and {b.dtype}")
+    _check(a.is_contiguous() and b.is_contiguous() and a.device == b.device,
+           "fp8_mm's operands must be contiguous (K-major) and on one device")
+    M, K = a.shape
+    N = b.shape[0]
+    bm, bn, bk, group_m, warps, stages = tiles or (
+        _FP8_MM_TILES if a.is_cuda else _FP8_MM_INTERPRETER_TILES)
+    _check(K % bk == 0, f"fp8_mm needs K ({K}) to be a multiple of {bk} (the kernel's K-step)")
+    out_dtype = torch.bfloat16 if a.dtype == torch.float8_e4m3fn else torch.float32
+    _check(K * a.element_size() % 16 == 0 and N * torch.finfo(out_dtype).bits // 8 % 16 == 0,
+           f"fp8_mm reads and writes by TMA: K ({K}) and N ({N}) must make rows of whole 16 bytes")
+    out = torch.empty((M, N), dtype=out_dtype, device=a.device)
+    if a.is_cuda:
+        triton.set_allocator(_descriptor_scratch)
+    launch = dict(num_warps=warps, num_stages=stages) if a.is_cuda else {}
+    grid = (min(_num_programs_persistent(a.device), triton.cdiv(M, bm) * triton.cdiv(N, bn)),)
+    wrap_triton(_fp8_mm_kernel)[grid](a, b, out, M, N, K, scale, BLOCK_M=bm, BLOCK_N=bn,
+                                      BLOCK_K=bk, GROUP_M=group_m,
+                                      WARP_SPECIALIZE=warp_specialize and a.is_cuda, **launch)
+    return out
+
+
+def fp8_mm_reference(a: Tensor, b: Tensor, scale: float) -> Tensor:
+    """bf16(fp32(a) @ fp32(b).T * fp32(scale)): the dequantised product (float32 inputs give a
+    float32 output)."""
+    out = a.float() @ b.float().T * torch.tensor(scale, dtype=torch.float32)
+    return out.bfloat16() if a.dtype != torch.float32 else out
