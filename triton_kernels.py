@@ -1937,7 +1937,7 @@ _FP8_MM_INTERPRETER_TILES = (16, 32, 16, 2, 4, 2)
 @triton.jit
 def _fp8_mm_kernel(a_ptr, b_ptr, out_ptr, M, N, K, scale, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                   WARP_SPECIALIZE: tl.constexpr):
+                   WARP_SPECIALIZE: tl.constexpr, SPLIT: tl.constexpr, FLATTEN: tl.constexpr):
     """Persistent bf16(a @ b.T * scale); K a multiple of BLOCK_K, rows 16-byte aligned (checked by
     the launcher). Out-of-range rows and columns load as zeros and are not stored."""
     a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[K, 1],
@@ -1945,24 +1945,29 @@ def _fp8_mm_kernel(a_ptr, b_ptr, out_ptr, M, N, K, scale, BLOCK_M: tl.constexpr,
     b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[K, 1],
                                        block_shape=[BLOCK_N, BLOCK_K])
     out_desc = tl.make_tensor_descriptor(out_ptr, shape=[M, N], strides=[N, 1],
-                                         block_shape=[BLOCK_M, BLOCK_N])
+                                         block_shape=[BLOCK_M, BLOCK_N // SPLIT])
     scale = tl.cast(scale, tl.float32)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, tl.num_programs(0),
-                         warp_specialize=WARP_SPECIALIZE):
+                         warp_specialize=WARP_SPECIALIZE, flatten=FLATTEN):
         pid_m, pid_n = _grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k in range(0, K // BLOCK_K):
             a = a_desc.load([pid_m * BLOCK_M, k * BLOCK_K])
             b = b_desc.load([pid_n * BLOCK_N, k * BLOCK_K])
             acc = tl.dot(a, b.T, acc)
-        out_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N],
-                       (acc * scale).to(out_ptr.dtype.element_ty))
+        out = (acc * scale).to(out_ptr.dtype.element_ty)
+        if SPLIT == 2:
+            left, right = out.reshape(BLOCK_M, 2, BLOCK_N // 2).permute(0, 2, 1).split()
+            out_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], left)
+            out_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N + BLOCK_N // 2], right)
+        else:
+            out_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], out)
 
 
 def fp8_mm_triton(a: Tensor, b: Tensor, scale: float, tiles: tuple | None = None,
-                  warp_specialize: bool = False) -> Tensor:
+                  warp_specialize: bool = False, split: int = 1, flatten: bool = False) -> Tensor:
     """a (M, K), b (N, K), e4m3 (float32 holding e4m3 values under the interpreter), both
     contiguous -> bf16(a @ b.T * fp32(scale)) (M, N) (float32 for float32 inputs).
     tiles=(BM, BN, BK, GROUP_M, warps, stages) overrides the launch (tests, bench/fp8_mm.py)."""
@@ -1988,7 +1993,8 @@ def fp8_mm_triton(a: Tensor, b: Tensor, scale: float, tiles: tuple | None = None
     grid = (min(_num_programs_persistent(a.device), triton.cdiv(M, bm) * triton.cdiv(N, bn)),)
     wrap_triton(_fp8_mm_kernel)[grid](a, b, out, M, N, K, scale, BLOCK_M=bm, BLOCK_N=bn,
                                       BLOCK_K=bk, GROUP_M=group_m,
-                                      WARP_SPECIALIZE=warp_specialize and a.is_cuda, **launch)
+                                      WARP_SPECIALIZE=warp_specialize and a.is_cuda, SPLIT=split,
+                                      FLATTEN=flatten and a.is_cuda, **launch)
     return out
 
 

@@ -28,14 +28,18 @@ ROWS = (16384, 32768, 49152)
 K, N = 768, 50304
 # ((BM, BN, BK, GROUP_M, warps, stages), warp_specialize): warp specialisation takes 4 warps (one loading warpgroup,
 # two computing); without it, 8 warps share the roles.
-CANDIDATES = [(tk._FP8_MM_TILES, False), ((128, 256, 128, 8, 8, 4), False), ((128, 128, 128, 8, 8, 4), False),
-              ((128, 128, 128, 8, 4, 4), False), ((256, 128, 128, 8, 8, 3), False), ((128, 256, 128, 8, 4, 3), True),
-              ((128, 128, 128, 8, 4, 4), True), ((128, 256, 64, 8, 4, 4), True), ((128, 256, 128, 16, 8, 3), False)]
+CANDIDATES = [(tk._FP8_MM_TILES, False, 1, False), ((128, 256, 128, 8, 4, 3), True, 1, False),
+              ((128, 256, 128, 8, 4, 3), True, 2, False), ((128, 256, 128, 16, 4, 3), True, 2, False),
+              ((128, 256, 128, 32, 4, 3), True, 1, False), ((128, 256, 128, 8, 4, 4), True, 2, False),
+              ((128, 256, 128, 8, 8, 3), False, 2, False), ((128, 256, 128, 8, 8, 3), False, 2, True),
+              ((128, 256, 128, 16, 8, 3), False, 2, True), ((128, 256, 128, 8, 8, 4), False, 2, True),
+              ((256, 128, 128, 8, 8, 3), False, 2, True), ((128, 128, 128, 8, 4, 4), False, 1, True)]
 
 
-def name(tiles, ws) -> str:
+def name(tiles, ws, split, flatten) -> str:
     bm, bn, bk, group_m, warps, stages = tiles
-    return f"{'ws ' if ws else ''}{bm}x{bn}x{bk} g{group_m} w{warps} s{stages}"
+    return (f"{'ws ' if ws else ''}{'flat ' if flatten else ''}{bm}x{bn}x{bk} g{group_m} w{warps} s{stages}"
+            f"{f' split{split}' if split > 1 else ''}")
 
 
 def main(argv):
@@ -70,20 +74,21 @@ def main(argv):
         err_ref = (ref[rows_exact].double() - exact).abs().max().item()
         t = min(do_bench(cublas, warmup=25, rep=100, return_mode="median") for _ in range(2))
         print(f"{M:>6} {'torch._scaled_mm (cuBLAS)':<32} {t:>8.4f} {flops / t / 1e9:>8.1f} {err_ref:>9.3g}", flush=True)
-        for tiles, ws in CANDIDATES:
-            label = name(tiles, ws) + (" <-" if (tiles, ws) == (tk._FP8_MM_TILES, False) else "")
+        for tiles, ws, split, flatten in CANDIDATES:
+            label = name(tiles, ws, split, flatten) + (
+                " <-" if (tiles, ws, split, flatten) == (tk._FP8_MM_TILES, False, 1, False) else "")
             if args.only and args.only not in label and not label.endswith("<-"):
                 continue
             out = None
             try:
-                out = tk.fp8_mm_triton(a, b, scale, tiles, ws)
+                out = tk.fp8_mm_triton(a, b, scale, tiles, ws, split, flatten)
                 torch.cuda.synchronize()
                 diff = out.float() != ref.float()
                 same = "same" if not diff.any() else (
                     f"differs in {int(diff.sum())} elements, max |diff| "
                     f"{(out.float() - ref.float()).abs().max().item():.3g}")
                 err = (out[rows_exact].double() - exact).abs().max().item()
-                t = min(do_bench(lambda: tk.fp8_mm_triton(a, b, scale, tiles, ws), warmup=25, rep=100,
+                t = min(do_bench(lambda: tk.fp8_mm_triton(a, b, scale, tiles, ws, split, flatten), warmup=25, rep=100,
                                  return_mode="median") for _ in range(2))
                 print(f"{M:>6} {label:<32} {t:>8.4f} {flops / t / 1e9:>8.1f} {err:>9.3g}  {same}", flush=True)
             except Exception as e:  # noqa: BLE001 - one failed candidate must not end the table

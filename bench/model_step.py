@@ -7,6 +7,9 @@ and prints the median ms of forward + backward over --iters micro-batches of ran
 --doc_len tokens, plus the peak memory. --root imports train_gpt.py from another checkout (say a baseline made with
 `git worktree`), so before and after run the same script; run each in its own process. Other arguments are the
 trainer's --name=value options (the model and its windows come from them).
+--host also prints the host's time to launch a micro-batch while the GPU is kept busy by a sleep kernel (so no
+launch waits for the GPU): when it is near the GPU time, the host bounds the step. --host_profile=N adds cProfile's
+N functions with the most own time over those launches.
 """
 from __future__ import annotations
 
@@ -24,6 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--step", type=int, default=0, help="schedule step whose windows and MTP weights are used "
                     "(the record's phases start at 0, 575 and 1150)")
+    ap.add_argument("--host", action="store_true", help="also time the host's launches of a micro-batch")
+    ap.add_argument("--host_profile", type=int, default=0, help="with --host: print cProfile's top N functions")
     ap.add_argument("--root", default=str(Path(__file__).resolve().parent.parent), help="folder of train_gpt.py")
     args, trainer_args = ap.parse_known_args(argv)
     sys.path.insert(0, args.root)
@@ -68,7 +73,41 @@ def main(argv: list[str] | None = None) -> int:
           f"attention {model.cfg.attn_backend}, forward + backward median {statistics.median(times):.3f} ms "
           f"(min {min(times):.3f}, max {max(times):.3f}) over {args.iters}; "
           f"peak {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB; {torch.cuda.get_device_name()}")
+    if args.host:
+        host_launch_times(step, statistics.median(times), args.iters, args.host_profile)
     return 0
+
+
+def host_launch_times(step, gpu_ms: float, iters: int, top: int) -> None:
+    """The host's wall time to launch step() while a sleep kernel, longer than the GPU's own time for the
+    micro-batch, holds the GPU: the launches never wait for the GPU unless its queue fills."""
+    import cProfile
+    import pstats
+    import time
+
+    import torch
+    cycles = int(torch.cuda.get_device_properties(0).clock_rate * 1e3 * 4 * gpu_ms / 1e3)  # ~4x the GPU time
+    times = []
+    profile = cProfile.Profile() if top else None
+    for i in range(iters):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(cycles)
+        t0 = time.perf_counter()
+        if profile is not None and i >= iters // 2:
+            profile.enable()
+            step()
+            profile.disable()
+        else:
+            step()
+        times.append(1e3 * (time.perf_counter() - t0))
+    torch.cuda.synchronize()
+    plain = times[:max(1, iters // 2)] if top else times
+    print(f"host: launching one micro-batch (forward + backward) takes median {statistics.median(plain):.3f} ms "
+          f"(min {min(plain):.3f}, max {max(plain):.3f}) against {gpu_ms:.3f} ms of GPU time; the GPU slept "
+          f"~{4 * gpu_ms:.0f} ms first")
+    if profile is not None:
+        print(f"cProfile over {iters - iters // 2} launches (its own overhead included), by own time:")
+        pstats.Stats(profile).sort_stats("tottime").print_stats(top)
 
 
 if __name__ == "__main__":
