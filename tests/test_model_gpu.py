@@ -271,7 +271,7 @@ def test_compiled_gate_logits_run_no_gemm_and_keep_its_numbers(monkeypatch):
     (_, ), code_bwd = run_and_get_code(lambda: (logits.backward(grad), ))
     assert len(code + code_bwd) >= 2, "expected the forward's and the backward's generated code"
     for text in code + code_bwd:
-        assert "triton" in text and not any(f"extern_kernels.{op}(" in text for op in ("mm", "bmm", "addmm"))
+        assert "triton" in text and "extern_kernels.mm" not in text and "extern_kernels.bmm" not in text and "addmm" not in text
     x64, w64, g64 = u[:, :tg.GATE_INPUT_DIM].double(), w.double(), grad.double()
     dx = us.grad[:, :tg.GATE_INPUT_DIM]
     assert (us.grad[:, tg.GATE_INPUT_DIM:] == 0).all()
