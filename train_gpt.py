@@ -352,15 +352,6 @@ def rms(x: Tensor) -> Tensor:
     return F.rms_norm(x, (x.shape[-1],), eps=FLT_EPS)
 
 
-def gate_logits(x: Tensor, w: Tensor) -> Tensor:
-    """x (T, k) @ w.T for w (n, k) with k and n tiny (the sigmoid gates' GATE_INPUT_DIM inputs): n
-    sums of k exact products in fp32 (float64 for float64), rounded once to x's dtype, as a GEMM
-    rounds them. Compiled, the sums fuse into the gate's element-wise kernels, forward and backward,
-    where cuBLAS ran three tiny GEMMs per gate; only their summation order differs."""
-    acc = tk.acc_dtype(x.dtype)
-    return (x.to(acc)[:, None, :] * w.to(acc)).sum(-1).to(x.dtype)
-
-
 def rotary_base_omega(head_dim: int, base: float, device: torch.device) -> Tensor:
     """(head_dim,) fp32 angular frequencies: [f0, f0, f1, f1, ..., 0 x head_dim/2],
     f_j = (1/base)^(j/(n-1)).
@@ -777,7 +768,7 @@ class GPT(nn.Module):
         # document boundaries.
         e = F.embedding(inputs, self.embed)  # (T, D) bf16
         # (T-1, 1) bf16
-        smear = smear_lambda * torch.sigmoid(gate_logits(e[1:, :GATE_INPUT_DIM], self.smear_gate))
+        smear = smear_lambda * torch.sigmoid(e[1:, :GATE_INPUT_DIM] @ self.smear_gate.T)
         x = x0 = rms(torch.cat([e[:1], e[1:] + smear * e[:-1]]))
 
         # The banks as one view per slice. Indexing the bank per layer instead costs a backward
@@ -791,7 +782,7 @@ class GPT(nn.Module):
             i = p.index
             if i == cfg.skip_dest_layer:  # U-net skip (@brendanh0gan, upstream record 11), gated
                 skip_scale = torch.sigmoid(skip_lambda) * 2                               # fp32 0-d
-                x = x + (skip_scale * torch.sigmoid(gate_logits(x0[:, :GATE_INPUT_DIM], self.skip_gate))
+                x = x + (skip_scale * torch.sigmoid(x0[:, :GATE_INPUT_DIM] @ self.skip_gate.T)
                          * skip_saved)
             if i == 0:  # the first layer, where x is still x0: one
                         # scale (r_0 + x0_lambda_0), summed in fp32
@@ -831,7 +822,7 @@ class GPT(nn.Module):
         if ve is not None:
             # Elementwise per (token, head), so adding it before the paired interleave equals adding
             # it after.
-            ve_gate = 2 * torch.sigmoid(gate_logits(gate_in, self.ve_gate_bank[p.ve_slot]))  # (T, H)
+            ve_gate = 2 * torch.sigmoid(gate_in @ self.ve_gate_bank[p.ve_slot].T)  # (T, H)
             v = v + ve_gate[..., None] * ve.view(T, H, hd)
         if p.attn == "P":
             # Row-major reinterpretation as 2T positions of H/2 heads: position 2t slot g = head g
@@ -845,7 +836,7 @@ class GPT(nn.Module):
             y = varlen_attention(q, k, v, cu_seqlens, max_seqlen, window,
                                  self.attn_scale, cfg.attn_backend)
         # per-head output gate
-        y = y * torch.sigmoid(gate_logits(gate_in, self.attn_gate_bank[p.attn_slot]))[..., None]
+        y = y * torch.sigmoid(gate_in @ self.attn_gate_bank[p.attn_slot].T)[..., None]
         return y.reshape(T, D) @ (lambda_o * bank[3 * D:]).T
 
 

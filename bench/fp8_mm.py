@@ -8,7 +8,7 @@ phases), K = 768 (the model dim), N = 50,304 (the vocabulary), e4m3 operands mad
 time is the median of triton.testing.do_bench, the better of two rounds. Each variant's output is compared bit for
 bit with torch._scaled_mm's, and its largest error against the float64 product of the first 4,096 rows is printed
 beside cuBLAS's. The kernel lives here, not in triton_kernels.py: at best it matched cuBLAS
-(notes/2026-11-27_rank8_host_power_H200).
+(notes/2026-11-27_rank8_4xH200).
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ torch.cuda._sleep first; the trainer is otherwise unchanged. If the GPU never wa
 the sleep; if it idles I ms a step waiting for launches that the head start covers, by the sleep less I. Compare the
 per-phase step times (bench/phase_times.py) of a run with --sleep_ms=0 and one with it, on one warm machine. The
 sleep also lowers the GPU's mean power: on a power-capped GPU the rest of the step then runs at a higher clock, which
-shortens it as well (log the clock with nvidia-smi beside it: notes/2026-11-27_rank8_host_power_H200).
+shortens it as well (log the clock with nvidia-smi beside it: notes/2026-11-27_rank8_4xH200).
 """
 import argparse
 import sys

@@ -415,34 +415,6 @@ def test_yarn_schedule_values_and_frequencies():
     assert torch.equal(model.rotary_cos, (p * omega0[None, :64]).cos().bfloat16())
 
 
-# ---- gates --------------------------------------------------------------------------------------------------------
-
-def test_gate_logits_are_the_float64_product_rounded_once():
-    """bf16 in: the GEMM's numbers (exact products summed in fp32, one rounding), forward and both gradients; float32
-    and float64 in: sums in their own precision."""
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(4096, 12, generator=g).bfloat16().requires_grad_()
-    w = (torch.randn(6, 12, generator=g) * 0.3).bfloat16().requires_grad_()
-    grad = torch.randn(4096, 6, generator=g).bfloat16()
-    out = tg.gate_logits(x, w)
-    out.backward(grad)
-    x64, w64, g64 = x.detach().double(), w.detach().double(), grad.double()
-    for name, got, exact in (("logits", out, x64 @ w64.T), ("dx", x.grad, g64 @ w64), ("dw", w.grad, g64.T @ x64)):
-        assert got.dtype == torch.bfloat16 and got.shape == exact.shape, name
-        # one rounding of an fp32 sum: never more than one bf16 step away; for the sums of 12 and 6 terms the
-        # correctly rounded value almost everywhere (bf16 products would miss it in a large share of the elements).
-        # dw sums 4096 terms in an order that may depend on the CPU's threads, so only the step bound holds it.
-        same = (got == exact.bfloat16()).double().mean().item()
-        assert same > 0.995 or name == "dw", (name, same)
-        step = 2.0 ** (torch.floor(torch.log2(exact.abs().clamp_min(1e-30))) - 7)
-        assert ((got.double() - exact).abs() <= step).all(), name
-    for dtype, unit in ((torch.float32, 2.0 ** -24), (torch.float64, 2.0 ** -53)):
-        xs, ws = x.detach().to(dtype), w.detach().to(dtype)
-        got = tg.gate_logits(xs, ws)
-        bound = 2 * 13 * unit * (xs.double().abs() @ ws.double().abs().T)
-        assert got.dtype == dtype and ((got.double() - xs.double() @ ws.double().T).abs() <= bound).all()
-
-
 # ---- losses and backward ------------------------------------------------------------------------------------------
 
 def test_full_forward_matches_direct_train_and_eval():
