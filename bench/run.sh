@@ -31,8 +31,9 @@ commands:
   rank8 [OPTION ...]  an 8-GPU run's step as each of its ranks sees it, on this node's NPROC GPUs: every batch (the
                      stages', the validation's) cut to NPROC/8 of its size and one micro-batch per GPU
                      (--batch_slices=NPROC), so each GPU runs one micro-batch of the 8-GPU size per step, then the
-                     optimizer. NS (default 60) + 6 steps, then the same under bench/profile_step.py --run. For the
-                     time per step only: the smaller batch is not the record's math
+                     optimizer. NS (default 60) + 6 steps, then the same under bench/profile_step.py --run, with
+                     every GPU's clock and power logged throughout (bench/gpu_clocks.py). For the time per step
+                     only: the smaller batch is not the record's math
   full BASE [OPTION ...]
                      the whole default schedule (1725 + 40 steps), seed 0: each run in RUNS (default "base new", and
                      "extra" when EXTRA is set; "base" is the code in the folder BASE, "new" this code, "extra" this
@@ -66,6 +67,7 @@ environment:
   NPROC     GPUs to use (./run.sh's default: all of them, if their count divides 8)
   NS, BACKENDS, CHECKS, RUNS, SAMPLE   see the commands
   LIMIT_S   a time limit in seconds for each step (default none)
+  SMI       the nvidia-smi that logs the GPUs' clocks (rank8; default nvidia-smi, empty: no log)
 
 example: the attention tests, then a run with torch's varlen attention
   bench/run.sh tests tests/test_attention.py && BACKENDS=varlen bench/run.sh backends
@@ -127,6 +129,24 @@ make_data() {
     echo "error: making synthetic shards in $DATA failed: see $OUT/synthetic.txt" >&2
     return 1
   fi
+}
+
+# clocks_start NAME / clocks_stop NAME: log every GPU's clock, power and throttle reasons to $OUT/NAME.csv every 200 ms
+# in between (with $SMI, default nvidia-smi; SMI= turns it off), then print bench/gpu_clocks.py's summary of it
+clocks_start() {
+  clocks_pid=
+  local smi=${SMI-nvidia-smi}
+  [ -n "$smi" ] && command -v "$smi" > /dev/null || return 0
+  "$smi" --query-gpu=index,clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active \
+    --format=csv,noheader,nounits -lms 200 > "$OUT/$1.csv" 2> /dev/null &
+  clocks_pid=$!
+}
+
+clocks_stop() {
+  [ -n "${clocks_pid:-}" ] || return 0
+  kill "$clocks_pid" 2> /dev/null || true
+  wait "$clocks_pid" 2> /dev/null || true
+  "$PY" bench/gpu_clocks.py "$OUT/$1.csv" || true
 }
 
 gpu_tests() {
@@ -235,11 +255,13 @@ stages = ",".join(":".join([str(s.batch * n // 8), str(s.lr_peak), str(s.ws_long
                   for s in hp.stages)
 print(f"--batch_slices={n} --stages={stages} --val_batch_size={hp.val_batch_size * n // 8}")' "$gpus"))
     make_data
+    clocks_start rank8_clocks
     train_run rank8 --num_scheduled_iterations="${NS:-60}" --num_extension_iterations=6 --val_loss_every=0 \
       "${shape[@]}" "$@"
     step rank8_profile "$PY" bench/profile_step.py --run --out="$OUT/rank8_profile" --scheduled="${NS:-60}" \
       --train_files="$DATA/fineweb_train_*.bin" --val_files="$DATA/fineweb_val_*.bin" "${shape[@]}" "$@"
-    grep -E "^\||error|rank[0-9]+ \+" "$OUT/rank8_profile.txt" || true ;;
+    grep -E "^\||error|rank[0-9]+ \+" "$OUT/rank8_profile.txt" || true
+    clocks_stop rank8_clocks ;;
   full|ab)
     base=$(cd "$1" && pwd)
     shift

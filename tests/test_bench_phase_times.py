@@ -139,7 +139,7 @@ def test_bench_rank8_gives_each_gpu_one_micro_batch_of_the_8_gpu_size(tmp_path, 
     data.mkdir()
     (data / "fineweb_val_000000.bin").write_bytes(b"")    # a made set: no synthetic.py call
     env = {"PATH": "/usr/bin:/bin", "OUT": str(tmp_path / "out"), "DATA": str(data), "PYTHON": str(python),
-           "RUNSH": str(runsh), "NPROC": str(gpus)}
+           "RUNSH": str(runsh), "NPROC": str(gpus), "SMI": ""}
     r = subprocess.run(["bash", str(ROOT / "bench" / "run.sh"), "rank8", "--seed=1"], capture_output=True, text=True,
                        env=env, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -156,6 +156,36 @@ def test_bench_rank8_gives_each_gpu_one_micro_batch_of_the_8_gpu_size(tmp_path, 
         assert hp.val_batch_size // gpus == default.val_batch_size // 8
         assert [(s.lr_peak, s.ws_long, s.mtp_weights) for s in hp.stages] == [
             (s.lr_peak, s.ws_long, s.mtp_weights) for s in default.stages]
+
+
+def test_bench_rank8_logs_the_gpus_clocks_around_both_runs(tmp_path):
+    """With an nvidia-smi (a stand-in here that logs one line and waits to be stopped), rank8 logs from before the run
+    to after the profile, stops the logger and hands the log to bench/gpu_clocks.py."""
+    record = tmp_path / "calls.txt"
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/sh\nif [ "$1" = -c ]; then exec {sys.executable} "$@"; fi\n'
+                      f'echo "python $@" >> {record}\n')
+    out = tmp_path / "out"
+    runsh = tmp_path / "run.sh"   # waits (up to 40 s) for the logger's first line, however slow its start
+    runsh.write_text(f'#!/bin/sh\nfor i in $(seq 400); do [ -s {out}/rank8_clocks.csv ] && break; sleep 0.1; done\n'
+                     f'echo "run.sh" >> {record}\n')
+    smi = tmp_path / "smi"
+    smi.write_text(f'#!/bin/sh\necho "smi $@" >> {record}\necho "0, 1600, 690, 50, 0x4"\nexec sleep 600\n')
+    for f in (python, runsh, smi):
+        f.chmod(0o755)
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "fineweb_val_000000.bin").write_bytes(b"")
+    env = {"PATH": "/usr/bin:/bin", "OUT": str(out), "DATA": str(data), "PYTHON": str(python), "RUNSH": str(runsh),
+           "NPROC": "2", "SMI": str(smi)}
+    r = subprocess.run(["bash", str(ROOT / "bench" / "run.sh"), "rank8"], capture_output=True, text=True, env=env,
+                       timeout=100)   # a hang guard: the logger sleeps 600 s unless stopped
+    assert r.returncode == 0, r.stdout + r.stderr
+    calls = record.read_text().splitlines()
+    assert calls[0].startswith("smi --query-gpu=index,clocks.sm,power.draw,") and "-lms 200" in calls[0]
+    assert calls[1] == "run.sh" and calls[2].startswith("python bench/profile_step.py --run ")
+    assert calls[3] == f"python bench/gpu_clocks.py {out}/rank8_clocks.csv" and len(calls) == 4
+    assert (out / "rank8_clocks.csv").read_text() == "0, 1600, 690, 50, 0x4\n"
 
 
 def test_bench_rank8_needs_a_gpu_count_that_divides_8(tmp_path):
