@@ -104,6 +104,10 @@ def main(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--only", default="", help="time only the variants whose label contains this text")
     args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("error: bench/fp8_mm.py times CUDA kernels and found no GPU; run it on a GPU machine "
+              "(tests/test_bench_fp8_mm.py checks the kernel on a CPU)", file=sys.stderr)
+        return 2
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; ms per call")
     s_x, s_w = train_gpt.Hyperparameters().fp8_scales[:2]
     scale = train_gpt.fp8_scale_product(s_x, s_w)
@@ -148,7 +152,8 @@ def main(argv):
             except Exception as e:  # noqa: BLE001 - one failed candidate must not end the table
                 print(f"{M:>6} {label:<32} failed: {str(e).splitlines()[0][:100]}", flush=True)
             del out
+    return 0
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(main(sys.argv[1:]))

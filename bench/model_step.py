@@ -31,6 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--host_profile", type=int, default=0, help="with --host: print cProfile's top N functions")
     ap.add_argument("--root", default=str(Path(__file__).resolve().parent.parent), help="folder of train_gpt.py")
     args, trainer_args = ap.parse_known_args(argv)
+    if args.host_profile < 0:
+        print(f"error: --host_profile takes a count of functions, 0 or more, got {args.host_profile}", file=sys.stderr)
+        return 2
     sys.path.insert(0, args.root)
     import torch
     import train_gpt as tg
@@ -86,7 +89,7 @@ def host_launch_times(step, gpu_ms: float, iters: int, top: int) -> None:
     import time
 
     import torch
-    cycles = int(torch.cuda.get_device_properties(0).clock_rate * 1e3 * 4 * gpu_ms / 1e3)  # ~4x the GPU time
+    cycles = int(torch.cuda.get_device_properties(0).clock_rate * 4 * gpu_ms)  # kHz: cycles per ms; 4x the GPU time
     times = []
     profile = cProfile.Profile() if top else None
     for i in range(iters):

@@ -95,7 +95,13 @@ def main(argv: list[str]) -> int:
     if args.ranks < 1 or hp.batch_slices % args.ranks:
         print(f"error: --ranks={args.ranks} must divide --batch_slices={hp.batch_slices}", file=sys.stderr)
         return 2
-    for step, per_rank in rank_work(hp, args.ranks, steps).items():
+    import harness
+    try:
+        work = rank_work(hp, args.ranks, steps)
+    except harness.DataError as e:   # no shards, too few tokens, a batch the ranks cannot share
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    for step, per_rank in work.items():
         mean = sum(per_rank) / len(per_rank)
         order = sorted(range(len(per_rank)), key=lambda r: per_rank[r])
         print(f"step {step}: " + "  ".join(f"rank{r} {100 * (w / mean - 1):+.1f}%" for r, w in enumerate(per_rank))

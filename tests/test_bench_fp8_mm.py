@@ -37,3 +37,14 @@ def test_the_kernel_is_the_dequantised_product_to_fp32_accuracy():
         head, worst = line.split(" worst ")
         assert head == f"split {split}: (37, 100) torch.float32", line
         assert float(worst) <= 1.0, line
+
+
+def test_without_a_gpu_the_bench_is_one_error_line(monkeypatch, capsys):
+    sys.path.insert(0, str(ROOT / "bench"))
+    import torch
+
+    import fp8_mm
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert fp8_mm.main([]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "GPU" in err[0]

@@ -43,8 +43,11 @@ def test_each_rank_gets_the_work_of_its_own_documents(tmp_path):
         assert got[change] == [work([128] * 3, change)] * 2
 
 
-def test_bad_steps_or_ranks_are_one_error_line(capsys):
+def test_bad_steps_ranks_or_shards_are_one_error_line(tmp_path, capsys):
     assert rank_work.main(["--steps=3,x"]) == 2
     assert rank_work.main(["--steps=4", "--ranks=3", "--preset=tiny"]) == 2
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 2 and all(line.startswith("error: --") for line in err)
+    assert rank_work.main(["--steps=1", "--ranks=2", "--preset=tiny", f"--train_files={tmp_path}/none_*.bin"]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("error: no train shards") and "--train_files" in err[0]
