@@ -16,6 +16,10 @@ import torch
 if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("run through tests/test_kernels.py, which sets TRITON_INTERPRET=1", allow_module_level=True)
 
+import numpy as np  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
 import triton_kernels as tk  # noqa: E402
 
 U32 = 2.0 ** -24
@@ -195,7 +199,40 @@ CE_CASES = [  # (n_rows, n_cols, weights): n_cols not multiples of 1024; zero we
     (5, 1100, [1.0, 0.5, 0.25]),
     (4, 300, [1.0, 0.0, 0.3]),
     (2, 1030, [1.0, 0.5, 0.25]),
+    (3, 2048, [1.0, 0.5]),  # whole blocks only: the forward's masked tail block is empty
 ]
+
+
+@triton.jit
+def _rcp_fma_kernel(d_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + offs, tk._rcp_fma(tl.load(d_ptr + offs, mask=offs < n)), mask=offs < n)
+
+
+def rcp_fma_inputs() -> torch.Tensor:
+    """Every 61st fp32 in [1, 4) (the error pattern repeats every binade), randoms up to 2^126, and the edges."""
+    first, last = torch.tensor([1.0, 4.0]).view(torch.int32).tolist()
+    dense = torch.arange(first, last, 61, dtype=torch.int32).view(torch.float32)
+    g = torch.Generator().manual_seed(0)
+    rand = torch.exp2(torch.rand(100_000, generator=g, dtype=torch.float64) * 126).float()
+    edges = torch.tensor([1.0, 2.0, 3.0, 1.0 + 2 ** -23, 2.0 - 2 ** -23, 2.0 ** 126, 2.0 ** 126 * (1 - 2 ** -24)])
+    return torch.cat([dense, rand, edges])
+
+
+def test_rcp_fma_is_within_0_51_ulp_and_clamps_above_2_126():
+    """The forward's reciprocal on the FMA pipe: within 0.51 ulp of 1/d for every d in [1, 2^126] (almost always the
+    correctly rounded value), 2^-126 above 2^126 (inf too), NaN for NaN."""
+    d = rcp_fma_inputs()
+    out = torch.empty_like(d)
+    _rcp_fma_kernel[(triton.cdiv(d.numel(), 1024),)](d, out, d.numel(), BLOCK=1024)
+    exact = 1 / d.double()
+    ulp = torch.from_numpy(np.spacing(exact.float().numpy())).double()
+    err = ((out.double() - exact).abs() / ulp).max().item()
+    assert err <= 0.51, f"{err:.3f} ulp"
+    big = torch.tensor([2.0 ** 127, 3e38, float("inf"), float("nan")])
+    out = torch.empty_like(big)
+    _rcp_fma_kernel[(1,)](big, out, 4, BLOCK=4)
+    assert out[:3].tolist() == [2.0 ** -126] * 3 and out[3].isnan()
 
 
 @pytest.mark.parametrize("n, V, weights", CE_CASES)

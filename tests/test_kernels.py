@@ -199,14 +199,15 @@ def _sm90_cases():
     cases.append(("ce_fwd", tk._ce_fwd_kernel,
                   {"logits_ptr": "*bf16", "targets_ptr": "*i64", "weights_ptr": "*fp32", "losses_ptr": "*fp32",
                    "lse_ptr": "*fp32", "n_rows": "i32", "n_cols": "i32", "stride_row": "i32", "n_weights": "i32"},
-                  ce_consts, {"num_warps": tk._CE_WARPS}, (), ("logits_ptr", "n_cols", "stride_row")))
+                  {**ce_consts, "FMA_RCP": tk._CE_FMA_RCP["fwd"]}, {"num_warps": tk._CE_WARPS}, (),
+                  ("logits_ptr", "n_cols", "stride_row")))
     ce_bwd_sig = {"grad_ptr": "*fp32", "stride_grad": "i32", "logits_ptr": "*bf16", "weights_ptr": "*fp32",
                   "lse_ptr": "*fp32", "n_rows": "i32", "n_cols": "i32", "stride_row": "i32", "n_weights": "i32",
                   "inv_scale": "fp32", "limit": "fp32"}
     softcap = {k: v for k, v in ce_consts.items() if k != "BLOCK"}
     # the plain bf16 backward (one layout) and the FP8 head's (both layouts), as the launcher pairs them
     for quantize, out in ((False, "*bf16"), (True, "*fp8e5")):
-        flags = {"QUANTIZE": quantize, "NATIVE": True, "TRANSPOSED": quantize}
+        flags = {"QUANTIZE": quantize, "NATIVE": True, "FMA_RCP": tk._CE_FMA_RCP["bwd"], "TRANSPOSED": quantize}
         rows, block, _, warps = tk._CE_BWD_TILES[quantize]
         sig = {**ce_bwd_sig, "out_ptr": out, "out_t_ptr": out, "cols_per_program": "i32"}
         cases.append(("ce_bwd", tk._ce_bwd_kernel, sig, {**softcap, **flags, "BLOCK_R": rows, "BLOCK_C": block},
@@ -268,8 +269,11 @@ def test_ce_kernels_use_the_flush_to_zero_special_functions():
             ptx = compile_for_h100(kernel, sig, consts, opts, contiguous, aligned).asm["ptx"]
         except (ImportError, FileNotFoundError) as e:
             pytest.skip(f"cannot compile for sm_90 here: {e}")
-        assert "ex2.approx.ftz.f32" in ptx and "rcp.approx.ftz.f32" in ptx, name
-        assert "ex2.approx.f32" not in ptx and "div.full.f32" not in ptx and "div.rn.f32" not in ptx, name
+        assert "ex2.approx.ftz.f32" in ptx and "ex2.approx.f32" not in ptx, name
+        assert "div.full.f32" not in ptx and "div.rn.f32" not in ptx, name
+        # the reciprocal: on the special-function unit, or as FMAs where the table says so
+        fma_rcp = consts["FMA_RCP"]
+        assert ("rcp.approx" in ptx) != fma_rcp and ("fma.rn.f32" in ptx or not fma_rcp), name
 
 
 def test_attention_kernels_compile_with_fp64_scales():

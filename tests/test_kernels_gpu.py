@@ -6,6 +6,7 @@ Tolerance: the kernels round to bf16 (2^-8 relative) at the record's rounding po
 over the largest reference value) land around 1e-3..1e-2; 2e-2 passes any legal summation order while a wrong
 tile, mask or epilogue gives errors of order 1.
 """
+import numpy as np
 import pytest
 import torch
 import triton
@@ -180,37 +181,45 @@ def test_softcapped_mtp_ce_bf16(weights):
 
 
 @triton.jit
-def _special_functions_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
-    """Rows of out: tl.exp, triton_kernels._exp, tl.sigmoid, triton_kernels._sigmoid (NATIVE) of x."""
+def _reciprocals_kernel(d_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    """Rows of out: a division 1/d, triton_kernels._rcp (NATIVE) and triton_kernels._rcp_fma of d."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < n
-    x = tl.load(x_ptr + offs, mask=ok)
-    tl.store(out_ptr + offs, tl.exp(x), mask=ok)
-    tl.store(out_ptr + n + offs, tk._exp(x), mask=ok)
-    tl.store(out_ptr + 2 * n + offs, tl.sigmoid(x), mask=ok)
-    tl.store(out_ptr + 3 * n + offs, tk._sigmoid(x, True), mask=ok)
+    d = tl.load(d_ptr + offs, mask=ok)
+    tl.store(out_ptr + offs, 1.0 / d, mask=ok)
+    tl.store(out_ptr + n + offs, tk._rcp(d, True), mask=ok)
+    tl.store(out_ptr + 2 * n + offs, tk._rcp_fma(d), mask=ok)
 
 
-def test_ftz_exp_and_sigmoid_are_tl_exp_and_sigmoid_where_normal():
-    """The cross entropy's flush-to-zero e^x and sigmoid give tl.exp's and tl.sigmoid's bits wherever those are normal
-    (or 0, inf, NaN), and 0 where those are subnormal, over every bf16 value (the logits are bf16) and the fp32 values
-    the kernels feed them: 2^20 randoms of either sign up to 2^8, and every fp32 from -104 to -86, where both
-    functions cross into subnormals."""
-    bf16 = torch.arange(-2 ** 15, 2 ** 15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+def test_cross_entropy_reciprocals():
+    """The cross entropy's reciprocals of d = 1 + 2^t >= 1: the flush-to-zero rcp.approx gives a division's bits
+    wherever 1/d is normal and 0 where it is subnormal; the FMA-pipe one is within 0.51 ulp of 1/d up to 2^126 and
+    2^-126 above, NaN for NaN. Inputs: every 61st fp32 in [1, 4) (the error pattern repeats every binade), 2^20 randoms
+    up to 2^127 and the edges."""
+    first, last = torch.tensor([1.0, 4.0]).view(torch.int32).tolist()
+    dense = torch.arange(first, last, 61, dtype=torch.int32).view(torch.float32)
     g = torch.Generator().manual_seed(0)
-    rand = (torch.rand(2 ** 20, generator=g) * 2 - 1) * torch.exp2(torch.rand(2 ** 20, generator=g) * 8)
-    first, last = sorted(torch.tensor([-104.0, -86.0]).view(torch.int32).tolist())
-    edge = torch.arange(first, last + 1, 7, dtype=torch.int32).view(torch.float32)  # every 7th fp32 between
-    x = torch.cat([bf16, rand, edge]).cuda()
-    n = x.numel()
-    out = torch.empty(4, n, device="cuda")
-    _special_functions_kernel[(triton.cdiv(n, 1024),)](x, out, n, BLOCK=1024)
-    for plain, ftz in ((out[0], out[1]), (out[2], out[3])):
-        subnormal = (plain != 0) & (plain.abs() < torch.finfo(torch.float32).tiny)
-        assert subnormal.any() and (~subnormal).sum() > n // 2  # both regimes are covered
-        assert torch.equal(ftz[subnormal], torch.zeros_like(ftz[subnormal]))
-        keep = ~subnormal
-        assert torch.equal(ftz[keep].view(torch.int32), plain[keep].view(torch.int32))
+    rand = torch.exp2(torch.rand(2 ** 20, generator=g, dtype=torch.float64) * 127).float()
+    edges = torch.tensor([1.0, 2.0 ** 126 * (1 - 2 ** -24), 2.0 ** 126, 2.0 ** 126 * (1 + 2 ** -23), 2.0 ** 127,
+                          float("inf"), float("nan")])
+    d = torch.cat([dense, rand, edges]).cuda()
+    n = d.numel()
+    out = torch.empty(3, n, device="cuda")
+    _reciprocals_kernel[(triton.cdiv(n, 1024),)](d, out, n, BLOCK=1024)
+    division, rcp, rcp_fma = out
+    subnormal = (division != 0) & (division.abs() < torch.finfo(torch.float32).tiny)
+    assert subnormal.any() and (~subnormal).sum() > n // 2  # both regimes are covered
+    assert torch.equal(rcp[subnormal], torch.zeros_like(rcp[subnormal]))
+    assert torch.equal(rcp[~subnormal].view(torch.int32), division[~subnormal].view(torch.int32))
+    d64 = d.double()
+    normal = d64 <= 2.0 ** 126
+    exact = 1 / d64[normal]
+    ulp = torch.from_numpy(np.spacing(exact.float().cpu().numpy())).cuda().double()
+    err = ((rcp_fma[normal].double() - exact).abs() / ulp).max().item()
+    assert err <= 0.51, f"{err:.3f} ulp"
+    above = d64 > 2.0 ** 126
+    assert above.sum() > 1000 and (rcp_fma[above] == 2.0 ** -126).all()
+    assert rcp_fma[d.isnan()].isnan().all()
 
 
 S_G = 0.75 / 448  # the FP8 head's gradient scale
