@@ -492,17 +492,15 @@ def relu2_mlp(x: Tensor, c_fc: Tensor, c_proj: Tensor) -> Tensor:
 # small kernel then rewrites the n_rows * K target elements in full. QUANTIZE applies the FP8
 # quantiser to the bf16-rounded gradient: bitwise the bf16 backward then train_gpt.fp8_quantize.
 # The special-function unit (16 exponentials or reciprocals per clock per SM, against 128 FMAs)
-# bounds these loops, so each score costs it three operations at most: sigma = 1 / (1 + 2^t) with
-# t = l * k1 + k0 one FMA (k1 = -log2(e)/C, k0 = -B log2(e)/C), and 2^(sigma A log2(e) - c) one FMA
-# into an exponential. The forward, where nothing else competes for issue slots, takes the
-# reciprocal on the FMA pipe (_rcp_fma, an integer guess and Newton steps) and so costs the unit two.
-# Rounding: these fused forms, the forward's per-lane sums without a running maximum and _rcp_fma
-# change fp32 roundings only (tests/_kernels_interp.py holds the outputs to a float64
-# transcription). tl.exp2 is the bare flush-to-zero ex2.approx.ftz.f32 and the CUDA reciprocal
-# rcp.approx.ftz.f32, where tl.exp and a division would add a compare and two multiplies each to
-# produce subnormals, which cannot occur here: the exponent of p is at least -(A + log V) log2(e)
-# > -50, 2^t only enters as 1 + 2^t, and only a logit below -650 would see sigma = 0 instead of
-# a subnormal.
+# bounds the forward's loop, and instruction issue the backward's. So each score costs that unit
+# two exponentials and the FMA pipe the rest: sigma = 1 / (1 + 2^t) with t = l k1 + k0 one FMA
+# (k1 = -log2(e)/C, k0 = -B log2(e)/C) and the reciprocal as FMAs (_rcp_fma, an integer guess and
+# Newton steps), then 2^(sigma A log2(e) - c) one FMA into an exponential; the backward multiplies
+# the row's factors once. Rounding: these forms, the forward's per-lane sums without a running
+# maximum and _rcp_fma change fp32 roundings only (tests/_kernels_interp.py holds the outputs to a
+# float64 transcription). tl.exp2 is the bare flush-to-zero ex2.approx.ftz.f32, where tl.exp would
+# add a compare and two multiplies to produce subnormals, which cannot occur here: the exponent of
+# p is at least -(A + log V) log2(e) > -50, and 2^t only enters as 1 + 2^t.
 # The softcap constants are tl.constexpr and every loop carry starts as an explicit fp32 tensor, so
 # no Python float can promote a carried value to fp64.
 # (measurements: notes/kernels.md#cross-entropy)
@@ -516,30 +514,17 @@ _CE_WARPS = 4
 # output (see the header).
 _CE_BWD_TILES = {False: (1, _CE_BLOCK, None, _CE_WARPS), True: (32, 128, 1024, 4)}
 _CE_BWD_INTERPRETER_TILES = {False: _CE_BWD_TILES[False], True: (4, 32, 64, 1)}
-# Which kernels take the sigmoid's reciprocal on the FMA pipe (_rcp_fma) instead of the
-# special-function unit.
-_CE_FMA_RCP = {"fwd": True, "bwd": False}
 _LOG2E = 1.4426950408889634  # log2(e); section 8 scales the attention logits by it too
 _LOG2E_C = tl.constexpr(_LOG2E)  # the same, readable inside kernels
 
 
 @triton.jit
-def _rcp(d, NATIVE: tl.constexpr):
-    """1/d in fp32: rcp.approx.ftz.f32 on CUDA (div.full.f32's 1/d for d <= 2^126, and 0 instead
-    of a subnormal above), the plain division in the interpreter, which runs no PTX."""
-    if NATIVE:
-        return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [d],
-                                         dtype=tl.float32, is_pure=True, pack=1)
-    else:
-        return 1.0 / d
-
-
-@triton.jit
 def _rcp_fma(d):
     """1/d for d >= 1 on the FMA pipe: an integer guess (relative error at most 0.051) and three
-    Newton steps r += r (1 - d r), each of which squares the error: within 0.51 ulp of 1/d
-    (tests/_kernels_interp.py, tests/test_kernels_gpu.py), the same on CUDA and in the
-    interpreter. d above 2^126 counts as 2^126; NaN stays NaN."""
+    Newton steps r += r (1 - d r), each of which squares the error: within 0.501 ulp of 1/d up to
+    2^125 and 0.6 ulp in the binade above, whose guess is subnormal (tests/_kernels_interp.py,
+    tests/test_kernels_gpu.py), the same on CUDA and in the interpreter. d above 2^126 counts as
+    2^126; NaN stays NaN."""
     d = tl.minimum(d, 8.507059173023462e37, propagate_nan=tl.PropagateNan.ALL)
     r = (0x7EF311C3 - d.to(tl.int32, bitcast=True)).to(tl.float32, bitcast=True)
     for _ in tl.static_range(3):
@@ -548,16 +533,11 @@ def _rcp_fma(d):
 
 
 @triton.jit
-def _ce_sigmoid(logit, B: tl.constexpr, C: tl.constexpr, NATIVE: tl.constexpr,
-                FMA_RCP: tl.constexpr):
+def _ce_sigmoid(logit, B: tl.constexpr, C: tl.constexpr):
     """sigmoid((logit + B) / C) = 1 / (1 + 2^(logit * k1 + k0)) in fp32."""
     k1: tl.constexpr = -_LOG2E_C / C
     k0: tl.constexpr = -_LOG2E_C * B / C
-    d = 1.0 + tl.exp2(tl.fma(logit, k1, k0))
-    if FMA_RCP:
-        return _rcp_fma(d)
-    else:
-        return _rcp(d, NATIVE)
+    return _rcp_fma(1.0 + tl.exp2(tl.fma(logit, k1, k0)))
 
 
 @triton.jit
@@ -570,7 +550,7 @@ def _ce_exp_score(sig, A: tl.constexpr, c_log2e):
 @triton.jit
 def _ce_fwd_kernel(logits_ptr, targets_ptr, weights_ptr, losses_ptr, lse_ptr, n_rows, n_cols,
                    stride_row, n_weights, A: tl.constexpr, B: tl.constexpr, C: tl.constexpr,
-                   NATIVE: tl.constexpr, FMA_RCP: tl.constexpr, BLOCK: tl.constexpr):
+                   BLOCK: tl.constexpr):
     row = tl.program_id(0)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
     offs = tl.arange(0, BLOCK)
@@ -579,10 +559,10 @@ def _ce_fwd_kernel(logits_ptr, targets_ptr, weights_ptr, losses_ptr, lse_ptr, n_
     whole = n_cols - n_cols % BLOCK
     for start in range(0, whole, BLOCK):  # whole blocks: no masks
         logit = _load_as_fp32(row_ptr + start + offs, None)
-        lane_sum += _ce_exp_score(_ce_sigmoid(logit, B, C, NATIVE, FMA_RCP), A, a_log2e)
+        lane_sum += _ce_exp_score(_ce_sigmoid(logit, B, C), A, a_log2e)
     cols = whole + offs
     logit = _load_as_fp32(row_ptr + cols, cols < n_cols)
-    exp_score = _ce_exp_score(_ce_sigmoid(logit, B, C, NATIVE, FMA_RCP), A, a_log2e)
+    exp_score = _ce_exp_score(_ce_sigmoid(logit, B, C), A, a_log2e)
     lane_sum += tl.where(cols < n_cols, exp_score, 0.0)
     lse = A + tl.log(tl.sum(lane_sum, axis=0))
     tl.store(lse_ptr + row, lse)
@@ -593,18 +573,18 @@ def _ce_fwd_kernel(logits_ptr, targets_ptr, weights_ptr, losses_ptr, lse_ptr, n_
         w = tl.load(weights_ptr + k)
         ok = has_target & (w > 0) & (target >= 0) & (target < n_cols)
         logit_t = _load_as_fp32(row_ptr + target, ok)
-        z_t = A * _ce_sigmoid(logit_t, B, C, NATIVE, FMA_RCP)
+        z_t = A * _ce_sigmoid(logit_t, B, C)
         loss += tl.where(ok, w * (lse - z_t), 0.0)
     tl.store(losses_ptr + row, loss)
 
 
 @triton.jit
 def _ce_dlogit(logit, g_row, sum_w, t_weight, lse, A: tl.constexpr, B: tl.constexpr,
-               C: tl.constexpr, NATIVE: tl.constexpr, FMA_RCP: tl.constexpr):
+               C: tl.constexpr):
     """dL/dlogit = g (S_w p - T_c) * z (1 - sigma) / C, p = exp(z - lse), z = A sigma, in fp32,
     as (k S_w p - k T_c) (sigma - sigma^2) with k = g A / C: the row's factors are multiplied once,
     not per element, since the backward's loop is bound by instruction issue."""
-    sig = _ce_sigmoid(logit, B, C, NATIVE, FMA_RCP)
+    sig = _ce_sigmoid(logit, B, C)
     p = _ce_exp_score(sig, A, lse * _LOG2E_C)
     a_over_c: tl.constexpr = A / C
     k = g_row * a_over_c
@@ -650,7 +630,7 @@ def _ce_sum_w(weights_ptr, rows, n_rows, n_weights):
 def _ce_bwd_kernel(grad_ptr, stride_grad, logits_ptr, weights_ptr, lse_ptr, out_ptr, out_t_ptr,
                    n_rows, n_cols, stride_row, n_weights, cols_per_program, inv_scale, limit,
                    A: tl.constexpr, B: tl.constexpr, C: tl.constexpr, QUANTIZE: tl.constexpr,
-                   NATIVE: tl.constexpr, FMA_RCP: tl.constexpr, TRANSPOSED: tl.constexpr,
+                   NATIVE: tl.constexpr, TRANSPOSED: tl.constexpr,
                    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """The dlogits of BLOCK_R rows x cols_per_program columns (a multiple of BLOCK_C), without the
     target term T_c (_ce_targets_kernel writes those elements afterwards). QUANTIZE=False: out =
@@ -671,7 +651,7 @@ def _ce_bwd_kernel(grad_ptr, stride_grad, logits_ptr, weights_ptr, lse_ptr, out_
         cols = start + offs
         mask = row_ok[:, None] & (cols < n_cols)[None, :]
         logit = _load_as_fp32(logits_ptr + rows64[:, None] * stride_row + cols[None, :], mask)
-        dlogit = _ce_dlogit(logit, g_row, sum_w, 0.0, lse, A, B, C, NATIVE, FMA_RCP)
+        dlogit = _ce_dlogit(logit, g_row, sum_w, 0.0, lse, A, B, C)
         out = _ce_out(dlogit, out_ptr, inv_scale, limit, QUANTIZE, NATIVE)
         tl.store(out_ptr + rows64[:, None] * n_cols + cols[None, :], out, mask=mask)
         if TRANSPOSED:
@@ -683,7 +663,7 @@ def _ce_bwd_kernel(grad_ptr, stride_grad, logits_ptr, weights_ptr, lse_ptr, out_
 def _ce_targets_kernel(grad_ptr, stride_grad, logits_ptr, targets_ptr, weights_ptr, lse_ptr,
                        out_ptr, out_t_ptr, n_rows, n_cols, stride_row, n_weights, inv_scale, limit,
                        A: tl.constexpr, B: tl.constexpr, C: tl.constexpr,
-                       QUANTIZE: tl.constexpr, NATIVE: tl.constexpr, FMA_RCP: tl.constexpr,
+                       QUANTIZE: tl.constexpr, NATIVE: tl.constexpr,
                        TRANSPOSED: tl.constexpr):
     """One row's target columns in full: T_c = the weights of every offset whose target is c. A
     column that is the target of several offsets is written once per offset, the same value."""
@@ -705,7 +685,7 @@ def _ce_targets_kernel(grad_ptr, stride_grad, logits_ptr, targets_ptr, weights_p
             t_weight += tl.where(has_j & (target_j == target), tl.load(weights_ptr + j), 0.0)
         col = tl.where(ok, target, 0).to(tl.int64)
         logit = _load_as_fp32(logits_ptr + row64 * stride_row + col, ok)
-        dlogit = _ce_dlogit(logit, g_row, sum_w, t_weight, lse, A, B, C, NATIVE, FMA_RCP)
+        dlogit = _ce_dlogit(logit, g_row, sum_w, t_weight, lse, A, B, C)
         out = _ce_out(dlogit, out_ptr, inv_scale, limit, QUANTIZE, NATIVE)
         tl.store(out_ptr + row64 * n_cols + col, out, mask=ok)
         if TRANSPOSED:
@@ -743,8 +723,8 @@ def softcapped_mtp_ce_fwd_triton(logits: Tensor, targets: Tensor,
     if n_rows > 0:
         wrap_triton(_ce_fwd_kernel)[(n_rows,)](
             logits, targets, mtp_weights, losses, lse, n_rows, n_cols, logits.stride(0),
-            mtp_weights.shape[0], A=SOFTCAP_A, B=SOFTCAP_B, C=SOFTCAP_C, NATIVE=logits.is_cuda,
-            FMA_RCP=_CE_FMA_RCP["fwd"], BLOCK=_CE_BLOCK, num_warps=_CE_WARPS)
+            mtp_weights.shape[0], A=SOFTCAP_A, B=SOFTCAP_B, C=SOFTCAP_C, BLOCK=_CE_BLOCK,
+            num_warps=_CE_WARPS)
     return losses, lse
 
 
@@ -768,7 +748,7 @@ def _launch_ce_bwd(grad_losses: Tensor, logits: Tensor, targets: Tensor, mtp_wei
     common = (lse, out, out if out_t is None else out_t, n_rows, n_cols, logits.stride(0),
               mtp_weights.shape[0])
     flags = dict(A=SOFTCAP_A, B=SOFTCAP_B, C=SOFTCAP_C, QUANTIZE=quantize,
-                 NATIVE=logits.is_cuda, FMA_RCP=_CE_FMA_RCP["bwd"], TRANSPOSED=transposed)
+                 NATIVE=logits.is_cuda, TRANSPOSED=transposed)
     wrap_triton(_ce_bwd_kernel)[(triton.cdiv(n_rows, rows), triton.cdiv(n_cols, span))](
         *args, mtp_weights, *common, span, inv_scale, limit, BLOCK_R=rows, BLOCK_C=block,
         num_warps=warps, **flags)

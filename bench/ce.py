@@ -1,7 +1,7 @@
 """Time the FP8 head's cross entropy kernels at the training shapes: forward, and the backward that writes the e5m2
 gradient in both layouts the head's FP8 matmuls need.
 
-    python3 bench/ce.py [--root=DIR] [--tiles=R:C:COLS:WARPS,...] [--digest] [--fma_rcp=fwd,bwd]
+    python3 bench/ce.py [--root=DIR] [--tiles=R:C:COLS:WARPS,...] [--digest]
 
 One CUDA GPU, about a minute. --root imports triton_kernels.py from another checkout (a baseline made with
 `git worktree` or `git archive`), so before and after run the same script; run each in its own process. A backward
@@ -9,9 +9,7 @@ that returns one layout is timed with the transpose that checkout's trainer make
 where it exists, else torch.compile's; one that returns both layouts is timed alone. Rows of 16,384 / 32,768 / 49,152
 tokens (the micro-batches of the three batch phases on one GPU), vocabulary 50,304, three MTP weights; GPU time is
 the median of triton.testing.do_bench. --digest also prints a SHA-256 of each shape's outputs (losses, lse and both
-gradient layouts), so that the runs of two checkouts show whether a change kept every bit. --fma_rcp names the kernels
-that take the sigmoid's reciprocal on the FMA pipe (triton_kernels._CE_FMA_RCP; "none" for neither), overriding the
-checkout's table.
+gradient layouts), so that the runs of two checkouts show whether a change kept every bit.
 """
 from __future__ import annotations
 
@@ -58,31 +56,16 @@ def main(argv: list[str] | None = None) -> int:
                          "program (0: the whole row):warps, comma-separated")
     ap.add_argument("--digest", action="store_true",
                     help="print a SHA-256 of each shape's outputs (compare two checkouts bit for bit)")
-    ap.add_argument("--fma_rcp", default=None,
-                    help="kernels whose sigmoid takes its reciprocal on the FMA pipe: fwd, bwd, both comma-separated, "
-                         "or none (default: the checkout's triton_kernels._CE_FMA_RCP)")
     args = ap.parse_args(argv)
     try:
         candidates = parse_tiles(args.tiles)
     except ValueError as e:
         print(f"error: --tiles: {e}", file=sys.stderr)
         return 2
-    fma_rcp = None
-    if args.fma_rcp is not None:
-        fma_rcp = set(filter(None, args.fma_rcp.split(","))) - {"none"}
-        if not fma_rcp <= {"fwd", "bwd"}:
-            print(f"error: --fma_rcp={args.fma_rcp}: name fwd, bwd, both (fwd,bwd) or none", file=sys.stderr)
-            return 2
     sys.path.insert(0, args.root)
     import torch
     from triton.testing import do_bench
     import triton_kernels as tk
-    if fma_rcp is not None:
-        if not hasattr(tk, "_CE_FMA_RCP"):
-            print(f"error: --fma_rcp: the kernels in {args.root} have no FMA reciprocal; drop the option there",
-                  file=sys.stderr)
-            return 2
-        tk._CE_FMA_RCP.update({kernel: kernel in fma_rcp for kernel in tk._CE_FMA_RCP})
 
     def ms(fn) -> float:
         return do_bench(fn, warmup=25, rep=100, return_mode="median")
@@ -96,9 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         out = tk.softcapped_mtp_ce_bwd_fp8_triton(grad, logits, targets, w, lse, S_G)
         return out if isinstance(out, tuple) else (out, second_layout(out))
 
-    table = getattr(tk, "_CE_FMA_RCP", None)
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, kernels from {args.root}"
-          + (f", FMA reciprocal: {table}" if table is not None else ""))
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, kernels from {args.root}")
     print(f"{'rows':>7} {'fwd ms':>8} {'bwd+both layouts ms':>20} {'total':>8}")
     g = torch.Generator(device="cuda").manual_seed(0)
     w = torch.tensor([1.0, 0.5, 0.25], device="cuda")

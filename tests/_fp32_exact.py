@@ -1,5 +1,5 @@
 """Exact fp32 transcriptions for the optimizer-kernel tests (tests/test_optimizer_kernels.py, its interpreter half,
-tests/test_kernels_gpu.py).
+tests/test_kernels_gpu.py), and the ulp error of the cross entropy's reciprocal.
 
 PyTorch gives no fp32 fused multiply-add, and eager Adam on CUDA rounds twice where an FMA is involved only once, so
 `fma32` builds one from float64: the product of two fp32 values is exact in float64, the sum's float64 rounding
@@ -61,3 +61,13 @@ def adam_cuda_order(param, grad, exp_avg, exp_avg_sq, *, beta1, beta2, eps, step
     u = div32(m, sqrt32(v) + f32(eps)) * f32(step_size)
     u = u + f32(decay) * p * (u * p > 0)
     return (p - u).to(param.dtype), m, v
+
+
+def rcp_fma_ulp_errors(d: torch.Tensor, out: torch.Tensor) -> tuple[float, float]:
+    """The largest error of out = 1/d in ulps of 1/d, for d <= 2^125 and for 2^125 < d <= 2^126."""
+    d = d.double().cpu()
+    exact = 1 / d
+    err = (out.double().cpu() - exact).abs() / torch.from_numpy(np.spacing(exact.float().numpy())).double()
+    low, top = d <= 2.0 ** 125, (d > 2.0 ** 125) & (d <= 2.0 ** 126)
+    assert low.sum() > 1000 and top.sum() > 10
+    return err[low].max().item(), err[top].max().item()

@@ -184,7 +184,7 @@ def _sm90_cases():
                "c_coef": "fp32"}
     mlp_sig = {"a_ptr": "*bf16", "b_ptr": "*bf16", "pre_ptr": "*bf16", "out_ptr": "*bf16", "M": "i32", "N": "i32",
                "K": "i32", "stride_am": "i32", "stride_bn": "i32", "stride_pm": "i32", "stride_om": "i32"}
-    ce_consts = {"A": tk.SOFTCAP_A, "B": tk.SOFTCAP_B, "C": tk.SOFTCAP_C, "NATIVE": True, "BLOCK": tk._CE_BLOCK}
+    softcap = {"A": tk.SOFTCAP_A, "B": tk.SOFTCAP_B, "C": tk.SOFTCAP_C}
     cases = []
     for bm, bn, bk, warps, stages in (tk._SYM_SMALL_TILES, tk._SYM_LARGE_TILES):
         tiles = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}
@@ -199,15 +199,14 @@ def _sm90_cases():
     cases.append(("ce_fwd", tk._ce_fwd_kernel,
                   {"logits_ptr": "*bf16", "targets_ptr": "*i64", "weights_ptr": "*fp32", "losses_ptr": "*fp32",
                    "lse_ptr": "*fp32", "n_rows": "i32", "n_cols": "i32", "stride_row": "i32", "n_weights": "i32"},
-                  {**ce_consts, "FMA_RCP": tk._CE_FMA_RCP["fwd"]}, {"num_warps": tk._CE_WARPS}, (),
+                  {**softcap, "BLOCK": tk._CE_BLOCK}, {"num_warps": tk._CE_WARPS}, (),
                   ("logits_ptr", "n_cols", "stride_row")))
     ce_bwd_sig = {"grad_ptr": "*fp32", "stride_grad": "i32", "logits_ptr": "*bf16", "weights_ptr": "*fp32",
                   "lse_ptr": "*fp32", "n_rows": "i32", "n_cols": "i32", "stride_row": "i32", "n_weights": "i32",
                   "inv_scale": "fp32", "limit": "fp32"}
-    softcap = {k: v for k, v in ce_consts.items() if k != "BLOCK"}
     # the plain bf16 backward (one layout) and the FP8 head's (both layouts), as the launcher pairs them
     for quantize, out in ((False, "*bf16"), (True, "*fp8e5")):
-        flags = {"QUANTIZE": quantize, "NATIVE": True, "FMA_RCP": tk._CE_FMA_RCP["bwd"], "TRANSPOSED": quantize}
+        flags = {"QUANTIZE": quantize, "NATIVE": True, "TRANSPOSED": quantize}
         rows, block, _, warps = tk._CE_BWD_TILES[quantize]
         sig = {**ce_bwd_sig, "out_ptr": out, "out_t_ptr": out, "cols_per_program": "i32"}
         cases.append(("ce_bwd", tk._ce_bwd_kernel, sig, {**softcap, **flags, "BLOCK_R": rows, "BLOCK_C": block},
@@ -256,10 +255,10 @@ def test_ce_bwd_fp8_output_saturates_in_the_cast():
     assert "min.f32" in ptx["*fp32"] and "max.f32" in ptx["*fp32"]
 
 
-def test_ce_kernels_use_the_flush_to_zero_special_functions():
-    """The cross entropy kernels' exponentials and reciprocals are the bare ex2.approx.ftz / rcp.approx.ftz: tl.exp and
-    a division would bring ex2.approx.f32 and div.full.f32, each with a compare and two multiplies per element around
-    it (tests/test_kernels_gpu.py checks that the values agree where they are normal)."""
+def test_ce_kernels_take_two_bare_exponentials_and_the_reciprocal_as_fmas():
+    """The cross entropy's exponentials are the bare ex2.approx.ftz (tl.exp would bring ex2.approx.f32 with a compare
+    and two multiplies per element around it) and its reciprocal is _rcp_fma's FMAs: no rcp and no division on the
+    special-function unit, which bounds the forward."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("the interpreter replaces triton.jit; run without TRITON_INTERPRET")
     for name, kernel, sig, consts, opts, contiguous, aligned in _sm90_cases():
@@ -270,10 +269,8 @@ def test_ce_kernels_use_the_flush_to_zero_special_functions():
         except (ImportError, FileNotFoundError) as e:
             pytest.skip(f"cannot compile for sm_90 here: {e}")
         assert "ex2.approx.ftz.f32" in ptx and "ex2.approx.f32" not in ptx, name
-        assert "div.full.f32" not in ptx and "div.rn.f32" not in ptx, name
-        # the reciprocal: on the special-function unit, or as FMAs where the table says so
-        fma_rcp = consts["FMA_RCP"]
-        assert ("rcp.approx" in ptx) != fma_rcp and ("fma.rn.f32" in ptx or not fma_rcp), name
+        assert "rcp." not in ptx and "div." not in ptx, name
+        assert "fma.rn.f32" in ptx and "min.NaN.f32" in ptx, name
 
 
 def test_attention_kernels_compile_with_fp64_scales():
