@@ -495,10 +495,11 @@ def relu2_mlp(x: Tensor, c_fc: Tensor, c_proj: Tensor) -> Tensor:
 # bounds the forward's loop, and instruction issue the backward's. So each score costs that unit
 # two exponentials and the FMA pipe the rest: sigma = 1 / (1 + 2^t) with t = l k1 + k0 one FMA
 # (k1 = -log2(e)/C, k0 = -B log2(e)/C) and the reciprocal as FMAs (_rcp_fma, an integer guess and
-# Newton steps), then 2^(sigma A log2(e) - c) one FMA into an exponential; the backward multiplies
-# the row's factors once. Rounding: these forms, the forward's per-lane sums without a running
-# maximum and _rcp_fma change fp32 roundings only (tests/_kernels_interp.py holds the outputs to a
-# float64 transcription). tl.exp2 is the bare flush-to-zero ex2.approx.ftz.f32, where tl.exp would
+# Newton steps; FlashAttention-4 likewise moves part of its exponentials to the FMA pipe), then
+# 2^(sigma A log2(e) - c) one FMA into an exponential; the backward multiplies the row's factors
+# once. Rounding: these forms, the forward's per-lane sums without a running maximum and _rcp_fma
+# change fp32 roundings only (tests/_kernels_interp.py holds the outputs to a float64
+# transcription). tl.exp2 is the bare flush-to-zero ex2.approx.ftz.f32, where tl.exp would
 # add a compare and two multiplies to produce subnormals, which cannot occur here: the exponent of
 # p is at least -(A + log V) log2(e) > -50, and 2^t only enters as 1 + 2^t.
 # The softcap constants are tl.constexpr and every loop carry starts as an explicit fp32 tensor, so
@@ -630,8 +631,8 @@ def _ce_sum_w(weights_ptr, rows, n_rows, n_weights):
 def _ce_bwd_kernel(grad_ptr, stride_grad, logits_ptr, weights_ptr, lse_ptr, out_ptr, out_t_ptr,
                    n_rows, n_cols, stride_row, n_weights, cols_per_program, inv_scale, limit,
                    A: tl.constexpr, B: tl.constexpr, C: tl.constexpr, QUANTIZE: tl.constexpr,
-                   NATIVE: tl.constexpr, TRANSPOSED: tl.constexpr,
-                   BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+                   NATIVE: tl.constexpr, TRANSPOSED: tl.constexpr, BLOCK_R: tl.constexpr,
+                   BLOCK_C: tl.constexpr):
     """The dlogits of BLOCK_R rows x cols_per_program columns (a multiple of BLOCK_C), without the
     target term T_c (_ce_targets_kernel writes those elements afterwards). QUANTIZE=False: out =
     dlogits in out's dtype. QUANTIZE=True: out = clamp(bf16(dlogits) * inv_scale, +-limit) in
