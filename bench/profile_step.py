@@ -185,37 +185,40 @@ def sibling_traces(path: str) -> list[tuple[int, str]]:
     return sorted((int(r[1]), str(p.parent / r[0])) for r in found if r)
 
 
-def first_collectives(path: str) -> list[tuple[float, float]]:
-    """(start, duration) in us of each step's first communication kernel: the earliest one launched inside the
-    step's optimizer_step range, which launches the gradient reductions once the backward is done."""
+def first_collectives(path: str) -> list[tuple[float, float, float]]:
+    """(start, duration, host launch time) in us of each step's first communication kernel: the earliest one launched
+    inside the step's optimizer_step range, which launches the gradient reductions once the backward is done."""
     trace = _Trace(path)
     steps = sorted((e["ts"], e["ts"] + e["dur"]) for e in trace.events
                    if e.get("name") == "optimizer_step" and e.get("cat") == "user_annotation")
-    first: list[tuple[float, float] | None] = [None] * len(steps)
+    first: list[tuple[float, float, float] | None] = [None] * len(steps)
     for k in trace.kernels:
         launch = trace.launches.get(k.get("args", {}).get("correlation"))
         if not COMM.search(k.get("name", "")) or launch is None:
             continue
         i = next((i for i, (a, b) in enumerate(steps) if a <= launch["ts"] <= b), None)
         if i is not None and first[i] is None:     # the kernels are in start order
-            first[i] = (k["ts"], k["dur"])
+            first[i] = (k["ts"], k["dur"], launch["ts"])
     return [f for f in first if f is not None]
 
 
-def rank_arrivals(paths: list[str]) -> list[tuple[list[float], int, float]]:
+def rank_arrivals(paths: list[str]) -> list[tuple[list[float], int, float, list[float]]]:
     """Per step, for the traces of all ranks (one per rank, the same steps): when each rank's first collective
     started, in ms after the first rank's (it ends on every rank at once, when the last one has joined), the rank
-    that came last, and that rank's kernel time (the reduction itself, with no waiting in it). The traces share
-    the host's clock. A spread here is time the other ranks spend waiting for the slowest one's backward (different
-    documents, clocks, or the profiler's own CPU cost), which the buckets count as exposed communication."""
+    that came last, that rank's kernel time (the reduction itself, with no waiting in it), and when each rank's host
+    launched that collective, in ms after the first host's. The traces share the host's clock. A spread here is time
+    the other ranks spend waiting for the slowest one's backward (different documents, clocks, or the profiler's own
+    CPU cost), which the buckets count as exposed communication; a late rank whose host launched late too was held
+    up by its host, one whose host launched in time by its GPU."""
     per_rank = [first_collectives(p) for p in paths]
     if len({len(f) for f in per_rank}) != 1:
         raise ValueError(f"the rank traces hold different numbers of steps: {[len(f) for f in per_rank]}")
     rows = []
     for step in zip(*per_rank):
-        starts = [s for s, _ in step]
+        starts, hosts = [s for s, _, _ in step], [h for _, _, h in step]
         last = max(range(len(step)), key=lambda r: starts[r])
-        rows.append(([(s - min(starts)) / 1000 for s in starts], last, step[last][1] / 1000))
+        rows.append(([(s - min(starts)) / 1000 for s in starts], last, step[last][1] / 1000,
+                     [(h - min(hosts)) / 1000 for h in hosts]))
     return rows
 
 
@@ -277,12 +280,14 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"    {ms:7.3f} ms  {prev} -> {nxt}  <-  {chain}")
         ranks = sibling_traces(path)
         if len(ranks) > 1:
-            print(f"  ranks at each step's first collective (ms after the first rank; the last rank's kernel):")
+            print(f"  ranks at each step's first collective (ms after the first rank; the last rank's kernel; "
+                  f"then when each host launched it, ms after the first host):")
             names = [f"rank{r}" for r, _ in ranks]
             try:
-                for i, (late, last, ms) in enumerate(rank_arrivals([q for _, q in ranks])):
+                for i, (late, last, ms, hosts) in enumerate(rank_arrivals([q for _, q in ranks])):
                     print(f"    step {i + 1}: " + "  ".join(f"{n} +{t:.2f}" for n, t in zip(names, late))
-                          + f"  | {names[last]} last, its kernel {ms:.2f} ms")
+                          + f"  | {names[last]} last, its kernel {ms:.2f} ms"
+                          + "  | hosts " + "  ".join(f"+{t:.2f}" for t in hosts))
             except (OSError, ValueError, KeyError) as e:
                 print(f"error: cannot compare the ranks' traces of {path}: {e}", file=sys.stderr)
                 return 1

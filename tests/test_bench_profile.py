@@ -106,18 +106,21 @@ def test_a_bad_owners_pattern_is_one_error_line(capsys):
     assert err.startswith("error: --owners='(' is not a regular expression") and err.count("\n") == 1
 
 
-def rank_trace(path, arrivals, kernel_us):
-    """A trace of two steps: step i's optimizer_step (CPU) launches the reduce-scatter that starts at arrivals[i] and
-    runs kernel_us[i]; a later all-gather of the same step and the loss's all-reduce before it must not count."""
+def rank_trace(path, arrivals, kernel_us, hosts=(0, 0)):
+    """A trace of two steps: step i's optimizer_step (CPU) launches, hosts[i] us after its start, the reduce-scatter
+    that starts at arrivals[i] and runs kernel_us[i]; a later all-gather of the same step and the loss's all-reduce
+    before it must not count."""
     events = []
-    for i, (start, dur) in enumerate(zip(arrivals, kernel_us)):
+    for i, (start, dur, host) in enumerate(zip(arrivals, kernel_us, hosts)):
         t = 10_000 * i
         corr = 10 * i
         events += [
             launch(t + 5, corr + 1), kernel("ncclDevKernel_AllReduce_Sum_f32", t + 100, 5, corr + 1, stream=9),
-            {"ph": "X", "cat": "user_annotation", "name": "optimizer_step", "ts": t + 50, "dur": 200, "tid": 1},
-            launch(t + 60, corr + 2), kernel("ncclDevKernel_ReduceScatter_Sum_bf16", start, dur, corr + 2, stream=9),
-            launch(t + 70, corr + 3), kernel("ncclDevKernel_AllGather", start + dur + 500, 40, corr + 3, stream=9),
+            {"ph": "X", "cat": "user_annotation", "name": "optimizer_step", "ts": t + 50, "dur": 2000, "tid": 1},
+            launch(t + 60 + host, corr + 2),
+            kernel("ncclDevKernel_ReduceScatter_Sum_bf16", start, dur, corr + 2, stream=9),
+            launch(t + 70 + host, corr + 3),
+            kernel("ncclDevKernel_AllGather", start + dur + 500, 40, corr + 3, stream=9),
         ]
     path.write_text(json.dumps({"traceEvents": events}))
     return str(path)
@@ -125,12 +128,13 @@ def rank_trace(path, arrivals, kernel_us):
 
 def test_rank_arrivals_are_the_spread_at_each_steps_first_reduction(tmp_path):
     """Rank 1 reaches the first reduce-scatter 3 ms after rank 0 in step 1 and rank 0 is 0.5 ms late in step 2;
-    the one that came last reports its own kernel time (the transfer, no waiting)."""
-    r0 = rank_trace(tmp_path / "run_rank0_steps16-17_trace.json", [1000, 11_500], [3300, 400])
-    r1 = rank_trace(tmp_path / "run_rank1_steps16-17_trace.json", [4000, 11_000], [300, 900])
+    the one that came last reports its own kernel time (the transfer, no waiting). Rank 1's host launched it 1.5 ms
+    after rank 0's in step 1, rank 0's 0.2 ms after rank 1's in step 2."""
+    r0 = rank_trace(tmp_path / "run_rank0_steps16-17_trace.json", [1000, 11_500], [3300, 400], hosts=(0, 1200))
+    r1 = rank_trace(tmp_path / "run_rank1_steps16-17_trace.json", [4000, 11_000], [300, 900], hosts=(1500, 1000))
     rows = profile_step.rank_arrivals([r0, r1])
-    assert [([round(t, 6) for t in late], last, round(ms, 6)) for late, last, ms in rows] == [
-        ([0.0, 3.0], 1, 0.3), ([0.5, 0.0], 0, 0.4)]
+    assert [([round(t, 6) for t in late], last, round(ms, 6), [round(t, 6) for t in hosts])
+            for late, last, ms, hosts in rows] == [([0.0, 3.0], 1, 0.3, [0.0, 1.5]), ([0.5, 0.0], 0, 0.4, [0.2, 0.0])]
 
 
 def test_sibling_traces_are_the_same_steps_of_every_rank(tmp_path):
@@ -147,11 +151,11 @@ def test_sibling_traces_are_the_same_steps_of_every_rank(tmp_path):
 
 def test_main_prints_the_ranks_and_names_a_step_mismatch(tmp_path, capsys):
     r0 = rank_trace(tmp_path / "run_rank0_steps16-17_trace.json", [1000, 11_500], [3300, 400])
-    rank_trace(tmp_path / "run_rank1_steps16-17_trace.json", [4000, 11_000], [300, 900])
+    rank_trace(tmp_path / "run_rank1_steps16-17_trace.json", [4000, 11_000], [300, 900], hosts=(1500, 0))
     assert profile_step.main([r0]) == 0
     out = capsys.readouterr().out
-    assert "    step 1: rank0 +0.00  rank1 +3.00  | rank1 last, its kernel 0.30 ms\n" in out
-    assert "    step 2: rank0 +0.50  rank1 +0.00  | rank0 last, its kernel 0.40 ms\n" in out
+    assert "    step 1: rank0 +0.00  rank1 +3.00  | rank1 last, its kernel 0.30 ms  | hosts +0.00  +1.50\n" in out
+    assert "    step 2: rank0 +0.50  rank1 +0.00  | rank0 last, its kernel 0.40 ms  | hosts +0.00  +0.00\n" in out
     (tmp_path / "run_rank1_steps16-17_trace.json").rename(tmp_path / "run_rank2_steps16-17_trace.json")
     assert profile_step.main([r0]) == 0                                          # rank 1's trace missing: named
     assert "    step 1: rank0 +0.00  rank2 +3.00  | rank2 last" in capsys.readouterr().out   # by their ranks
