@@ -491,17 +491,17 @@ def relu2_mlp(x: Tensor, c_fc: Tensor, c_proj: Tensor) -> Tensor:
 # the offsets whose target is that column), so it compares no column with any target; a second
 # small kernel then rewrites the n_rows * K target elements in full. QUANTIZE applies the FP8
 # quantiser to the bf16-rounded gradient: bitwise the bf16 backward then train_gpt.fp8_quantize.
-# The special-function unit (16 exponentials or reciprocals per clock per SM, against 128 FMAs)
-# bounds the forward's loop, and instruction issue the backward's. So each score costs that unit
-# two exponentials and the FMA pipe the rest: sigma = 1 / (1 + 2^t) with t = l k1 + k0 one FMA
-# (k1 = -log2(e)/C, k0 = -B log2(e)/C) and the reciprocal as FMAs (_rcp_fma, an integer guess and
-# Newton steps; FlashAttention-4 likewise moves part of its exponentials to the FMA pipe), then
+# The special-function unit, much narrower than the FMA pipe, bounds the forward's loop, and
+# instruction issue the backward's. So each score costs that unit two exponentials and the FMA
+# pipe the rest: sigma = 1 / (1 + 2^t) with t = l k1 + k0 one FMA (k1 = -log2(e)/C,
+# k0 = -B log2(e)/C) and the reciprocal as FMAs (_rcp_fma, an integer guess and Newton steps;
+# FlashAttention-4 likewise moves part of its exponentials to the FMA pipe), then
 # 2^(sigma A log2(e) - c) one FMA into an exponential; the backward multiplies the row's factors
 # once. Rounding: these forms, the forward's per-lane sums without a running maximum and _rcp_fma
 # change fp32 roundings only (tests/_kernels_interp.py holds the outputs to a float64
-# transcription). tl.exp2 is the bare flush-to-zero ex2.approx.ftz.f32, where tl.exp would
-# add a compare and two multiplies to produce subnormals, which cannot occur here: the exponent of
-# p is at least -(A + log V) log2(e) > -50, and 2^t only enters as 1 + 2^t.
+# transcription). tl.exp2 is the bare flush-to-zero ex2.approx.ftz.f32, where tl.exp would add a
+# compare and two multiplies to produce subnormals, which cannot occur here: the exponent of p is
+# at least -(A + log V) log2(e) > -50, and 2^t only enters as 1 + 2^t.
 # The softcap constants are tl.constexpr and every loop carry starts as an explicit fp32 tensor, so
 # no Python float can promote a carried value to fp64.
 # (measurements: notes/kernels.md#cross-entropy)
