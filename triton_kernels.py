@@ -516,7 +516,7 @@ _CE_WARPS = 4
 _CE_BWD_TILES = {False: (1, _CE_BLOCK, None, _CE_WARPS), True: (32, 128, 1024, 4)}
 _CE_BWD_INTERPRETER_TILES = {False: _CE_BWD_TILES[False], True: (4, 32, 64, 1)}
 _LOG2E = 1.4426950408889634  # log2(e); section 8 scales the attention logits by it too
-_LOG2E_C = tl.constexpr(_LOG2E)  # the same, readable inside kernels
+_LOG2E_JIT = tl.constexpr(_LOG2E)  # the same, readable inside kernels
 
 
 @triton.jit
@@ -536,15 +536,15 @@ def _rcp_fma(d):
 @triton.jit
 def _ce_sigmoid(logit, B: tl.constexpr, C: tl.constexpr):
     """sigmoid((logit + B) / C) = 1 / (1 + 2^(logit * k1 + k0)) in fp32."""
-    k1: tl.constexpr = -_LOG2E_C / C
-    k0: tl.constexpr = -_LOG2E_C * B / C
+    k1: tl.constexpr = -_LOG2E_JIT / C
+    k0: tl.constexpr = -_LOG2E_JIT * B / C
     return _rcp_fma(1.0 + tl.exp2(tl.fma(logit, k1, k0)))
 
 
 @triton.jit
 def _ce_exp_score(sig, A: tl.constexpr, c_log2e):
     """e^(A sigma - c) = 2^(sigma A log2(e) - c log2(e)), given c log2(e)."""
-    a_log2e: tl.constexpr = A * _LOG2E_C
+    a_log2e: tl.constexpr = A * _LOG2E_JIT
     return tl.exp2(tl.fma(sig, a_log2e, -c_log2e))
 
 
@@ -555,7 +555,7 @@ def _ce_fwd_kernel(logits_ptr, targets_ptr, weights_ptr, losses_ptr, lse_ptr, n_
     row = tl.program_id(0)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
     offs = tl.arange(0, BLOCK)
-    a_log2e: tl.constexpr = A * _LOG2E_C
+    a_log2e: tl.constexpr = A * _LOG2E_JIT
     lane_sum = tl.zeros([BLOCK], dtype=tl.float32)
     whole = n_cols - n_cols % BLOCK
     for start in range(0, whole, BLOCK):  # whole blocks: no masks
@@ -586,7 +586,7 @@ def _ce_dlogit(logit, g_row, sum_w, t_weight, lse, A: tl.constexpr, B: tl.conste
     as (k S_w p - k T_c) (sigma - sigma^2) with k = g A / C: the row's factors are multiplied once,
     not per element, since the backward's loop is bound by instruction issue."""
     sig = _ce_sigmoid(logit, B, C)
-    p = _ce_exp_score(sig, A, lse * _LOG2E_C)
+    p = _ce_exp_score(sig, A, lse * _LOG2E_JIT)
     a_over_c: tl.constexpr = A / C
     k = g_row * a_over_c
     return tl.fma(k * sum_w, p, -(k * t_weight)) * tl.fma(-sig, sig, sig)
