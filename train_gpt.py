@@ -381,17 +381,6 @@ def rotary_tables(omega: Tensor, num_positions: int,
     return cos, sin
 
 
-def shift_keys_by_one(k: Tensor) -> Tensor:
-    """Key offset (@classiclarryd, upstream record 49): the second quarter of each half of every head
-    (dims [hd/4, hd/2), [3hd/4, hd)) takes the values of the previous packed position (position 0
-    keeps its own; document boundaries are ignored). k (T, H, hd)."""
-    T, H, hd = k.shape
-    k_prev = torch.cat([k[:1], k[:-1]], dim=0)
-    quarters_now = k.view(T, H, 2, 2, hd // 4)
-    quarters_prev = k_prev.view(T, H, 2, 2, hd // 4)
-    return torch.stack([quarters_now[:, :, :, 0], quarters_prev[:, :, :, 1]], dim=3).view(T, H, hd)
-
-
 # ---- FP8 LM head ---------------------------------------------------------------------------------
 
 def fp8_quantize(x: Tensor, scale: float, dtype: torch.dtype) -> Tensor:
@@ -581,7 +570,7 @@ def head_losses(h: Tensor, w: Tensor, targets: Tensor, mtp_weights: Tensor, use_
 # tests, tests/test_kernels_gpu.py), with a digest of their code then. A run warns at start when an
 # edit changed one (harness.edited_references); after checking the kernel again, update the digest.
 KERNEL_REFERENCES = {
-    "qk": ((tk.qk_norm_rotary_reference,), "da92015dd3614de1"),
+    "qk": ((tk.qk_norm_rotary_reference, tk.shift_keys_by_one), "66a6a30adc51f00c"),
     "mlp": ((tk.relu2_mlp_reference,), "8b6fad1b2f4093ba"),
     "ce": ((tk.softcap, tk.softcapped_mtp_ce_reference), "257ad305df15c9ff"),
     "fp8": ((fp8_quantize, FP8HeadEmulated), "eddd6931e4db74c4"),
@@ -813,11 +802,11 @@ class GPT(nn.Module):
         # QK-norm per head, then half-truncated rotary on the first half of each head in adjacent
         # pairs, one pass over qkv (triton_kernels.py section 9). Normal layers rotate token t's
         # heads at angle position t. Paired heads (@classiclarryd, upstream record 58): heads 2b,
-        # 2b+1 of token t rotate at angle positions 2t, 2t+1.
+        # 2b+1 of token t rotate at angle positions 2t, 2t+1. Key offset layers take a quarter of
+        # each half of k from the previous token (tk.shift_keys_by_one), in the same pass.
         qk_rotary = tk.qk_norm_rotary_reference if "qk" in self.refs else tk.qk_norm_rotary
-        q, k, v = qk_rotary(qkv, self.rotary_cos, self.rotary_sin, 2 if p.attn == "P" else 1)
-        if p.key_offset:
-            k = shift_keys_by_one(k)
+        q, k, v = qk_rotary(qkv, self.rotary_cos, self.rotary_sin, 2 if p.attn == "P" else 1,
+                            p.key_offset)
         gate_in = u[:, :GATE_INPUT_DIM]
         if ve is not None:
             # Elementwise per (token, head), so adding it before the paired interleave equals adding

@@ -1720,6 +1720,11 @@ def varlen_attention_reference(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tens
 # closer to the exact value (tested against a float64 transcription of the former formulation).
 # Backward, from the saved qkv (not q, k): dn[d] = g[d]*cos[d] + g[d^1]*sin[d^1] (the rotation's
 # transpose) for d < hd/2, dn = g after, then dx = r*(dn - n*mean(dn*n)).
+# Key offset (KEY_OFFSET, normal long-window layers): k's second and fourth quarters take the rotated
+# values of the previous token's same head (token 0 keeps its own), so the forward's k programs
+# normalise and rotate the row H rows back as well (an L2 hit: the previous block read it); the
+# backward gives row t the gradient of those quarters from row t + 1, and token 0 its own as well.
+# A pure move of rounded values: bitwise the shift applied to the unshifted k.
 # Grid (blocks of BLOCK_R (t, h) rows, part): parts q and k forward; the backward's part 2 copies
 # dv. Tiles: 16 rows of hd=128 and 4 warps, picked by timing (notes/2026-11-26_speed3_H200); the
 # tiles set the fp32 sums' order.
@@ -1734,12 +1739,13 @@ _QK_ROTARY_INTERPRETER_ROWS = 8  # CPU tests: several blocks and a partial last 
 def _qk_rotary_rows(n_rows, H, part, POS_MULT: tl.constexpr, HD: tl.constexpr,
                     BLOCK_R: tl.constexpr):
     """This program's BLOCK_R (t, h) rows of qkv's `part` (0 q, 1 k, 2 v): row offsets into qkv
-    and into a (T, H, HD) tensor, the row mask and the table row offsets (in rows)."""
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # t * H + h
+    and into a (T, H, HD) tensor, the row mask, the table row offsets (in rows) and whether the
+    row is token 0's, each (BLOCK_R, 1)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]  # t * H + h
     t, h = rows // H, rows % H
-    qkv_row = ((t * 3 + part) * H + h).to(tl.int64)[:, None] * HD
-    out_row = rows.to(tl.int64)[:, None] * HD
-    return qkv_row, out_row, (rows < n_rows)[:, None], (t * POS_MULT + h % POS_MULT).to(tl.int64)
+    qkv_row = ((t * 3 + part) * H + h).to(tl.int64) * HD
+    tab_row = (t * POS_MULT + h % POS_MULT).to(tl.int64)
+    return qkv_row, rows.to(tl.int64) * HD, rows < n_rows, tab_row, t == 0
 
 
 @triton.jit
@@ -1750,7 +1756,7 @@ def _qk_rotary_normed(qkv_ptr, cos_ptr, sin_ptr, qkv_row, mask, tab_row, stride_
     x = _load_as_fp32(qkv_ptr + qkv_row + cols, mask)
     r = tl.rsqrt(tl.sum(x * x, axis=1) / HD + EPS)[:, None]
     rot = cols < HD // 2
-    tab = tab_row[:, None] * stride_tab + cols
+    tab = tab_row * stride_tab + cols
     c = _load_as_fp32(cos_ptr + tab, mask & rot)
     return x * r, r, rot, c, _load_as_fp32(sin_ptr + tab, mask & rot)
 
@@ -1763,27 +1769,49 @@ def _swap_pairs(x, BLOCK_R: tl.constexpr, HD: tl.constexpr):
 
 
 @triton.jit
-def _qk_rotary_fwd_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, stride_tab, n_rows, H,
-                          POS_MULT: tl.constexpr, HD: tl.constexpr, EPS: tl.constexpr,
-                          BLOCK_R: tl.constexpr):
-    part = tl.program_id(1)
-    qkv_row, out_row, mask, tab_row = _qk_rotary_rows(n_rows, H, part, POS_MULT, HD, BLOCK_R)
+def _qk_rotary_rotated(qkv_ptr, cos_ptr, sin_ptr, qkv_row, mask, tab_row, stride_tab,
+                       HD: tl.constexpr, EPS: tl.constexpr, BLOCK_R: tl.constexpr):
+    """fp32 rotary(rms(x)) of these q or k rows."""
     n, r, rot, c, s = _qk_rotary_normed(qkv_ptr, cos_ptr, sin_ptr, qkv_row, mask, tab_row,
                                         stride_tab, HD, EPS)
-    out = tl.where(rot, n * c + _swap_pairs(n, BLOCK_R, HD) * s, n)
+    return tl.where(rot, n * c + _swap_pairs(n, BLOCK_R, HD) * s, n)
+
+
+@triton.jit
+def _late_quarters(HD: tl.constexpr):
+    """(1, HD): the key offset's columns, the second and fourth quarters of a head."""
+    return (tl.arange(0, HD)[None, :] // (HD // 4)) % 2 == 1
+
+
+@triton.jit
+def _qk_rotary_fwd_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, stride_tab, n_rows, H,
+                          POS_MULT: tl.constexpr, KEY_OFFSET: tl.constexpr, HD: tl.constexpr,
+                          EPS: tl.constexpr, BLOCK_R: tl.constexpr):
+    part = tl.program_id(1)
+    qkv_row, out_row, mask, tab_row, first = _qk_rotary_rows(n_rows, H, part, POS_MULT, HD,
+                                                             BLOCK_R)
+    out = _qk_rotary_rotated(qkv_ptr, cos_ptr, sin_ptr, qkv_row, mask, tab_row, stride_tab, HD,
+                             EPS, BLOCK_R)
     out_ptr = q_ptr
     if part == 1:
         out_ptr = k_ptr
+        if KEY_OFFSET:
+            back = tl.where(first, 0, 1)
+            prev = _qk_rotary_rotated(qkv_ptr, cos_ptr, sin_ptr, qkv_row - back * (3 * H * HD),
+                                      mask, tab_row - back * POS_MULT, stride_tab, HD, EPS,
+                                      BLOCK_R)
+            out = tl.where(_late_quarters(HD), prev, out)
     cols = tl.arange(0, HD)[None, :]
     _store_from_fp32(out_ptr + out_row + cols, out, mask)
 
 
 @triton.jit
 def _qk_rotary_bwd_kernel(dq_ptr, dk_ptr, dv_ptr, qkv_ptr, cos_ptr, sin_ptr, dqkv_ptr, stride_tab,
-                          n_rows, H, POS_MULT: tl.constexpr, HD: tl.constexpr,
-                          EPS: tl.constexpr, BLOCK_R: tl.constexpr):
+                          n_rows, H, POS_MULT: tl.constexpr, KEY_OFFSET: tl.constexpr,
+                          HD: tl.constexpr, EPS: tl.constexpr, BLOCK_R: tl.constexpr):
     part = tl.program_id(1)
-    qkv_row, out_row, mask, tab_row = _qk_rotary_rows(n_rows, H, part, POS_MULT, HD, BLOCK_R)
+    qkv_row, out_row, mask, tab_row, first = _qk_rotary_rows(n_rows, H, part, POS_MULT, HD,
+                                                             BLOCK_R)
     cols = tl.arange(0, HD)[None, :]
     if part == 2:
         _store_from_fp32(dqkv_ptr + qkv_row + cols, _load_as_fp32(dv_ptr + out_row + cols, mask),
@@ -1795,6 +1823,11 @@ def _qk_rotary_bwd_kernel(dq_ptr, dk_ptr, dv_ptr, qkv_ptr, cos_ptr, sin_ptr, dqk
         if part == 1:
             g_ptr = dk_ptr
         g = _load_as_fp32(g_ptr + out_row + cols, mask)
+        if part == 1:
+            if KEY_OFFSET:
+                next_row = out_row + H * HD
+                g_next = _load_as_fp32(g_ptr + next_row + cols, next_row < n_rows * HD)
+                g = tl.where(_late_quarters(HD), g_next + tl.where(first, g, 0.0), g)
         dn = tl.where(rot, g * c + _swap_pairs(g * s, BLOCK_R, HD), g)
         dx = r * (dn - n * (tl.sum(dn * n, axis=1) / HD)[:, None])
         _store_from_fp32(dqkv_ptr + qkv_row + cols, dx, mask)
@@ -1835,20 +1868,24 @@ def _qk_rotary_launch(qkv: Tensor, H: int, hd: int, parts: int, rows: int | None
 
 
 def qk_norm_rotary_fwd_triton(qkv: Tensor, cos: Tensor, sin: Tensor, pos_mult: int,
-                              rows: int | None = None) -> tuple[Tensor, Tensor]:
-    """qkv (T, 3*H*hd), tables (>= pos_mult*T, hd/2) -> q, k normed and rotated, each (T, H, hd)
-    contiguous in qkv's dtype. rows fixes the rows per program (tests)."""
+                              key_offset: bool = False, rows: int | None = None
+                              ) -> tuple[Tensor, Tensor]:
+    """qkv (T, 3*H*hd), tables (>= pos_mult*T, hd/2) -> q, k normed and rotated (k shifted by
+    key_offset), each (T, H, hd) contiguous in qkv's dtype. rows fixes the rows per program
+    (tests)."""
     H, hd = _check_qk_rotary_inputs(qkv, cos, sin, pos_mult)
     q, k = (qkv.new_empty((qkv.shape[0], H, hd)) for _ in range(2))
     if qkv.shape[0] > 0:
         grid, options = _qk_rotary_launch(qkv, H, hd, 2, rows)
         wrap_triton(_qk_rotary_fwd_kernel)[grid](qkv, cos, sin, q, k, cos.stride(0),
-                                                 POS_MULT=pos_mult, **options)
+                                                 POS_MULT=pos_mult, KEY_OFFSET=key_offset,
+                                                 **options)
     return q, k
 
 
 def qk_norm_rotary_bwd_triton(dq: Tensor, dk: Tensor, dv: Tensor, qkv: Tensor, cos: Tensor,
-                              sin: Tensor, pos_mult: int, rows: int | None = None) -> Tensor:
+                              sin: Tensor, pos_mult: int, key_offset: bool = False,
+                              rows: int | None = None) -> Tensor:
     """Gradients of q, k, v (each (T, H, hd) contiguous) and the forward's inputs -> d(qkv), with
     qkv's shape and dtype, written in one pass."""
     H, hd = _check_qk_rotary_inputs(qkv, cos, sin, pos_mult)
@@ -1860,20 +1897,21 @@ def qk_norm_rotary_bwd_triton(dq: Tensor, dk: Tensor, dv: Tensor, qkv: Tensor, c
     if qkv.shape[0] > 0:
         grid, options = _qk_rotary_launch(qkv, H, hd, 3, rows)
         wrap_triton(_qk_rotary_bwd_kernel)[grid](dq, dk, dv, qkv, cos, sin, dqkv, cos.stride(0),
-                                                 POS_MULT=pos_mult, **options)
+                                                 POS_MULT=pos_mult, KEY_OFFSET=key_offset,
+                                                 **options)
     return dqkv
 
 
 @triton_op(f"{_LIB}::qk_norm_rotary_fwd", mutates_args=())
-def _qk_norm_rotary_fwd_op(qkv: Tensor, cos: Tensor, sin: Tensor, pos_mult: int
-                           ) -> tuple[Tensor, Tensor]:
-    return qk_norm_rotary_fwd_triton(qkv, cos, sin, pos_mult)
+def _qk_norm_rotary_fwd_op(qkv: Tensor, cos: Tensor, sin: Tensor, pos_mult: int,
+                           key_offset: bool) -> tuple[Tensor, Tensor]:
+    return qk_norm_rotary_fwd_triton(qkv, cos, sin, pos_mult, key_offset)
 
 
 @triton_op(f"{_LIB}::qk_norm_rotary_bwd", mutates_args=())
 def _qk_norm_rotary_bwd_op(dq: Tensor, dk: Tensor, dv: Tensor, qkv: Tensor, cos: Tensor,
-                           sin: Tensor, pos_mult: int) -> Tensor:
-    return qk_norm_rotary_bwd_triton(dq, dk, dv, qkv, cos, sin, pos_mult)
+                           sin: Tensor, pos_mult: int, key_offset: bool) -> Tensor:
+    return qk_norm_rotary_bwd_triton(dq, dk, dv, qkv, cos, sin, pos_mult, key_offset)
 
 
 class _QKNormRotaryFunction(torch.autograd.Function):
@@ -1881,30 +1919,43 @@ class _QKNormRotaryFunction(torch.autograd.Function):
     view of qkv so that its gradient reaches the one backward kernel."""
 
     @staticmethod
-    def forward(ctx, qkv: Tensor, cos: Tensor, sin: Tensor, pos_mult: int):
-        q, k = torch.ops.nanogpt_kernels.qk_norm_rotary_fwd(qkv, cos, sin, pos_mult)
+    def forward(ctx, qkv: Tensor, cos: Tensor, sin: Tensor, pos_mult: int, key_offset: bool):
+        q, k = torch.ops.nanogpt_kernels.qk_norm_rotary_fwd(qkv, cos, sin, pos_mult, key_offset)
         ctx.save_for_backward(qkv, cos, sin)
-        ctx.pos_mult = pos_mult
+        ctx.pos_mult, ctx.key_offset = pos_mult, key_offset
         return q, k, qkv.view(q.shape[0], 3, *q.shape[1:])[:, 2]
 
     @staticmethod
     def backward(ctx, dq: Tensor, dk: Tensor, dv: Tensor):
         qkv, cos, sin = ctx.saved_tensors
         dqkv = torch.ops.nanogpt_kernels.qk_norm_rotary_bwd(
-            dq.contiguous(), dk.contiguous(), dv.contiguous(), qkv, cos, sin, ctx.pos_mult)
-        return dqkv, None, None, None
+            dq.contiguous(), dk.contiguous(), dv.contiguous(), qkv, cos, sin, ctx.pos_mult,
+            ctx.key_offset)
+        return dqkv, None, None, None, None
 
 
-def qk_norm_rotary_triton(qkv: Tensor, cos: Tensor, sin: Tensor, pos_mult: int
-                          ) -> tuple[Tensor, Tensor, Tensor]:
+def qk_norm_rotary_triton(qkv: Tensor, cos: Tensor, sin: Tensor, pos_mult: int,
+                          key_offset: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """Differentiable Triton path (CUDA; CPU only under the interpreter, in float32)."""
-    return _QKNormRotaryFunction.apply(qkv, cos, sin, pos_mult)
+    return _QKNormRotaryFunction.apply(qkv, cos, sin, pos_mult, key_offset)
 
 
-def qk_norm_rotary_reference(qkv: Tensor, cos: Tensor, sin: Tensor, pos_mult: int
-                             ) -> tuple[Tensor, Tensor, Tensor]:
+def shift_keys_by_one(k: Tensor) -> Tensor:
+    """Key offset (@classiclarryd, upstream record 49): the second quarter of each half of every head
+    (dims [hd/4, hd/2), [3hd/4, hd)) takes the values of the previous packed position (position 0
+    keeps its own; document boundaries are ignored). k (T, H, hd)."""
+    T, H, hd = k.shape
+    k_prev = torch.cat([k[:1], k[:-1]], dim=0)
+    quarters_now = k.view(T, H, 2, 2, hd // 4)
+    quarters_prev = k_prev.view(T, H, 2, 2, hd // 4)
+    return torch.stack([quarters_now[:, :, :, 0], quarters_prev[:, :, :, 1]], dim=3).view(T, H, hd)
+
+
+def qk_norm_rotary_reference(qkv: Tensor, cos: Tensor, sin: Tensor, pos_mult: int,
+                             key_offset: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """q, k = rotary(rms(q)), rotary(rms(k)) in acc_dtype, rounded once, head h of token t at table
-    row pos_mult*t + h % pos_mult, each (T, H, hd) contiguous in qkv's dtype; v a view of qkv."""
+    row pos_mult*t + h % pos_mult, each (T, H, hd) contiguous in qkv's dtype, then k shifted by
+    shift_keys_by_one if key_offset; v a view of qkv."""
     T, half = qkv.shape[0], cos.shape[1]
     hd = 2 * half
     H = qkv.shape[1] // (3 * hd)
@@ -1921,12 +1972,13 @@ def qk_norm_rotary_reference(qkv: Tensor, cos: Tensor, sin: Tensor, pos_mult: in
         return torch.cat([n_rot * c + n_swapped * s, n_pass], dim=-1).to(qkv.dtype)
 
     q, k, v = qkv.view(T, 3, H, hd).unbind(1)
-    return norm_rotate(q), norm_rotate(k), v
+    k = norm_rotate(k)
+    return norm_rotate(q), shift_keys_by_one(k) if key_offset else k, v
 
 
-def qk_norm_rotary(qkv: Tensor, cos: Tensor, sin: Tensor, pos_mult: int
+def qk_norm_rotary(qkv: Tensor, cos: Tensor, sin: Tensor, pos_mult: int, key_offset: bool = False
                    ) -> tuple[Tensor, Tensor, Tensor]:
-    """q, k normed and rotated (contiguous) and v (a view), each (T, H, hd), from qkv (T, 3*H*hd):
-    Triton on CUDA, the reference elsewhere."""
-    return (qk_norm_rotary_triton(qkv, cos, sin, pos_mult) if qkv.is_cuda
-            else qk_norm_rotary_reference(qkv, cos, sin, pos_mult))
+    """q, k normed and rotated (contiguous; k shifted by key_offset) and v (a view), each (T, H, hd),
+    from qkv (T, 3*H*hd): Triton on CUDA, the reference elsewhere."""
+    return (qk_norm_rotary_triton(qkv, cos, sin, pos_mult, key_offset) if qkv.is_cuda
+            else qk_norm_rotary_reference(qkv, cos, sin, pos_mult, key_offset))

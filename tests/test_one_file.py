@@ -101,8 +101,8 @@ def test_a_cpu_run_with_default_flags_uses_edited_activation_and_loss(monkeypatc
     assert doubled == pytest.approx(2 * edited_mlp, rel=1e-6)
     qk_reference = tk.qk_norm_rotary_reference
 
-    def sharper_queries(qkv, cos, sin, pos_mult):            # an edited QK-norm: queries at twice the norm
-        q, k, v = qk_reference(qkv, cos, sin, pos_mult)
+    def sharper_queries(qkv, cos, sin, pos_mult, key_offset):  # an edited QK-norm: queries at twice the norm
+        q, k, v = qk_reference(qkv, cos, sin, pos_mult, key_offset)
         return 2 * q, k, v
     monkeypatch.setattr(tk, "qk_norm_rotary_reference", sharper_queries)
     assert abs(loss_of(tiny_model()).item() - doubled) > 1e-5 * abs(doubled)   # measured 8e-5; unedited: 0

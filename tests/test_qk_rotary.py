@@ -8,6 +8,8 @@ GPU (marked gpu): bf16 kernels against the float64 reference, and torch.compile(
 
 Tables: the trainer's (rotary_tables: sin[d^1] = -sin[d] within each pair) and random ones, on which a backward that
 used -sin[d] for sin[d^1], or a row index off by one, would fail.
+Key offset: k shifted as the trainer shifted it before the fusion (tk.shift_keys_by_one after the op), element by
+element in key_offset_by_loop.
 """
 import os
 import subprocess
@@ -65,6 +67,18 @@ def trainer_qk(qkv, cos, sin, pos_mult, H, hd):
     return q, k, v
 
 
+def key_offset_by_loop(k):
+    """k (T, H, hd) with the key offset, one element at a time: dims [hd/4, hd/2) and [3hd/4, hd) of token t >= 1
+    from token t - 1."""
+    out = k.clone()
+    hd = k.shape[-1]
+    for t in range(1, k.shape[0]):
+        for d in range(hd):
+            if (d // (hd // 4)) % 2 == 1:
+                out[t, :, d] = k[t - 1, :, d]
+    return out
+
+
 def grad_of(fn, qkv, grads):
     qkv = qkv.detach().clone().requires_grad_()
     outs = fn(qkv)
@@ -82,14 +96,18 @@ def parts(dqkv, H, hd):
 # ------------------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("tables", ["trainer", "random"])
-@pytest.mark.parametrize("pos_mult", [1, 2])
-def test_reference_is_the_trainer_math_in_float64(pos_mult, tables):
+@pytest.mark.parametrize("pos_mult, key_offset", [(1, False), (2, False), (1, True), (2, True)])
+def test_reference_is_the_trainer_math_in_float64(pos_mult, key_offset, tables):
     T, H, hd = 29, 6, 32
     qkv, cos, sin = make_inputs(T, H, hd, pos_mult, torch.float64, tables, seed=pos_mult)
     g = torch.Generator().manual_seed(7)
     grads = [torch.randn(T, H, hd, generator=g, dtype=torch.float64) for _ in range(3)]
-    got, got_d = grad_of(lambda x: tk.qk_norm_rotary_reference(x, cos, sin, pos_mult), qkv, grads)
-    want, want_d = grad_of(lambda x: trainer_qk(x, cos, sin, pos_mult, H, hd), qkv, grads)
+    got, got_d = grad_of(lambda x: tk.qk_norm_rotary_reference(x, cos, sin, pos_mult, key_offset), qkv, grads)
+
+    def trainer(x):
+        q, k, v = trainer_qk(x, cos, sin, pos_mult, H, hd)
+        return q, key_offset_by_loop(k) if key_offset else k, v
+    want, want_d = grad_of(trainer, qkv, grads)
     for name, a, b in zip("qkv", got, want):
         assert a.dtype == torch.float64 and a.shape == (T, H, hd) and a.is_contiguous() != (name == "v"), name
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=lambda m: f"{name}: {m}")
@@ -155,8 +173,8 @@ def test_launchers_reject_layouts_the_kernels_do_not_handle():
 
 
 @pytest.mark.parametrize("kernel", ["fwd", "bwd"])
-@pytest.mark.parametrize("pos_mult", [1, 2])
-def test_kernels_compile_for_h100_without_fp64(kernel, pos_mult):
+@pytest.mark.parametrize("pos_mult, key_offset", [(1, False), (2, False), (1, True)])
+def test_kernels_compile_for_h100_without_fp64(kernel, pos_mult, key_offset):
     if INTERPRET:
         pytest.skip("the interpreter replaces triton.jit; run without TRITON_INTERPRET")
     from test_kernels import compile_for_h100
@@ -164,7 +182,7 @@ def test_kernels_compile_for_h100_without_fp64(kernel, pos_mult):
              else ("dq_ptr", "dk_ptr", "dv_ptr", "qkv_ptr", "cos_ptr", "sin_ptr", "dqkv_ptr"))
     sig = {**{n: "*bf16" for n in names}, "stride_tab": "i32", "n_rows": "i32", "H": "i32"}
     fn = tk._qk_rotary_fwd_kernel if kernel == "fwd" else tk._qk_rotary_bwd_kernel
-    consts = {"POS_MULT": pos_mult, "HD": 128, "EPS": tk._QK_RMS_EPS, "BLOCK_R": tk._QK_ROTARY_ELEMENTS // 128}
+    consts = {"POS_MULT": pos_mult, "KEY_OFFSET": key_offset, "HD": 128, "EPS": tk._QK_RMS_EPS, "BLOCK_R": tk._QK_ROTARY_ELEMENTS // 128}
     try:
         compiled = compile_for_h100(fn, sig, consts, {"num_warps": tk._QK_ROTARY_WARPS}, (), tuple(sig))
     except (ImportError, FileNotFoundError) as e:
@@ -189,26 +207,27 @@ def test_kernels_under_triton_interpreter():
     assert " passed" in last and "skipped" not in last, proc.stdout[-2000:]
 
 
+# (T, H, hd, rows per program, tables); T = 1 has no previous token for the key offset
 INTERP_CASES = [(37, 4, 32, None, "random"), (37, 4, 32, 16, "trainer"), (5, 6, 128, None, "random"),
-                (3, 2, 8, 1, "random")]
+                (3, 2, 8, 1, "random"), (1, 2, 8, None, "random")]
 
 
 @interp
 @pytest.mark.parametrize("T, H, hd, rows, tables", INTERP_CASES)
-@pytest.mark.parametrize("pos_mult", [1, 2])
-def test_interp_forward_and_backward_match_the_reference(T, H, hd, rows, tables, pos_mult):
+@pytest.mark.parametrize("pos_mult, key_offset", [(1, False), (2, False), (1, True), (2, True)])
+def test_interp_forward_and_backward_match_the_reference(T, H, hd, rows, tables, pos_mult, key_offset):
     qkv, cos, sin = make_inputs(T, H, hd, pos_mult, torch.float32, tables, seed=T * hd + pos_mult)
     g = torch.Generator().manual_seed(1)
     grads = [torch.randn(T, H, hd, generator=g) for _ in range(3)]
-    want, want_d = grad_of(lambda x: tk.qk_norm_rotary_reference(x, cos, sin, pos_mult), qkv, grads)
+    want, want_d = grad_of(lambda x: tk.qk_norm_rotary_reference(x, cos, sin, pos_mult, key_offset), qkv, grads)
 
-    got = tk.qk_norm_rotary_fwd_triton(qkv, cos, sin, pos_mult, rows=rows)
+    got = tk.qk_norm_rotary_fwd_triton(qkv, cos, sin, pos_mult, key_offset, rows=rows)
     assert len(got) == 2
     for name, a, b in zip("qk", got, want):
         assert a.dtype == torch.float32 and a.shape == (T, H, hd) and a.is_contiguous(), name
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
 
-    got_d = tk.qk_norm_rotary_bwd_triton(*grads, qkv, cos, sin, pos_mult, rows=rows)
+    got_d = tk.qk_norm_rotary_bwd_triton(*grads, qkv, cos, sin, pos_mult, key_offset, rows=rows)
     assert got_d.shape == qkv.shape and got_d.dtype == qkv.dtype
     for name, a, b in zip("qkv", parts(got_d, H, hd), parts(want_d, H, hd)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item(), msg=lambda m: f"d{name}: {m}")
@@ -251,14 +270,15 @@ def test_interp_autograd_function_with_strided_gradients(pos_mult):
 @pytest.mark.gpu
 @pytest.mark.parametrize("T, H, hd, tables", [(4096, 6, 128, "trainer"), (1000, 6, 128, "random"),
                                               (333, 4, 32, "trainer")])
-@pytest.mark.parametrize("pos_mult", [1, 2])
-def test_gpu_bf16_matches_float64(T, H, hd, tables, pos_mult):
+@pytest.mark.parametrize("pos_mult, key_offset", [(1, False), (2, False), (1, True)])
+def test_gpu_bf16_matches_float64(T, H, hd, tables, pos_mult, key_offset):
     qkv, cos, sin = make_inputs(T, H, hd, pos_mult, torch.bfloat16, tables, seed=T + pos_mult, device="cuda")
     g = torch.Generator(device="cuda").manual_seed(4)
     grads = [torch.randn(T, H, hd, device="cuda", generator=g).bfloat16() for _ in range(3)]
-    got, got_d = grad_of(lambda x: tk.qk_norm_rotary(x, cos, sin, pos_mult), qkv, grads)
-    exact, exact_d = grad_of(lambda x: tk.qk_norm_rotary_reference(x, cos.double(), sin.double(), pos_mult),
-                             qkv.double(), [t.double() for t in grads])
+    got, got_d = grad_of(lambda x: tk.qk_norm_rotary(x, cos, sin, pos_mult, key_offset), qkv, grads)
+    exact, exact_d = grad_of(
+        lambda x: tk.qk_norm_rotary_reference(x, cos.double(), sin.double(), pos_mult, key_offset),
+        qkv.double(), [t.double() for t in grads])
     # forward: one bf16 rounding of an fp32 value within a few fp32 ulps of the exact one: at most one bf16 ulp
     for name, a, b in zip("qkv", got, exact):
         assert a.dtype == torch.bfloat16 and a.shape == (T, H, hd) and a.is_contiguous() != (name == "v"), name
@@ -276,16 +296,16 @@ def test_gpu_bf16_matches_float64(T, H, hd, tables, pos_mult):
 
 @pytest.mark.gpu
 def test_gpu_compiled_is_eager():
-    """Normal and paired layers in one compiled function: one graph, no break, no recompile on new data, and the
-    same outputs and d(qkv) as eager."""
+    """Normal, key offset and paired layers in one compiled function: one graph, no break, no recompile on new data,
+    and the same outputs and d(qkv) as eager."""
     from torch._dynamo.utils import counters
     T, H, hd = 2048, 6, 128
 
     def step(qkv, cos, sin, w):
         total = 0
-        for pos_mult in (1, 2):
-            q, k, v = tk.qk_norm_rotary(qkv, cos, sin, pos_mult)
-            total = total + sum((t.float() * w[i]).sum() for i, t in enumerate((q, k, v))) * pos_mult
+        for layer, (pos_mult, key_offset) in enumerate(((1, False), (2, False), (1, True))):
+            q, k, v = tk.qk_norm_rotary(qkv, cos, sin, pos_mult, key_offset)
+            total = total + sum((t.float() * w[i]).sum() for i, t in enumerate((q, k, v))) * (layer + 1)
         return total
 
     torch._dynamo.reset()
