@@ -87,6 +87,14 @@ def _bf16_bits_rne(x):
 
 
 @triton.jit
+def _round_as(ptrs, x):
+    """fp32 x rounded to the dtype ptrs point to (bf16: nearest even, via the bits), as fp32."""
+    if ptrs.dtype.element_ty == tl.bfloat16:
+        x = (_bf16_bits_rne(x) << 16).to(tl.float32, bitcast=True)
+    return x
+
+
+@triton.jit
 def _store_from_fp32(ptrs, x, mask):
     """Store fp32 values to a bf16 (round to nearest even, via the bits) or fp32 tensor."""
     if ptrs.dtype.element_ty == tl.bfloat16:
@@ -1720,11 +1728,12 @@ def varlen_attention_reference(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tens
 # closer to the exact value (tested against a float64 transcription of the former formulation).
 # Backward, from the saved qkv (not q, k): dn[d] = g[d]*cos[d] + g[d^1]*sin[d^1] (the rotation's
 # transpose) for d < hd/2, dn = g after, then dx = r*(dn - n*mean(dn*n)).
-# Key offset (KEY_OFFSET, normal long-window layers): k's second and fourth quarters take the rotated
-# values of the previous token's same head (token 0 keeps its own), so the forward's k programs
-# normalise and rotate the row H rows back as well (an L2 hit: the previous block read it); the
-# backward gives row t the gradient of those quarters from row t + 1, and token 0 its own as well.
-# A pure move of rounded values: bitwise the shift applied to the unshifted k.
+# Key offset (KEY_OFFSET, normal long-window layers; tk.shift_keys_by_one): k's second and fourth
+# quarters take the previous token's values (token 0 keeps its own). The forward stores those
+# quarters of row (t, h) at row (t + 1, h), and token 0's at its own row too; the backward loads
+# them from row t + 1, and token 0 adds its own, rounded to the gradient's dtype as autograd's sum
+# of the two uses was. So each row is normalised once and the outputs are bitwise the former
+# compiled shift's.
 # Grid (blocks of BLOCK_R (t, h) rows, part): parts q and k forward; the backward's part 2 copies
 # dv. Tiles: 16 rows of hd=128 and 4 warps, picked by timing (notes/2026-11-26_speed3_H200); the
 # tiles set the fp32 sums' order.
@@ -1769,18 +1778,12 @@ def _swap_pairs(x, BLOCK_R: tl.constexpr, HD: tl.constexpr):
 
 
 @triton.jit
-def _qk_rotary_rotated(qkv_ptr, cos_ptr, sin_ptr, qkv_row, mask, tab_row, stride_tab,
-                       HD: tl.constexpr, EPS: tl.constexpr, BLOCK_R: tl.constexpr):
-    """fp32 rotary(rms(x)) of these q or k rows."""
-    n, r, rot, c, s = _qk_rotary_normed(qkv_ptr, cos_ptr, sin_ptr, qkv_row, mask, tab_row,
-                                        stride_tab, HD, EPS)
-    return tl.where(rot, n * c + _swap_pairs(n, BLOCK_R, HD) * s, n)
-
-
-@triton.jit
-def _late_quarters(HD: tl.constexpr):
-    """(1, HD): the key offset's columns, the second and fourth quarters of a head."""
-    return (tl.arange(0, HD)[None, :] // (HD // 4)) % 2 == 1
+def _late_quarters(part, HD: tl.constexpr):
+    """(1, HD): the columns the key offset moves, a head's second and fourth quarters, in part k
+    only (the comparison with part broadcast first: the interpreter rejects a mask that combines
+    a block with a scalar's)."""
+    cols = tl.arange(0, HD)[None, :]
+    return ((cols // (HD // 4)) % 2 == 1) & (cols * 0 + part == 1)
 
 
 @triton.jit
@@ -1790,19 +1793,20 @@ def _qk_rotary_fwd_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, stride_tab, n
     part = tl.program_id(1)
     qkv_row, out_row, mask, tab_row, first = _qk_rotary_rows(n_rows, H, part, POS_MULT, HD,
                                                              BLOCK_R)
-    out = _qk_rotary_rotated(qkv_ptr, cos_ptr, sin_ptr, qkv_row, mask, tab_row, stride_tab, HD,
-                             EPS, BLOCK_R)
+    n, r, rot, c, s = _qk_rotary_normed(qkv_ptr, cos_ptr, sin_ptr, qkv_row, mask, tab_row,
+                                        stride_tab, HD, EPS)
+    out = tl.where(rot, n * c + _swap_pairs(n, BLOCK_R, HD) * s, n)
+    cols = tl.arange(0, HD)[None, :]
+    offs, keep = out_row + cols, mask & (cols < HD)
     out_ptr = q_ptr
     if part == 1:
         out_ptr = k_ptr
-        if KEY_OFFSET:
-            back = tl.where(first, 0, 1)
-            prev = _qk_rotary_rotated(qkv_ptr, cos_ptr, sin_ptr, qkv_row - back * (3 * H * HD),
-                                      mask, tab_row - back * POS_MULT, stride_tab, HD, EPS,
-                                      BLOCK_R)
-            out = tl.where(_late_quarters(HD), prev, out)
-    cols = tl.arange(0, HD)[None, :]
-    _store_from_fp32(out_ptr + out_row + cols, out, mask)
+    if KEY_OFFSET:
+        late = _late_quarters(part, HD)
+        _store_from_fp32(out_ptr + offs, out, keep & late & first)
+        offs = tl.where(late, offs + H * HD, offs)
+        keep = keep & (offs < n_rows * HD)
+    _store_from_fp32(out_ptr + offs, out, keep)
 
 
 @triton.jit
@@ -1822,12 +1826,15 @@ def _qk_rotary_bwd_kernel(dq_ptr, dk_ptr, dv_ptr, qkv_ptr, cos_ptr, sin_ptr, dqk
         g_ptr = dq_ptr
         if part == 1:
             g_ptr = dk_ptr
-        g = _load_as_fp32(g_ptr + out_row + cols, mask)
-        if part == 1:
-            if KEY_OFFSET:
-                next_row = out_row + H * HD
-                g_next = _load_as_fp32(g_ptr + next_row + cols, next_row < n_rows * HD)
-                g = tl.where(_late_quarters(HD), g_next + tl.where(first, g, 0.0), g)
+        offs, keep = out_row + cols, mask & (cols < HD)
+        if KEY_OFFSET:
+            late = _late_quarters(part, HD)
+            own = _load_as_fp32(dk_ptr + offs, keep & late & first)
+            offs = tl.where(late, offs + H * HD, offs)
+            keep = keep & (offs < n_rows * HD)
+        g = _load_as_fp32(g_ptr + offs, keep)
+        if KEY_OFFSET:
+            g = tl.where(late & first, _round_as(dk_ptr, g + own), g)
         dn = tl.where(rot, g * c + _swap_pairs(g * s, BLOCK_R, HD), g)
         dx = r * (dn - n * (tl.sum(dn * n, axis=1) / HD)[:, None])
         _store_from_fp32(dqkv_ptr + qkv_row + cols, dx, mask)

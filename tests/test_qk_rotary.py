@@ -295,15 +295,37 @@ def test_gpu_bf16_matches_float64(T, H, hd, tables, pos_mult, key_offset):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("T", [4096, 1])
+def test_gpu_key_offset_is_the_shift_after_the_op_bit_for_bit(T):
+    """The kernels' key offset against shift_keys_by_one applied to their unshifted k, eager: the same k, and the same
+    d(qkv), including token 0's sum of its own and token 1's gradient, which autograd rounds to bf16."""
+    H, hd = 6, 128
+    qkv, cos, sin = make_inputs(T, H, hd, 1, torch.bfloat16, "trainer", seed=T, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(6)
+    grads = [torch.randn(T, H, hd, device="cuda", generator=g).bfloat16() for _ in range(3)]
+
+    def shifted_after(x):
+        q, k, v = tk.qk_norm_rotary(x, cos, sin, 1)
+        return q, tk.shift_keys_by_one(k), v
+    got, got_d = grad_of(lambda x: tk.qk_norm_rotary(x, cos, sin, 1, True), qkv, grads)
+    want, want_d = grad_of(shifted_after, qkv, grads)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    assert torch.equal(got_d, want_d), f"max difference {(got_d - want_d).float().abs().max()}"
+
+
+@pytest.mark.gpu
 def test_gpu_compiled_is_eager():
     """Normal, key offset and paired layers in one compiled function: one graph, no break, no recompile on new data,
-    and the same outputs and d(qkv) as eager."""
+    and the same outputs and d(qkv) as eager. Each layer reads its own copy of qkv: summing three layers' d(qkv) in
+    bf16 is rounded in a different order eager and compiled."""
     from torch._dynamo.utils import counters
     T, H, hd = 2048, 6, 128
+    layers = ((1, False), (2, False), (1, True))
 
-    def step(qkv, cos, sin, w):
+    def step(qkvs, cos, sin, w):
         total = 0
-        for layer, (pos_mult, key_offset) in enumerate(((1, False), (2, False), (1, True))):
+        for layer, (qkv, (pos_mult, key_offset)) in enumerate(zip(qkvs, layers)):
             q, k, v = tk.qk_norm_rotary(qkv, cos, sin, pos_mult, key_offset)
             total = total + sum((t.float() * w[i]).sum() for i, t in enumerate((q, k, v))) * (layer + 1)
         return total
@@ -316,12 +338,13 @@ def test_gpu_compiled_is_eager():
         w = torch.randn(3, T, H, hd, device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed))
         results = []
         for fn in (compiled, step):
-            x = qkv.clone().requires_grad_()
-            out = fn(x, cos, sin, w)
+            xs = [qkv.clone().requires_grad_() for _ in layers]
+            out = fn(xs, cos, sin, w)
             out.backward()
-            results.append((out.detach(), x.grad))
-        (out_c, grad_c), (out_e, grad_e) = results
+            results.append((out.detach(), [x.grad for x in xs]))
+        (out_c, grads_c), (out_e, grads_e) = results
         torch.testing.assert_close(out_c, out_e, rtol=1e-5, atol=1e-3)
-        assert torch.equal(grad_c, grad_e), f"max difference {(grad_c.float() - grad_e.float()).abs().max().item()}"
+        for layer, grad_c, grad_e in zip(layers, grads_c, grads_e):
+            assert torch.equal(grad_c, grad_e), f"{layer}: max difference {(grad_c - grad_e).float().abs().max()}"
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] == 1, counters["stats"]["unique_graphs"]
