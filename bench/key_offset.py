@@ -5,19 +5,18 @@
 One CUDA GPU, about a minute. A key-offset layer (normal, long window) takes a quarter of each half of k from the
 previous token. Until the kernels did it (triton_kernels.py section 9, KEY_OFFSET), the trainer applied
 tk.shift_keys_by_one to the kernel's k and inductor compiled the shift and its backward as kernels of their own. For
-each of three variants, compiled as the model compiles them, this prints the forward and the forward + backward through
-qkv (incoming gradients for q, k and v, as attention gives them): the kernels without any shift, the kernels then the
-compiled shift, the kernels with the shift inside. Two measures of each: the median wall ms per call (do_bench), which
-at these sizes can be the host's time to launch rather than the GPU's, and the GPU's kernel ms per call, summed from a
-profiler trace. It checks that the last two variants give the same q, k and d(qkv) bit for bit.
+each of three variants, compiled as the model compiles them, this prints the forward and the forward + backward
+through qkv (incoming gradients for q, k and v, as attention gives them): the kernels without any shift, the kernels
+then the compiled shift, the kernels with the shift inside. Two measures of each: the median wall ms per call
+(do_bench), which at these sizes can be the host's time to launch rather than the GPU's, and the GPU's kernel ms per
+call, summed from a profiler trace (bench/attention.py's gpu_kernel_ms). It checks that the last two variants give
+the same q, k and d(qkv) bit for bit.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-import tempfile
 
 import torch
 from triton.testing import do_bench
@@ -25,6 +24,7 @@ from triton.testing import do_bench
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train_gpt as tg  # noqa: E402
 import triton_kernels as tk  # noqa: E402
+from attention import gpu_kernel_ms  # noqa: E402  (bench/attention.py, beside this file)
 
 
 def variant(name: str):
@@ -36,22 +36,6 @@ def variant(name: str):
             return q, tk.shift_keys_by_one(k), v
         return tk.qk_norm_rotary(qkv, cos, sin, 1, key_offset=True)
     return run
-
-
-def kernel_ms(fn, iters: int = 20) -> float:
-    """GPU time per call of fn: the kernels' durations in a profiler trace of `iters` calls, over iters."""
-    fn()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            fn()
-        torch.cuda.synchronize()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            events = json.load(f)["traceEvents"]
-    return sum(e["dur"] for e in events if e.get("ph") == "X" and e.get("cat") == "kernel") / iters / 1e3
 
 
 def main(argv):
@@ -82,7 +66,7 @@ def main(argv):
         q, k, dqkv = fwd_bwd()
         results[name] = (q.detach(), k.detach(), dqkv)
         t_f, t_fb = (do_bench(fn, warmup=25, rep=200, return_mode="median") for fn in (fwd, fwd_bwd))
-        k_f, k_fb = kernel_ms(fwd), kernel_ms(fwd_bwd)
+        k_f, k_fb = (sum(gpu_kernel_ms(fn).values()) for fn in (fwd, fwd_bwd))
         print(f"{name:<22} {t_f:>7.3f} {t_fb:>10.3f} {k_f:>10.3f} {k_fb:>14.3f}")
     same = [torch.equal(a, b) for a, b in zip(results["compiled shift after"], results["shift in the kernels"])]
     print("compiled shift after == shift in the kernels, bit for bit (q, k, d(qkv)):", same)

@@ -182,7 +182,8 @@ def test_kernels_compile_for_h100_without_fp64(kernel, pos_mult, key_offset):
              else ("dq_ptr", "dk_ptr", "dv_ptr", "qkv_ptr", "cos_ptr", "sin_ptr", "dqkv_ptr"))
     sig = {**{n: "*bf16" for n in names}, "stride_tab": "i32", "n_rows": "i32", "H": "i32"}
     fn = tk._qk_rotary_fwd_kernel if kernel == "fwd" else tk._qk_rotary_bwd_kernel
-    consts = {"POS_MULT": pos_mult, "KEY_OFFSET": key_offset, "HD": 128, "EPS": tk._QK_RMS_EPS, "BLOCK_R": tk._QK_ROTARY_ELEMENTS // 128}
+    consts = {"POS_MULT": pos_mult, "KEY_OFFSET": key_offset, "HD": 128, "EPS": tk._QK_RMS_EPS,
+              "BLOCK_R": tk._QK_ROTARY_ELEMENTS // 128}
     try:
         compiled = compile_for_h100(fn, sig, consts, {"num_warps": tk._QK_ROTARY_WARPS}, (), tuple(sig))
     except (ImportError, FileNotFoundError) as e:
