@@ -1796,8 +1796,7 @@ def _qk_rotary_fwd_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, stride_tab, n
     n, r, rot, c, s = _qk_rotary_normed(qkv_ptr, cos_ptr, sin_ptr, qkv_row, mask, tab_row,
                                         stride_tab, HD, EPS)
     out = tl.where(rot, n * c + _swap_pairs(n, BLOCK_R, HD) * s, n)
-    cols = tl.arange(0, HD)[None, :]
-    offs, keep = out_row + cols, mask & (cols < HD)
+    offs, keep = out_row + tl.arange(0, HD)[None, :], mask
     out_ptr = q_ptr
     if part == 1:
         out_ptr = k_ptr
@@ -1826,7 +1825,7 @@ def _qk_rotary_bwd_kernel(dq_ptr, dk_ptr, dv_ptr, qkv_ptr, cos_ptr, sin_ptr, dqk
         g_ptr = dq_ptr
         if part == 1:
             g_ptr = dk_ptr
-        offs, keep = out_row + cols, mask & (cols < HD)
+        offs, keep = out_row + cols, mask
         if KEY_OFFSET:
             late = _late_quarters(part, HD)
             own = _load_as_fp32(dk_ptr + offs, keep & late & first)
