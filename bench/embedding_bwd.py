@@ -93,15 +93,32 @@ def inputs(num_tokens: int, num_tables: int, V: int, D: int, device: torch.devic
     return ids.to(device), tables, weights
 
 
+def token_counts(text: str) -> list[int]:
+    """--tokens: positive integers, comma-separated."""
+    try:
+        counts = [int(t) for t in text.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive token counts, comma-separated (e.g. 49152,16384), "
+                                         f"got {text!r}")
+    return counts
+
+
 def main(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--tokens", default="49152,16384", help="tokens per micro-batch, comma-separated")
-    ap.add_argument("--tables", type=int, default=4, help="tables looked up with the same ids (embed + 3 ve)")
+    ap.add_argument("--tokens", type=token_counts, default=[49152, 16384],
+                    help="tokens per micro-batch, comma-separated (default 49152,16384)")
+    ap.add_argument("--tables", type=int, choices=range(1, 9), default=4, metavar="1..8",
+                    help="tables looked up with the same ids (default 4: embed + 3 ve)")
     args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("error: bench/embedding_bwd.py times CUDA kernels and found no GPU; run it on the device "
+                 "(tests/test_bench_embedding_bwd.py checks its variants on a CPU)")
     device = torch.device("cuda")
     hp = tg.Hyperparameters()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
-    for T in (int(t) for t in args.tokens.split(",")):
+    for T in args.tokens:
         ids, tables, weights = inputs(T, args.tables, hp.vocab_size, hp.model_dim, device)
         exact = exact_grads(ids, tables, weights)
         print(f"\n{T} tokens, {args.tables} tables, {ids.unique().numel()} distinct ids")

@@ -42,6 +42,9 @@ def main(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=49152, help="tokens per micro-batch (phase 3: 393,216 / 8)")
     args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("error: bench/key_offset.py times CUDA kernels and found no GPU; run it on the device "
+                 "(tests/test_bench_key_offset.py checks its variants on a CPU)")
     hp = tg.Hyperparameters()
     H, hd, D, T = hp.num_heads, hp.head_dim, hp.model_dim, args.tokens
     device = torch.device("cuda")

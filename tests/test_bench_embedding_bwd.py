@@ -4,6 +4,7 @@ function and the op's fake), and those gradients must be the sums of each id's r
 different math."""
 import sys
 
+import pytest
 import torch
 
 from _shards import ROOT
@@ -24,3 +25,16 @@ def test_opaque_backward_is_the_embedding_backward_and_sums_each_ids_rows():
     exact = embedding_bwd.exact_grads(ids, tables, weights)
     assert embedding_bwd.max_relative_error(want, exact) < 2 ** -7      # bf16 sums of a few rows each
     assert embedding_bwd.max_relative_error(want, [2 * e for e in exact]) > 0.4   # the measure is relative
+
+
+def test_bad_options_and_no_gpu_give_one_error_line(capsys):
+    assert embedding_bwd.token_counts("49152,16384") == [49152, 16384]
+    for bad in ("abc", "0", "16384,", ""):
+        with pytest.raises(SystemExit) as e:
+            embedding_bwd.main([f"--tokens={bad}"])
+        assert e.value.code == 2
+        assert "error: argument --tokens: expected positive token counts" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit) as e:
+            embedding_bwd.main(["--tokens=16"])
+        assert str(e.value).startswith("error:") and "no GPU" in str(e.value)
