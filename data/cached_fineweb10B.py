@@ -88,7 +88,11 @@ def fetch_shard(name: str, out_dir: str, fetch: Callable[[str, str], str], attem
     final = os.path.join(out_dir, name)
     last_error = ""
     for attempt in range(1, attempts + 1):
-        tmp_dir = tempfile.mkdtemp(prefix=TEMP_PREFIX, dir=out_dir)
+        try:
+            tmp_dir = tempfile.mkdtemp(prefix=TEMP_PREFIX, dir=out_dir)
+        except OSError as e:    # e.g. /proc, a read-only or full file system
+            raise DownloadError(f"cannot write into the download folder {out_dir}: {e.strerror}; choose a writable "
+                                f"--dir with free space") from None
         try:
             path = fetch(name, tmp_dir)
             problem = shards.check_shard(path)
@@ -131,6 +135,8 @@ def download(num_train: int, out_dir: str, fetch: Callable[[str, str], str] = hf
     names = shard_names(num_train)
     for i, name in enumerate(names, 1):
         final = os.path.join(out_dir, name)
+        if os.path.isdir(final):
+            raise DownloadError(f"{final} is a folder where a shard goes: move it away or choose another --dir")
         if os.path.exists(final):
             problem = shards.check_shard(final)
             if problem is None:
@@ -145,7 +151,8 @@ def download(num_train: int, out_dir: str, fetch: Callable[[str, str], str] = hf
 
 
 def main(argv: list[str] | None = None, fetch: Callable[[str, str], str] = hf_fetch) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = shards.ArgumentParser(prog="data/cached_fineweb10B.py", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("num_train_shards", nargs="?", type=int, default=DEFAULT_TRAIN_SHARDS,
                         help=f"train shards to fetch (default {DEFAULT_TRAIN_SHARDS}, see above; at most "
                              f"{UPSTREAM_TRAIN_SHARDS})")

@@ -13,6 +13,7 @@ functions too); file-system errors (OSError) exit 1 and Ctrl-C exits 130.
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import errno
 import os
@@ -66,6 +67,8 @@ def check_shard(path: str) -> str | None:
         return f"bad magic {magic}"
     if version != SHARD_VERSION:
         return f"bad version {version}"
+    if n < 0:
+        return f"bad token count {n}"
     if size != SHARD_HEADER_BYTES + 2 * n:
         return f"truncated: expected {SHARD_HEADER_BYTES + 2 * n} bytes, found {size}"
     return None
@@ -79,6 +82,14 @@ WRITE_FIXES = {"ENOSPC": " (free space, or choose another --out)", "EDQUOT": " (
 
 class UsageError(Exception):
     """A bad command-line option value: the message names the flag and what it must be."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose usage errors are one `error:` line (no usage block), exit 2, as every other failure here."""
+
+    def error(self, message: str):
+        print(f"error: {message}; see {self.prog} --help", file=sys.stderr)
+        raise SystemExit(2)
 
 
 def run_main(main: Callable[[list[str] | None], int], argv: list[str] | None) -> int:
@@ -118,13 +129,23 @@ def shard_set(out_dir: str, prefix: str) -> Iterator[str]:
     except OSError as e:        # e.g. a file in the way: NotADirectoryError, FileExistsError
         raise SystemExit(f"error: cannot create the output folder {out_dir}: {e.strerror}; choose another --out") \
             from None
-    staging = tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=out_dir)
-    complete = False
+    complete, staging = False, ""
     try:
+        try:
+            staging = tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=out_dir)
+        except OSError as e:    # e.g. /proc, a read-only or full file system
+            fix = WRITE_FIXES.get(errno.errorcode.get(e.errno, ""), " (choose a writable --out)")
+            raise SystemExit(f"error: cannot write into the output folder {out_dir}: {e.strerror}{fix}") from None
         yield staging
         new = sorted(os.listdir(staging))
         pattern = re.compile(rf"{re.escape(prefix)}_(train|val)_\d{{6}}\.bin")
         stale = sorted(name for name in os.listdir(out_dir) if pattern.fullmatch(name) and name not in new)
+        # Checked before the first move, so that a set is never half replaced: a rename cannot replace a folder.
+        in_the_way = [name for name in new if os.path.isdir(os.path.join(out_dir, name))
+                      and not os.path.islink(os.path.join(out_dir, name))]
+        if in_the_way:
+            raise SystemExit(f"error: {os.path.join(out_dir, in_the_way[0])} is a folder where a shard of this run "
+                             f"goes: move it away or choose another --out; no shards were written")
         for name in new:
             os.replace(os.path.join(staging, name), os.path.join(out_dir, name))
         for name in stale:
@@ -134,7 +155,8 @@ def shard_set(out_dir: str, prefix: str) -> Iterator[str]:
                   + (f" .. {stale[-1]}" if len(stale) > 1 else ""))
         complete = True
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        if staging:
+            shutil.rmtree(staging, ignore_errors=True)
         if created and not complete:
             with contextlib.suppress(OSError):
                 os.rmdir(out_dir)       # only if empty: something else may have been put there meanwhile

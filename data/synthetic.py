@@ -208,7 +208,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = shards.ArgumentParser(prog="data/synthetic.py", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="output folder (created if missing); its fineweb_*.bin shards "
                         "of an earlier run are replaced by this run's, and only once all of them are complete")
     parser.add_argument("--preset", default=None, help="shard sizes of a named use: "

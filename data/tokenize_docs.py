@@ -7,6 +7,7 @@ Inputs (files, or folders searched recursively for these):
   * .txt   one document per file (--txt_split file, the default) or one per block of text between blank lines
            (--txt_split blank_line);
   * .jsonl one JSON object per line; the document is its --text_field (default "text").
+Blank documents (empty or only whitespace) are skipped.
 Every document becomes BOS (50256, <|endoftext|>) followed by its tokens. Documents are kept whole within a shard
 (a shard closes early when the next document does not fit); only a document longer than --shard_tokens is split.
 
@@ -79,12 +80,15 @@ def input_files(paths: Iterable[str]) -> list[str]:
 
 
 def iter_documents(files: list[str], txt_split: str, text_field: str) -> Iterator[str]:
-    """Document texts in input order (see the module docstring for what a document is)."""
+    """Document texts in input order (see the module docstring for what a document is); blank ones are skipped."""
     for path in files:
         try:
-            yield from file_documents(path, txt_split, text_field)
+            yield from (text for text in file_documents(path, txt_split, text_field) if text.strip())
         except UnicodeDecodeError:
             raise SystemExit(not_utf8_error(path)) from None
+        except OSError as e:    # a read error; its exception does not name the file
+            raise SystemExit(f"error: cannot read {path}: {e.strerror or e}; fix or leave out that input; no "
+                             f"shards were written") from None
 
 
 def file_documents(path: str, txt_split: str, text_field: str) -> Iterator[str]:
@@ -214,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = shards.ArgumentParser(prog="data/tokenize_docs.py", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("inputs", nargs="+", help=".txt / .jsonl files, or folders holding them")
     parser.add_argument("--out", required=True, help="output folder (created if missing); its <prefix>_*.bin shards "
                         "of an earlier run are replaced by this run's, and only once all of them are complete")

@@ -151,9 +151,12 @@ def test_skip_valid_and_replace_invalid(tmp_path):
     write_shard(str(tmp_path / "fineweb_val_000000.bin"), [1, 2, 3])               # valid: kept
     write_shard(str(tmp_path / "fineweb_train_000001.bin"), [1, 2, 3], header_count=4)  # truncated: replaced
     write_shard(str(tmp_path / "fineweb_train_000002.bin"), [1, 2, 3], magic=5)    # wrong magic: replaced
+    # a negative count whose size "fits" (1024 - 2 * 12 bytes, the header cut short): replaced
+    (tmp_path / "fineweb_train_000003.bin").write_bytes(np.array([20240520, 1, -12], "<i4").tobytes() + bytes(988))
+    assert shards.check_shard(str(tmp_path / "fineweb_train_000003.bin")) == "bad token count -12"
     hub = FakeHub()
-    fineweb.download(2, str(tmp_path), fetch=hub, sleep=lambda s: None, log=lambda s: None)
-    assert hub.calls == ["fineweb_train_000001.bin", "fineweb_train_000002.bin"]
+    fineweb.download(3, str(tmp_path), fetch=hub, sleep=lambda s: None, log=lambda s: None)
+    assert hub.calls == ["fineweb_train_000001.bin", "fineweb_train_000002.bin", "fineweb_train_000003.bin"]
     assert read_shard(str(tmp_path / "fineweb_val_000000.bin")) == [1, 2, 3]
     assert (tmp_path / "fineweb_train_000001.bin").read_bytes() == shard_bytes(100, seed=24)
 
@@ -474,6 +477,32 @@ def test_tokenize_bad_data(tmp_path, capsys, case, args, words):
     assert not out.exists()
 
 
+def test_tokenize_skips_blank_documents(tmp_path):
+    """An empty or blank .txt file (one document each, by default) and a blank .jsonl text are no documents."""
+    (tmp_path / "a.txt").write_text("first document")
+    (tmp_path / "b.txt").write_text("")
+    (tmp_path / "c.txt").write_text(" \n\t\n")
+    (tmp_path / "d.jsonl").write_text(json.dumps({"text": ""}) + "\n" + json.dumps({"text": "second"}) + "\n")
+    result = tok.tokenize_to_shards([str(tmp_path)], str(tmp_path / "out"), tok.get_encoding("bytes"), val_docs=1,
+                                    threads=1)
+    assert result["docs"] == 2
+    assert decode_docs(result["val"] + result["train"]) == ["first document", "second"]
+
+
+def test_tokenize_read_error_names_the_file(tmp_path, capsys, monkeypatch):
+    docs = text_inputs(tmp_path, 4)
+    file_documents = tok.file_documents
+
+    def failing(path, txt_split, text_field):
+        yield from file_documents(path, txt_split, text_field)
+        raise OSError(errno.EIO, "Input/output error")          # no filename, as a failing read raises it
+    monkeypatch.setattr(tok, "file_documents", failing)
+    out = tmp_path / "out"
+    assert tok.main([str(docs), "--out", str(out), "--encoding=bytes", "--val_docs=1"]) == 1
+    assert_one_error_line(capsys.readouterr().err, f"cannot read {docs}: Input/output error", "no shards were written")
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("ext,line", [("txt", 3), ("jsonl", 2)])
 def test_tokenize_not_utf8_half_way_keeps_the_earlier_set(tmp_path, ext, line):
     docs = text_inputs(tmp_path, 700)           # more than one encode batch: shards are written before the bad file
@@ -600,14 +629,64 @@ def test_fineweb_bad_counts(tmp_path, capsys, args, words):
     assert hub.calls == [] and not (tmp_path / "d").exists()
 
 
-@pytest.mark.parametrize("count", ["2.5", "ten"])
-def test_fineweb_non_integer_count(tmp_path, count):
-    result = run_script("cached_fineweb10B", count, "--dir", str(tmp_path / "d"))
-    # argparse's own usage error: exit 2, a usage line, then one `<prog>: error:` line
-    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
-    errors = [line for line in result.stderr.splitlines() if "error:" in line]
-    assert len(errors) == 1 and f"invalid int value: '{count}'" in errors[0], result.stderr
+@pytest.mark.parametrize("name,args,words", [
+    ("cached_fineweb10B", ["2.5"], ["invalid int value: '2.5'"]), ("cached_fineweb10B", ["ten"], ["'ten'"]),
+    ("cached_fineweb10B", ["1", "2"], ["unrecognized arguments: 2"]),
+    ("synthetic", ["--train_shards=abc"], ["--train_shards", "'abc'"]),
+    ("synthetic", ["--train_shards"], ["--train_shards", "expected one argument"]),
+    ("tokenize_docs", ["--out"], ["--out"]),
+    ("tokenize_docs", ["x.txt", "--val_docs=5", "--val_fraction=0.1"], ["--val_fraction", "--val_docs"])])
+def test_usage_errors_are_one_line(tmp_path, name, args, words):
+    """argparse's own errors (a type, a missing or extra argument, exclusive options) as every other failure: one
+    `error:` line naming the script's --help, no usage block, exit 2, nothing written."""
+    flag = "--dir" if name == "cached_fineweb10B" else "--out"
+    result = run_script(name, *args, *([flag, str(tmp_path / "d")] if "--out" not in args else []))
+    assert_clean_failure(result, 2, *words, f"see data/{name}.py --help")
     assert not (tmp_path / "d").exists()
+
+
+@pytest.mark.parametrize("name", ["synthetic", "tokenize_docs"])
+def test_a_folder_in_the_way_of_a_shard_changes_nothing(tmp_path, name):
+    """A rename cannot replace a folder: found before any shard moves, so the earlier set stays whole (the second
+    run's shards differ from the first's, so a half-moved set would show)."""
+    out = tmp_path / "out"
+    if name == "synthetic":
+        first, second, blocked = SYN_SMALL, [*SYN_SMALL, "--seed=1"], "fineweb_train_000002.bin"
+    else:
+        tokenize = ["--encoding=bytes", "--val_docs=2", "--shard_tokens=100"]
+        first = [str(text_inputs(tmp_path, 40)), *tokenize]
+        (tmp_path / "more").mkdir()
+        second = [str(text_inputs(tmp_path / "more", 41)), *tokenize]
+        blocked = "text_train_000002.bin"
+    assert run_script(name, *first, "--out", str(out)).returncode == 0
+    os.remove(out / blocked)
+    (out / blocked).mkdir()
+    files = lambda: {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}   # noqa: E731
+    before = files()
+    result = run_script(name, *second, "--out", str(out))
+    assert_clean_failure(result, 1, str(out / blocked), "is a folder", "no shards were written")
+    assert files() == before and (out / blocked).is_dir() and not list(out.glob(".staging-*"))
+
+
+def test_fineweb_a_folder_in_the_way_of_a_shard(tmp_path, capsys):
+    (tmp_path / "fineweb_train_000001.bin").mkdir()
+    hub = FakeHub()
+    assert fineweb.main(["1", "--dir", str(tmp_path)], fetch=hub) == 1
+    assert_one_error_line(capsys.readouterr().err, "fineweb_train_000001.bin is a folder", "--dir")
+    assert listing(tmp_path) == ["fineweb_train_000001.bin", "fineweb_val_000000.bin"]   # the val shard came first
+
+
+@pytest.mark.parametrize("name,flag", [("synthetic", "--out"), ("tokenize_docs", "--out"),
+                                       ("cached_fineweb10B", "--dir")])
+def test_an_output_folder_that_takes_no_files(tmp_path, name, flag):
+    """/proc exists but takes no new files: the error names the folder and the flag, not a temporary name."""
+    if not os.path.isdir("/proc/self"):
+        pytest.skip("needs Linux's /proc")
+    args = {"synthetic": SYN_SMALL, "tokenize_docs": [str(text_inputs(tmp_path, 4)), "--encoding=bytes"],
+            "cached_fineweb10B": ["1"]}[name]
+    result = run_script(name, *args, flag, "/proc")
+    assert_clean_failure(result, 1, "cannot write into", "/proc", flag)
+    assert ".staging-" not in result.stderr and ".download-" not in result.stderr
 
 
 def test_fineweb_without_huggingface_hub(tmp_path, capsys, monkeypatch):
