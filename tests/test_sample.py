@@ -92,3 +92,54 @@ def test_sampler_reports_a_bad_checkpoint_in_one_line(tmp_path):
     for temperature in ("-1", "nan", "inf"):
         p = run_sampler([f"--checkpoint={tmp_path}/x.pt", f"--temperature={temperature}"], tmp_path)
         assert p.returncode == 2 and p.stderr.startswith("error:") and "--temperature" in p.stderr
+
+
+
+def tiny_state(path, randomise=False, **changes):
+    """A state file as the trainer writes one, of a tiny float32 model (untrained, or with random weights so that
+    its scores differ), with `changes` to its entries."""
+    import dataclasses
+    import harness
+    hp = tg.parse_args(["--preset=tiny", "--dtype=float32", "--use_fp8=false"])
+    torch.manual_seed(0)
+    model = tg.build_model(hp, torch.device("cpu"), "sdpa")
+    if randomise:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_(0.0, 0.3)
+    state = {"format": harness.CHECKPOINT_FORMAT, "hyperparameters": dataclasses.asdict(hp), "step": 0,
+             "model": model.state_dict()}
+    for key, change in changes.items():
+        state[key] = change(state[key])
+    torch.save(state, path)
+
+
+def test_sampler_reports_a_checkpoint_that_does_not_build_the_model(tmp_path):
+    """Readable states that no longer fit this code's model (edited, or of another version): one line, exit 2."""
+    cases = {"no_weights": {"model": lambda m: {}}, "step": {"step": lambda s: "x"},
+             "heads": {"hyperparameters": lambda hp: {**hp, "num_heads": hp["num_heads"] + 1}}}
+    for name, changes in cases.items():
+        tiny_state(tmp_path / f"{name}.pt", **changes)
+        p = run_sampler([f"--checkpoint={tmp_path}/{name}.pt", "--encoding=bytes", "--max_new_tokens=2"], tmp_path)
+        assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+        lines = p.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"error: {tmp_path / name}.pt does not build"), p.stderr
+
+
+def test_sampler_at_a_tiny_temperature_takes_the_best_token(tmp_path, capsys, monkeypatch):
+    """scores / 1e-300 overflow; less the best score first, sampling is greedy in the limit, as it should be."""
+    tiny_state(tmp_path / "s.pt", randomise=True)
+    monkeypatch.setenv("HOME", str(tmp_path))   # --checkpoint=~/s.pt is the home folder's
+    texts = []
+    for temperature in ("0", "1e-300"):
+        assert sample.main(["--checkpoint=~/s.pt", "--encoding=bytes", "--prompt=ab", "--max_new_tokens=4",
+                            f"--temperature={temperature}", "--top_k=0"]) == 0
+        texts.append(capsys.readouterr().out)
+    assert texts[0] == texts[1] and len(texts[0].strip()) > 2
+
+
+def test_sampler_refuses_a_seed_torch_cannot_take(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        sample.main([f"--checkpoint={tmp_path}/x.pt", f"--seed={2**64}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: --seed="), err

@@ -510,3 +510,31 @@ def test_repeat_resolves_relative_paths_from_the_callers_folder(tmp_path):
                     "--seed=0", f"--run_id={name}-seed0"]
     assert f"| {name}-seed0 | 3.2700 |" in p.stdout and f"| {name}-seed1 | 3.2710 |" in p.stdout
     assert "n = 2" in p.stdout
+
+
+def test_logs_with_numbers_too_long_to_use_are_garbled_lines(tmp_path):
+    """A step or a time of hundreds of digits (a corrupted log) makes its line garbled, never an exception."""
+    nines = "9" * 5000
+    path = write_log(tmp_path / "long.txt", [(0, 10.8, 0.0)],
+                     raw_val=[f"step:{TOTAL}/{TOTAL} val_loss:3.1000 train_time:{nines[:400]}ms step_avg:1ms",
+                              f"step:{nines}/{TOTAL} val_loss:3.1000 train_time:5ms step_avg:1ms",
+                              f"resumed from x.pt after step {nines} of {TOTAL}",
+                              f"result: val_loss:3.1000 target:3.28 reached:yes train_time:1.0s steps:{nines}"])
+    run = runlogs.read_run(path)
+    assert run.val == [(0, 10.8, 0.0)] and len(run.garbled) == 2 and not run.resumed_from and run.result is None
+    assert run.why_excluded.startswith("unfinished: last validation at step 0 of 1765; line ")
+    assert_one_error_line(tool("stats", path), 2, "no finished run", "garbled validation line")
+
+
+def test_a_log_given_through_a_pipe_is_read(tmp_path):
+    """<(cat log) is a pipe: its data can be read once only."""
+    text = Path(finished(tmp_path, "a", 3.2771, 88.1)).read_bytes()
+    r, w = os.pipe()
+    os.write(w, text)           # a log of a few hundred bytes fits the pipe's buffer
+    os.close(w)
+    try:
+        p = subprocess.run([sys.executable, str(ROOT / "tools" / "runlogs.py"), f"/dev/fd/{r}"], pass_fds=(r,),
+                           capture_output=True, text=True, timeout=HANG_GUARD_S)
+    finally:
+        os.close(r)
+    assert p.returncode == 0 and f"/dev/fd/{r}: run {r} finished" in p.stdout and "3.2771" in p.stdout, p

@@ -16,6 +16,7 @@ arguments or a log that does not exist.
 from __future__ import annotations
 
 import argparse
+import io
 import math
 import os
 import re
@@ -25,11 +26,12 @@ from pathlib import Path, PurePath
 
 # a number as Python's float() reads it (what `{x:.4f}` writes, plus exponents); "1.2.3" or "-" is not one
 NUMBER = r"[-+]?(?:\d+(?:\.\d*)?(?:[eE][-+]?\d+)?|\.\d+(?:[eE][-+]?\d+)?|nan|inf)"
-VAL_LINE = re.compile(rf"^step:(\d+)/(\d+) val_loss:({NUMBER}) train_time:(\d+)ms(?:\s|$)")
+INT = r"\d{1,18}"      # a step or a time in ms; a longer one makes the line garbled, not an int() too large to use
+VAL_LINE = re.compile(rf"^step:({INT})/({INT}) val_loss:({NUMBER}) train_time:({INT})ms(?:\s|$)")
 VAL_LIKE = re.compile(r"^step:\d+/\d+ val_loss:")          # looks like a validation line (may be garbled)
 STEP_LINE = re.compile(r"^step:\d+/\d+ ")
-RESULT_LINE = re.compile(rf"^result: val_loss:({NUMBER}) .*?train_time:({NUMBER})s steps:(\d+)")
-RESUMED_LINE = re.compile(r"^resumed from (.+) after step (\d+) of (\d+)")
+RESULT_LINE = re.compile(rf"^result: val_loss:({NUMBER}) .*?train_time:({NUMBER})s steps:({INT})(?:\s|$)")
+RESUMED_LINE = re.compile(rf"^resumed from (.+) after step ({INT}) of ({INT})(?:\s|$)")
 CODE_HEADER = re.compile(r"^==== \S+ ====$")               # the trainer's code dump starts here ...
 CODE_END = "=" * 100                                        # ... and ends before the first line of 100 "="
 OTHER_TRAINER_LINES = ("command: ", "phase:", "hyperparameters:", "world_size:", "logging to ")
@@ -168,33 +170,34 @@ def read_run(path: str | Path) -> Run:
     """Parse one log. Raises OSError if it cannot be read; any content gives a Run (see Run.why_excluded)."""
     path = Path(path)
     run = Run(path=str(path), run_id=path.stem)
-    with open(path, "rb") as f:
-        head = f.read(4096)
-    if not head:
-        run.empty = True
-        return run
-    if b"\0" in head:
-        run.binary = True
-        return run
+    with open(path, "rb") as f:         # opened once: a pipe (<(cat log)) cannot be read twice
+        data = f.read(4096)
+        if not data:
+            run.empty = True
+            return run
+        if b"\0" in data:              # a checkpoint given by mistake is not read whole
+            run.binary = True
+            return run
+        data += f.read()
     # Lines inside the code dump are the trainer's source, not its output: their events count only if the dump
     # never ends (a log cut short there, or a hand-made log without the closing line).
     in_code, code_events = False, []
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for n, line in enumerate(f, 1):
-            if in_code:
-                if line.rstrip("\r\n") == CODE_END:
-                    in_code, code_events = False, []
-                    continue
-                event = _event(line, n)
-                if event is not None:
-                    code_events.append(event)
-                continue
-            if CODE_HEADER.match(line.rstrip("\r\n")):
-                run.recognized, in_code = True, True
+    text = io.TextIOWrapper(io.BytesIO(data), encoding="utf-8", errors="replace")      # as open() reads lines
+    for n, line in enumerate(text, 1):
+        if in_code:
+            if line.rstrip("\r\n") == CODE_END:
+                in_code, code_events = False, []
                 continue
             event = _event(line, n)
             if event is not None:
-                _apply(run, event)
+                code_events.append(event)
+            continue
+        if CODE_HEADER.match(line.rstrip("\r\n")):
+            run.recognized, in_code = True, True
+            continue
+        event = _event(line, n)
+        if event is not None:
+            _apply(run, event)
     for event in code_events:
         _apply(run, event)
     return run
@@ -236,7 +239,7 @@ def finite_float(text: str) -> float:
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
     if not math.isfinite(x):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number; give one like 3.28")
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
     return x
 
 

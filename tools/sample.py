@@ -16,7 +16,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "data"), str(ROOT / "tools")]
-from runlogs import ToolArgumentParser, finite_float  # noqa: E402
+from runlogs import ToolArgumentParser, finite_float, user_path  # noqa: E402
 
 
 def load_model(path: str, device):
@@ -26,13 +26,18 @@ def load_model(path: str, device):
     import train_gpt as tg
     import harness
     state = load_state(path)
-    hp = harness.from_dict(tg.Hyperparameters, state["hyperparameters"])
-    # sdpa takes any length and any mask on any device; the training kernels' numerics do not matter here.
-    model = tg.build_model(dataclasses.replace(hp, use_fp8=False), device, "sdpa")
-    model.load_state_dict(state["model"])
+    try:
+        hp = harness.from_dict(tg.Hyperparameters, state["hyperparameters"])
+        # sdpa takes any length and any mask on any device; the training kernels' numerics do not matter here.
+        model = tg.build_model(dataclasses.replace(hp, use_fp8=False), device, "sdpa")
+        model.load_state_dict(state["model"])
+        step = int(state["step"])
+        ws_long = tg.replay_yarn(model, hp, step)
+    except (RuntimeError, ValueError, TypeError, KeyError, AttributeError) as e:   # edited, or another code's
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise harness.ConfigError(f"{path} does not build this code's model ({type(e).__name__}: {first_line[:200]})"
+                                  "; give a state_step*.pt written by this train_gpt.py") from None
     model.eval()
-    step = state["step"]
-    ws_long = tg.replay_yarn(model, hp, step)
     ws_short = tg.schedule_at(max(min(step, hp.num_iterations) - 1, 0), hp).ws_short
     if step >= hp.num_iterations:
         ws_long = hp.ws_long_final_val
@@ -93,7 +98,9 @@ def generate(model, prompt: list[int], max_new_tokens: int, temperature: float, 
             if top_k > 0:
                 kth = torch.topk(scores, min(top_k, scores.numel())).values[-1]
                 scores = scores.masked_fill(scores < kth, float("-inf"))
-            probs = torch.softmax(scores.double() / temperature, dim=-1)
+            # less the best score first: at a tiny temperature the quotients would overflow to inf - inf = NaN
+            scores = scores.double()
+            probs = torch.softmax((scores - scores.max()) / temperature, dim=-1)
             nxt = int(torch.multinomial(probs.cpu(), 1, generator=generator))
         ids.append(nxt)
     return ids
@@ -101,7 +108,7 @@ def generate(model, prompt: list[int], max_new_tokens: int, temperature: float, 
 
 def main(argv: list[str] | None = None) -> int:
     ap = ToolArgumentParser(prog="tools/sample.py", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--checkpoint", required=True, help="a state_step<step>.pt file written by train_gpt.py")
+    ap.add_argument("--checkpoint", required=True, type=user_path, help="a state_step<step>.pt file written by train_gpt.py")
     ap.add_argument("--prompt", default="", help="text to continue (default: a new document)")
     ap.add_argument("--max_new_tokens", type=int, default=100)
     ap.add_argument("--temperature", type=finite_float, default=0.8, help="0: always the most likely token")
@@ -114,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.max_new_tokens < 1 or args.num_samples < 1 or args.temperature < 0 or args.top_k < 0:
         ap.error("--max_new_tokens and --num_samples must be >= 1, --temperature and --top_k >= 0")
+    if not 0 <= args.seed < 2**63:
+        ap.error(f"--seed={args.seed} must be 0 .. 2**63 - 1")
 
     import torch
     import train_gpt as tg
