@@ -464,7 +464,8 @@ def check_param_table(params: dict[str, Tensor], table: dict[str, dict], rank: i
 # ==================================================================================================
 # Exit codes (the README's failure table): 1 data, 2 options / environment / output folders, 3 the
 # loss stopped being finite, 4 a distributed failure (usually another rank failed first), 5 an
-# internal error (a bug: the log has the traceback), 128 + N a signal (130 Ctrl-C, 143 SIGTERM).
+# internal error (a bug: the log has the traceback), 128 + N a signal (130 Ctrl-C, 143 SIGTERM,
+# 129 SIGHUP).
 EXIT_DATA, EXIT_CONFIG, EXIT_DIVERGED, EXIT_PEER, EXIT_BUG = 1, 2, 3, 4, 5
 
 
@@ -482,7 +483,7 @@ class TrainingDiverged(FloatingPointError):
 
 
 class Interrupted(Exception):
-    """Ctrl-C or SIGTERM ended the run; exit_code is 128 + the signal number."""
+    """A signal (Ctrl-C, SIGTERM, SIGHUP) ended the run; exit_code is 128 + the signal number."""
 
     def __init__(self, signum: int, message: str):
         super().__init__(message)
@@ -839,6 +840,20 @@ def result_line(val_loss: float, target: float, train_ms: float, steps: int, pea
             f"train_time:{train_ms / 1000:.1f}s steps:{steps} peak_memory:{memory} log:{log_path}")
 
 
+def to_console(msg: str, stream: Any = None) -> None:
+    """Print msg to the console (stdout, or `stream`). A console that went away (the pipe of a
+    `| tee` that the Ctrl-C also stopped, an ssh session that hung up) is pointed at /dev/null, so
+    that the run goes on to its step boundary, its save and its log file's last line."""
+    stream = stream or sys.stdout
+    try:
+        print(msg, file=stream, flush=True)
+    except OSError:          # BrokenPipeError, EIO
+        with contextlib.suppress(OSError, ValueError):
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, stream.fileno())
+            os.close(null)
+
+
 class RunLogger:
     """Rank 0 writes logs/<run_id>.txt (flushed every line, so a crash loses nothing) and echoes to
     the console.
@@ -859,7 +874,7 @@ class RunLogger:
         if self.file is None:
             return
         if console:
-            print(msg, flush=True)
+            to_console(msg)
         try:
             self.file.write(msg + "\n")
         except OSError as e:
@@ -905,7 +920,7 @@ def log_start(run: Any, sources: dict[str, str], argv_text: str) -> None:
     if run.rank != 0:
         return
     import hashlib
-    print(f"logging to {run.log.path}", flush=True)
+    to_console(f"logging to {run.log.path}")
     code = "\n".join(f"==== {name} ====\n{text}" for name, text in sources.items())
     digest = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
     run.log(f"{code}\nharness.py: version {__version__}, sha256 {digest}", console=False)
@@ -1661,11 +1676,11 @@ def setup_distributed(hp: RunOptions) -> tuple[int, int, int, torch.device]:
 
 
 class StopSignals:
-    """Ctrl-C (SIGINT) and SIGTERM. Inside the timed loop (`defer` is set) the first signal asks the
-    run to stop at a step boundary that every rank agrees on, where --save_checkpoint can save a
-    consistent state; a second signal (or one outside the loop) stops at once. torchrun passes a
-    terminal's Ctrl-C on to its workers, who also got it from the terminal: a repeat within a second
-    is that same key press, not a second one."""
+    """Ctrl-C (SIGINT), SIGTERM and SIGHUP (a closed terminal or ssh session). Inside the timed loop
+    (`defer` is set) the first signal asks the run to stop at a step boundary that every rank agrees
+    on, where --save_checkpoint can save a consistent state; a second signal (or one outside the
+    loop) stops at once. torchrun passes a terminal's Ctrl-C on to its workers, who also got it from
+    the terminal: a repeat within a second is that same key press, not a second one."""
 
     REPEAT_S = 1.0
 
@@ -1679,7 +1694,7 @@ class StopSignals:
 
     def install(self) -> None:
         import signal
-        for signum in (signal.SIGINT, signal.SIGTERM):
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):   # SIGHUP: the terminal closed
             self._previous[signum] = signal.signal(signum, self._on_signal)
 
     def uninstall(self) -> None:
@@ -1694,8 +1709,8 @@ class StopSignals:
         if self.defer and self.requested is None:
             self.requested, self._at = signum, time.monotonic()
             if self.announce:
-                print(f"{name}: stopping at the next step boundary (again to stop at once)",
-                      file=sys.stderr, flush=True)
+                to_console(f"{name}: stopping at the next step boundary (again to stop at once)",
+                           sys.stderr)
             return
         if self.defer and time.monotonic() - self._at < self.REPEAT_S:
             return
@@ -2242,9 +2257,8 @@ class Bookkeeping:
         self.run.log(line, console=False)      # the file keeps the fixed format;
                                                # the console adds progress
         if self.run.rank == 0:
-            print(line + progress_note(done, total, ms, int(self.tokens_after[done - 1]),
-                                       int(self.tokens_after[-1])),
-                  flush=True)
+            to_console(line + progress_note(done, total, ms, int(self.tokens_after[done - 1]),
+                                            int(self.tokens_after[-1])))
 
     def _stop_if_asked(self, done: int) -> None:
         signum = self.run.stops.requested or 0
@@ -2379,8 +2393,7 @@ def _report_failure(e: BaseException, debug: bool) -> int:
         traceback.print_exception(e)
     # Options, data and signals are the same on every rank: rank 0 speaks for all of them.
     if rank == 0 or code in (EXIT_DIVERGED, EXIT_PEER, EXIT_BUG):
-        print(f"error: {'' if world_size == 1 else f'rank {rank}: '}{message}", file=sys.stderr,
-              flush=True)
+        to_console(f"error: {'' if world_size == 1 else f'rank {rank}: '}{message}", sys.stderr)
 
     return code
 

@@ -234,7 +234,7 @@ def wait_for_line(proc, prefix, timeout=600):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+@pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143), (signal.SIGHUP, 129)])
 def test_signal_in_the_timed_loop_stops_at_a_step_and_saves_it(tmp_path, data, sig, code):
     args = ["--preset=tiny", "--warmup=false", "--val_loss_every=0", "--seed=0", "--save_checkpoint",
             f"--train_files={data[0]}", f"--val_files={data[1]}", f"--log_dir={tmp_path}/logs", "--run_id=sig"]
@@ -254,6 +254,26 @@ def test_signal_in_the_timed_loop_stops_at_a_step_and_saves_it(tmp_path, data, s
     assert state["step"] == step and not leftovers(tmp_path / "logs")
     log = (tmp_path / "logs" / "sig.txt").read_text().splitlines()
     assert log[-1] == errors[0] and f"step:{step}/" in "\n".join(log)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_console_that_went_away_still_lets_the_run_stop_and_save(tmp_path, data):
+    """`./run.sh | tee out.txt` and a Ctrl-C: tee dies with it, the run's console pipe is closed, and the run must
+    still reach its step boundary, save and end its log, instead of failing on the next print."""
+    args = ["--preset=tiny", "--warmup=false", "--val_loss_every=0", "--seed=0", "--save_checkpoint",
+            f"--train_files={data[0]}", f"--val_files={data[1]}", f"--log_dir={tmp_path}/logs", "--run_id=tee"]
+    proc = start(args, tmp_path)
+    assert wait_for_line(proc, "step:2/") is not None
+    proc.stdout.close()                             # the reader of stdout is gone
+    proc.send_signal(signal.SIGINT)
+    err = proc.stderr.read()
+    assert proc.wait(timeout=600) == 130, err
+    errors = [l for l in err.splitlines() if l.startswith("error:")]
+    assert len(errors) == 1 and "stopped by SIGINT after step" in errors[0] and "Traceback" not in err, err
+    step = int(errors[0].split("after step ")[1].split()[0])
+    assert torch.load(tmp_path / "logs" / "tee" / f"state_step{step:06d}.pt", weights_only=False)["step"] == step
+    assert (tmp_path / "logs" / "tee.txt").read_text().splitlines()[-1] == errors[0]
 
 
 @pytest.mark.slow
@@ -279,6 +299,7 @@ def test_readme_failure_table_gives_the_exit_codes_the_trainer_uses():
              for c in [row.split("|")[3].strip()] if c.isdigit()}
     assert codes == {harness.EXIT_DATA, harness.EXIT_CONFIG, harness.EXIT_DIVERGED, harness.EXIT_PEER, harness.EXIT_BUG,
                      130, 143}, codes
+    assert "exit 129" in table                  # SIGHUP, in the SIGTERM row
 
 
 def test_a_signal_wrapped_by_the_compiler_is_still_a_signal():
