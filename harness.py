@@ -289,8 +289,8 @@ def parse_args(argv: Sequence[str], cls: type, presets: dict[str, dict]) -> Any:
                 raise ConfigError(f"unknown --preset={value}; known presets: {', '.join(presets)}")
             hp = dataclasses.replace(hp, preset=value, **copy.deepcopy(presets.get(value, {})))
     for name, value in pairs:
-        if name != "preset":
-            setattr(hp, name, _parse_value(value, getattr(hp, name), name))
+        if name != "preset":       # parsed as the class default's type: an earlier value may be ()
+            setattr(hp, name, _parse_value(value, getattr(defaults, name), name))
     return hp
 
 
@@ -319,7 +319,7 @@ def check_run_options(opts: RunOptions, num_iterations: int, attn_backends: Sequ
         if not ok:
             raise ConfigError(msg)
 
-    need(opts.pg_timeout_s > 0, f"--pg_timeout_s={opts.pg_timeout_s} must be positive")
+    need(0 < opts.pg_timeout_s <= 10**9, f"--pg_timeout_s={opts.pg_timeout_s} must be 1 .. 10**9")
     for name in ("val_loss_every", "nonfinite_check_every", "checkpoint_every",
                  "train_loss_every"):
         need(getattr(opts, name) >= 0, f"--{name}={getattr(opts, name)} must be >= 0")
@@ -328,14 +328,15 @@ def check_run_options(opts: RunOptions, num_iterations: int, attn_backends: Sequ
     need(opts.checkpoint_keep >= 1,
          f"--checkpoint_keep={opts.checkpoint_keep} must be >= 1 (2 survives a crash while "
          "writing)")
-    need(opts.seed >= -1, f"--seed={opts.seed}: use -1 (unseeded) or a seed >= 0")
+    need(-1 <= opts.seed < 2**63, f"--seed={opts.seed}: use -1 (unseeded) or a seed 0 .. 2**63 - 1")
     need(opts.attn_backend in ("auto", *attn_backends),
          f"--attn_backend={opts.attn_backend} is not one of auto, {', '.join(attn_backends)}")
     need(opts.device in ("auto", "cuda", "cpu"),
          f"--device={opts.device} is not one of auto, cuda, cpu")
-    need(opts.run_id not in (".", "..") and "/" not in opts.run_id and os.sep not in opts.run_id,
+    need(opts.run_id == "" or (re.fullmatch(r"[A-Za-z0-9._-]{1,200}", opts.run_id) is not None
+                               and opts.run_id not in (".", "..")),
          f"--run_id={opts.run_id!r} names the log file logs/<run_id>.txt: use letters, digits, "
-         "'-', '_' or '.' only")
+         "'-', '_' or '.' only, at most 200 of them")
     if opts.profile_steps:
         ranges = [r.partition(":") for r in opts.profile_steps.split(",")]
         need(all(a.isdigit() and b.isdigit() and int(a) < int(b) <= num_iterations
@@ -937,10 +938,13 @@ def begin_run(run: Any, sources: dict[str, str], argv_text: str,
     the checks of a resume; returns the training and validation shards and the checkpointer."""
     hp, device = run.hp, run.device
     log_start(run, sources, argv_text)
-    for note in preflight():
-        run.log(note)
     train_files, val_files = resolve_shards(hp.train_files, "train"), resolve_shards(hp.val_files,
                                                                                      "val")
+    facts = run_facts(run.world_size, device, attn_backend, train_files)
+    if run.resumed is not None:     # before the data checks, which other options would fail
+        check_resume(run.resumed, hp, facts)
+    for note in preflight():
+        run.log(note)
     run.compiling = hp.compile and device.type == "cuda"
     run.log(f"world_size:{run.world_size} grad_accum:{hp.batch_slices // run.world_size} "
             f"device:{device} attn_backend:{attn_backend} (asked: {hp.attn_backend}) "
@@ -948,13 +952,10 @@ def begin_run(run: Any, sources: dict[str, str], argv_text: str,
     for line in warnings:
         run.log(line)
     script = next(iter(sources.values()))
-    facts = run_facts(run.world_size, device, attn_backend, train_files)
-    if run.resumed is not None:
-        check_resume(run.resumed, hp, facts)
-        if run.resumed["code"] != script:
-            run.log(f"warning: {next(iter(sources))} differs from the code that wrote the "
-                    "checkpoint (its log has that code); the continuation is exact only if the "
-                    "change leaves the math alone")
+    if run.resumed is not None and run.resumed["code"] != script:
+        run.log(f"warning: {next(iter(sources))} differs from the code that wrote the "
+                "checkpoint (its log has that code); the continuation is exact only if the "
+                "change leaves the math alone")
     run.accepted = True
     return train_files, val_files, Checkpointer(hp, run.run_id, run.rank, run.world_size, facts,
                                                 run.log, script)
@@ -1014,6 +1015,19 @@ def edited_references(table: dict[str, tuple[Sequence[Any], str]], refs: frozens
     return lines
 
 
+def default_run_id(log_dir: str, resumed: dict | None) -> str:
+    """The run id when --run_id is not given: a new UUID; for a resumed run <id>-from<step>, or
+    <id>-from<step>.2, .3, ... where an earlier try at that resume (stopped, say) left its log."""
+    if resumed is None:
+        return str(uuid.uuid4())
+    base = f"{resumed['run_id']}-from{resumed['step']}"
+    folder, run_id, n = Path(expand_path(log_dir)), base, 1
+    while (folder / f"{run_id}.txt").exists():
+        n += 1
+        run_id = f"{base}.{n}"
+    return run_id
+
+
 def prepare_output(opts: RunOptions, run_id: str, rank: int) -> Path:
     """Before anything trains: refuse a --run_id whose log exists, create the log folder (and the
     checkpoint folder with --save_checkpoint) and prove that each is writable, so no run trains for
@@ -1025,6 +1039,10 @@ def prepare_output(opts: RunOptions, run_id: str, rank: int) -> Path:
         raise ConfigError(f"{log_path} exists (an earlier run with --run_id={run_id}): "
                           "choose another --run_id or move that log away")
     saving = opts.save_checkpoint or opts.checkpoint_every
+    if saving and any((log_dir / run_id).glob("state_step*.pt")):
+        raise ConfigError(f"{log_dir / run_id} holds the states of an earlier run with "
+                          f"--run_id={run_id}, which this run's would replace: choose another "
+                          "--run_id or move that folder away")
     for folder in [log_dir] + ([log_dir / run_id] if saving else []):
         probe = folder / f".write_test_{os.getpid()}_{rank}"
         try:
@@ -1557,6 +1575,15 @@ def load_resume(hp: Any, rank: int, world_size: int) -> dict:
     load_checkpoint), or when its run already finished."""
     state = load_checkpoint(expand_path(hp.resume), rank, world_size)
     if state["step"] >= hp.num_iterations:
+        try:
+            total = from_dict(type(hp), state["hyperparameters"]).num_iterations
+        except Exception:  # noqa: BLE001 (an unreadable record: the message below stands)
+            total = hp.num_iterations
+        if total != hp.num_iterations:
+            raise ConfigError(f"--resume: {state['path']} is the state after step {state['step']} "
+                              f"of a run of {total} steps, and these options give "
+                              f"{hp.num_iterations}: resume with that run's options (its log's "
+                              "command line)")
         raise ConfigError(f"--resume: {state['path']} is the state after step {state['step']} of "
                           f"{hp.num_iterations}: that run finished, there is nothing to continue")
     return state
@@ -1694,7 +1721,7 @@ class StopSignals:
 
     def install(self) -> None:
         import signal
-        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):   # SIGHUP: the terminal closed
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # SIGHUP: a closed terminal
             self._previous[signum] = signal.signal(signum, self._on_signal)
 
     def uninstall(self) -> None:
@@ -2079,8 +2106,7 @@ def open_run(hp: Any, stops: StopSignals, validate: Callable[[Any, int], None],
     if world_size > 1:
         check_same_everywhere(hp, [*code, Path(__file__)], world_size)
     resumed = load_resume(hp, rank, world_size) if hp.resume else None
-    run_id = hp.run_id or (f"{resumed['run_id']}-from{resumed['step']}" if resumed
-                           else str(uuid.uuid4()))
+    run_id = hp.run_id or default_run_id(hp.log_dir, resumed)
     if world_size > 1:                  # one name for every rank's checkpoints and traces
         shared = [run_id]
         dist.broadcast_object_list(shared, 0)
@@ -2318,15 +2344,15 @@ def dry_run(hp: Any, validate: Callable[[Any, int], None],
     available, chosen = backends(device)
     say(f"  ok  environment: {short_environment(device)}; attention backends "
         f"{', '.join(available)} (--attn_backend={hp.attn_backend} runs {chosen})")
-    run_id = hp.run_id or "<a new run id>"
+    saved = load_resume(hp, rank, world_size) if hp.resume else None
+    run_id = hp.run_id or (default_run_id(hp.log_dir, saved) if saved else "<a new run id>")
     if hp.run_id:
         prepare_output(hp, run_id, rank)
     else:
-        prepare_output(dataclasses.replace(hp, save_checkpoint=False), f".dry_run_{os.getpid()}",
-                       rank)
+        prepare_output(dataclasses.replace(hp, save_checkpoint=False, checkpoint_every=0),
+                       f".dry_run_{os.getpid()}", rank)
     say(f"  ok  output: {hp.log_dir}/ is writable; the log would be {hp.log_dir}/{run_id}.txt")
-    if hp.resume:
-        saved = load_resume(hp, rank, world_size)
+    if saved is not None:
         check_resume(saved, hp, run_facts(world_size, device, chosen,
                                           resolve_shards(hp.train_files, "train")))
         say(f"  ok  resume: {saved['path']} continues after step {saved['step']} of "

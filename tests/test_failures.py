@@ -145,6 +145,10 @@ def test_shard_the_process_cannot_read(capsys, tmp_path, data, monkeypatch):
     ("--momentum_min=0.99", ["--momentum_min (0.99) <= --momentum_max (0.95)"]),
     ("--seed=-5", ["--seed=-5"]),
     ("--run_id=a/b", ["--run_id='a/b'"]),
+    ("--run_id=x\nresult: val_loss:1.0 reached:yes", ["--run_id='x\\nresult", "letters, digits"]),  # no forged line
+    ("--run_id=" + "x" * 201, ["at most 200"]),                                  # a file name has 255 bytes
+    (f"--seed={2**63}", [f"--seed={2**63}: use -1 (unseeded) or a seed 0 .. 2**63 - 1"]),
+    (f"--pg_timeout_s={10**15}", [f"--pg_timeout_s={10**15} must be 1 .. 10**9"]),
     ("--attn_backend=varlen", ["--attn_backend=varlen cannot run on cpu", "available: sdpa"]),
     ("--attn_backend=magic", ["--attn_backend=magic is not one of auto"]),
     ("--dtype=float16", ["--dtype=float16"]),

@@ -122,6 +122,15 @@ def test_meaningless_values_are_refused_naming_the_field(arg, words):
     assert words in str(info.value), str(info.value)
 
 
+@pytest.mark.parametrize("name,empty,value,parsed", [("long_window_layers", "", "1,4", (1, 4)),
+                                                     ("ve_layout", ",", "0,1,-1", (0, 1, -1)),
+                                                     ("fp8_scales", "", "0.5,0.25,0.125", (0.5, 0.25, 0.125))])
+def test_an_option_given_twice_is_parsed_as_its_type_the_second_time(name, empty, value, parsed):
+    """The first value, empty, leaves a tuple with no element to take the type from: the field's default gives it."""
+    hp = tg.parse_args(["--preset=tiny", f"--{name}={empty}", f"--{name}={value}"])
+    assert getattr(hp, name) == parsed and all(type(x) is type(y) for x, y in zip(getattr(hp, name), parsed))
+
+
 def test_home_is_expanded_in_every_path_option(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     train, val = make_dataset(tmp_path / "d", train_tokens=20_000)

@@ -134,23 +134,35 @@ def test_resume_names_every_math_difference_and_lets_run_control_differ():
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_refused_resumes_are_one_error_line_and_leave_nothing_behind(tmp_path):
-    """Other math is refused by name, and so is a state whose run finished; neither leaves a log, so the corrected
-    command then continues the run under the id the resume gives it."""
+    """Other math is refused by name (before the data checks, which other options would fail), so is a shorter
+    schedule and a state whose run finished, and so is a new run that would replace the states of an earlier one
+    with its --run_id. None of them leaves a log or changes a file, so the corrected command then continues the run
+    under the id the resume gives it; where an earlier try at that resume left its log, under the next free one."""
     train, val = make_dataset(tmp_path / "d", train_tokens=400_000, val_tokens=20_000)
     logs = tmp_path / "logs"
     common = [*SCHEDULE, "--num_scheduled_iterations=3", "--num_extension_iterations=1", f"--train_files={train}",
               f"--val_files={val}", f"--log_dir={logs}", "--checkpoint_every=2"]
     p = run_trainer([*common, "--run_id=a"], tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
+    (logs / "a.txt").rename(tmp_path / "a.txt")         # as the refusal of a reused --run_id suggests
     before = {f: f.read_bytes() for f in logs.rglob("*") if f.is_file()}
     middle, final = logs / "a" / "state_step000002.pt", logs / "a" / "state_step000004.pt"
-    for args, words in ((["--adam_lr=0.01", f"--resume={middle}"], "--adam_lr=0.008 (now 0.01)"),
-                        ([f"--resume={final}"], "that run finished, there is nothing to continue")):
-        p = run_trainer([*common, *args], tmp_path)
+    default_schedule = [a for a in common if not a.startswith(("--num_scheduled", "--num_extension"))]
+    for args, words in (([*common, "--adam_lr=0.01", f"--resume={middle}"], "--adam_lr=0.008 (now 0.01)"),
+                        ([*default_schedule, "--num_scheduled_iterations=3000", f"--resume={middle}"],
+                         "other math: --num_scheduled_iterations=3 (now 3000)"),    # more than the data holds
+                        ([*common, "--num_extension_iterations=0", "--split_frac=0.3", f"--resume={final}"],
+                         "after step 4 of a run of 4 steps, and these options give 3"),
+                        ([*common, f"--resume={final}"], "that run finished, there is nothing to continue"),
+                        ([*common, "--run_id=a", "--seed=1"], f"{logs / 'a'} holds the states of an earlier run")):
+        p = run_trainer(args, tmp_path)
         assert p.returncode == 2 and "Traceback" not in p.stderr
         errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
         assert len(errors) == 1 and words in errors[0], p.stderr
         assert {f: f.read_bytes() for f in logs.rglob("*") if f.is_file()} == before    # no log, nothing changed
+    (logs / "a-from2.txt").write_text("an earlier try at this resume, stopped before it trained\n")
+    p = run_trainer([*common, f"--resume={middle}", "--dry_run"], tmp_path)
+    assert p.returncode == 0 and f"the log would be {logs}/a-from2.2.txt" in p.stdout, p.stdout + p.stderr
     p = run_trainer([*common, f"--resume={middle}"], tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
-    assert "result: " in (logs / "a-from2.txt").read_text()
+    assert "result: " in (logs / "a-from2.2.txt").read_text()
