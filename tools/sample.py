@@ -108,7 +108,8 @@ def generate(model, prompt: list[int], max_new_tokens: int, temperature: float, 
 
 def main(argv: list[str] | None = None) -> int:
     ap = ToolArgumentParser(prog="tools/sample.py", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--checkpoint", required=True, type=user_path, help="a state_step<step>.pt file written by train_gpt.py")
+    ap.add_argument("--checkpoint", required=True, type=user_path,
+                    help="a state_step<step>.pt file written by train_gpt.py")
     ap.add_argument("--prompt", default="", help="text to continue (default: a new document)")
     ap.add_argument("--max_new_tokens", type=int, default=100)
     ap.add_argument("--temperature", type=finite_float, default=0.8, help="0: always the most likely token")
