@@ -2222,10 +2222,26 @@ class Bookkeeping:
         self.clock.start()
 
     def validate(self, step: int, ws_short: int, ws_long: int) -> float:
-        """Validate off the clock and log it."""
-        train_ms = self.clock.pause()
+        """Validate off the clock and log it. Before the final validation, which no step boundary
+        follows, the final state is saved, a stop asked for during the last step is taken, and a
+        signal from then on stops at once."""
+        train_ms, final, saved = self.clock.pause(), step == self.hp.num_iterations, ""
+        if final:
+            if self.saving:
+                path = self.checkpointer.save(self.trainer.state(step, train_ms))
+                saved = f"; the final state is saved: {path}"
+            self.run.stops.defer = False        # after the save, which a signal must not cut short
+            if signum := self._agreed_signal():
+                import signal
+                raise Interrupted(signum, f"stopped by {signal.Signals(signum).name} before the "
+                                          f"final validation{saved}")
         tv = time.perf_counter()
-        val_loss = self.trainer.validate(ws_short, ws_long)
+        try:
+            val_loss = self.trainer.validate(ws_short, ws_long)
+        except Interrupted as e:
+            if not final:
+                raise
+            raise Interrupted(e.signum, f"{e} during the final validation{saved}") from None
         self.run.log(f"step:{step}/{self.hp.num_iterations} val_loss:{val_loss:.4f} "
                      f"train_time:{train_ms:.0f}ms step_avg:{train_ms / max(step, 1):.2f}ms")
         self.run.log(f"phase:validation time:{1000 * (time.perf_counter() - tv):.0f}ms",
@@ -2286,13 +2302,17 @@ class Bookkeeping:
             to_console(line + progress_note(done, total, ms, int(self.tokens_after[done - 1]),
                                             int(self.tokens_after[-1])))
 
-    def _stop_if_asked(self, done: int) -> None:
+    def _agreed_signal(self) -> int:
+        """The signal that asked for a stop on any rank (0 if none), the same on every rank."""
         signum = self.run.stops.requested or 0
-        if self.run.world_size > 1:                 # any rank's signal stops
-                                                    # every rank at this same step
+        if self.run.world_size > 1:
             agreed = torch.tensor(signum, device=self.run.device)
             dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
             signum = int(agreed.item())
+        return signum
+
+    def _stop_if_asked(self, done: int) -> None:
+        signum = self._agreed_signal()     # any rank's signal stops every rank at this same step
         if signum:
             import signal
             saved = ""
@@ -2303,11 +2323,8 @@ class Bookkeeping:
                                       f"{done} of {self.hp.num_iterations}{saved}")
 
     def finish(self, val_loss: float) -> dict[str, Any]:
-        """After the last step: the final checkpoint, peak memory, the result line; returns the
-        run's summary."""
-        self.run.stops.defer = False
-        if self.saving:
-            self.checkpointer.save(self.trainer.state(self.hp.num_iterations, self.clock.ms))
+        """After the final validation (the final state was saved before it): peak memory, the
+        result line; returns the run's summary."""
         device, log = self.run.device, self.run.log
         peak_mib = (torch.cuda.max_memory_allocated(device) // 2**20 if device.type == "cuda"
                     else None)

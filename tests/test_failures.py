@@ -262,6 +262,30 @@ def test_signal_in_the_timed_loop_stops_at_a_step_and_saves_it(tmp_path, data, s
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
+def test_a_signal_after_the_last_step_stops_with_the_final_state_saved(tmp_path, data):
+    """No step boundary follows the last step: a Ctrl-C during it (or during the final validation) stops the run
+    before (or during) the final validation, instead of being announced and ignored, and the final state is saved
+    first. The signal goes in when the last step's line is printed: no step boundary can take it from there, and the
+    final validation, longer than the signal's way (16,384 tokens), is still ahead."""
+    args = ["--preset=tiny", "--warmup=false", "--val_loss_every=0", "--seed=0", "--save_checkpoint",
+            "--num_scheduled_iterations=3", "--num_extension_iterations=1", "--val_tokens=16384",
+            f"--train_files={data[0]}", f"--val_files={data[1]}", f"--log_dir={tmp_path}/logs", "--run_id=end"]
+    proc = start(args, tmp_path)
+    assert wait_for_line(proc, "step:4/4 train_time") is not None
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 130 and "Traceback" not in err, err
+    errors = [l for l in err.splitlines() if l.startswith("error:")]
+    saved = tmp_path / "logs" / "end" / "state_step000004.pt"
+    assert len(errors) == 1 and errors[0].startswith("error: stopped by SIGINT "), err
+    assert errors[0].endswith(f"final validation; the final state is saved: {saved}"), err
+    assert torch.load(saved, weights_only=False)["step"] == 4
+    log = (tmp_path / "logs" / "end.txt").read_text()
+    assert "result:" not in log and log.splitlines()[-1] == errors[0]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_a_console_that_went_away_still_lets_the_run_stop_and_save(tmp_path, data):
     """`./run.sh | tee out.txt` and a Ctrl-C: tee dies with it, the run's console pipe is closed, and the run must
     still reach its step boundary, save and end its log, instead of failing on the next print."""
