@@ -195,6 +195,11 @@ def test_tools_reject_bad_input_with_one_error_line(tmp_path, capsys):
         assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: ") and "--help" in err[0], err
     assert plot.main([log, f"--out={tmp_path / 'c.xyz'}"]) == 2
     assert capsys.readouterr().err.startswith("error: --out=")
+    assert plot.main([log, f"--out={log}/c.svg"]) == 2                   # under a file, not a folder
+    assert capsys.readouterr().err.startswith(f"error: {log} is a file, not a folder")
+    for name in ("a/b", "x" * 176, "a b"):                                # every run's --run_id begins with it
+        assert repeat.main(["--runs=1", f"--name={name}", "--launcher=/nonexistent/launcher"]) == 2
+        assert capsys.readouterr().err.startswith(f"error: --name={name!r} begins every run's --run_id")
     assert plot.main([log, f"--out={tmp_path / 'c.svg'}"]) == 0 and (tmp_path / "c.svg").read_text().count("<svg")
     assert repeat.main(["--runs=1", "--launcher=/nonexistent/launcher", "--", "--preset=tiny"]) == 2
     assert capsys.readouterr().err.splitlines()[-1].startswith("error: cannot start /nonexistent/launcher")

@@ -115,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out_dir = Path(args.out).resolve().parent
     if not out_dir.is_dir():
-        print(f"error: the folder {out_dir} does not exist; create it or choose another --out", file=sys.stderr)
+        what = "is a file, not a folder" if out_dir.exists() else "does not exist"
+        print(f"error: {out_dir} {what}; create that folder or choose another --out", file=sys.stderr)
         return 2
     if Path(args.out).suffix.lower() not in IMAGE_SUFFIXES:
         print(f"error: --out={args.out}: name a {', '.join(IMAGE_SUFFIXES)} file", file=sys.stderr)

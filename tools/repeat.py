@@ -22,6 +22,7 @@ series was stopped by signal N (130 Ctrl-C, 143 SIGTERM; the stopped run's own c
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -141,6 +142,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.first_seed < 0:
         print(f"error: --first_seed={args.first_seed}: give a seed >= 0 (the trainer's -1 means unseeded)",
               file=sys.stderr)
+        return 2
+    if re.fullmatch(r"[A-Za-z0-9._-]{1,175}", args.name) is None:   # the trainer's --run_id rule, less -seed<n>
+        print(f"error: --name={args.name!r} begins every run's --run_id: use letters, digits, '-', '_' or '.' only, "
+              f"at most 175 of them", file=sys.stderr)
         return 2
     clash = [a for a in trainer if (split_option(a) or ("",))[0] in ("seed", "run_id")]
     if clash:
