@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import numpy as np
@@ -260,26 +261,76 @@ def test_signal_in_the_timed_loop_stops_at_a_step_and_saves_it(tmp_path, data, s
     assert log[-1] == errors[0] and f"step:{step}/" in "\n".join(log)
 
 
+class _Trainer:
+    """What Bookkeeping uses of the script's Trainer: state() and validate(), which can be given a signal."""
+
+    def __init__(self, signal_during_validation=None):
+        self.signal_during_validation = signal_during_validation
+
+    def state(self, steps_done, train_ms):
+        return {"step": steps_done}
+
+    def validate(self, ws_short, ws_long):
+        if self.signal_during_validation is not None:
+            os.kill(os.getpid(), self.signal_during_validation)     # the handler raises at once, or defers
+        return 3.5
+
+
+def _bookkeeping(tmp_path, trainer, stops):
+    hp = harness.RunOptions(save_checkpoint=True, log_dir=str(tmp_path))
+    hp.num_iterations = 4
+    run = types.SimpleNamespace(hp=hp, sync=lambda: None, run_id="end", rank=0, world_size=1,
+                                device=torch.device("cpu"), log=lambda *a, **k: None, stops=stops,
+                                since_start_ms=lambda: 0.0)
+    saved = []
+    checkpointer = types.SimpleNamespace(save=lambda state: saved.append(state["step"]) or f"state_{state['step']}")
+    book = harness.Bookkeeping(run, trainer, checkpointer, 0, 0.0, [1, 2, 3, 4])
+    stops.install()
+    book.start()                                                    # signals are deferred from here
+    return book, saved
+
+
+@pytest.mark.parametrize("when", ["during the last step", "during the final validation"])
+def test_a_signal_after_the_last_step_stops_with_the_final_state_saved(tmp_path, when):
+    """No step boundary follows the last step: a signal in it, or in the final validation, stops the run there,
+    instead of being announced and ignored, and the final state is saved first (named in the message)."""
+    stops = harness.StopSignals(announce=False)
+    trainer = _Trainer()
+    book, saved = _bookkeeping(tmp_path, trainer, stops)
+    try:
+        book.validate(2, 1, 1)                                      # a validation before the last step
+        if when == "during the last step":
+            os.kill(os.getpid(), signal.SIGINT)
+            assert stops.requested == signal.SIGINT                 # deferred to a boundary
+        else:
+            trainer.signal_during_validation = signal.SIGINT
+        with pytest.raises(harness.Interrupted) as info:
+            book.validate(4, 1, 1)
+    finally:
+        stops.uninstall()
+    place = "before" if when == "during the last step" else "during"
+    assert str(info.value) == f"stopped by SIGINT {place} the final validation; the final state is saved: state_4"
+    assert info.value.signum == signal.SIGINT and saved == [4]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_a_signal_after_the_last_step_stops_with_the_final_state_saved(tmp_path, data):
-    """No step boundary follows the last step: a Ctrl-C during it (or during the final validation) stops the run
-    before (or during) the final validation, instead of being announced and ignored, and the final state is saved
-    first. The signal goes in when the last step's line is printed: no step boundary can take it from there, and the
-    final validation, longer than the signal's way (16,384 tokens), is still ahead."""
+def test_a_signal_in_the_last_steps_of_a_run_stops_it_with_a_state_saved(tmp_path, data):
+    """The same in a real run: the signal goes in at step 3's line, so the step-3 boundary takes it (if it comes
+    first) or the last step's end does; either way the run stops with a saved state and no result line."""
     args = ["--preset=tiny", "--warmup=false", "--val_loss_every=0", "--seed=0", "--save_checkpoint",
-            "--num_scheduled_iterations=3", "--num_extension_iterations=1", "--val_tokens=16384",
+            "--num_scheduled_iterations=3", "--num_extension_iterations=1",
             f"--train_files={data[0]}", f"--val_files={data[1]}", f"--log_dir={tmp_path}/logs", "--run_id=end"]
     proc = start(args, tmp_path)
-    assert wait_for_line(proc, "step:4/4 train_time") is not None
+    assert wait_for_line(proc, "step:3/4 train_time") is not None
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 130 and "Traceback" not in err, err
     errors = [l for l in err.splitlines() if l.startswith("error:")]
-    saved = tmp_path / "logs" / "end" / "state_step000004.pt"
     assert len(errors) == 1 and errors[0].startswith("error: stopped by SIGINT "), err
-    assert errors[0].endswith(f"final validation; the final state is saved: {saved}"), err
-    assert torch.load(saved, weights_only=False)["step"] == 4
+    step = 3 if "after step 3 of 4" in errors[0] else 4
+    saved = tmp_path / "logs" / "end" / f"state_step{step:06d}.pt"
+    assert errors[0].endswith(str(saved)) and torch.load(saved, weights_only=False)["step"] == step, err
     log = (tmp_path / "logs" / "end.txt").read_text()
     assert "result:" not in log and log.splitlines()[-1] == errors[0]
 

@@ -34,7 +34,7 @@ def load_model(path: str, device):
         step = int(state["step"])
         ws_long = tg.replay_yarn(model, hp, step)
     except (RuntimeError, ValueError, TypeError, KeyError, AttributeError) as e:   # edited, or another code's
-        first_line = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        first_line = (str(e).strip().splitlines() or [""])[0]
         raise harness.ConfigError(f"{path} does not build this code's model ({type(e).__name__}: {first_line[:200]})"
                                   "; give a state_step*.pt written by this train_gpt.py") from None
     model.eval()
