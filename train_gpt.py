@@ -195,7 +195,7 @@ def parse_args(argv: Sequence[str]) -> Hyperparameters:
     """The options from `--name=value` arguments (harness.parse_args; --help lists them)."""
     return harness.parse_args(argv, Hyperparameters, PRESETS)
 # ==================================================================================================
-# 2. Attention backends
+# 2. Attention backends: our kernel, the optional FlashAttention builds, torch's varlen kernel
 # ==================================================================================================
 # Every backend computes the same thing: packed documents q, k, v (T, H, D) bf16 with boundaries
 # cu_seqlens = [0, c_1, ..., T, T, ...] (int32; trailing repeats are empty documents); query t of
@@ -219,13 +219,100 @@ ATTN_BACKENDS = ("triton", "varlen", "fa3", "fa4", "sdpa")
 ATTN_AUTO_ORDER_CUDA = ("fa3", "fa4", "triton", "varlen", "sdpa")
 
 
+def import_fa3() -> Any:
+    """The FlashAttention-3 module, or None when it is not installed (or its CUDA library does not
+    load)."""
+    try:
+        import flash_attn_interface
+    except Exception:  # ImportError, or OSError from a .so built for another torch/CUDA
+        return None
+    return flash_attn_interface
+
+
+def import_fa4() -> Any:
+    """FlashAttention-4's interface module with the nanogpt_fa4 ops registered, or None when it is
+    not installed (or does not load)."""
+    try:
+        from flash_attn.cute import interface
+    except Exception:  # ImportError, or a CUDA / CuTe DSL library that does not load
+        return None
+    register_fa4_ops(interface)
+    return interface
+
+
+def register_fa4_ops(fa4: Any) -> None:
+    """torch.ops.nanogpt_fa4.fwd / .bwd: FA4's internal varlen forward and backward as custom ops
+    with fake implementations and autograd. Its public flash_attn_varlen_func is an
+    autograd.Function full of host-side Python (caches, device queries) that dynamo cannot trace.
+    The arguments are what that function passes for causal=True, window_size=(window, 0)."""
+    if hasattr(torch.ops.nanogpt_fa4, "fwd"):
+        return
+
+    @torch.library.custom_op("nanogpt_fa4::fwd", mutates_args=())
+    def fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, window: int,
+            scale: float) -> tuple[Tensor, Tensor]:
+        # return_lse=True: the public wrapper gets the lse only because its inputs require grad,
+        # which they do not inside a custom op
+        res = fa4._flash_attn_fwd(q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
+                                  max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen,
+                                  softmax_scale=scale, causal=True, window_size_left=window,
+                                  window_size_right=0, softcap=0.0, num_splits=1, pack_gqa=None,
+                                  return_lse=True)
+        return res[0], res[1]         # out (T, H, D); lse (H, T) fp32; later fields vary by version
+
+    @fwd.register_fake
+    def _(q, k, v, cu_seqlens, max_seqlen, window, scale):
+        return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+    @torch.library.custom_op("nanogpt_fa4::bwd", mutates_args=())
+    def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+            cu_seqlens: Tensor, max_seqlen: int, window: int, scale: float
+            ) -> tuple[Tensor, Tensor, Tensor]:
+        dq, dk, dv = fa4._flash_attn_bwd(q, k, v, out, dout, lse, scale, True, 0.0,
+                                         window_size_left=window, window_size_right=0,
+                                         cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
+                                         seqused_q=None, seqused_k=None, max_seqlen_q=max_seqlen,
+                                         max_seqlen_k=max_seqlen, deterministic=False, dlse=None)
+        return dq.contiguous(), dk.contiguous(), dv.contiguous()
+
+    @bwd.register_fake
+    def _(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, window, scale):
+        return tuple(torch.empty_like(t, memory_format=torch.contiguous_format)
+                     for t in (q, k, v))
+
+    def setup_context(ctx, inputs, output):
+        q, k, v, cu_seqlens, max_seqlen, window, scale = inputs
+        ctx.save_for_backward(q, k, v, output[0], output[1], cu_seqlens)
+        ctx.args = (max_seqlen, window, scale)
+
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
+        dq, dk, dv = torch.ops.nanogpt_fa4.bwd(dout.contiguous(), q, k, v, out, lse, cu_seqlens,
+                                               *ctx.args)
+        return dq, dk, dv, None, None, None, None
+
+    fwd.register_autograd(backward, setup_context=setup_context)
+
+
+def import_torch_varlen() -> Callable | None:
+    """torch's varlen_attn if this torch has it with sliding-window and scale arguments
+    (torch >= 2.11), else None."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    import inspect
+    params = inspect.signature(varlen_attn).parameters
+    return varlen_attn if "window_size" in params and "scale" in params else None
+
+
 def available_attn_backends(device: torch.device) -> list[str]:
     """Backends that can run on `device`, in ATTN_BACKENDS order (the optional libraries are probed,
     and FA4's ops registered, by harness.py)."""
     on_cuda = torch.device(device).type == "cuda"
-    usable = {"triton": on_cuda, "varlen": on_cuda and harness.import_torch_varlen() is not None,
-              "fa3": on_cuda and harness.import_fa3() is not None,
-              "fa4": on_cuda and harness.import_fa4() is not None, "sdpa": True}
+    usable = {"triton": on_cuda, "varlen": on_cuda and import_torch_varlen() is not None,
+              "fa3": on_cuda and import_fa3() is not None,
+              "fa4": on_cuda and import_fa4() is not None, "sdpa": True}
     return [name for name in ATTN_BACKENDS if usable[name]]
 
 
@@ -582,6 +669,50 @@ KERNEL_REFERENCES = {
 }
 
 
+def check_model_layout(cfg: ModelConfig) -> None:
+    """Raise ValueError naming the option to change for a layer layout the model cannot build (cfg:
+    the script's ModelConfig)."""
+    L = cfg.num_layers
+    if cfg.num_heads * cfg.head_dim != cfg.model_dim:
+        raise ValueError(f"num_heads * head_dim = {cfg.num_heads * cfg.head_dim} must equal "
+                         f"model_dim = {cfg.model_dim}; change --num_heads, --head_dim or "
+                         "--model_dim")
+    if cfg.head_dim % 4 or cfg.model_dim < GATE_INPUT_DIM:
+        raise ValueError(f"--head_dim={cfg.head_dim} must be a multiple of 4 (rotary pairs "
+                         f"on its first half) and --model_dim >= {GATE_INPUT_DIM} "
+                         "(gate inputs)")
+    if len(cfg.attn_layout) != L or set(cfg.attn_layout) - set("PN-"):
+        raise ValueError(f"--attn_layout={cfg.attn_layout!r} needs one of P, N, - per layer "
+                         f"({L} layers)")
+    if "P" in cfg.attn_layout and cfg.num_heads % 2:
+        raise ValueError(f"paired-head layers need an even --num_heads (got {cfg.num_heads}); "
+                         "or remove P from --attn_layout")
+    if len(cfg.ve_layout) != L or any(not -1 <= j < cfg.num_value_embeds
+                                       for j in cfg.ve_layout):
+        raise ValueError(f"--ve_layout={cfg.ve_layout} needs one entry per layer ({L}), "
+                         "each -1 or a table index below "
+                         f"--num_value_embeds={cfg.num_value_embeds}")
+    if any(j >= 0 and cfg.attn_layout[i] == "-" for i, j in enumerate(cfg.ve_layout)):
+        raise ValueError("--ve_layout puts a value embedding on a layer without attention "
+                         "(- in --attn_layout)")
+    if any(not 0 <= i < L for i in cfg.long_window_layers):
+        raise ValueError(f"--long_window_layers={cfg.long_window_layers} must be layer "
+                         f"indices below {L}")
+    if (not 0 <= cfg.skip_source_layer < cfg.skip_dest_layer < L
+            or not 0 <= cfg.backout_layer < L):
+        raise ValueError("need 0 <= --skip_source_layer < --skip_dest_layer < num_layers and "
+                         "0 <= --backout_layer < num_layers")
+    if cfg.dtype not in ("bfloat16", "float32", "float64"):
+        raise ValueError(f"--dtype={cfg.dtype}: use bfloat16 (training), float32 or float64 "
+                         "(CPU checks)")
+    if cfg.use_fp8 and cfg.dtype != "bfloat16":
+        raise ValueError("the FP8 LM head reads bf16 weights: use --use_fp8=false with "
+                         f"--dtype={cfg.dtype}")
+    if cfg.rotary_max_len < 1:
+        raise ValueError("rotary_max_len must be the largest micro-batch in tokens "
+                         "(train or val)")
+
+
 # ---- GPT -----------------------------------------------------------------------------------------
 
 class GPT(nn.Module):
@@ -597,7 +728,7 @@ class GPT(nn.Module):
 
     def __init__(self, cfg: ModelConfig, device: torch.device):
         super().__init__()
-        harness.check_model_layout(cfg, GATE_INPUT_DIM)
+        check_model_layout(cfg)
         self.cfg = cfg
         D, H, L, hd, V = cfg.model_dim, cfg.num_heads, cfg.num_layers, cfg.head_dim, cfg.vocab_size
         self.plan = self._layer_plan(cfg)
@@ -661,7 +792,7 @@ class GPT(nn.Module):
         if cfg.use_fp8:
             register_fp8_head_op()
         if cfg.attn_backend == "fa4":
-            harness.import_fa4()
+            import_fa4()
 
     @staticmethod
     def _layer_plan(cfg: ModelConfig) -> tuple[LayerPlan, ...]:
@@ -1018,6 +1149,76 @@ def normuon_scalars(muon_lr: float, lr_factor: float, wd: float,
     return lr, _fp32(wd_mul * wd * lr)
 
 
+def check_param_table(params: dict[str, Tensor], table: dict[str, dict], rank: int,
+                      world_size: int, tied: tuple[str, str] | None) -> None:
+    """Raise ValueError naming the fix for an optimizer table (one row per parameter label) that
+    cannot drive these parameters on this process placement."""
+    for label in params:
+        if label not in table:
+            raise ValueError(f"parameter {label!r} has no row in the optimizer table: "
+                             "add it to param_table (DEFAULT_PARAM_TABLE in train_gpt.py)")
+    for label in table:
+        if label not in params:
+            raise ValueError(f"param_table row {label!r} names no model parameter (parameters: "
+                             f"{', '.join(params)}): remove the row or fix its name")
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} / world_size {world_size} is not a valid "
+                         "process placement")
+    for label, row in table.items():
+        p = params[label]
+        if row.get("optim") not in ("adam", "normuon"):
+            raise ValueError(f"param_table[{label!r}] optim={row.get('optim')!r}: "
+                             "use 'adam' or 'normuon'")
+        if row.get("comms") not in ("none", "replicated", "sharded"):
+            raise ValueError(f"param_table[{label!r}] comms={row.get('comms')!r}: "
+                             "use 'none', 'replicated' or 'sharded'")
+        for key in ("lr_mul", "wd_mul"):
+            if not isinstance(row.get(key), (int, float)):
+                raise ValueError(f"param_table[{label!r}] needs a number {key}=")
+        if row["optim"] == "adam":
+            betas = row.get("betas")
+            if betas is None or len(betas) != 2 or not all(0 <= b < 1 for b in betas):
+                raise ValueError(f"param_table[{label!r}] is an Adam row and needs "
+                                 "betas=(beta1, beta2) in [0, 1)")
+            if row["comms"] == "sharded" and p.shape[0] % world_size:
+                raise ValueError(f"{label} has {p.shape[0]} rows in dim 0 of {tuple(p.shape)}, "
+                                 f"not divisible by world_size {world_size}: "
+                                 f"set param_table[{label!r}] comms='replicated' "
+                                 f"or use a world size that divides {p.shape[0]}")
+            continue
+        shape = row.get("matrix_shape")
+        if (shape is None or len(shape) != 2 or p.numel() % (shape[0] * shape[1])
+                or p.shape[-1] != shape[1]):
+            raise ValueError(f"{label} of shape {tuple(p.shape)} cannot be viewed as a stack "
+                             f"of matrix_shape={shape} matrices: fix "
+                             f"param_table[{label!r}]['matrix_shape'] (rows, cols) to match "
+                             "the bank")
+        if p.dtype not in (torch.bfloat16, torch.float32, torch.float64):
+            raise ValueError(f"NorMuon parameter {label} is {p.dtype}; store it in bf16 "
+                             "(its fp32 master is bf16 + a 16-bit mantissa), float32 or "
+                             "float64, or make it an Adam row")
+        if not row.get("matrix_lr_muls", (1.0,)):
+            raise ValueError(f"param_table[{label!r}] matrix_lr_muls is empty: "
+                             "give at least one multiplier")
+        n_matrices = p.numel() // (shape[0] * shape[1])
+        if row["comms"] == "sharded" and n_matrices % world_size:
+            raise ValueError(f"{label} bank has {n_matrices} matrices, not divisible by "
+                             f"world_size {world_size}: pad the bank "
+                             "(ModelConfig.bank_multiple) or use a world size that divides "
+                             f"{n_matrices}")
+    if tied is not None:
+        head, embed = tied
+        for label in (head, embed):
+            if label not in table or table[label]["optim"] != "adam":
+                raise ValueError(f"tied=({head!r}, {embed!r}): {label!r} must be an Adam "
+                                 "parameter label; pass tied=None to train them separately")
+        if (params[head].shape != params[embed].shape[::-1]
+                or params[head].dim() != 2):
+            raise ValueError(f"tied {head} {tuple(params[head].shape)} is not the "
+                             f"transpose of {embed} {tuple(params[embed].shape)}: "
+                             f"store {head} as (model_dim, vocab)")
+
+
 def update_order(table: dict[str, dict]) -> tuple[str, ...]:
     """The order of the updates: replicated Adam rows first (small, their all-reduces land first),
     then sharded Adam rows (their all-gathers start while the banks are still reducing), then
@@ -1069,7 +1270,7 @@ class NorMuonAndAdam:
         self.rank, self.world_size = rank, world_size
         self.refs = reference_ops(kernels)   # ops run by their references (--kernels)
         self.tied = tuple(tied) if tied is not None else None
-        harness.check_param_table(self.params, self.table, rank, world_size, self.tied)
+        check_param_table(self.params, self.table, rank, world_size, self.tied)
         self._tied_now = self.tied is not None
         self.adam_t = {label: 0 for label, row in self.table.items() if row["optim"] == "adam"}
         self.buffers: dict[str, dict[str, Tensor]] = {}

@@ -236,7 +236,7 @@ def test_fa4_ops_pass_the_contract_and_their_gradients():
                                                                       softmax_scale))
         return dout * 1.0, dout * 2.0, dout * 3.0     # distinct, so a swapped gradient shows
 
-    harness.register_fa4_ops(types.SimpleNamespace(_flash_attn_fwd=fwd, _flash_attn_bwd=bwd))
+    tg.register_fa4_ops(types.SimpleNamespace(_flash_attn_fwd=fwd, _flash_attn_bwd=bwd))
     q, k, v, cu = make_case(300, 37, 120, torch.float64)
     qkv = [t.requires_grad_() for t in (q, k, v)]
     out = tg.varlen_attention(*qkv, cu, 120, 37, 0.12, "fa4")
