@@ -20,6 +20,7 @@ import gc
 import math
 import os
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -1468,12 +1469,143 @@ class NorMuonAndAdam:
 # ==================================================================================================
 # 5. Data
 # ==================================================================================================
-# The data pipeline. Shards are FineWeb's GPT-2 token files (read and checked by harness.py, section
-# 3). Training batches are BOS aligned (every
+# The data pipeline. Shards are FineWeb's GPT-2 token files, read and checked here. Training batches are BOS aligned (every
 # segment starts at a document start and is at most max_seq_len long); validation batches are a
 # plain cut of the val stream. Every rank builds the joint batch of all ranks and keeps its own
 # part, so no communication is needed and the tokens of an optimizer step do not depend on the world
 # size.
+
+# ---- shard files: the one definition of the token format (data/shards.py writes it) ----------
+# A shard is a header of 256 little-endian int32 words (magic, version, token count n, zeros), then n
+# little-endian uint16 tokens.
+SHARD_MAGIC, SHARD_VERSION, SHARD_HEADER_BYTES = 20240520, 1, 1024
+
+def read_header(f, path: str) -> int:
+    """Check the header and the size of the open shard file `f`; return its token count n."""
+    raw = f.read(SHARD_HEADER_BYTES)
+    size = os.fstat(f.fileno()).st_size
+    if len(raw) < SHARD_HEADER_BYTES:
+        raise DataError(f"shard {path} is truncated: {size} bytes, less than the "
+                        f"{SHARD_HEADER_BYTES}-byte header; delete it and download or "
+                        "generate it again")
+    magic, version, n = (int(w) for w in np.frombuffer(raw, dtype="<i4", count=3))
+    if magic != SHARD_MAGIC:
+        raise DataError(f"shard {path} has bad magic {magic} (expected {SHARD_MAGIC}), so it is "
+                        "not a token shard; remove it or change --train_files/--val_files")
+    if version != SHARD_VERSION:
+        raise DataError(f"shard {path} has bad version {version} (expected {SHARD_VERSION}); "
+                        "make it again with data/tokenize_docs.py or download it again with "
+                        "data/cached_fineweb10B.py")
+    expected = SHARD_HEADER_BYTES + 2 * n
+    if size != expected:
+        raise DataError(f"shard {path} is truncated (or has trailing bytes): its header says {n} "
+                        f"tokens, so expected {expected} bytes, found {size}; delete it and "
+                        "download or generate it again")
+    return n
+
+
+def open_shard(path: str):
+    """open(path, "rb"), with the reason a shard cannot be read as a DataError that names the
+    file."""
+    try:
+        return open(path, "rb")
+    except PermissionError:
+        raise DataError(f"cannot read shard {path}: permission denied; make it readable "
+                        "(chmod a+r) or change --train_files/--val_files") from None
+    except OSError as e:
+        raise DataError(f"cannot read shard {path}: {e.strerror or e}; check the file or change "
+                        f"--train_files/--val_files") from None
+
+
+def shard_num_tokens(path: str) -> int:
+    """The token count of a shard, after checking its magic, version and file size."""
+    with open_shard(path) as f:
+        return read_header(f, path)
+
+
+_ID_CHECK_CHUNK = 1 << 22   # tokens per max(): a background thread
+                            # lets go of the GIL between chunks
+
+
+def check_token_ids(tokens: np.ndarray, vocab_size: int, path: str, first: int = 0) -> None:
+    """DataError if a token id does not fit the embedding table (an index past it would crash the
+    GPU mid-run).
+    tokens are positions first.. of the shard `path`."""
+    for s in range(0, len(tokens), _ID_CHECK_CHUNK):
+        chunk = tokens[s:s + _ID_CHECK_CHUNK]
+        top = int(chunk.max(initial=0))
+        if top >= vocab_size:
+            pos = first + s + int(np.argmax(chunk >= vocab_size))
+            raise DataError(f"shard {path} holds token id {top} (first bad id at token {pos:,}) "
+                            f"but --vocab_size={vocab_size}: it was made with another tokenizer. "
+                            "Make shards with GPT-2 ids (data/tokenize_docs.py) or raise "
+                            f"--vocab_size to a multiple of 128 above {top}")
+
+
+def read_tokens(path: str, max_tokens: int | None = None,
+                 out: np.ndarray | None = None) -> tuple[np.ndarray, int]:
+    """(tokens uint16, n): all n tokens of a checked shard, or only its first max_tokens; read into
+    `out` if given."""
+    with open_shard(path) as f:
+        n = read_header(f, path)
+        count = n if max_tokens is None else min(n, max_tokens)
+        tokens = np.empty(count, dtype=np.uint16) if out is None else out[:count]
+        got = f.readinto(memoryview(tokens).cast("B"))
+    if got != 2 * count:
+        raise DataError(f"shard {path}: read {got} of {2 * count} token bytes (did the file change "
+                        "while it was read?); download or generate it again")
+    return tokens, n
+
+
+def load_shard(path: str, pin_memory: bool = False) -> Tensor:
+    """All tokens of a checked shard as a uint16 tensor (n,); page-locked if pin_memory (for fast
+    copies to a GPU)."""
+    tokens = torch.empty(shard_num_tokens(path), dtype=torch.uint16, pin_memory=pin_memory)
+    read_tokens(path, out=tokens.numpy())
+    return tokens
+
+
+class Background:
+    """fn() in a daemon thread. result() joins and returns its value or re-raises its exception in
+    the caller."""
+
+    def __init__(self, fn: Callable[[], Any]):
+        self._value, self._error = None, None
+        self._thread = threading.Thread(target=self._run, args=(fn,), daemon=True)
+        self._thread.start()
+
+    def _run(self, fn: Callable[[], Any]) -> None:
+        try:
+            self._value = fn()
+        except BaseException as e:  # noqa: BLE001 (handed to the consumer
+                                    # by result() and raise_if_failed())
+            self._error = e
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def raise_if_failed(self) -> None:
+        if self.done() and self._error is not None:
+            raise self._error
+
+    def result(self) -> Any:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+def check_document_start(tokens: np.ndarray, path: str, bos_id: int, prefix: bool = False) -> None:
+    """DataError unless `tokens` (a shard, or its first tokens) hold a document start: training
+    batches start at documents."""
+    if not (tokens == bos_id).any():
+        raise DataError(f"shard {path} has no document start (token {bos_id}) in its "
+                        f"{'first ' if prefix else ''}{len(tokens):,} tokens, and training "
+                        "batches start at documents: make shards with data/tokenize_docs.py, "
+                        "which starts every document with it")
+
+
+# ---- batches ------------------------------------------------------------------------------------
 
 BOS_ID = 50256                          # GPT-2 <|endoftext|>; every FineWeb document starts with it
 _QUICK_SCAN_TOKENS = 4_000_000          # the first batches come from this
@@ -1508,8 +1640,8 @@ class _ShardIndex:
                  vocab_size: int | None = None):
         self.path, self.tokens, self.complete = path, tokens, complete
         if vocab_size is not None:
-            harness.check_token_ids(tokens, vocab_size, path)
-        harness.check_document_start(tokens, path, BOS_ID, prefix=not complete)
+            check_token_ids(tokens, vocab_size, path)
+        check_document_start(tokens, path, BOS_ID, prefix=not complete)
         self.bos = np.flatnonzero(tokens == BOS_ID)              # (num_docs,) int64
         doc_lens = np.diff(self.bos, append=len(tokens))         # (num_docs,)
         self.doc_lens = doc_lens if complete else doc_lens[:-1]  # (usable_docs,)
@@ -1531,24 +1663,24 @@ class _TrainShards:
 
     def __init__(self, files: list[str], vocab_size: int | None, first: int = 0):
         self.files, self.shard, self.vocab_size = files, first, vocab_size
-        tokens, n = harness.read_tokens(files[first], _QUICK_SCAN_TOKENS)
+        tokens, n = read_tokens(files[first], _QUICK_SCAN_TOKENS)
         self.current = _ShardIndex(files[first], tokens, complete=len(tokens) == n,
                                    vocab_size=vocab_size)
         self.tokens_done = 0                       # tokens in the shards used up
                                                    # so far (for the error message)
         self._full_current = (None if self.current.complete
-                              else harness.Background(lambda: self._load(first)))
+                              else Background(lambda: self._load(first)))
         self._next = None
         if self._full_current is None:
             self._prefetch()
 
     def _load(self, k: int) -> _ShardIndex:
-        return _ShardIndex(self.files[k], harness.read_tokens(self.files[k])[0], complete=True,
+        return _ShardIndex(self.files[k], read_tokens(self.files[k])[0], complete=True,
                            vocab_size=self.vocab_size)
 
     def _prefetch(self) -> None:
         k = self.shard + 1
-        self._next = harness.Background(lambda: self._load(k)) if k < len(self.files) else None
+        self._next = Background(lambda: self._load(k)) if k < len(self.files) else None
 
     def _take_full_current(self) -> None:
         self.current, self._full_current = self._full_current.result(), None
@@ -1728,7 +1860,7 @@ def val_batches(files: list[str], val_batch_size: int, val_tokens: int, grad_acc
     # of the next shard when pos + W*N_val + 1 >= shard length (so a forward ending exactly at the
     # shard end moves too); shards too short for one forward are skipped (the record would fail on
     # them).
-    sizes = [harness.shard_num_tokens(path) for path in files]
+    sizes = [shard_num_tokens(path) for path in files]
     placements, shard, pos = [], 0, 0  # (shard index, cursor) per forward
     for _ in range(num_forwards):
         if pos + step_tokens + 1 >= sizes[shard]:
@@ -1754,14 +1886,14 @@ def _val_batch_stream(files: list[str], placements: list[tuple[int, int]], token
                       vocab_size: int | None):
     for shard, pos in placements:
         start = pos + rank * tokens_per_rank     # ranks overlap by one token: the look-ahead target
-        with harness.open_shard(files[shard]) as f:
-            f.seek(harness.SHARD_HEADER_BYTES + 2 * start)
+        with open_shard(files[shard]) as f:
+            f.seek(SHARD_HEADER_BYTES + 2 * start)
             buf = np.fromfile(f, dtype=np.uint16, count=tokens_per_rank + 1)   # (N_val+1,) uint16
         if len(buf) != tokens_per_rank + 1:
             raise DataError(f"val shard {files[shard]} shrank while being read; "
                             "download or generate it again")
         if vocab_size is not None:
-            harness.check_token_ids(buf, vocab_size, files[shard], first=start)
+            check_token_ids(buf, vocab_size, files[shard], first=start)
         inputs = buf[:-1]
         bos = np.flatnonzero(inputs == BOS_ID)                                 # (m,) positions
         # [0, b_1, b_2, ...] padded with N_val: the partial document before b_1 is its own sequence
@@ -2070,25 +2202,97 @@ def estimate_gpu_memory_gib(hp: Hyperparameters, world_size: int) -> float:
     return (weights + grads + optim + acts + logits + rope) / 2**30
 
 
+# Measured on FineWeb: the loader reads about 1.35x the trained tokens (documents cut at the maximum
+# length, rank-boundary remainders, +1 look-ahead per rank, abandoned shard tails); 1.45 leaves a
+# margin.
+TRAIN_READ_FACTOR = 1.45
+PREFLIGHT_SAMPLE_TOKENS = 1 << 20   # tokens of each training shard checked
+                                    # before compiling (ids, a document start)
+
+
 def preflight(hp: Hyperparameters, world_size: int, device: torch.device,
               rank: int = 0) -> list[str]:
-    """The checks of data, schedule and memory before anything compiles (harness.preflight), with
-    this run's numbers and the loader's walk over this rank's validation batches."""
-    grad_accum = hp.batch_slices // world_size
+    """Check data, schedule and memory before anything compiles. Raises DataError / ConfigError;
+    returns notes for the log.
+
+    Every shard's header and size; a sample of every training shard (token ids fit the vocabulary, a
+    document start exists; the loader checks all ids of each shard as it loads it); every validation
+    token this rank will read (the loader walks this rank's validation batches), so a bad val shard
+    fails now and not after the whole run has trained; the documents' density against cu_seqlens;
+    the estimated peak GPU memory."""
     check_fused_kernel_shapes(hp, device)
+    notes = []
+    train_files = harness.resolve_shards(hp.train_files, "train")
+    val_files = harness.resolve_shards(hp.val_files, "val")
+    train_avail = sum(shard_num_tokens(f) for f in train_files)   # validates every header and size
+    for path in train_files:
+        sample = read_tokens(path, PREFLIGHT_SAMPLE_TOKENS)[0]
+        check_token_ids(sample, hp.vocab_size, path)
+        check_document_start(sample, path, BOS_ID)
+    val_sizes = [shard_num_tokens(f) for f in val_files]
+    needed = train_tokens_needed(hp)
+    shard = max(1, train_avail // len(train_files))
+    if train_avail < needed:
+        k = math.ceil(needed * TRAIN_READ_FACTOR / shard)
+        raise DataError(f"the schedule trains on {needed:,} tokens but the {len(train_files)} "
+                        f"training shard(s) matching {hp.train_files} hold {train_avail:,}: get "
+                        f"more shards (python data/cached_fineweb10B.py {k}) or shorten the run "
+                        "(--num_scheduled_iterations)")
+    if train_avail < needed * TRAIN_READ_FACTOR:
+        notes.append(f"warning: {train_avail:,} training tokens for {needed:,} trained; the loader "
+                     f"reads about {TRAIN_READ_FACTOR}x that, so the run may run out of data "
+                     "(the loader then stops with a message)")
+    # every validation reads the same first val_tokens tokens plus one look-ahead token, from the
+    # first val shard on
+    if val_sizes[0] < hp.val_tokens + 2 and sum(val_sizes) < hp.val_tokens + 2 * len(val_sizes):
+        raise DataError(f"validation reads {hp.val_tokens:,} tokens (+1 look-ahead) but "
+                        f"{val_files[0]} holds {val_sizes[0]:,}: lower --val_tokens to a multiple "
+                        f"of --val_batch_size={hp.val_batch_size} below that, or use the full "
+                        "FineWeb val shard")
+    for _ in val_batches(val_files, hp.val_batch_size, hp.val_tokens, hp.batch_slices // world_size,
+                         rank, world_size, torch.device("cpu"), hp.tokens_per_doc_bound,
+                         hp.vocab_size):
+        pass
     rooms = {micro_batch_tokens(st.batch, hp.batch_slices):
              max_num_docs(micro_batch_tokens(st.batch, hp.batch_slices),
                           hp.tokens_per_doc_bound) - 1 for st in hp.stages}
+    check_document_density(train_files[0], BOS_ID, hp.train_max_seq_len, rooms)
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory / 2**30
+        est = estimate_gpu_memory_gib(hp, world_size)
+        if est > 0.95 * total:
+            raise ConfigError(f"this configuration needs about {est:.0f} GiB per GPU (an estimate) "
+                              f"but the GPU has {total:.0f} GiB: lower the batches in --stages and "
+                              "--val_batch_size, or use larger GPUs")
+        notes.append(f"memory estimate: about {est:.1f} GiB per GPU of {total:.0f} GiB")
+    notes.append(f"data: {len(train_files)} train shards ({train_avail:,} tokens) for {needed:,} "
+                 f"trained tokens; {len(val_files)} val shard(s), {hp.val_tokens:,} tokens per "
+                 "validation")
+    return notes
 
-    def walk_val(files: list[str]) -> None:
-        for _ in val_batches(files, hp.val_batch_size, hp.val_tokens, grad_accum, rank, world_size,
-                             torch.device("cpu"), hp.tokens_per_doc_bound, hp.vocab_size):
-            pass
-    return harness.preflight(hp, device, vocab_size=hp.vocab_size, bos_id=BOS_ID,
-                             tokens_needed=train_tokens_needed(hp), val_tokens=hp.val_tokens,
-                             val_batch_size=hp.val_batch_size, max_seq_len=hp.train_max_seq_len,
-                             rooms=rooms, walk_val=walk_val,
-                             memory_gib=lambda: estimate_gpu_memory_gib(hp, world_size))
+
+def check_document_density(path: str, bos_id: int, max_seq_len: int, rooms: dict[int, int],
+                           sample_tokens: int = 4_000_000) -> None:
+    """Fail before compiling if documents are so short that a micro-batch's cu_seqlens (rooms:
+    micro-batch tokens -> documents it can hold) would overflow.
+
+    Samples the first shard: a micro-batch of N tokens holds about
+    N / mean(min(doc_len, max_seq_len)) segments.
+    """
+    tokens = np.memmap(path, dtype=np.uint16, mode="r", offset=SHARD_HEADER_BYTES)[:sample_tokens]
+    starts = np.flatnonzero(tokens == bos_id)
+    if len(starts) < 2:
+        return
+    mean_len = float(np.minimum(np.diff(starts), max_seq_len).mean())
+    for n, room in sorted(rooms.items()):
+        expected = 1.25 * n / mean_len + 2                # 25% margin for batches of
+                                                          # shorter-than-average documents
+        if expected > room:
+            bound = max(1, int(mean_len / 1.25) - 1)
+            raise ConfigError(f"documents in {path} average {mean_len:.0f} tokens, much shorter "
+                              f"than FineWeb's: a {n}-token micro-batch holds about {expected:.0f} "
+                              f"documents but cu_seqlens has room for {room}. Rerun with "
+                              f"--tokens_per_doc_bound={bound} (default 300)")
 
 
 def check_fused_kernel_shapes(hp: Hyperparameters, device: torch.device) -> None:

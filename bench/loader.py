@@ -52,7 +52,7 @@ def main() -> None:
         rows.append(("synthetic: write shard", f"{t3 - t2:.2f} s", ""))
 
         t0 = time.perf_counter()
-        index = tg._ShardIndex(path, harness.read_tokens(path)[0], complete=True)
+        index = tg._ShardIndex(path, tg.read_tokens(path)[0], complete=True)
         t1 = time.perf_counter()
         index.cum_lens(2048)
         t2 = time.perf_counter()

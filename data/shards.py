@@ -1,8 +1,9 @@
 """The token shard format that train_gpt.py reads, and how the scripts in data/ write and check shards.
 
 A shard is a 1024-byte header of 256 little-endian int32 words (magic 20240520, version 1, token count n, then zeros)
-followed by n little-endian uint16 tokens. train_gpt.py keeps its own copy of the three constants, as it imports
-nothing from data/; tests/test_data_scripts.py checks that the two agree and that train_gpt.py reads what this writes.
+followed by n little-endian uint16 tokens. The format is defined once, in train_gpt.py's data section beside the loader
+that reads it; this file imports its constants from there and writes and checks shards in that format
+(tests/test_data_scripts.py checks that train_gpt.py reads what this writes).
 
 Not a script. The scripts import it as `shards`: a script's folder is the first entry of sys.path. Code that imports
 a script from elsewhere puts data/ on sys.path first.
@@ -25,9 +26,9 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-SHARD_MAGIC = 20240520
-SHARD_VERSION = 1
-SHARD_HEADER_BYTES = 1024          # 256 int32 words: magic, version, token count, zeros
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the repository root
+from train_gpt import SHARD_HEADER_BYTES, SHARD_MAGIC, SHARD_VERSION  # noqa: E402 (the one definition)
+
 MAX_SHARD_TOKENS = 2**31 - 1       # the header holds the token count as an int32
 STAGING_PREFIX = ".staging-"       # a run's shards are written here, inside the output folder, until all are complete
 

@@ -85,8 +85,8 @@ def test_max_num_docs_spec_values():
 def test_shard_roundtrip(tmp_path):
     tokens = list(np.random.default_rng(0).integers(0, 50257, 1000))
     path = write_shard(str(tmp_path / "a.bin"), tokens)
-    assert harness.shard_num_tokens(path) == 1000
-    loaded = harness.load_shard(path)
+    assert tg.shard_num_tokens(path) == 1000
+    loaded = tg.load_shard(path)
     assert loaded.dtype == torch.uint16 and loaded.shape == (1000,)
     assert loaded.to(torch.int32).tolist() == read_shard(path)
 
@@ -110,7 +110,7 @@ def test_bad_shards(tmp_path, kind):
         with open(path, "wb") as f:
             f.write(b"\x00" * 10)
         expected = ["truncated", "10 bytes"]
-    for read in (harness.shard_num_tokens, harness.load_shard):
+    for read in (tg.shard_num_tokens, tg.load_shard):
         with pytest.raises(tg.DataError) as info:
             read(path)
         assert path in str(info.value)
@@ -297,7 +297,7 @@ def test_training_data_runs_out(labelled_dir):
         for _ in range(1000):
             next(gen)
     message = str(info.value)
-    total = sum(harness.shard_num_tokens(f) for f in files)
+    total = sum(tg.shard_num_tokens(f) for f in files)
     assert "ran out after reading all 3 shards" in message and f"{total:,} tokens" in message
     assert "python data/cached_fineweb10B.py 5" in message
 
@@ -353,7 +353,7 @@ def test_corrupt_next_shard_reaches_the_caller(labelled_dir, tmp_path):
 def test_exception_in_loader_thread_is_reraised(labelled_dir, monkeypatch):
     """The error surfaces on the first request after the thread failed, long before shard 1 is used up."""
     files = shard_files(labelled_dir)
-    real_read = harness.read_tokens
+    real_read = tg.read_tokens
     failed = threading.Event()
 
     def failing_read(path, *args, **kwargs):
@@ -362,7 +362,7 @@ def test_exception_in_loader_thread_is_reraised(labelled_dir, monkeypatch):
             raise OSError("disk went away")
         return real_read(path, *args, **kwargs)
 
-    monkeypatch.setattr(harness, "read_tokens", failing_read)
+    monkeypatch.setattr(tg, "read_tokens", failing_read)
     gen = tg.train_batches(files, 1024, 1, 0, 1, CPU, 2048, 4)
     with pytest.raises(OSError, match="disk went away"):
         next(gen)                            # raises here if the thread already failed,

@@ -55,26 +55,23 @@ def test_default_shard_count_covers_the_record_run():
 
 def test_shard_format_agrees_with_the_trainer(tmp_path):
     import train_gpt as tg
-    import harness
-    assert (shards.SHARD_MAGIC, shards.SHARD_VERSION, shards.SHARD_HEADER_BYTES) == \
-        (harness.SHARD_MAGIC, harness.SHARD_VERSION, harness.SHARD_HEADER_BYTES)
     tokens = np.random.default_rng(0).integers(0, 2**16, 12_345).astype(np.uint16)
     tokens[:2] = BOS, 2**16 - 1                                 # the largest id survives too
     path = str(tmp_path / "fineweb_train_000001.bin")
     shards.write_shard(path, tokens)
     assert listing(tmp_path) == ["fineweb_train_000001.bin"]   # no temporary file left beside it
-    assert harness.shard_num_tokens(path) == len(tokens)
-    loaded = harness.load_shard(path)
+    assert tg.shard_num_tokens(path) == len(tokens)
+    loaded = tg.load_shard(path)
     assert loaded.dtype == torch.uint16 and np.array_equal(loaded.numpy(), tokens)
     with open(path, "rb") as f:
         assert f.read(shards.SHARD_HEADER_BYTES)[12:] == bytes(shards.SHARD_HEADER_BYTES - 12)  # zeros after the count
     assert shards.check_shard(path) is None
     # a list of ints is written as uint16 too; an id that does not fit is refused, not wrapped
     shards.write_shard(path, [BOS, 1, 2])
-    assert harness.load_shard(path).tolist() == [BOS, 1, 2]
+    assert tg.load_shard(path).tolist() == [BOS, 1, 2]
     with pytest.raises(ValueError, match="0 .. 65535"):
         shards.write_shard(path, np.array([BOS, 70_000]))
-    assert harness.load_shard(path).tolist() == [BOS, 1, 2]          # the refused write left the shard as it was
+    assert tg.load_shard(path).tolist() == [BOS, 1, 2]          # the refused write left the shard as it was
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -371,7 +368,6 @@ def test_synthetic_determinism(vocab):
 
 
 def test_synthetic_presets(tmp_path):
-    import harness
     import train_gpt as tg
     bench = dict(train_shards=1, shard_tokens=100_000_000, val_tokens=10_485_762)
     assert syn.resolve_sizes("bench", {}) == bench
@@ -384,7 +380,7 @@ def test_synthetic_presets(tmp_path):
     assert tg.parse_args(["--preset=tiny"]).val_tokens + 2 <= syn.PRESETS["tiny"]["val_tokens"]
     # the full preset (bench/run.sh full) holds what the default schedule reads, so its data check passes quietly
     full = syn.PRESETS["full"]
-    needed = tg.train_tokens_needed(tg.parse_args([])) * harness.TRAIN_READ_FACTOR
+    needed = tg.train_tokens_needed(tg.parse_args([])) * tg.TRAIN_READ_FACTOR
     assert full["train_shards"] * full["shard_tokens"] >= needed > (full["train_shards"] - 1) * full["shard_tokens"]
     # through the command line: the preset's shard count, the explicit sizes
     out = tmp_path / "out"

@@ -66,8 +66,8 @@ def shard_with(tmp_path, tokens, name="fineweb_train_000001.bin"):
 def test_token_ids_outside_the_vocabulary(capsys, tmp_path, data, where):
     """An id >= --vocab_size: in the sample preflight reads, or far into the shard, where the loader's check of each
     shard it loads catches it at the first batch (not a device-side assert mid-run)."""
-    toks = structured_docs(harness.PREFLIGHT_SAMPLE_TOKENS + 300_000, 3)
-    pos = 5_000 if where == "sample" else harness.PREFLIGHT_SAMPLE_TOKENS + 1_000
+    toks = structured_docs(tg.PREFLIGHT_SAMPLE_TOKENS + 300_000, 3)
+    pos = 5_000 if where == "sample" else tg.PREFLIGHT_SAMPLE_TOKENS + 1_000
     toks[pos] = 60_000
     bad = shard_with(tmp_path, toks)
     code, err, _, log = run_main(capsys, [*SHORT, f"--train_files={bad}", f"--val_files={data[1]}"], tmp_path)
