@@ -1,17 +1,15 @@
 """The run machinery of train_gpt.py: everything around the training that never changes a number.
 
-train_gpt.py is the math and the loop; this file is what a serious run needs besides: the run-control
-options and the command line, preflight checks and the dry run, the log, the portable compile cache and
-the compile table, the compile split with its helper processes, checkpoints and resume, signals, exit
-codes, and the per-step bookkeeping of the timed loop. It never imports train_gpt: the script passes
-what it needs (its Hyperparameters class, its model, its trainer) as arguments.
+train_gpt.py is the math and the timed loop, which owns its clock; this file offers services that take
+and return plain values: the run-control options and the command line, the log, the portable compile
+cache and the compile table, checkpoints and resume, signals and exit codes. It never imports
+train_gpt, never calls back into it and never holds its trainer, model or optimizer.
 
 Sections, in the order a run meets them:
-    1. options: run control, the command line, the checks of layouts and tables
-    2. how a run ends: errors and exit codes   3. shard files   4. preflight
-    5. the log and output files   6. the compile cache   7. the compile table
-    8. checkpoints and resume   9. processes and libraries: ranks, GPUs, signals, attention libraries
-    10. the compile split   11. the run: opening it, bookkeeping in the timed loop, the dry run, main()
+    1. options: run control, the command line   2. how a run ends: errors and exit codes
+    3. data files: the shard globs   4. the log and output files   5. the compile cache
+    6. the compile table   7. checkpoints and resume   8. processes: ranks, GPUs, signals
+    9. the run: opening it, the services of the timed loop, the dry run, the command line
 Nothing happens at import.
 """
 from __future__ import annotations
@@ -25,12 +23,11 @@ import os
 import re
 import sys
 import textwrap
-import threading
 import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -38,7 +35,7 @@ import torch.nn as nn
 from torch import Tensor
 
 # ==================================================================================================
-# 1. Options: run control, the command line, the checks of layouts and tables
+# 1. Options: run control and the command line
 # ==================================================================================================
 
 
@@ -231,10 +228,9 @@ def _field_help(cls: type, defaults: Any) -> list[str]:
     return lines
 
 
-def help_text(cls: type, presets: dict[str, dict]) -> str:
-    """Usage, presets, exit codes, then every field: first those that change the math (cls's own),
-    then the run-control ones (RunOptions)."""
-    defaults = cls()
+def help_text(defaults: RunOptions, presets: dict[str, dict]) -> str:
+    """Usage, presets, exit codes, then every field: first those that change the math (the fields
+    the script's options class declares itself), then the run-control ones (RunOptions)."""
     lines = ["usage: python3 train_gpt.py [--name=value ...]        "
              "(on GPUs: ./run.sh [--name=value ...])",
              "",
@@ -251,18 +247,20 @@ def help_text(cls: type, presets: dict[str, dict]) -> str:
         lines += textwrap.wrap(sets, 116, initial_indent=f"  {name}: ", subsequent_indent="    ")
     lines += ["",
               "exit codes: 0 done, 1 data, 2 options or environment, 3 loss not finite, "
-              "4 another rank failed, 130 interrupted (README: When something is wrong).",
+              "4 another rank failed, 5 a bug (the log has the traceback),",
+              "129 SIGHUP, 130 Ctrl-C, 143 SIGTERM (docs/failures.md: When something is wrong).",
               "", "==== the math (Hyperparameters, train_gpt.py; resume must keep these) ===="]
-    lines += _field_help(cls, defaults)
+    lines += _field_help(type(defaults), defaults)
     lines += ["", "==== run control (RunOptions, harness.py; never change a number) ===="]
     return "\n".join(lines + _field_help(RunOptions, defaults))
 
 
-def parse_args(argv: Sequence[str], cls: type, presets: dict[str, dict]) -> Any:
-    """`--name=value` for any field of `cls`; `--preset=NAME` first applies a preset, then the
-    rest. A bare `--name` sets a boolean field to true. Raises ConfigError naming the option."""
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    defaults = cls()
+def parse_args(argv: Sequence[str], defaults: RunOptions, presets: dict[str, dict]) -> Any:
+    """`defaults` (an options instance) with `--name=value` for any of its fields; `--preset=NAME`
+    first applies a preset, then the rest. A bare `--name` sets a boolean field to true. Raises
+    ConfigError naming the option."""
+    fields = {f.name: f for f in dataclasses.fields(defaults)}
+    defaults = copy.deepcopy(defaults)
     pairs = []
     for arg in argv:
         if not arg.startswith("--"):
@@ -293,18 +291,17 @@ def parse_args(argv: Sequence[str], cls: type, presets: dict[str, dict]) -> Any:
     return hp
 
 
-def from_dict(cls: type, saved: dict) -> Any:
-    """The options a checkpoint stored with dataclasses.asdict (table rows as dicts); names that are
-    not options (any more) are dropped."""
-    defaults = cls()
+def from_dict(defaults: RunOptions, saved: dict) -> Any:
+    """`defaults` with the options a checkpoint stored with dataclasses.asdict (table rows as
+    dicts); names that are not options (any more) are dropped."""
     values = {}
-    for f in dataclasses.fields(cls):
+    for f in dataclasses.fields(defaults):
         if f.name in saved:
             like, value = getattr(defaults, f.name), saved[f.name]
             if isinstance(like, tuple) and like and dataclasses.is_dataclass(like[0]):
                 value = tuple(type(like[0])(**row) for row in value)
             values[f.name] = value
-    return cls(**values)
+    return dataclasses.replace(defaults, **values)
 
 
 def expand_path(path: str) -> str:
@@ -470,7 +467,7 @@ def resolve_shards(pattern: str, kind: str) -> list[str]:
 
 
 # ==================================================================================================
-# 5. The log and output files
+# 4. The log and output files
 # ==================================================================================================
 
 def environment_report() -> str:
@@ -596,34 +593,39 @@ def log_start(run: Any, sources: dict[str, str], argv_text: str) -> None:
                                               for f in dataclasses.fields(run.hp)), console=False)
 
 
-def begin_run(run: Any, sources: dict[str, str], argv_text: str,
-              preflight: Callable[[], list[str]], attn_backend: str,
-              warnings: Sequence[str]) -> tuple[list[str], list[str], Checkpointer]:
-    """The run's head in the log (log_start), the preflight notes, the setup line and `warnings`,
-    the checks of a resume; returns the training and validation shards and the checkpointer."""
+def begin_run(run: Run, sources: dict[str, str], argv_text: str,
+              attn_backend: str) -> tuple[list[str], list[str], Checkpointer]:
+    """The run's head in the log (log_start) and the checks of a resume, before the script's data
+    checks (which other options would fail); returns the training and validation shards and the
+    checkpointer."""
     hp, device = run.hp, run.device
     log_start(run, sources, argv_text)
     train_files, val_files = resolve_shards(hp.train_files, "train"), resolve_shards(hp.val_files,
                                                                                      "val")
     facts = run_facts(run.world_size, device, attn_backend, train_files)
-    if run.resumed is not None:     # before the data checks, which other options would fail
+    if run.resumed is not None:
         check_resume(run.resumed, hp, facts)
-    for note in preflight():
-        run.log(note)
+    script = next(iter(sources.values()))
+    return train_files, val_files, Checkpointer(hp, run.run_id, run.rank, run.world_size, facts,
+                                                run.log, script)
+
+
+def accept_run(run: Run, sources: dict[str, str], attn_backend: str,
+               lines: Sequence[str]) -> None:
+    """After the checks passed: the preflight notes and warnings (`lines`), the setup line, and a
+    warning when a resume runs other code than the state's."""
+    hp, device = run.hp, run.device
+    for line in lines:
+        run.log(line)
     run.compiling = hp.compile and device.type == "cuda"
     run.log(f"world_size:{run.world_size} grad_accum:{hp.batch_slices // run.world_size} "
             f"device:{device} attn_backend:{attn_backend} (asked: {hp.attn_backend}) "
             f"compile:{run.compiling} dtype:{hp.dtype} kernels:{hp.kernels}")
-    for line in warnings:
-        run.log(line)
-    script = next(iter(sources.values()))
-    if run.resumed is not None and run.resumed["code"] != script:
+    if run.resumed is not None and run.resumed["code"] != next(iter(sources.values())):
         run.log(f"warning: {next(iter(sources))} differs from the code that wrote the "
                 "checkpoint (its log has that code); the continuation is exact only if the "
                 "change leaves the math alone")
     run.accepted = True
-    return train_files, val_files, Checkpointer(hp, run.run_id, run.rank, run.world_size, facts,
-                                                run.log, script)
 
 
 def _canonical(node: Any) -> str:
@@ -720,13 +722,13 @@ def prepare_output(opts: RunOptions, run_id: str, rank: int) -> Path:
     return log_path
 
 
-def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
-    """write(tmp) to a temporary name beside `path`, then rename it over `path`: a crash leaves the
-    old file or the new one, never half of one."""
+def atomic_write(path: Path, data: bytes | memoryview) -> None:
+    """`data` to a temporary name beside `path`, then renamed over `path`: a crash leaves the old
+    file or the new one, never half of one."""
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        write(tmp)
+        tmp.write_bytes(data)
         os.replace(tmp, path)
     finally:
         if tmp.is_file():
@@ -739,11 +741,11 @@ def atomic_torch_save(obj: Any, path: Path) -> None:
     import io
     buffer = io.BytesIO()
     torch.save(obj, buffer)
-    atomic_write(path, lambda tmp: tmp.write_bytes(buffer.getbuffer()))
+    atomic_write(path, buffer.getbuffer())
 
 
 # ==================================================================================================
-# 6. The portable compile cache: torch's compiled artifacts in one file
+# 5. The portable compile cache: torch's compiled artifacts in one file
 # ==================================================================================================
 COMPILE_CACHE_MAGIC = b"nanogpt-speedrun compile cache 1\n"
 
@@ -808,7 +810,7 @@ def save_compile_cache(path: Path, key: str, versions: str) -> str:
               "sha256": hashlib.sha256(payload).hexdigest()}
     record = COMPILE_CACHE_MAGIC + json.dumps(header).encode() + b"\n" + payload
     try:
-        atomic_write(path, lambda tmp: tmp.write_bytes(record))
+        atomic_write(path, record)
     except OSError as e:
         return f"compile cache: could not write {path} ({e.strerror or e}); the run goes on"
     return f"compile cache: saved {path} ({len(payload) / 2**20:.1f} MiB)"
@@ -860,7 +862,7 @@ def eager_autotuners(module: Any) -> list[Any]:
 
 
 # ==================================================================================================
-# 7. The compile table: where the warmup's compile time goes
+# 6. The compile table: where the warmup's compile time goes
 # ==================================================================================================
 
 @dataclass(frozen=True)
@@ -1085,17 +1087,10 @@ class CompileLog:
                  "alone, no optimizer)"] + compile_table(rows)
                 + [compile_summary(rows, warmup_s, *self.autotune)])
 
-    def log_report(self, log: Callable, warmup_s: float) -> None:
-        """The table into the log file, its summary line on the console too."""
-        report = self.report(warmup_s)
-        for line in report[:-1]:
-            log(line, console=False)
-        if report:
-            log(report[-1])
 
 
 # ==================================================================================================
-# 8. Checkpoints: the whole training state, so that a stopped run continues bit for bit
+# 7. Checkpoints: the whole training state, so that a stopped run continues bit for bit
 # ==================================================================================================
 
 def snapshot_state(model: nn.Module, opt: Any) -> dict[str, Any]:
@@ -1145,7 +1140,7 @@ class Checkpointer:
     newest `keep`; the ones written at the end, when stopped, or before a divergence are kept."""
 
     def __init__(self, hp: Any, run_id: str, rank: int, world_size: int, facts: dict,
-                 log: Callable, code: str = ""):
+                 log: RunLogger, code: str = ""):
         """hp: the run's options (all saved; resume compares the math ones); code: the script's
         source, saved with the state (its log has it too)."""
         self.folder, self.keep = Path(expand_path(hp.log_dir)) / run_id, hp.checkpoint_keep
@@ -1241,7 +1236,7 @@ def load_resume(hp: Any, rank: int, world_size: int) -> dict:
     state = load_checkpoint(expand_path(hp.resume), rank, world_size)
     if state["step"] >= hp.num_iterations:
         try:
-            total = from_dict(type(hp), state["hyperparameters"]).num_iterations
+            total = from_dict(type(hp)(), state["hyperparameters"]).num_iterations
         except Exception:  # noqa: BLE001 (an unreadable record: the message below stands)
             total = hp.num_iterations
         if total != hp.num_iterations:
@@ -1257,7 +1252,7 @@ def load_resume(hp: Any, rank: int, world_size: int) -> dict:
 def resume_differences(saved: dict, hp: Any, facts: dict) -> list[str]:
     """The math options (math_fields) and resolved facts (run_facts) that differ between the saved
     run and this one."""
-    old = from_dict(type(hp), saved["hyperparameters"])
+    old = from_dict(type(hp)(), saved["hyperparameters"])
     diffs = [f"--{name}={show(getattr(old, name))} (now {show(getattr(hp, name))})"
              for name in math_fields(hp) if getattr(old, name) != getattr(hp, name)]
     for key, now in facts.items():
@@ -1279,7 +1274,7 @@ def check_resume(saved: dict, hp: Any, facts: dict) -> None:
 
 
 # ==================================================================================================
-# 9. Processes and libraries: ranks, GPUs, signals, attention libraries
+# 8. Processes: ranks, GPUs, signals
 # ==================================================================================================
 
 def launch_environment() -> tuple[int, int, int]:
@@ -1301,19 +1296,17 @@ def launch_environment() -> tuple[int, int, int]:
     return rank, world_size, local_rank
 
 
-def isolate_gpu(local_rank: int, env: dict[str, str] = os.environ,
-                count_gpus: Callable[[], int] = torch.cuda.device_count) -> str | None:
+def isolate_gpu(local_rank: int, env: dict[str, str] = os.environ) -> str | None:
     """Before CUDA starts, let this process see only its own GPU (the LOCAL_RANK-th of those
     visible), which it then calls cuda:0. torch's compile caches key on the device index: with
     every rank on cuda:0 the ranks share what each compiles, and a saved compile cache serves every
     rank. Returns the CUDA_VISIBLE_DEVICES entry chosen; None where nothing changed (no GPU, or
-    CUDA already started: then cuda:LOCAL_RANK as usual).
-    count_gpus: torch.cuda.device_count, which reads the GPUs through NVML without starting CUDA
-    and honours CUDA_VISIBLE_DEVICES."""
+    CUDA already started: then cuda:LOCAL_RANK as usual). torch.cuda.device_count reads the GPUs
+    through NVML without starting CUDA and honours CUDA_VISIBLE_DEVICES."""
     visible = env.get("CUDA_VISIBLE_DEVICES")
     if torch.cuda.is_initialized() or (visible is not None and not visible.strip()):
         return None
-    count = count_gpus()
+    count = torch.cuda.device_count()
     if count == 0:
         return None
     if local_rank >= count:
@@ -1322,7 +1315,7 @@ def isolate_gpu(local_rank: int, env: dict[str, str] = os.environ,
     entries = ([e.strip() for e in visible.split(",")] if visible is not None
                else [str(i) for i in range(count)])
     env["CUDA_VISIBLE_DEVICES"] = entries[local_rank]
-    if count_gpus() != 1:    # CUDA had started (no NVML) and read the variable already: undo
+    if torch.cuda.device_count() != 1:    # CUDA had started (no NVML) and read the variable already: undo
         if visible is None:
             del env["CUDA_VISIBLE_DEVICES"]
         else:
@@ -1410,216 +1403,10 @@ class StopSignals:
 
 
 # ==================================================================================================
-# 10. The compile split: each GPU's processes compile a share of the variants first
+# 9. The run: opening it, the services of the timed loop, the dry run, the command line
 # ==================================================================================================
-
-def split_compile_tasks(variants: Sequence[int], workers: int) -> list[list[tuple[int, str]]]:
-    """What each of `workers` processes of one machine compiles alone before the warmup: (variant
-    start, "train" or "val") pairs, dealt round-robin, the longer training graphs (forward and
-    backward) first. With 4 variants, 4 workers each take both graphs of one variant; 8 workers one
-    graph each. Worker w runs on GPU w % ranks: the ranks themselves come first and take the
-    training graphs, their helpers the rest. variants: the first step of each compiled variant."""
-    tasks = [(s, "train") for s in variants] + [(s, "val") for s in variants]
-    return [tasks[w::workers] for w in range(workers)]
-
-
-def split_processes_per_gpu(compile_helpers: int, num_variants: int, ranks: int,
-                            cache_loaded: bool) -> int:
-    """How many processes compile on each GPU in the split: its rank and --compile_helpers
-    helpers. Auto: one variant (its two graphs) per process, at most 4 per GPU (1 GPU: 4; 2 GPUs:
-    2; 4 or 8 GPUs: 1, the ranks alone), and no helpers when the compile cache file was loaded:
-    the caches hold every graph, and a helper would only load graphs that its rank loads again."""
-    if compile_helpers >= 0:
-        return 1 + compile_helpers
-    if cache_loaded:
-        return 1
-    return max(1, min(4, -(-num_variants // ranks)))
-
-
-def compile_split(trainer: Any, run: Run, variants: Sequence[int], compile_log: CompileLog,
-                  t0: float) -> None:
-    """Each GPU's processes (its rank and the rank's helpers) compile their share of the variants
-    (split_compile_tasks) alone and at the same time; torch writes each graph to its on-disk
-    caches, which every process of a machine shares (the same code on cuda:0 everywhere,
-    isolate_gpu), so the warmup that follows loads instead of compiling. Compiling is mostly
-    single-threaded Python, so even one GPU gains from several processes; they take turns to run
-    (GpuTurns). Leaves the weights, gradients and schedule state as it found them. Runs only when
-    compiling with --compile_split and more than one process per machine would compile."""
-    import tempfile
-    hp = run.hp
-    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", run.world_size))   # GPUs of this machine
-    per_gpu = split_processes_per_gpu(hp.compile_helpers, len(variants), ranks, run.cache_loaded)
-    if not (run.compiling and hp.compile_split and ranks * per_gpu > 1):
-        return
-    shares = split_compile_tasks(variants, ranks * per_gpu)
-    local = run.rank % ranks
-    mine, theirs = shares[local], [share for share in shares[local + ranks::ranks] if share]
-    run.log(f"warmup: {ranks} rank(s), {per_gpu} process(es) per GPU, compile a share alone "
-            f"first (rank 0: {describe_share(mine)}"
-            + "".join(f"; helper {i + 1}: {describe_share(sh)}" for i, sh in enumerate(theirs))
-            + ")")
-    with tempfile.TemporaryDirectory(prefix="compile_split_") as folder:
-        turns = GpuTurns(Path(folder) / "gpu.lock", trainer.device)
-        helpers = [CompileHelper(trainer, share, Path(folder) / f"helper{i + 1}", turns.path)
-                   for i, share in enumerate(theirs)]
-        try:
-            with turns.taken_after_compiling():
-                for step, phase in mine:
-                    with compile_log.during(step, f"{phase}*"):
-                        trainer.compile_alone(step, phase)
-                    turns.give(trainer.model)
-            for i, helper in enumerate(helpers):
-                run.log(f"  helper {i + 1}: {helper.wait()}")
-        finally:
-            for helper in helpers:
-                helper.stop()
-    trainer.reset_schedule_state()
-    run.sync()
-    if run.world_size > 1:
-        dist.barrier()
-    run.log(f"  shares compiled on every GPU at {time.perf_counter() - t0:.1f}s")
-
-
-def describe_share(share: list[tuple[int, str]]) -> str:
-    return ", ".join(f"{phase} of step {step}" for step, phase in share) or "nothing"
-
-
-class GpuTurns:
-    """The processes of one GPU in the split compile at the same time but run one at a time. A
-    process takes the turn (an flock on a file they share) when one of its compilations ends, since
-    running the graph is what follows (a training graph's backward is compiled with its forward,
-    configure_compiler), and gives it back after its task, with the task's memory freed. So the
-    split needs one process's memory for a training micro-batch (tens of GiB at the record's
-    sizes on one GPU) and a few GiB for each other process, not a micro-batch each; and inductor
-    times its autotuning candidates without another process's kernels on the GPU."""
-
-    def __init__(self, path: Path, device: torch.device):
-        self.path, self.device = path, device
-        self.file = open(path, "a+b")
-        self.held = False
-
-    def take(self, *_: Any) -> None:
-        import fcntl
-        if not self.held:
-            fcntl.flock(self.file, fcntl.LOCK_EX)
-            self.held = True
-
-    def give(self, model: nn.Module) -> None:
-        import fcntl
-        for p in model.parameters():
-            p.grad = None
-        if self.held:
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-                torch.cuda.empty_cache()
-            fcntl.flock(self.file, fcntl.LOCK_UN)
-            self.held = False
-
-    @contextlib.contextmanager
-    def taken_after_compiling(self) -> Iterator[None]:
-        """Take the turn at the end of every compilation (torch's callback, CompileLog's hook)."""
-        from torch._dynamo.callback import callback_handler
-        callback_handler.register_end_callback(self.take)
-        try:
-            yield
-        finally:
-            callback_handler.remove_end_callback(self.take)
-            self.file.close()     # an flock still held goes with it
-
-
-# The variable that makes `python train_gpt.py` a compile helper: the path of its task file.
-COMPILE_HELPER_ENV = "TRAIN_GPT_COMPILE_HELPER"
-
-
-class CompileHelper:
-    """A process beside a rank that compiles a share of the split on the rank's GPU. It runs the
-    trainer's script (the file that defines the trainer's class) again, as __main__ like the
-    rank (torch's cache keys hold the module names of the model's classes, so a multiprocessing
-    child, __mp_main__, would compile graphs the rank cannot load), with a task file instead of
-    options (compile_helper_main). A helper that fails costs nothing but time: the warmup
-    compiles whatever is not in the caches."""
-
-    def __init__(self, trainer: Any, share: list[tuple[int, str]], stem: Path, lock: Path,
-                 compile: bool = True):
-        import inspect
-        import pickle
-        import subprocess
-        t = trainer
-        script = Path(inspect.getfile(type(trainer))).resolve()
-        self.task, self.result, self.output = (stem.with_suffix(".task"),
-                                               stem.with_suffix(".result"),
-                                               stem.with_suffix(".out"))
-        self.task.write_bytes(pickle.dumps(dict(
-            hp=t.hp, device=str(t.device), attn_backend=t.model.cfg.attn_backend, rank=t.rank,
-            world_size=t.world_size, train_files=t.train_files, val_files=t.val_files,
-            share=share, compile=compile, lock=str(lock), result=str(self.result))))
-        with open(self.output, "wb") as out:
-            self.process = subprocess.Popen(
-                [sys.executable, str(script)], stdout=out,
-                stderr=subprocess.STDOUT, env={**os.environ, COMPILE_HELPER_ENV: str(self.task)})
-
-    def wait(self) -> str:
-        """Block until the helper is done; one line saying how it went."""
-        import pickle
-        code = self.process.wait()
-        try:
-            result = pickle.loads(self.result.read_bytes())
-        except (OSError, EOFError, pickle.UnpicklingError):
-            lines = self.output.read_text(errors="replace").strip().splitlines()
-            result = {"error": f"exit code {code}" + (f": {lines[-1]}" if lines else "")}
-        if "error" in result:
-            return f"failed ({result['error']}); the warmup compiles its graphs"
-        return (f"done in {result['seconds']:.1f}s, peak memory reserved "
-                f"{result['peak_bytes'] / 2**20:,.0f} MiB")
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            self.process.wait()
-
-
-def exit_with_parent(interval_s: float = 1.0) -> None:
-    """Leave at once (exit status 1) when the process that started this one is gone: a daemon
-    thread polls the parent pid, which changes when the parent dies and this process is adopted. So
-    a helper does not go on compiling for a rank killed with SIGKILL, which runs no cleanup."""
-    parent = os.getppid()
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(interval_s)
-        os._exit(1)
-    threading.Thread(target=watch, name="exit_with_parent", daemon=True).start()
-
-
-def compile_helper_main(task_path: str, work: Callable[[dict, GpuTurns], None]) -> int:
-    """A CompileHelper's process: work(task, turns) builds the rank's model again on the rank's GPU
-    with the same compiler settings and runs its share (task["share"]) through the trainer's
-    compile_alone (so its graphs are exactly the rank's), giving the GPU turn back after each; this
-    writes {seconds, peak_bytes} or {error} to the result file. No optimizer and no process group:
-    compile_alone needs neither."""
-    import pickle
-    t0 = time.perf_counter()
-    exit_with_parent()
-    task = pickle.loads(Path(task_path).read_bytes())
-    try:
-        device = torch.device(task["device"])
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        turns = GpuTurns(Path(task["lock"]), device)
-        with turns.taken_after_compiling():
-            work(task, turns)
-        peak = torch.cuda.max_memory_reserved(device) if device.type == "cuda" else 0
-        result = {"seconds": time.perf_counter() - t0, "peak_bytes": peak}
-    except BaseException as e:  # Ctrl-C too: the rank reports it, the helper leaves quietly
-        first_line = (str(e).strip().splitlines() or [""])[0]      # the rank's log line is one line
-        result = {"error": f"{type(e).__name__}: {first_line}"}
-    atomic_write(Path(task["result"]), lambda tmp: tmp.write_bytes(pickle.dumps(result)))
-    return 0 if "seconds" in result else 1
-
-
-# ==================================================================================================
-# 11. The run: opening it, the clock, bookkeeping in the timed loop, the dry run, main()
-# ==================================================================================================
+# The script's timed loop owns its clock; what it asks of this file takes and returns plain values:
+# a line to log, a state to save, whether a stop was asked, whether the loss stayed finite.
 
 @dataclass
 class Run:
@@ -1643,6 +1430,45 @@ class Run:
     def sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    def agreed_signal(self) -> int:
+        """The signal that asked for a stop on any rank (0 if none), the same on every rank (one
+        tiny all-reduce with several processes)."""
+        signum = self.stops.requested or 0
+        if self.world_size > 1:
+            agreed = torch.tensor(signum, device=self.device)
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+            signum = int(agreed.item())
+        return signum
+
+    def log_table(self, lines: Sequence[str]) -> None:
+        """A table into the log file, its last (summary) line on the console too."""
+        for line in lines[:-1]:
+            self.log(line, console=False)
+        if lines:
+            self.log(lines[-1])
+
+    def log_step(self, done: int, total: int, train_ms: float, tokens_done: int,
+                 tokens_total: int, train_loss: float | None = None) -> None:
+        """A step line: the log file keeps the fixed format, rank 0's console adds progress."""
+        line = f"step:{done}/{total} train_time:{train_ms:.0f}ms step_avg:{train_ms / done:.2f}ms"
+        if train_loss is not None:
+            line += f" train_loss:{train_loss:.6f}"
+        self.log(line, console=False)
+        if self.rank == 0:
+            to_console(line + progress_note(done, total, train_ms, tokens_done, tokens_total))
+
+    def finish(self, val_loss: float, train_ms: float) -> dict[str, Any]:
+        """Peak memory and the result line; the run's summary."""
+        peak_mib = (torch.cuda.max_memory_allocated(self.device) // 2**20
+                    if self.device.type == "cuda" else None)
+        if peak_mib is not None:
+            self.log(f"peak memory allocated: {peak_mib} MiB reserved: "
+                     f"{torch.cuda.max_memory_reserved(self.device) // 2**20} MiB")
+        self.log(result_line(val_loss, self.hp.val_loss_target, train_ms, self.hp.num_iterations,
+                             peak_mib, self.log.path))
+        return {"val_loss": val_loss, "train_time_ms": train_ms, "run_id": self.run_id,
+                "log": str(self.log.path)}
 
     def since_start_ms(self) -> float:
         return 1000 * (time.perf_counter() - self.t_process)
@@ -1670,13 +1496,11 @@ class Run:
             self.log.close(remove=refused)
 
 
-def open_run(hp: Any, stops: StopSignals, validate: Callable[[Any, int], None],
-             code: Sequence[Path] = ()) -> Run:
-    """Check the options (validate(hp, world_size): the script's checks), join the process group,
-    check that every rank runs the same code (the files in `code`, and this one) with the same
-    options, read a checkpoint to resume, agree on a run id, create the log."""
+def open_run(hp: Any, stops: StopSignals, code: Sequence[Path] = ()) -> Run:
+    """Join the process group, check that every rank runs the same code (the files in `code`, and
+    this one) with the same options, read a checkpoint to resume, agree on a run id, create the
+    log. The options were checked by the script."""
     t_process = time.perf_counter()
-    validate(hp, launch_environment()[1])
     rank, world_size, _, device = setup_distributed(hp)
     stops.announce = rank == 0
     if world_size > 1:
@@ -1717,35 +1541,50 @@ def check_same_everywhere(hp: Any, files: Sequence[Path], world_size: int) -> No
                               f"{'; '.join(diffs)}. Start every node with the same command")
 
 
-class TrainClock:
-    """The timed training clock: it runs during steps and is paused for validation and checkpoints.
-    Pausing and starting wait for the GPU, so the time of queued work lands on the right side."""
+class FiniteWatch:
+    """The NaN guard without a sync per step: the first step whose loss is not finite is remembered
+    on the device (record) and read every `every` steps and at the last (first_bad)."""
 
-    def __init__(self, sync: Callable[[], None]):
-        self.sync, self.ms, self.t0 = sync, 0.0, None
+    def __init__(self, every: int, total: int, device: torch.device):
+        self.every, self.total = every, total
+        self.first = torch.full((), -1, dtype=torch.int64, device=device)
 
-    def start(self) -> None:
-        self.sync()
-        self.t0 = time.perf_counter()
+    def record(self, done: int, loss: Tensor) -> None:
+        if self.every:
+            bad_now = (self.first < 0) & ~torch.isfinite(loss)
+            self.first.copy_(torch.where(bad_now, done - 1, self.first))
 
-    def pause(self) -> float:
-        self.sync()
-        self.ms, self.t0 = self.now_ms(), None
-        return self.ms
+    def due(self, done: int) -> bool:
+        return self.every > 0 and (done % self.every == 0 or done == self.total)
 
-    def now_ms(self) -> float:
-        """The time so far without waiting for the GPU (for progress lines)."""
-        return self.ms + (1000 * (time.perf_counter() - self.t0) if self.t0 is not None else 0.0)
+    def first_bad(self) -> int | None:
+        """The first bad step, or None (waits for the GPU)."""
+        bad = int(self.first.item())
+        return bad if bad >= 0 else None
+
+
+def diverged(what: str, last_good_step: int | None) -> TrainingDiverged:
+    return TrainingDiverged(
+        f"{what}" + (f"; the last good state (step {last_good_step}) was saved"
+                     if last_good_step is not None else "")
+        + ": lower the learning rates (--adam_lr, --muon_lr) or check the data")
+
+
+def stopped(signum: int, where: str) -> Interrupted:
+    """The stop a signal asked for, taken `where` ("after step 12 of 100; the state ...")."""
+    import signal
+    return Interrupted(signum, f"stopped by {signal.Signals(signum).name} {where}")
 
 
 class StepProfiler:
     """--profile_steps=a:b,...: torch.profiler over steps a..b-1, one chrome trace per range in the
-    log folder."""
+    log folder. A range ends with a sync (the trace then holds its GPU work)."""
 
-    def __init__(self, opts: RunOptions, run_id: str, rank: int, log: Callable):
+    def __init__(self, opts: RunOptions, run: Run):
         self.ranges = dict(tuple(int(x) for x in r.split(":"))
                            for r in opts.profile_steps.split(",") if r)
-        self.prefix, self.log = Path(expand_path(opts.log_dir)) / f"{run_id}_rank{rank}", log
+        self.prefix = Path(expand_path(opts.log_dir)) / f"{run.run_id}_rank{run.rank}"
+        self.run = run
         self.active, self.start, self.end = None, -1, -1
 
     def before_step(self, step: int) -> None:
@@ -1753,164 +1592,14 @@ class StepProfiler:
             self.active, self.start, self.end = torch.profiler.profile(), step, self.ranges[step]
             self.active.__enter__()
 
-    def after_step(self, done: int, sync: Callable[[], None]) -> None:
+    def after_step(self, done: int) -> None:
         if self.active is not None and done == self.end:
-            sync()
+            self.run.sync()
             self.active.__exit__(None, None, None)
             trace = Path(f"{self.prefix}_steps{self.start}-{done - 1}_trace.json")
             self.active.export_chrome_trace(str(trace))
             self.active = None
-            self.log(f"profile of steps {self.start}..{done - 1} written to {trace}")
-
-
-class Bookkeeping:
-    """What the timed loop does besides training: the clock, validation lines, the NaN guard and its
-    last good state, step lines and progress, checkpoints, stop signals and profiling. The trainer
-    is the script's: state(steps_done, train_ms), validate(ws_short, ws_long) and
-    mean_train_loss(summed, sched) are all this uses of it."""
-
-    def __init__(self, run: Run, trainer: Any, checkpointer: Checkpointer, start: int,
-                 train_ms: float, tokens_after: Sequence[int]):
-        """tokens_after[s]: the training tokens of steps 0..s (for the ETA)."""
-        hp = run.hp
-        self.run, self.trainer, self.checkpointer, self.hp = run, trainer, checkpointer, hp
-        self.clock = TrainClock(run.sync)
-        self.clock.ms = train_ms
-        self.profiler = StepProfiler(hp, run.run_id, run.rank, run.log)
-        self.saving = hp.save_checkpoint or hp.checkpoint_every > 0
-        self.check_every = hp.nonfinite_check_every
-        # Signals are polled between steps: every step with one process (a host flag, free); with
-        # several, at the NaN check's sync points (or every 25 steps), where the ranks agree on
-        # stopping with one tiny all-reduce.
-        self.poll_every = 1 if run.world_size == 1 else (self.check_every or 25)
-        # first step with a bad loss
-        self.first_bad = torch.full((), -1, dtype=torch.int64, device=run.device)
-        # When states are saved, `pending` is the state at the last check; it is known good once the
-        # steps after it have produced finite losses, and only then becomes `last_good` (the state
-        # saved if training blows up).
-        self.last_good = None
-        self.pending = trainer.state(start, train_ms) if self.saving else None
-        self.tokens_after = tokens_after
-
-    def start(self) -> None:
-        self.run.log(f"phase:process_start_to_timed_loop time:{self.run.since_start_ms():.0f}ms")
-        self.run.stops.defer = True
-        self.clock.start()
-
-    def validate(self, step: int, ws_short: int, ws_long: int) -> float:
-        """Validate off the clock and log it. Before the final validation, which no step boundary
-        follows, the final state is saved, a stop asked for during the last step is taken, and a
-        signal from then on stops at once."""
-        train_ms, final, saved = self.clock.pause(), step == self.hp.num_iterations, ""
-        if final:
-            if self.saving:
-                path = self.checkpointer.save(self.trainer.state(step, train_ms))
-                saved = f"; the final state is saved: {path}"
-            self.run.stops.defer = False        # after the save, which a signal must not cut short
-            if signum := self._agreed_signal():
-                import signal
-                raise Interrupted(signum, f"stopped by {signal.Signals(signum).name} before the "
-                                          f"final validation{saved}")
-        tv = time.perf_counter()
-        try:
-            val_loss = self.trainer.validate(ws_short, ws_long)
-        except Interrupted as e:
-            if not final:
-                raise
-            raise Interrupted(e.signum, f"{e} during the final validation{saved}") from None
-        self.run.log(f"step:{step}/{self.hp.num_iterations} val_loss:{val_loss:.4f} "
-                     f"train_time:{train_ms:.0f}ms step_avg:{train_ms / max(step, 1):.2f}ms")
-        self.run.log(f"phase:validation time:{1000 * (time.perf_counter() - tv):.0f}ms",
-                     console=False)
-        if not math.isfinite(val_loss):
-            raise TrainingDiverged(f"the validation loss is {val_loss} at step {step}: lower the "
-                                   "learning rates (--adam_lr, --muon_lr) or check the data")
-        self.clock.start()
-        return val_loss
-
-    @contextlib.contextmanager
-    def profiled(self, step: int) -> Iterator[None]:
-        self.profiler.before_step(step)
-        yield
-        self.profiler.after_step(step + 1, self.run.sync)
-
-    def after_step(self, done: int, loss: Tensor, sched: Any) -> None:
-        self._check_finite(done, loss)
-        self._log_step(done, loss, sched)
-        total = self.hp.num_iterations
-        if self.hp.checkpoint_every and done % self.hp.checkpoint_every == 0 and done < total:
-            # off the clock
-            self.checkpointer.save(self.trainer.state(done, self.clock.pause()), periodic=True)
-            self.clock.start()
-        if done % self.poll_every == 0 and done < total:
-            self._stop_if_asked(done)
-
-    def _check_finite(self, done: int, loss: Tensor) -> None:
-        """No sync per step: the first bad step is remembered on the device and looked at every
-        check_every steps."""
-        if not self.check_every:
-            return
-        bad_now = (self.first_bad < 0) & ~torch.isfinite(loss)
-        self.first_bad.copy_(torch.where(bad_now, done - 1, self.first_bad))
-        if done % self.check_every and done != self.hp.num_iterations:
-            return
-        bad = int(self.first_bad.item())
-        if bad >= 0:
-            if self.last_good is not None:
-                self.checkpointer.save(self.last_good)
-            raise TrainingDiverged(
-                f"the training loss became NaN or infinite at step {bad}"
-                + (f"; the last good state (step {self.last_good['step']}) was saved"
-                   if self.last_good else "")
-                + ": lower the learning rates (--adam_lr, --muon_lr) or check the data")
-        if self.saving:
-            self.last_good, self.pending = (self.pending,
-                                            self.trainer.state(done, self.clock.now_ms()))
-
-    def _log_step(self, done: int, loss: Tensor, sched: Any) -> None:
-        total, ms = self.hp.num_iterations, self.clock.now_ms()
-        line = f"step:{done}/{total} train_time:{ms:.0f}ms step_avg:{ms / done:.2f}ms"
-        if self.hp.train_loss_every and done % self.hp.train_loss_every == 0:
-            line += f" train_loss:{self.trainer.mean_train_loss(loss, sched):.6f}"
-        self.run.log(line, console=False)      # the file keeps the fixed format;
-                                               # the console adds progress
-        if self.run.rank == 0:
-            to_console(line + progress_note(done, total, ms, int(self.tokens_after[done - 1]),
-                                            int(self.tokens_after[-1])))
-
-    def _agreed_signal(self) -> int:
-        """The signal that asked for a stop on any rank (0 if none), the same on every rank."""
-        signum = self.run.stops.requested or 0
-        if self.run.world_size > 1:
-            agreed = torch.tensor(signum, device=self.run.device)
-            dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
-            signum = int(agreed.item())
-        return signum
-
-    def _stop_if_asked(self, done: int) -> None:
-        signum = self._agreed_signal()     # any rank's signal stops every rank at this same step
-        if signum:
-            import signal
-            saved = ""
-            if self.saving:
-                path = self.checkpointer.save(self.trainer.state(done, self.clock.pause()))
-                saved = f"; the state after step {done} is saved: --resume={path}"
-            raise Interrupted(signum, f"stopped by {signal.Signals(signum).name} after step "
-                                      f"{done} of {self.hp.num_iterations}{saved}")
-
-    def finish(self, val_loss: float) -> dict[str, Any]:
-        """After the final validation (the final state was saved before it): peak memory, the
-        result line; returns the run's summary."""
-        device, log = self.run.device, self.run.log
-        peak_mib = (torch.cuda.max_memory_allocated(device) // 2**20 if device.type == "cuda"
-                    else None)
-        if peak_mib is not None:
-            log(f"peak memory allocated: {peak_mib} MiB reserved: "
-                f"{torch.cuda.max_memory_reserved(device) // 2**20} MiB")
-        log(result_line(val_loss, self.hp.val_loss_target, self.clock.ms, self.hp.num_iterations,
-                        peak_mib, log.path))
-        return {"val_loss": val_loss, "train_time_ms": self.clock.ms, "run_id": self.run.run_id,
-                "log": str(log.path)}
+            self.run.log(f"profile of steps {self.start}..{done - 1} written to {trace}")
 
 
 def _debug_requested(argv: Sequence[str]) -> bool:
@@ -1920,21 +1609,15 @@ def _debug_requested(argv: Sequence[str]) -> bool:
                for a in argv)
 
 
-def dry_run(hp: Any, validate: Callable[[Any, int], None],
-            backends: Callable[[torch.device], tuple[list[str], str]],
-            preflight: Callable[[Any, int, torch.device, int], list[str]]) -> dict[str, Any]:
-    """Every check a run makes before it builds or compiles anything, printed (rank 0) as a
-    checklist. The first failing check raises, and main() reports it with its exit code as for a
-    real run. The script's own checks come in as validate(hp, world_size), backends(device) ->
-    (available, chosen) and preflight(hp, world_size, device, rank) -> notes."""
-    world = launch_environment()[1]
-    validate(hp, world)
-    rank, world_size, _, device = setup_distributed(hp)
+def dry_run_checks(hp: Any, rank: int, world_size: int, device: torch.device,
+                   available: Sequence[str], chosen: str) -> None:
+    """The run-control half of --dry_run's checklist, printed on rank 0: the process placement, the
+    environment and attention backends (available, chosen: the script's), the output folder and a
+    resume. The first failing check raises, as in a real run."""
     say = print if rank == 0 else (lambda *a, **k: None)
     say(f"dry run: the checks before compiling, for {world_size} process(es)")
     say(f"  ok  options: valid for {world_size} process(es) x {hp.batch_slices // world_size} "
         "accumulation steps")
-    available, chosen = backends(device)
     say(f"  ok  environment: {short_environment(device)}; attention backends "
         f"{', '.join(available)} (--attn_backend={hp.attn_backend} runs {chosen})")
     saved = load_resume(hp, rank, world_size) if hp.resume else None
@@ -1950,37 +1633,43 @@ def dry_run(hp: Any, validate: Callable[[Any, int], None],
                                           resolve_shards(hp.train_files, "train")))
         say(f"  ok  resume: {saved['path']} continues after step {saved['step']} of "
             f"{hp.num_iterations}; the math options match")
-    for note in preflight(hp, world_size, device, rank):
-        say(f"  {'!!' if note.startswith('warning') else 'ok'}  {note}")
-    say("dry run passed: nothing was built, compiled or trained")
-    return {"dry_run": True}
 
 
-def main(argv: Sequence[str] | None, cls: type, presets: dict[str, dict],
-         train: Callable[[Any, str, StopSignals], Any], dry_run: Callable[[Any], Any]) -> int:
-    """Run from the command line: --help, or the options parsed into `cls` (with `presets`), then
-    dry_run(hp) or train(hp, argv_text, stops); one `error: ...` line and an exit code for every
-    failure (see EXIT_* above)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if any(a in ("-h", "--help", "help") for a in argv):
-        print(help_text(cls, presets))
-        return 0
+def dry_run_notes(rank: int, notes: Sequence[str]) -> None:
+    """The rest of the checklist (the script's data and memory notes) and its last line."""
+    if rank == 0:
+        for note in notes:
+            print(f"  {'!!' if note.startswith('warning') else 'ok'}  {note}")
+        print("dry run passed: nothing was built, compiled or trained")
+
+
+def asks_for_help(argv: Sequence[str]) -> bool:
+    return any(a in ("-h", "--help", "help") for a in argv)
+
+
+@dataclass
+class Outcome:
+    """What command_line gives the script: the signal handlers, and the exit code it sets."""
+    stops: StopSignals
+    code: int = 0
+
+
+@contextlib.contextmanager
+def command_line(argv: Sequence[str]) -> Iterator[Outcome]:
+    """Around the script's main: signal handlers for the whole process, and for every failure one
+    `error: ...` line and an exit code in outcome.code (see EXIT_* above) instead of a traceback
+    (--debug prints it too)."""
     os.environ.setdefault("PYTORCH_ALLOC_CONF", "expandable_segments:True")
-    stops = StopSignals()
-    stops.install()
+    outcome = Outcome(StopSignals())
+    outcome.stops.install()
     try:
-        hp = parse_args(argv, cls, presets)
-        if hp.dry_run:
-            dry_run(hp)
-        else:
-            train(hp, " ".join(argv), stops)
-        return 0
+        yield outcome
     except Exception as e:
-        return _report_failure(e, _debug_requested(argv))
+        outcome.code = _report_failure(e, _debug_requested(argv))
     except KeyboardInterrupt as e:   # a Ctrl-C that arrived before the handler was installed
-        return _report_failure(e, _debug_requested(argv))
+        outcome.code = _report_failure(e, _debug_requested(argv))
     finally:
-        stops.uninstall()
+        outcome.stops.uninstall()
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
 

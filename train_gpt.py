@@ -33,6 +33,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+import compile_split
 import harness
 import triton_kernels as tk
 from harness import ConfigError, DataError
@@ -194,7 +195,7 @@ def reference_ops(kernels: str) -> frozenset[str]:
 
 def parse_args(argv: Sequence[str]) -> Hyperparameters:
     """The options from `--name=value` arguments (harness.parse_args; --help lists them)."""
-    return harness.parse_args(argv, Hyperparameters, PRESETS)
+    return harness.parse_args(argv, Hyperparameters(), PRESETS)
 # ==================================================================================================
 # 2. Attention backends: our kernel, the optional FlashAttention builds, torch's varlen kernel
 # ==================================================================================================
@@ -2367,6 +2368,12 @@ def replay_yarn(model: nn.Module, hp: Hyperparameters, steps_done: int) -> int:
     return ws_long
 
 
+def snapshot_state(model: nn.Module, opt: Any) -> dict[str, Any]:
+    """A detached copy of everything a step changes (used to undo the warmup, and in states)."""
+    return {"model": {k: v.detach().clone() for k, v in model.state_dict().items()},
+            "optimizer": copy.deepcopy(opt.state_dict())}
+
+
 class Trainer:
     """The schedule state (windows, batch size) and the step/validation routines shared by warmup
     and the timed loop."""
@@ -2404,7 +2411,7 @@ class Trainer:
         # step).
         grads = {name: p.grad.detach().clone() for name, p in self.model.named_parameters()
                  if p.grad is not None}
-        return {"step": steps_done, **harness.snapshot_state(self.model, self.opt), "grads": grads,
+        return {"step": steps_done, **snapshot_state(self.model, self.opt), "grads": grads,
                 "train_time_ms": train_ms, "loader": dataclasses.asdict(self.position), "rng": rng}
 
     def restore(self, state: dict[str, Any]) -> None:
@@ -2521,16 +2528,17 @@ def compile_model(model: nn.Module) -> Callable:
 
 def prepare_training(run: harness.Run, argv_text: str,
                      notes: Sequence[str] = ()) -> tuple[Trainer, harness.Checkpointer]:
-    """Log and check the run (harness.begin_run), build the model and optimizer, compile."""
+    """Log the run's head and check it (options against a resumed state, then data and memory),
+    build the model and optimizer, compile."""
     hp, device = run.hp, run.device
     sources = {name: Path(__file__).with_name(name).read_text()
                for name in ("train_gpt.py", "triton_kernels.py")}
     attn_backend = resolve_attn_backend(hp.attn_backend, device)
-    edits = [*notes, *harness.edited_references(KERNEL_REFERENCES, reference_ops(hp.kernels),
-                                                device.type == "cuda")]
-    train_files, val_files, checkpointer = harness.begin_run(
-        run, sources, argv_text, lambda: preflight(hp, run.world_size, device, run.rank),
-        attn_backend, edits)
+    train_files, val_files, checkpointer = harness.begin_run(run, sources, argv_text, attn_backend)
+    checks = preflight(hp, run.world_size, device, run.rank)
+    edits = harness.edited_references(KERNEL_REFERENCES, reference_ops(hp.kernels),
+                                      device.type == "cuda")
+    harness.accept_run(run, sources, attn_backend, [*checks, *notes, *edits])
     if hp.seed >= 0:
         torch.manual_seed(hp.seed)
     model = build_model(hp, device, attn_backend)
@@ -2555,11 +2563,11 @@ def warmup_and_reset(trainer: Trainer, run: harness.Run) -> None:
     and check it."""
     t0 = time.perf_counter()
     hp, model, opt = trainer.hp, trainer.model, trainer.opt
-    initial = harness.snapshot_state(model, opt)
+    initial = snapshot_state(model, opt)
     steps, variants = warmup_steps(hp), variant_starts(hp)
     compile_log = harness.CompileLog(run.compiling, harness.eager_autotuners(tk))
     with compile_log.recording():
-        harness.compile_split(trainer, run, variants, compile_log, t0)   # when it pays
+        compile_split.compile_shares(trainer, run, variants, compile_log, t0)   # when it pays
         run.log(f"warmup: compiling on steps {steps}")
         for i, step in enumerate(steps):
             sched = schedule_at(step, hp)
@@ -2570,12 +2578,12 @@ def warmup_and_reset(trainer: Trainer, run: harness.Run) -> None:
                 trainer.train_step(sched, batch_change)
             run.log(f"  warmup {i + 1}/{len(steps)} step {step} done at "
                     f"{time.perf_counter() - t0:.1f}s")
-    compile_log.log_report(run.log, time.perf_counter() - t0)
+    run.log_table(compile_log.report(time.perf_counter() - t0))
     model.load_state_dict(initial["model"])
     opt.load_state_dict(initial["optimizer"])
     for p in model.parameters():
         p.grad = None
-    if not harness.states_equal(harness.snapshot_state(model, opt), initial):
+    if not harness.states_equal(snapshot_state(model, opt), initial):
         raise RuntimeError("the state after the warmup reset differs from the initial state "
                            "(a bug: report it)")
     trainer.reset_schedule_state()
@@ -2584,17 +2592,124 @@ def warmup_and_reset(trainer: Trainer, run: harness.Run) -> None:
             "(state reset and checked)")
 
 
+class TrainClock:
+    """train_time: it runs during training steps only. Starting and pausing wait for the GPU, so the
+    time of queued work lands on the side of the pause it was queued on."""
+
+    def __init__(self, ms: float, device: torch.device):
+        self.ms, self.device, self.t0 = ms, device, None
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def start(self) -> None:
+        self._sync()
+        self.t0 = time.perf_counter()
+
+    def pause(self) -> float:
+        self._sync()
+        self.ms, self.t0 = self.now_ms(), None
+        return self.ms
+
+    def now_ms(self) -> float:
+        """The time so far without waiting for the GPU (step lines, the NaN guard's states)."""
+        return self.ms + (1000 * (time.perf_counter() - self.t0) if self.t0 is not None else 0.0)
+
+
+def timed_loop(run: harness.Run, trainer: Trainer, checkpointer: harness.Checkpointer,
+               start: int, train_ms: float) -> dict[str, Any]:
+    """Steps start..num_iterations, timed as the record times them: the clock runs during the steps
+    only, and pauses (waiting for the GPU) for every validation and saved state. Between steps: the
+    loss's finiteness (every --nonfinite_check_every steps, where the first bad step recorded on the
+    GPU is read), the step line, a periodic state, and a stop that a signal asked for (taken at a
+    step boundary every rank agrees on). Returns the run's summary."""
+    hp, total = trainer.hp, trainer.hp.num_iterations
+    tokens_after = np.cumsum([schedule_at(s, hp).global_batch for s in range(total)])
+    saving = hp.save_checkpoint or hp.checkpoint_every > 0
+    finite = harness.FiniteWatch(hp.nonfinite_check_every, total, run.device)
+    profiler = harness.StepProfiler(hp, run)
+    # Signals are polled every step with one process (a host flag, free); with several at the NaN
+    # check's steps (or every 25), where the ranks agree with one tiny all-reduce.
+    poll_every = 1 if run.world_size == 1 else (hp.nonfinite_check_every or 25)
+    # With states saved, `pending` is the state at the last loss check; it becomes `last_good` (what
+    # is saved if training blows up) once the steps after it gave finite losses.
+    pending, last_good = (trainer.state(start, train_ms) if saving else None), None
+    clock, val_loss = TrainClock(train_ms, run.device), float("nan")
+    run.log(f"phase:process_start_to_timed_loop time:{run.since_start_ms():.0f}ms")
+    run.stops.defer = True               # a signal now stops the run at the next step boundary
+    clock.start()
+    for step in range(start, total + 1):
+        last = step == total
+        sched = schedule_at(min(step, total - 1), hp)
+        batch_change = trainer.advance_schedule(sched) if not last else None   # and YaRN
+        if last or (hp.val_loss_every > 0 and step % hp.val_loss_every == 0):
+            train_ms = clock.pause()                                  # validation is untimed
+            saved = ""
+            if last:   # no step boundary follows: save the final state, then stop at once if asked
+                if saving:
+                    path = checkpointer.save(trainer.state(step, train_ms))
+                    saved = f"; the final state is saved: {path}"
+                run.stops.defer = False
+                if signum := run.agreed_signal():
+                    raise harness.stopped(signum, f"before the final validation{saved}")
+            tv = time.perf_counter()
+            try:
+                val_loss = trainer.validate(sched.ws_short,
+                                            hp.ws_long_final_val if last else sched.ws_long)
+            except harness.Interrupted as e:
+                raise harness.stopped(e.signum, f"during the final validation{saved}") if last else e
+            run.log(f"step:{step}/{total} val_loss:{val_loss:.4f} train_time:{train_ms:.0f}ms "
+                    f"step_avg:{train_ms / max(step, 1):.2f}ms")
+            run.log(f"phase:validation time:{1000 * (time.perf_counter() - tv):.0f}ms",
+                    console=False)
+            if not math.isfinite(val_loss):
+                raise harness.diverged(f"the validation loss is {val_loss} at step {step}", None)
+            if last:
+                break
+            clock.start()
+        profiler.before_step(step)
+        loss = trainer.train_step(sched, batch_change)     # each micro-batch's forward and
+        done = step + 1                                    # backward, then the optimizer step
+        profiler.after_step(done)
+        finite.record(done, loss)                          # on the GPU: no sync
+        if finite.due(done):
+            if (bad := finite.first_bad()) is not None:
+                if last_good is not None:
+                    checkpointer.save(last_good)
+                raise harness.diverged(f"the training loss became NaN or infinite at step {bad}",
+                                       last_good["step"] if last_good is not None else None)
+            if saving:
+                last_good, pending = pending, trainer.state(done, clock.now_ms())
+        train_loss = (trainer.mean_train_loss(loss, sched)
+                      if hp.train_loss_every and done % hp.train_loss_every == 0 else None)
+        run.log_step(done, total, clock.now_ms(), int(tokens_after[done - 1]),
+                     int(tokens_after[-1]), train_loss)
+        if hp.checkpoint_every and done % hp.checkpoint_every == 0 and done < total:
+            checkpointer.save(trainer.state(done, clock.pause()), periodic=True)   # untimed
+            clock.start()
+        if done % poll_every == 0 and done < total and (signum := run.agreed_signal()):
+            saved = ""
+            if saving:
+                saved = (f"; the state after step {done} is saved: "
+                         f"--resume={checkpointer.save(trainer.state(done, clock.pause()))}")
+            raise harness.stopped(signum, f"after step {done} of {total}{saved}")
+    return run.finish(val_loss, clock.ms)
+
+
 def train(hp: Hyperparameters, argv_text: str,
           stops: harness.StopSignals | None = None) -> dict[str, Any]:
-    """The whole run: setup, warmup and reset, then the timed loop. Returns a summary (final val
-    loss, train time)."""
-    asked, hp = hp.batch_slices, slices_for(hp, harness.launch_environment()[1])
+    """The whole run: checks, setup, warmup and reset, then the timed loop. Returns a summary
+    (final val loss, train time)."""
+    world_size = harness.launch_environment()[1]
+    asked, hp = hp.batch_slices, slices_for(hp, world_size)
     notes = [] if hp.batch_slices == asked else [
         f"note: {hp.batch_slices} processes, more than --batch_slices={asked}: each takes one slice "
         f"of the batch cut {hp.batch_slices} ways, so documents are cut where {asked} slices would "
         "not cut them (the record's exact math needs at most 8 processes; README: More than one node)"]
-    run = harness.open_run(hp, stops or harness.StopSignals(), validate_hyperparameters,
-                           [Path(__file__), Path(tk.__file__)])
+    validate_hyperparameters(hp, world_size)
+    run = harness.open_run(hp, stops or harness.StopSignals(),
+                           [Path(__file__), Path(tk.__file__), Path(compile_split.__file__)])
     with run.failures_logged():
         trainer, checkpointer = prepare_training(run, argv_text, notes)
         if hp.warmup:
@@ -2608,57 +2723,38 @@ def train(hp: Hyperparameters, argv_text: str,
             start, train_ms = run.resumed["step"], run.resumed["train_time_ms"]
             run.log(f"resumed from {run.resumed['path']} after step {start} of {hp.num_iterations} "
                     f"(train_time so far {train_ms:.0f}ms)")
-        total = hp.num_iterations
-        tokens_after = np.cumsum([schedule_at(s, hp).global_batch for s in range(total)])
-        book = harness.Bookkeeping(run, trainer, checkpointer, start, train_ms, tokens_after)
-        val_loss = float("nan")
-        book.start()
-        for step in range(start, total + 1):
-            last = step == total
-            sched = schedule_at(min(step, total - 1), hp)
-            # and YaRN at a window change
-            batch_change = trainer.advance_schedule(sched) if not last else None
-            if last or (hp.val_loss_every > 0 and step % hp.val_loss_every == 0):
-                val_loss = book.validate(step, sched.ws_short,
-                                         hp.ws_long_final_val if last else sched.ws_long)
-            if last:
-                break
-            with book.profiled(step):
-                loss = trainer.train_step(sched, batch_change)    # forward/backward of each
-                                                                  # micro-batch, optimizer
-            book.after_step(step + 1, loss, sched)                # NaN guard, step line,
-                                                                  # checkpoint, stop signals
-        return book.finish(val_loss)
+        return timed_loop(run, trainer, checkpointer, start, train_ms)
 
 
-def compile_share(task: dict, turns: harness.GpuTurns) -> None:
-    """A compile helper's work (harness.compile_helper_main): the rank's model built again, its
-    share of the variants compiled alone, the GPU turn given back after each."""
-    hp, device = task["hp"], torch.device(task["device"])
-    model = build_model(hp, device, task["attn_backend"])
-    trainer = Trainer(hp, model, compile_model(model) if task["compile"] else model, None, device,
-                      task["rank"], task["world_size"], task["train_files"], task["val_files"])
-    for step, phase in task["share"]:
-        trainer.compile_alone(step, phase)
-        turns.give(model)
-
-
-def dry_run(hp: Hyperparameters) -> dict[str, Any]:
-    """--dry_run: every check a run makes before compiling, as a checklist (harness.dry_run)."""
-    def backends(device: torch.device) -> tuple[list[str], str]:
-        return available_attn_backends(device), resolve_attn_backend(hp.attn_backend, device)
+def dry_run(hp: Hyperparameters) -> None:
+    """--dry_run: every check a run makes before it builds or compiles anything, printed as a
+    checklist; the first failing check raises as in a real run."""
     hp = slices_for(hp, harness.launch_environment()[1])
-    return harness.dry_run(hp, validate_hyperparameters, backends, preflight)
+    validate_hyperparameters(hp, harness.launch_environment()[1])
+    rank, world_size, _, device = harness.setup_distributed(hp)
+    harness.dry_run_checks(hp, rank, world_size, device, available_attn_backends(device),
+                           resolve_attn_backend(hp.attn_backend, device))
+    harness.dry_run_notes(rank, preflight(hp, world_size, device, rank))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The command line: --help, a dry run or a run, with one `error:` line and an exit code for
-    every failure (harness.main); also the entry of a compile helper process."""
-    if harness.COMPILE_HELPER_ENV in os.environ:   # started by a rank's compile split
-        return harness.compile_helper_main(os.environ.pop(harness.COMPILE_HELPER_ENV),
-                                           compile_share)
-    return harness.main(argv, Hyperparameters, PRESETS, train, dry_run)
+    every failure (harness.command_line)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if harness.asks_for_help(argv):
+        print(harness.help_text(Hyperparameters(), PRESETS))
+        return 0
+    with harness.command_line(argv) as outcome:
+        hp = parse_args(argv)
+        if hp.dry_run:
+            dry_run(hp)
+        else:
+            train(hp, " ".join(argv), outcome.stops)
+    return outcome.code
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run as the module train_gpt, the name compile_split.py's helpers import it by: torch's compile
+    # caches key graphs by the module names of the model's classes.
+    import train_gpt
+    sys.exit(train_gpt.main())

@@ -78,9 +78,10 @@ def _machine(gpus, cuda_started=False):
     return count
 
 
-def test_isolate_gpu_picks_the_local_ranks_entry():
+def test_isolate_gpu_picks_the_local_ranks_entry(monkeypatch):
     def isolate(rank, env, **machine):
-        return harness.isolate_gpu(rank, env, lambda: _machine(**machine)(env))
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: _machine(**machine)(env))
+        return harness.isolate_gpu(rank, env)
 
     env = {}
     assert isolate(2, env, gpus=4) == "2" and env["CUDA_VISIBLE_DEVICES"] == "2"

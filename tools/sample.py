@@ -27,7 +27,7 @@ def load_model(path: str, device):
     import harness
     state = load_state(path)
     try:
-        hp = harness.from_dict(tg.Hyperparameters, state["hyperparameters"])
+        hp = harness.from_dict(tg.Hyperparameters(), state["hyperparameters"])
         # sdpa takes any length and any mask on any device; the training kernels' numerics do not matter here.
         model = tg.build_model(dataclasses.replace(hp, use_fp8=False), device, "sdpa")
         model.load_state_dict(state["model"])
