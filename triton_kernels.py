@@ -1355,7 +1355,8 @@ def polar_split_product_(y: Tensor, x: Tensor, a: float) -> Tensor:
 # The interpreter runs the same kernels with small tiles in float32 (p and dS then stay fp32, so
 # the result is exact attention up to fp32 summation order).
 
-# Fixed tiles (BLOCK_M, BLOCK_N, num_warps, num_stages), chosen by bench/attention_tiles.py; the
+# Fixed tiles (BLOCK_M, BLOCK_N, num_warps, num_stages), chosen by
+# notes/2026-11-25_attention_experiments_H100/attention_tiles.py; the
 # same configs won at every training shape, so nothing is autotuned. Small tiles win: with windows
 # and documents of a few hundred tokens a small block wastes less on masked pairs, and the short
 # loops leave little to pipeline. (measurements: notes/kernels.md#attention)

@@ -315,8 +315,8 @@ def test_kernels_compile_for_h100_without_fp64(case):
 
 
 def test_sym_tiles_follow_the_measured_rule(monkeypatch):
-    """bench/optimizer_tiles.py on an H200: 128x128 tiles win only for X X^T of 768 x 3072 matrices when their
-    128x128 tiles fill the SMs; 64x64 everywhere else."""
+    """notes/2026-11-22_startup_1xH200_4xH200/optimizer_tiles.py on an H200: 128x128 tiles win only for X X^T of
+    768 x 3072 matrices when their 128x128 tiles fill the SMs; 64x64 everywhere else."""
     monkeypatch.setattr(tk, "_num_programs_persistent", lambda device: 132)
     gpu = torch.device("cuda")
     assert tk._sym_tiles(768, 3072, 40, gpu) == tk._SYM_LARGE_TILES

@@ -1,6 +1,6 @@
 """Time the attention's q/k norm + rotary block, compiled as the model compiles it, in equivalent formulations.
 
-    python3 bench/qk_rotary.py [--tokens=49152]
+    python3 notes/2026-11-26_4xH200_record61_and_rotary_1xH200/qk_rotary.py [--tokens=49152]
 
 One CUDA GPU, a minute or two. The block is GPT.attention's first part: q, k = rms(q), rms(k) per head, then the
 half-truncated rotary, for a normal layer (table row = position) and a paired one (heads 2b, 2b+1 at rows 2t, 2t+1),
@@ -28,7 +28,8 @@ import sys
 import torch
 from triton.testing import do_bench
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # notes/<folder>/ -> repository
+sys.path.insert(0, ROOT)
 import train_gpt as tg  # noqa: E402
 
 

@@ -1,6 +1,6 @@
 """Time the key offset inside the q/k norm + rotary kernels against the shift as a compiled step after them.
 
-    python3 bench/key_offset.py [--tokens=49152]
+    python3 notes/2026-11-27_key_offset_and_4x_full_H200/key_offset.py [--tokens=49152]
 
 One CUDA GPU, about a minute. A key-offset layer (normal, long window) takes a quarter of each half of k from the
 previous token. Until the kernels did it (triton_kernels.py section 9, KEY_OFFSET), the trainer applied
@@ -21,10 +21,11 @@ import sys
 import torch
 from triton.testing import do_bench
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # notes/<folder>/ -> repository
+sys.path[:0] = [ROOT, os.path.join(ROOT, "bench")]
 import train_gpt as tg  # noqa: E402
 import triton_kernels as tk  # noqa: E402
-from attention import gpu_kernel_ms  # noqa: E402  (bench/attention.py, beside this file)
+from attention import gpu_kernel_ms  # noqa: E402  (bench/attention.py)
 
 
 def variant(name: str):
@@ -43,8 +44,7 @@ def main(argv):
     ap.add_argument("--tokens", type=int, default=49152, help="tokens per micro-batch (phase 3: 393,216 / 8)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        sys.exit("error: bench/key_offset.py times CUDA kernels and found no GPU; run it on the device "
-                 "(tests/test_bench_key_offset.py checks its variants on a CPU)")
+        sys.exit("error: key_offset.py times CUDA kernels and found no GPU; run it on the device")
     hp = tg.Hyperparameters()
     H, hd, D, T = hp.num_heads, hp.head_dim, hp.model_dim, args.tokens
     device = torch.device("cuda")

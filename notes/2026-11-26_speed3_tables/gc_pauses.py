@@ -1,6 +1,6 @@
 """Python garbage-collector pauses from the start of the timed loop to the end of a run on one GPU.
 
-    python3 bench/gc_pauses.py [train_gpt options]
+    python3 notes/2026-11-26_speed3_tables/gc_pauses.py [train_gpt options]
 
 Runs train_gpt.main in this process (one GPU, no torchrun) and times every collection with gc.callbacks, from the
 timed loop's start (harness.Bookkeeping.start) to the end, validations and their compiles included. Prints one line
@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # notes/<folder>/ -> repository
 import harness  # noqa: E402
 import train_gpt  # noqa: E402
 

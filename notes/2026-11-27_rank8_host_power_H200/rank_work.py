@@ -1,7 +1,7 @@
 """Each rank's attention work at given steps of a run, from the documents the loader gives it: which rank the data
 makes the slowest. Every rank holds the same number of tokens, so only attention's cost depends on the documents.
 
-    python3 bench/rank_work.py --ranks=4 --steps=36,37,56,57 [train_gpt options]
+    python3 notes/2026-11-27_rank8_host_power_H200/rank_work.py --ranks=4 --steps=36,37,56,57 [train_gpt options]
 
 No GPU: it runs the trainer's loader (train_gpt.train_batches) for every rank on the CPU, with the train shards, the
 stages and --batch_slices of the options (NPROC/8 of each batch with --batch_slices=NPROC for bench/run.sh rank8's
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # notes/<folder>/ -> repository
 
 
 def pairs(length: int, window: int) -> int:

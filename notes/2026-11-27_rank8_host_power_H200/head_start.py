@@ -1,21 +1,21 @@
 """Does the GPU wait for the host between launches? Each training step starts with a GPU sleep of --sleep_ms, so the
 host queues the step's work that much ahead of the GPU; on one GPU.
 
-    python3 bench/head_start.py --sleep_ms=40 [train_gpt options]
+    python3 notes/2026-11-27_rank8_host_power_H200/head_start.py --sleep_ms=40 [train_gpt options]
 
 Runs train_gpt.main in this process (one GPU, no torchrun) with Trainer.train_step wrapped to launch
 torch.cuda._sleep first; the trainer is otherwise unchanged. If the GPU never waits for the host, every step grows by
 the sleep; if it idles I ms a step waiting for launches that the head start covers, by the sleep less I. Compare the
 per-phase step times (bench/phase_times.py) of a run with --sleep_ms=0 and one with it, on one warm machine. The
 sleep also lowers the GPU's mean power: on a power-capped GPU the rest of the step then runs at a higher clock, which
-shortens it as well (log the clock with nvidia-smi beside it: notes/2026-11-27_rank8_4xH200).
+shortens it as well (log the clock with nvidia-smi beside it: notes/2026-11-27_rank8_host_power_H200).
 """
 import argparse
 import sys
 from pathlib import Path
 from typing import Callable
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # notes/<folder>/ -> repository
 
 
 def with_head_start(train_step: Callable, sleep_ms: float, sleep: Callable[[int], None],

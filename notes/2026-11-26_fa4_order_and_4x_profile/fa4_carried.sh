@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# FlashAttention-4 for a GPU machine that cannot reach the package index (the device machines here).
-#   bench/fa4_carried.sh pack WHEELS   here: unpack every wheel in the folder WHEELS (flash-attn-4 and its dependencies,
-#                                      from `pip download`), pack the files as one tar.xz and cut it in two halves,
-#                                      .fa4a/part and .fa4b/part (ignored by git), each small enough to be carried
-#   bench/fa4_carried.sh add DIR       there: keep DIR/part in $FA4_PARTS; once both halves are there, unpack them
-#                                      into $FA4_SITE (defaults below)
-#   eval "$(bench/fa4_carried.sh env)" there: the PYTHONPATH that imports flash_attn.cute from $FA4_SITE
+# FlashAttention-4 for a GPU machine that cannot reach the package index (the device machines here). Run from the
+# repository root, as F=notes/2026-11-26_fa4_order_and_4x_profile/fa4_carried.sh:
+#   $F pack WHEELS      here: unpack every wheel in the folder WHEELS (flash-attn-4 and its dependencies, from
+#                       `pip download`), pack the files as one tar.xz and cut it in two halves, .fa4a/part and
+#                       .fa4b/part at the repository root (ignored by git), each small enough to be carried
+#   $F add DIR          there: keep DIR/part in $FA4_PARTS; once both halves are there, unpack them into $FA4_SITE
+#                       (defaults below)
+#   eval "$($F env)"    there: the PYTHONPATH that imports flash_attn.cute from $FA4_SITE
 # `pip install --target` would not run nvidia-cutlass-dsl's .pth file, so `env` adds its dsl_packages folder by hand.
 set -euo pipefail
 site=${FA4_SITE:-/tmp/fa4_site}      # where the packages are unpacked
@@ -17,7 +18,7 @@ case "${1:-}" in
       exit 2
     fi
     wheels=$(cd "$2" && pwd)
-    cd "$(dirname "$0")/.."
+    cd "$(dirname "$0")/../.."   # the repository root (this file is in notes/<folder>/)
     tmp=$(mktemp -d)
     for w in "$wheels"/*.whl; do unzip -q -o "$w" -d "$tmp/site"; done
     (cd "$tmp/site" && tar cf - . | xz -T0 -6 > "$tmp/fa4.tar.xz")
@@ -44,6 +45,6 @@ case "${1:-}" in
   env)
     echo "export PYTHONPATH=$site:$site/nvidia_cutlass_dsl/dsl_packages\${PYTHONPATH:+:\$PYTHONPATH}" ;;
   *)
-    echo "usage: bench/fa4_carried.sh pack WHEELS | add DIR | env" >&2
+    echo "usage: notes/2026-11-26_fa4_order_and_4x_profile/fa4_carried.sh pack WHEELS | add DIR | env" >&2
     exit 2 ;;
 esac

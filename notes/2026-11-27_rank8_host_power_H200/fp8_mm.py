@@ -1,14 +1,14 @@
 """Could a Triton kernel write the FP8 LM head's logits faster than torch._scaled_mm? Times a persistent FP8 matmul
 with a bf16 output over candidate tiles, beside cuBLAS doing the same product, at the head's forward shapes.
 
-    python3 bench/fp8_mm.py [--only=TEXT]
+    python3 notes/2026-11-27_rank8_host_power_H200/fp8_mm.py [--only=TEXT]
 
 One CUDA GPU, about half a minute. Rows of 16,384 / 32,768 / 49,152 tokens (the micro-batches of the three batch
 phases), K = 768 (the model dim), N = 50,304 (the vocabulary), e4m3 operands made with the head's x and w scales. GPU
 time is the median of triton.testing.do_bench, the better of two rounds. Each variant's output is compared bit for
 bit with torch._scaled_mm's, and its largest error against the float64 product of the first 4,096 rows is printed
 beside cuBLAS's. The kernel lives here, not in triton_kernels.py: at best it matched cuBLAS
-(notes/2026-11-27_rank8_4xH200).
+(notes/2026-11-27_rank8_host_power_H200).
 """
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # notes/<folder>/ -> repository
+sys.path.insert(0, ROOT)
 import triton_kernels as tk  # noqa: E402
 
 ROWS = (16384, 32768, 49152)
@@ -105,8 +106,7 @@ def main(argv):
     ap.add_argument("--only", default="", help="time only the variants whose label contains this text")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        print("error: bench/fp8_mm.py times CUDA kernels and found no GPU; run it on a GPU machine "
-              "(tests/test_bench_fp8_mm.py checks the kernel on a CPU)", file=sys.stderr)
+        print("error: fp8_mm.py times CUDA kernels and found no GPU; run it on a GPU machine", file=sys.stderr)
         return 2
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; ms per call")
     s_x, s_w = train_gpt.Hyperparameters().fp8_scales[:2]

@@ -2,8 +2,8 @@
 training shapes, against torch's varlen_attn, to choose the tiles (one GPU). Times are GPU kernel
 time (bench/attention.py's gpu_ms).
 
-    python3 bench/attention_tiles.py                  # the default shapes below
-    python3 bench/attention_tiles.py --shapes=49152:normal:768
+    python3 notes/2026-11-25_attention_experiments_H100/attention_tiles.py   # the default shapes below
+    python3 notes/2026-11-25_attention_experiments_H100/attention_tiles.py --shapes=49152:normal:768
 
 Shapes are T:layout:window (normal: (T, 6, 128); paired: (2T, 3, 128) with cu_seqlens * 2), on the
 FineWeb-like documents of bench/attention.py. Prints, per shape: varlen_attn's forward and
@@ -16,9 +16,9 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import attention as bench_attention  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # notes/<folder>/ -> repository
+sys.path[:0] = [ROOT, os.path.join(ROOT, "bench")]
+import attention as bench_attention  # noqa: E402  (bench/attention.py)
 from attention import gpu_ms  # noqa: E402
 import triton_kernels as tk  # noqa: E402
 

@@ -1,6 +1,6 @@
 """Time the embedding tables' backward: inductor's decomposition against aten's sorted CUDA kernel.
 
-    python3 bench/embedding_bwd.py [--tokens=49152,16384] [--tables=4]
+    python3 notes/2026-11-26_speed3_H200/embedding_bwd.py [--tokens=49152,16384] [--tables=4]
 
 One CUDA GPU, about a minute. A micro-batch looks up its token ids in 4 tables (embed and the 3 value embeddings,
 each 50304 x 768 bf16). Compiled, inductor decomposes each table's backward into an fp32 (V, D) zero fill, an atomic
@@ -24,12 +24,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "data"))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # notes/<folder>/ -> repository
+sys.path[:0] = [ROOT, os.path.join(ROOT, "data"), os.path.join(ROOT, "bench")]
 import train_gpt as tg  # noqa: E402
 import synthetic  # noqa: E402  (data/synthetic.py)
-from attention import gpu_kernel_ms  # noqa: E402  (bench/attention.py, beside this file)
+from attention import gpu_kernel_ms  # noqa: E402  (bench/attention.py)
 
 
 @torch.library.custom_op("nanogpt_bench::embedding_backward", mutates_args=())
@@ -113,8 +112,7 @@ def main(argv):
                     help="tables looked up with the same ids (default 4: embed + 3 ve)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        sys.exit("error: bench/embedding_bwd.py times CUDA kernels and found no GPU; run it on the device "
-                 "(tests/test_bench_embedding_bwd.py checks its variants on a CPU)")
+        sys.exit("error: embedding_bwd.py times CUDA kernels and found no GPU; run it on the device")
     device = torch.device("cuda")
     hp = tg.Hyperparameters()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")

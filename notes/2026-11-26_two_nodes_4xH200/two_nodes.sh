@@ -2,9 +2,10 @@
 # Two torchrun "nodes" of 2 GPUs each on one 4-GPU machine (c10d rendezvous on localhost, as ./run.sh starts nodes)
 # against one 4-GPU ./run.sh: the same NS (default 60) + 6 steps, seed and synthetic data; then the validation lines
 # and bench/phase_times.py's table of the two logs. OPTIONs (--name=value) go to both runs.
-#   bench/two_nodes.sh [OPTION ...]        (OUT: results folder, default ./out; DATA: synthetic shards)
+#   notes/2026-11-26_two_nodes_4xH200/two_nodes.sh [OPTION ...]
+#   (OUT: results folder, default ./out; DATA: synthetic shards)
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."   # the repository root (this file is in notes/<folder>/)
 OUT=${OUT:-out}; DATA=${DATA:-/tmp/syn_bench}; PY=${PYTHON:-python3}
 case "$OUT" in /*) ;; *) OUT="$PWD/$OUT" ;; esac
 mkdir -p "$OUT"

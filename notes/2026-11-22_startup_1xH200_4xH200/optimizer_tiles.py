@@ -3,7 +3,7 @@ X X^T and b*A + c*A A) at the shapes NorMuon's Polar Express gives it (the banks
 and one of 8 GPUs' shares), the basis of the launcher's fixed tiles (_sym_tiles, marked "<-" below;
 the fastest is marked "*"). Autotuning instead compiled and timed every candidate at every start.
 
-Usage: python3 bench/optimizer_tiles.py [--matrices=40,22,5,3]
+Usage: python3 notes/2026-11-22_startup_1xH200_4xH200/optimizer_tiles.py [--matrices=40,22,5,3]
 """
 import os
 import sys
@@ -12,7 +12,8 @@ import torch
 import triton
 from triton.testing import do_bench
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # notes/<folder>/ -> repository
+sys.path.insert(0, ROOT)
 import triton_kernels as tk  # noqa: E402
 
 
