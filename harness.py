@@ -234,7 +234,7 @@ def help_text(defaults: RunOptions, presets: dict[str, dict]) -> str:
     lines = ["usage: python3 train_gpt.py [--name=value ...]        "
              "(on GPUs: ./run.sh [--name=value ...])",
              "",
-             "Trains the speedrun GPT. Every option is a field of Hyperparameters in train_gpt.py "
+             "Trains the speedrun model. Every option is a field of Hyperparameters in train_gpt.py "
              "(the math) or of",
              "RunOptions in harness.py (run control), set as --name=value; booleans take "
              "true/false (a bare --name",
@@ -869,7 +869,7 @@ def eager_autotuners(module: Any) -> list[Any]:
 class CompiledGraph:
     """One compilation seen during the warmup: a row of the compile table."""
     compile_id: str     # torch's "frame/attempt" id, e.g. "0/3"; a backward shares its forward's
-    graph: str          # the compiled function (GPT.forward is "forward")
+    graph: str          # the compiled function (a module's forward is "forward")
     backward: bool      # the backward graph, compiled at the first backward of that forward
     step: int           # the warmup step being run
     phase: str          # "val" (validation, no grad) or "train" (forward, backward, optimizer)
@@ -1092,13 +1092,6 @@ class CompileLog:
 # ==================================================================================================
 # 7. Checkpoints: the whole training state, so that a stopped run continues bit for bit
 # ==================================================================================================
-
-def snapshot_state(model: nn.Module, opt: Any) -> dict[str, Any]:
-    """A detached copy of everything a step changes (used to undo warmup and as the last good
-    state)."""
-    return {"model": {k: v.detach().clone() for k, v in model.state_dict().items()},
-            "optimizer": copy.deepcopy(opt.state_dict())}
-
 
 def states_equal(a: Any, b: Any) -> bool:
     """Bitwise equality of nested state (tensors compared with torch.equal, which treats NaN as

@@ -11,8 +11,9 @@ import re
 import pytest
 import torch
 
-import train_gpt as tg
+import compile_split
 import harness  # noqa: E402
+import train_gpt as tg
 from _shards import make_dataset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -34,18 +35,18 @@ def test_variant_starts_and_warmup_steps_of_the_record_schedule():
                                                       (1, 0, 1), (4, 0, 1), (1, 7, 8), (8, 1, 2)])
 def test_processes_per_gpu(ranks, helpers, per_gpu):
     hp = tg.Hyperparameters(compile_helpers=helpers)
-    assert harness.split_processes_per_gpu(hp.compile_helpers, len(tg.variant_starts(hp)), ranks,
+    assert compile_split.split_processes_per_gpu(hp.compile_helpers, len(tg.variant_starts(hp)), ranks,
                                            cache_loaded=False) == per_gpu
     # a loaded compile cache file: the auto count has no helpers, an explicit one stands
-    assert harness.split_processes_per_gpu(hp.compile_helpers, len(tg.variant_starts(hp)), ranks,
+    assert compile_split.split_processes_per_gpu(hp.compile_helpers, len(tg.variant_starts(hp)), ranks,
                                            cache_loaded=True) == (1 if helpers == -1 else per_gpu)
 
 
 @pytest.mark.parametrize("ranks", [1, 2, 4, 8])
 def test_the_ranks_take_the_training_graphs(ranks):
     hp = tg.Hyperparameters()
-    per_gpu = harness.split_processes_per_gpu(hp.compile_helpers, len(tg.variant_starts(hp)), ranks, cache_loaded=False)
-    shares = harness.split_compile_tasks(tg.variant_starts(hp), ranks * per_gpu)
+    per_gpu = compile_split.split_processes_per_gpu(hp.compile_helpers, len(tg.variant_starts(hp)), ranks, cache_loaded=False)
+    shares = compile_split.split_compile_tasks(tg.variant_starts(hp), ranks * per_gpu)
     def trains(share):
         return sum(ph == "train" for _, ph in share)
     for rank in range(ranks):
@@ -57,7 +58,7 @@ def test_the_ranks_take_the_training_graphs(ranks):
 @pytest.mark.parametrize("workers", [1, 2, 3, 4, 8])
 def test_split_compile_tasks_deal_every_graph_once(workers):
     hp = tg.Hyperparameters()
-    shares = harness.split_compile_tasks(tg.variant_starts(hp), workers)
+    shares = compile_split.split_compile_tasks(tg.variant_starts(hp), workers)
     assert len(shares) == workers
     dealt = [task for share in shares for task in share]
     assert sorted(dealt) == sorted((s, ph) for s in tg.variant_starts(hp) for ph in ("train", "val"))
@@ -157,7 +158,7 @@ def test_compile_alone_calls_the_model_as_the_warmup_does(tiny_trainer):
     for p in model.parameters():
         p.grad = None
     trainer.reset_schedule_state()
-    before = harness.snapshot_state(model, trainer.opt)
+    before = tg.snapshot_state(model, trainer.opt)
     for step in starts:
         for phase in ("train", "val"):
             rec.calls.clear()
@@ -165,7 +166,7 @@ def test_compile_alone_calls_the_model_as_the_warmup_does(tiny_trainer):
             assert rec.calls == [warmup[(step, phase)]], (step, phase)
     assert any(p.grad is not None for p in model.parameters())
     # the weights and the optimizer are untouched; the reset brings back the rotary state
-    assert harness.states_equal(harness.snapshot_state(model, trainer.opt), before)
+    assert harness.states_equal(tg.snapshot_state(model, trainer.opt), before)
     trainer.reset_schedule_state()
     rec.calls.clear()
     trainer.validate(*dataclasses.astuple(tg.schedule_at(0, hp))[2:4], max_batches=1)
@@ -179,11 +180,11 @@ def test_compile_helper_processes_report_back(tiny_trainer, tmp_path):
     compiles what is missing)."""
     hp, trainer = tiny_trainer
     lock = tmp_path / "gpu.lock"
-    ok = harness.CompileHelper(trainer, [(0, "train"), (0, "val")], tmp_path / "ok", lock,
+    ok = compile_split.CompileHelper(trainer, [(0, "train"), (0, "val")], tmp_path / "ok", lock,
                           compile=False)
     missing = tg.Trainer(hp, trainer.model, trainer.compiled, None, trainer.device, 0, 1,
                          [str(tmp_path / "gone.bin")], trainer.val_files)
-    bad = harness.CompileHelper(missing, [(0, "train")], tmp_path / "bad", lock, compile=False)
+    bad = compile_split.CompileHelper(missing, [(0, "train")], tmp_path / "bad", lock, compile=False)
     try:
         assert re.fullmatch(r"done in \d+\.\ds, peak memory reserved 0 MiB", ok.wait())
         line = bad.wait()
@@ -213,7 +214,7 @@ def test_a_helper_exits_when_its_rank_is_killed(tmp_path):
     import sys
     import time
     ready = tmp_path / "helper_ready"
-    helper = (f"import sys, time; sys.path.insert(0, {ROOT!r}); import harness; harness.exit_with_parent(0.1); "
+    helper = (f"import sys, time; sys.path.insert(0, {ROOT!r}); import compile_split; compile_split.exit_with_parent(0.1); "
               f"open({str(ready)!r}, 'w').close(); time.sleep(120)")
     rank_code = (f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', {helper!r}]); "
                  f"print(p.pid, flush=True); time.sleep(120)")
@@ -243,8 +244,8 @@ def test_gpu_turns_one_process_at_a_time(tmp_path):
     open file, as in another process) waits for it."""
     import threading
     model = torch.nn.Linear(2, 2)
-    first = harness.GpuTurns(tmp_path / "gpu.lock", torch.device("cpu"))
-    second = harness.GpuTurns(tmp_path / "gpu.lock", torch.device("cpu"))
+    first = compile_split.GpuTurns(tmp_path / "gpu.lock", torch.device("cpu"))
+    second = compile_split.GpuTurns(tmp_path / "gpu.lock", torch.device("cpu"))
     with first.taken_after_compiling():
         assert not first.held
         torch.compile(lambda x: x * 2, backend="eager")(torch.ones(3))
@@ -265,7 +266,7 @@ def test_a_training_graph_takes_its_turn_once_compiled_with_its_backward(tmp_pat
     """configure_compiler compiles a backward with its forward, so the turn taken when the
     forward's compilation ends covers the whole training task: no compilation starts while a
     process holds it (which would keep the others waiting for a compile, not for the GPU)."""
-    turns = harness.GpuTurns(tmp_path / "gpu.lock", torch.device("cpu"))
+    turns = compile_split.GpuTurns(tmp_path / "gpu.lock", torch.device("cpu"))
     log = harness.CompileLog(enabled=True)
     held_at_start = []
     tg.configure_compiler()

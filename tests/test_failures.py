@@ -13,7 +13,6 @@ import time
 import types
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -262,55 +261,54 @@ def test_signal_in_the_timed_loop_stops_at_a_step_and_saves_it(tmp_path, data, s
 
 
 class _Trainer:
-    """What Bookkeeping uses of the script's Trainer: state() and validate(), which can be given a signal."""
+    """What the timed loop uses of a Trainer, with no model: a state is its step, a step's loss is 1, and a signal can
+    be sent to this process during a given step or during the final validation."""
 
-    def __init__(self, signal_during_validation=None):
-        self.signal_during_validation = signal_during_validation
+    def __init__(self, hp, signal_in_step=None, signal_in_final_validation=False):
+        self.hp, self.done = hp, 0
+        self.signal_in_step, self.signal_in_final_validation = signal_in_step, signal_in_final_validation
 
     def state(self, steps_done, train_ms):
         return {"step": steps_done}
 
+    def advance_schedule(self, sched):
+        return None
+
+    def train_step(self, sched, message):
+        if sched.step == self.signal_in_step:
+            os.kill(os.getpid(), signal.SIGINT)                     # deferred to the step's boundary
+        self.done += 1
+        return torch.ones(())
+
     def validate(self, ws_short, ws_long):
-        if self.signal_during_validation is not None:
-            os.kill(os.getpid(), self.signal_during_validation)     # the handler raises at once, or defers
+        if self.signal_in_final_validation and self.done == self.hp.num_iterations:
+            os.kill(os.getpid(), signal.SIGINT)                     # no boundary follows: the handler raises
         return 3.5
-
-
-def _bookkeeping(tmp_path, trainer, stops):
-    hp = harness.RunOptions(save_checkpoint=True, log_dir=str(tmp_path))
-    hp.num_iterations = 4
-    run = types.SimpleNamespace(hp=hp, sync=lambda: None, run_id="end", rank=0, world_size=1,
-                                device=torch.device("cpu"), log=lambda *a, **k: None, stops=stops,
-                                since_start_ms=lambda: 0.0)
-    saved = []
-    checkpointer = types.SimpleNamespace(save=lambda state: saved.append(state["step"]) or f"state_{state['step']}")
-    book = harness.Bookkeeping(run, trainer, checkpointer, 0, 0.0, [1, 2, 3, 4])
-    stops.install()
-    book.start()                                                    # signals are deferred from here
-    return book, saved
 
 
 @pytest.mark.parametrize("when", ["during the last step", "during the final validation"])
 def test_a_signal_after_the_last_step_stops_with_the_final_state_saved(tmp_path, when):
     """No step boundary follows the last step: a signal in it, or in the final validation, stops the run there,
     instead of being announced and ignored, and the final state is saved first (named in the message)."""
+    hp = tg.parse_args(["--preset=tiny", "--num_scheduled_iterations=3", "--num_extension_iterations=1",
+                        "--val_loss_every=2", "--save_checkpoint", f"--log_dir={tmp_path}"])
     stops = harness.StopSignals(announce=False)
-    trainer = _Trainer()
-    book, saved = _bookkeeping(tmp_path, trainer, stops)
+    run = harness.Run(hp, 0, 1, torch.device("cpu"), "end", harness.RunLogger(None), stops, time.perf_counter(),
+                      None)
+    saved = []
+    checkpointer = types.SimpleNamespace(save=lambda state, periodic=False: saved.append(state["step"])
+                                         or f"state_{state['step']}")
+    trainer = _Trainer(hp, signal_in_step=3 if when == "during the last step" else None,
+                       signal_in_final_validation=when == "during the final validation")
+    stops.install()
     try:
-        book.validate(2, 1, 1)                                      # a validation before the last step
-        if when == "during the last step":
-            os.kill(os.getpid(), signal.SIGINT)
-            assert stops.requested == signal.SIGINT                 # deferred to a boundary
-        else:
-            trainer.signal_during_validation = signal.SIGINT
         with pytest.raises(harness.Interrupted) as info:
-            book.validate(4, 1, 1)
+            tg.timed_loop(run, trainer, checkpointer, 0, 0.0)
     finally:
         stops.uninstall()
     place = "before" if when == "during the last step" else "during"
     assert str(info.value) == f"stopped by SIGINT {place} the final validation; the final state is saved: state_4"
-    assert info.value.signum == signal.SIGINT and saved == [4]
+    assert info.value.signum == signal.SIGINT and saved == [4] and trainer.done == 4
 
 
 @pytest.mark.slow

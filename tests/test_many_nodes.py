@@ -79,7 +79,7 @@ def test_a_rank_with_other_options_or_code_is_refused_at_start(tmp_path):
     common = [*NARROW, f"--train_files={train}", f"--val_files={val}", f"--log_dir={tmp_path}/logs"]
     edited = tmp_path / "node2"
     edited.mkdir()
-    for name in ("train_gpt.py", "harness.py", "triton_kernels.py"):
+    for name in ("train_gpt.py", "harness.py", "triton_kernels.py", "compile_split.py"):
         shutil.copy(ROOT / name, edited / name)
     with open(edited / "train_gpt.py", "a") as f:
         f.write("# this node's copy was edited\n")

@@ -1,7 +1,6 @@
 """The layout's promises: train_gpt.py is the math and the loop (harness.py never imports it), every fused op has one
 plain-PyTorch definition that a CPU runs and --kernels selects per op, an edited definition is never silently ignored,
 and the split between math and run-control options is declared once."""
-import ast
 import dataclasses
 import re
 import shutil
@@ -19,16 +18,7 @@ tk = tg.tk
 
 # ---- the layout ---------------------------------------------------------------------------------------------------
 
-def test_harness_never_imports_the_script():
-    tree = ast.parse((ROOT / "harness.py").read_text())
-    imported = [alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names]
-    imported += [node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)]
-    assert imported and not any(name.split(".")[0] == "train_gpt" for name in imported), imported
-    assert "import_module" not in (ROOT / "harness.py").read_text()      # nor a dynamic import of it
-
-
-def test_train_gpt_is_at_most_2300_lines():
-    assert len((ROOT / "train_gpt.py").read_text().splitlines()) <= 2300
+# The layout's structure (what harness.py may import, receive and name) is tested in tests/test_seams.py.
 
 
 # ---- math and run control, declared once ----------------------------------------------------------------------------
@@ -54,7 +44,7 @@ def test_resume_cache_key_and_help_derive_from_one_split():
     saved = {"hyperparameters": dataclasses.asdict(hp), "facts": {}}
     base_key = harness.compile_cache_settings(hp, "triton")
     run_fields = {f.name for f in dataclasses.fields(harness.RunOptions)}
-    help_text = harness.help_text(tg.Hyperparameters, tg.PRESETS)
+    help_text = harness.help_text(tg.Hyperparameters(), tg.PRESETS)
     math_help, run_help = help_text.split("==== run control")
     assert set(harness.math_fields(hp)) == {f.name for f in dataclasses.fields(hp)} - run_fields
     for f in dataclasses.fields(hp):
@@ -211,7 +201,7 @@ def test_an_edited_loss_changes_a_default_cpu_run_and_is_named_at_start(tmp_path
     train, val = make_dataset(tmp_path / "d", train_tokens=120_000, val_tokens=20_000)
     edited = tmp_path / "edited"
     edited.mkdir()
-    for name in ("train_gpt.py", "harness.py", "triton_kernels.py"):
+    for name in ("train_gpt.py", "harness.py", "triton_kernels.py", "compile_split.py"):
         shutil.copy(ROOT / name, edited / name)
     kernels = (edited / "triton_kernels.py").read_text()
     body = kernels[kernels.index("def softcapped_mtp_ce_reference("):]
