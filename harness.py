@@ -345,7 +345,7 @@ def check_run_options(opts: RunOptions, num_iterations: int, attn_backends: Sequ
 # ==================================================================================================
 # 2. How a run ends: errors and exit codes
 # ==================================================================================================
-# Exit codes (the README's failure table): 1 data, 2 options / environment / output folders, 3 the
+# Exit codes (docs/failures.md): 1 data, 2 options / environment / output folders, 3 the
 # loss stopped being finite, 4 a distributed failure (usually another rank failed first), 5 an
 # internal error (a bug: the log has the traceback), 128 + N a signal (130 Ctrl-C, 143 SIGTERM,
 # 129 SIGHUP).

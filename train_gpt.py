@@ -6,11 +6,13 @@ the name map from the record's names to ours, and who introduced each idea).
 This file is the math and the loop, in reading order:
     1. knobs   2. attention   3. model and FP8 head   4. optimizer   5. data   6. schedules
     7. compiler settings   8. building and checking a run   9. training: the step, validation,
-    warmup and reset, the timed loop, main()
+    warmup and reset, the timed loop and its clock, main()
 The fused kernels live in triton_kernels.py (imported as tk), each beside its plain-PyTorch
-reference, which is what runs on a CPU and, per op, with --kernels (section 1). Everything that
-never changes a number (options, preflight, logs, compile cache, checkpoints, signals, exit codes)
-is in harness.py, which never imports this file. Nothing happens at import.
+reference, which is what runs on a CPU and, per op, with --kernels (section 1). A run's log holds
+both files in full. What never changes a number is beside them: harness.py (options, the log,
+compile cache, checkpoints, signals, exit codes), which the loop calls with plain values and which
+never imports this file, and compile_split.py (helper processes that compile the warmup's graphs
+in parallel). Nothing happens at import.
 """
 from __future__ import annotations
 
@@ -2706,7 +2708,7 @@ def train(hp: Hyperparameters, argv_text: str,
     notes = [] if hp.batch_slices == asked else [
         f"note: {hp.batch_slices} processes, more than --batch_slices={asked}: each takes one slice "
         f"of the batch cut {hp.batch_slices} ways, so documents are cut where {asked} slices would "
-        "not cut them (the record's exact math needs at most 8 processes; README: More than one node)"]
+        "not cut them (the record's exact math needs at most 8 processes; docs/multi-node.md)"]
     validate_hyperparameters(hp, world_size)
     run = harness.open_run(hp, stops or harness.StopSignals(),
                            [Path(__file__), Path(tk.__file__), Path(compile_split.__file__)])
