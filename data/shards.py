@@ -1,8 +1,10 @@
-"""The token shard format that train_gpt.py reads, and how the scripts in data/ write and check shards.
+"""How the scripts in data/ write and check token shards: train_gpt.py reads shards, this file writes them, both in
+the same format.
 
 A shard is a 1024-byte header of 256 little-endian int32 words (magic 20240520, version 1, token count n, then zeros)
-followed by n little-endian uint16 tokens. train_gpt.py keeps its own copy of the three constants, as it imports
-nothing from data/; tests/test_data_scripts.py checks that the two agree and that train_gpt.py reads what this writes.
+followed by n little-endian uint16 tokens. This file defines its own copy of the format's constants (SHARD_MAGIC,
+SHARD_VERSION, SHARD_HEADER_BYTES), as the trainer imports nothing from data/; tests/test_data_scripts.py checks that
+they agree with the trainer's and that train_gpt.py reads what this writes.
 
 Not a script. The scripts import it as `shards`: a script's folder is the first entry of sys.path. Code that imports
 a script from elsewhere puts data/ on sys.path first.
