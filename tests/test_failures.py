@@ -1,5 +1,5 @@
 """Every failure a user can cause: one `error:` line that names the flag or file and the fix, the exit code of the
-failure table (docs/failures.md), no traceback, the same line at the end of the run's log, and no partial file left behind.
+failure page (docs/failures.md), no traceback, the same line at the end of the run's log, and no partial file left.
 
 Most cases call train_gpt.main() in this process (they fail before anything trains, in well under a second); the
 signal cases and one end-to-end case run the script in a subprocess, as a user would.
