@@ -12,7 +12,7 @@ def pytest_collection_modifyitems(config, items):
     import torch
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU; run on the device (see README, Testing)")
+    skip = pytest.mark.skip(reason="needs a CUDA GPU; run on the device (see README, Tests)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)

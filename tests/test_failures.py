@@ -1,11 +1,12 @@
 """Every failure a user can cause: one `error:` line that names the flag or file and the fix, the exit code of the
-README's failure table, no traceback, the same line at the end of the run's log, and no partial file left behind.
+failure page (docs/failures.md), no traceback, the same line at the end of the run's log, and no partial file left.
 
 Most cases call train_gpt.main() in this process (they fail before anything trains, in well under a second); the
 signal cases and one end-to-end case run the script in a subprocess, as a user would.
 """
 import builtins
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -367,16 +368,22 @@ def test_ctrl_c_before_the_timed_loop_stops_at_once(tmp_path, data):
     assert [l for l in err.splitlines() if l.startswith("error:")] == ["error: stopped by SIGINT"]
 
 
-# ---- the README's table -------------------------------------------------------------------------------------------
+# ---- the failure page -----------------------------------------------------------------------------------------------
 
-def test_readme_failure_table_gives_the_exit_codes_the_trainer_uses():
-    text = (ROOT / "README.md").read_text()
-    table = text.split("## When something is wrong", 1)[1].split("\n## ", 1)[0]
-    codes = {int(c) for row in table.splitlines() if row.startswith("| ") and not row.startswith("| failure")
-             for c in [row.split("|")[3].strip()] if c.isdigit()}
+def test_failure_page_gives_the_exit_codes_the_trainer_uses():
+    """docs/failures.md (the README links it): each failure's entry names its exit code as `(exit N)`."""
+    text = (ROOT / "docs" / "failures.md").read_text()
+    entries = text.split("## Each failure", 1)[1]
+    items = [item for item in re.split(r"\n(?=- \*\*)", entries) if item.startswith("- **")]
+    found = {item.split("**")[1]: re.match(r"- \*\*[^*]+\*\* \(exit (\d+)\)", item) for item in items}
+    assert [name for name, m in found.items() if m is None] == ["An interrupted download"]   # it has no exit code
+    codes = {int(m[1]) for m in found.values() if m}
     assert codes == {harness.EXIT_DATA, harness.EXIT_CONFIG, harness.EXIT_DIVERGED, harness.EXIT_PEER, harness.EXIT_BUG,
                      130, 143}, codes
-    assert "exit 129" in table                  # SIGHUP, in the SIGTERM row
+    assert "exit 129" in entries                # SIGHUP, in the SIGTERM entry
+    table = {row.split("|")[1].strip() for row in text.split("## Each failure", 1)[0].splitlines()
+             if row.startswith("| ") and not row.startswith("| exit")}
+    assert {str(c) for c in codes - {130, 143}} | {"0", "128+N"} == table, table
 
 
 def test_a_signal_wrapped_by_the_compiler_is_still_a_signal():
