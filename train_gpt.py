@@ -556,13 +556,6 @@ class FP8Head(torch.autograd.Function):
         return dh, dw, None, None, None
 
 
-def fp8_head_mtp_ce_fused(h: Tensor, w: Tensor, targets: Tensor, mtp_weights: Tensor, s_x: float,
-                          s_w: float, s_g: float) -> Tensor:
-    """Per-row MTP losses (T,) fp32 of the FP8 head h @ w, its logit gradient quantised inside the
-    cross entropy's backward kernel (FP8HeadMTPCE)."""
-    return FP8HeadMTPCE.apply(h, w, targets, mtp_weights, s_x, s_w, s_g)
-
-
 def fp8_head_then_ce(head: Callable, mtp_ce: Callable, h: Tensor, w: Tensor, targets: Tensor,
                      mtp_weights: Tensor, s_x: float, s_w: float, s_g: float) -> Tensor:
     """Per-row MTP losses (T,) fp32 of the FP8 head h @ w: the logits by `head` (FP8Head.apply or
@@ -634,32 +627,27 @@ def fused_ops(kernels: str, device_type: str, edited: Collection[str] = ()) -> f
 def kernel_ops(kernels: str, device_type: str, edited: Collection[str] = ()) -> KernelOps:
     """The run's op table: per op the kernel if fused_ops names it, else the reference."""
     fused = fused_ops(kernels, device_type, edited)
+
+    def pick(op: str, kernel: Callable, reference: Callable) -> Callable:
+        return kernel if op in fused else reference
     # A CPU computes the loss a block of rows at a time (the same numbers in bounded memory); CUDA
     # compiles the reference whole.
-    ce_reference = (tk.softcapped_mtp_ce_reference if device_type == "cuda"
-                    else tk.softcapped_mtp_ce_chunked)
-    mtp_ce = tk.softcapped_mtp_ce_triton if "ce" in fused else ce_reference
-    if "fp8" not in fused:
-        fp8_head_mtp_ce = functools.partial(fp8_head_then_ce, FP8HeadEmulated.apply, mtp_ce)
-    elif "ce" not in fused:
-        fp8_head_mtp_ce = functools.partial(fp8_head_then_ce, FP8Head.apply, mtp_ce)
-    else:
-        fp8_head_mtp_ce = fp8_head_mtp_ce_fused
-    polar = "polar" in fused
+    mtp_ce = pick("ce", tk.softcapped_mtp_ce_triton, tk.softcapped_mtp_ce_reference
+                  if device_type == "cuda" else tk.softcapped_mtp_ce_chunked)
+    fp8_head = pick("fp8", FP8Head.apply, FP8HeadEmulated.apply)
     return KernelOps(
-        qk_norm_rotary=(tk.qk_norm_rotary_triton if "qk" in fused
-                        else tk.qk_norm_rotary_reference),
-        relu2_mlp=tk.relu2_mlp_triton if "mlp" in fused else tk.relu2_mlp_reference,
-        mtp_ce=mtp_ce, fp8_head_mtp_ce=fp8_head_mtp_ce,
-        adam_update=tk.adam_update if "adam" in fused else tk.adam_update_reference,
-        normuon_momentum=(tk.normuon_momentum if "normuon" in fused
-                          else tk.normuon_momentum_reference),
-        cautious_update=(tk.cautious_update_with_mantissa if "normuon" in fused
-                         else tk.cautious_update_with_mantissa_reference),
-        xxt=tk.xxt if polar else tk.xxt_reference,
-        ba_plus_cAA=tk.ba_plus_cAA if polar else tk.ba_plus_cAA_reference,
-        polar_split_product=(tk.polar_split_product_ if polar
-                             else tk.polar_split_product_reference))
+        qk_norm_rotary=pick("qk", tk.qk_norm_rotary_triton, tk.qk_norm_rotary_reference),
+        relu2_mlp=pick("mlp", tk.relu2_mlp_triton, tk.relu2_mlp_reference), mtp_ce=mtp_ce,
+        fp8_head_mtp_ce=(FP8HeadMTPCE.apply if {"fp8", "ce"} <= fused
+                         else functools.partial(fp8_head_then_ce, fp8_head, mtp_ce)),
+        adam_update=pick("adam", tk.adam_update, tk.adam_update_reference),
+        normuon_momentum=pick("normuon", tk.normuon_momentum, tk.normuon_momentum_reference),
+        cautious_update=pick("normuon", tk.cautious_update_with_mantissa,
+                             tk.cautious_update_with_mantissa_reference),
+        xxt=pick("polar", tk.xxt, tk.xxt_reference),
+        ba_plus_cAA=pick("polar", tk.ba_plus_cAA, tk.ba_plus_cAA_reference),
+        polar_split_product=pick("polar", tk.polar_split_product_,
+                                 tk.polar_split_product_reference))
 
 
 def kernel_switch_lines(kernels: str, device_type: str, edited: dict[str, str],
