@@ -8,7 +8,8 @@ This file is the math and the loop, in reading order:
     7. compiler settings   8. building and checking a run   9. training: the step, validation,
     warmup and reset, the timed loop, main()
 The fused kernels live in triton_kernels.py (imported as tk), each beside its plain-PyTorch
-reference, which is what runs on a CPU and, per op, with --kernels (section 1). Everything that
+reference; which of the two runs each op is chosen once per run (kernel_ops, section 3): the
+reference on a CPU, per --kernels, and wherever the reference was edited. Everything that
 never changes a number (options, preflight, logs, compile cache, checkpoints, signals, exit codes)
 is in harness.py, which never imports this file. Nothing happens at import.
 """
