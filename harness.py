@@ -31,7 +31,6 @@ from typing import Any, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 from torch import Tensor
 
 # ==================================================================================================
@@ -641,15 +640,14 @@ def _canonical(node: Any) -> str:
     return repr(node)
 
 
-def reference_digest(definitions: Sequence[Any]) -> str:
-    """A digest of the code of functions or classes: their syntax trees without docstrings, so
-    comments, layout and docs do not count as edits, and the same on every Python version."""
+def reference_digest(sources: Sequence[str]) -> str:
+    """A digest of the source text of functions or classes: their syntax trees without docstrings,
+    so comments, layout and docs do not count as edits, and the same on every Python version."""
     import ast
     import hashlib
-    import inspect
     trees = []
-    for obj in definitions:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(obj)))
+    for source in sources:
+        tree = ast.parse(textwrap.dedent(source))
         for node in ast.walk(tree):
             if (isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
                     and node.body and isinstance(node.body[0], ast.Expr)
@@ -658,28 +656,6 @@ def reference_digest(definitions: Sequence[Any]) -> str:
                 node.body = node.body[1:] or [ast.Pass()]
         trees.append(_canonical(tree))
     return hashlib.sha256("\n".join(trees).encode()).hexdigest()[:16]
-
-
-def edited_references(table: dict[str, tuple[Sequence[Any], str]], refs: frozenset[str],
-                      on_cuda: bool) -> list[str]:
-    """One warning per op whose plain-PyTorch definitions (table: op -> (definitions, the digest
-    they had when its fused kernel was checked against them)) changed since: it says which
-    definitions, whether this run uses the edit, and the --kernels value that runs it on a GPU."""
-    lines = []
-    for op, (definitions, digest) in table.items():
-        try:
-            if reference_digest(definitions) == digest:
-                continue
-        except (OSError, TypeError):     # no source to read (a frozen install): nothing to compare
-            continue
-        names = ", ".join(d.__name__ for d in definitions)
-        uses = ("this run uses the edit" if op in refs or not on_cuda
-                else "this run uses the fused kernel, NOT the edit")
-        lines.append(f"warning: {names} (op {op}) changed since its fused kernel was checked "
-                     f"against it; {uses}: --kernels={op}:torch runs the edit on a GPU (once the "
-                     f"kernel matches it again, set its digest in KERNEL_REFERENCES to "
-                     f"{reference_digest(definitions)})")
-    return lines
 
 
 def default_run_id(log_dir: str, resumed: dict | None) -> str:

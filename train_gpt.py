@@ -8,16 +8,18 @@ This file is the math and the loop, in reading order:
     7. compiler settings   8. building and checking a run   9. training: the step, validation,
     warmup and reset, the timed loop and its clock, main()
 The fused kernels live in triton_kernels.py (imported as tk), each beside its plain-PyTorch
-reference, which is what runs on a CPU and, per op, with --kernels (section 1). A run's log holds
-both files in full. What never changes a number is beside them: harness.py (options, the log,
-compile cache, checkpoints, signals, exit codes), which the loop calls with plain values and which
-never imports this file, and compile_split.py (helper processes that compile the warmup's graphs
-in parallel). Nothing happens at import.
+reference; which of the two runs each op is chosen once per run (kernel_ops, section 3): the
+reference on a CPU, per --kernels, and wherever the reference was edited. A run's log holds both
+files in full. What never changes a number is beside them: harness.py (options, the log, compile
+cache, checkpoints, signals, exit codes), which the loop calls with plain values and which never
+imports this file, and compile_split.py (helper processes that compile the warmup's graphs in
+parallel). Nothing happens at import.
 """
 from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import gc
 import math
 import os
@@ -26,7 +28,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Generator, Iterator, Sequence
+from typing import Any, Callable, Collection, Generator, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -142,8 +144,9 @@ class Hyperparameters(harness.RunOptions):
     # ---- system ----
     preset: str = ""                       # "tiny": a few narrow layers for CPU tests and newcomers
     compile: bool = True                   # torch.compile the model (ignored on CPU)
-    kernels: str = "fused"                 # fused | torch | op:torch,... (KERNEL_OPS): ops that run
-                                           # their plain-PyTorch reference on CUDA (CPUs always do)
+    kernels: str = "fused"                 # fused | torch | op:torch,op:fused,... (KERNEL_OPS): on
+                                           # CUDA, which ops run their plain-PyTorch reference
+                                           # (fused: those edited; CPUs always do; kernel_ops)
 
     # ---- derived ----
     @property
@@ -175,16 +178,16 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-# The ops --kernels switches, each fused on CUDA or run by its plain-PyTorch reference (the
-# definitions listed in KERNEL_REFERENCES, section 3).
+# The ops --kernels switches, each run by its fused kernel or its plain-PyTorch reference (the
+# definitions listed in KERNEL_REFERENCES; the choice: kernel_ops, section 3).
 KERNEL_OPS = ("qk", "mlp", "ce", "fp8", "adam", "normuon", "polar")
 
 
-def reference_ops(kernels: str) -> frozenset[str]:
-    """The ops that run their plain-PyTorch reference under --kernels: "fused" none, "torch" all,
-    else comma-separated op:torch / op:fused pairs (unnamed ops stay fused)."""
+def kernel_requests(kernels: str) -> dict[str, str]:
+    """What --kernels asks of each op it names, "torch" or "fused": "fused" names none (the default
+    choice), "torch" every op, else comma-separated op:torch / op:fused pairs."""
     if kernels in ("fused", "torch"):
-        return frozenset(KERNEL_OPS if kernels == "torch" else ())
+        return dict.fromkeys(KERNEL_OPS if kernels == "torch" else (), "torch")
     pairs = [item.strip().partition(":") for item in kernels.split(",")]
     bad = [op + sep + how for op, sep, how in pairs if op not in KERNEL_OPS
            or how not in ("torch", "fused")]
@@ -192,7 +195,12 @@ def reference_ops(kernels: str) -> frozenset[str]:
         raise ConfigError(f"--kernels={kernels}: {', '.join(bad)} is not op:torch or op:fused; "
                           f"use fused, torch, or ops of {', '.join(KERNEL_OPS)} "
                           "(e.g. --kernels=mlp:torch,ce:torch)")
-    return frozenset(op for op, _, how in pairs if how == "torch")
+    requests: dict[str, str] = {}
+    for op, _, how in pairs:
+        if requests.setdefault(op, how) != how:
+            raise ConfigError(f"--kernels={kernels} asks for both {op}:torch and {op}:fused; keep "
+                              "one of them")
+    return requests
 
 
 def parse_args(argv: Sequence[str]) -> Hyperparameters:
@@ -376,8 +384,6 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_se
 # ==================================================================================================
 # 3. Model and FP8 head
 # ==================================================================================================
-FLT_EPS = torch.finfo(torch.float32).eps  # 2^-23: the eps of every rms(),
-                                          # F.rms_norm's own fp32 default
 GATE_INPUT_DIM = 12                        # every sigmoid gate reads the
                                            # first 12 channels of its input
 YARN_ATTN_SCALE_SLOPE = 0.2                # attn_scale *= 1 + slope * ln(new/old)
@@ -410,7 +416,6 @@ class ModelConfig:
     attn_backend: str             # resolved backend name, passed through to varlen_attention
     rotary_max_len: int           # positions the rotary tables cover: the largest micro-batch
     dtype: str = "bfloat16"
-    kernels: str = "fused"
     bank_multiple: int = 8        # banks hold a multiple of this many matrices (padded with unused
                                   # slices), to shard evenly over any world size dividing it
 
@@ -438,9 +443,9 @@ class LayerPlan:
 
 
 def rms(x: Tensor) -> Tensor:
-    """x / sqrt(mean(x^2) + 2^-23) over the last dim, no gain; fp32 statistics, result in x's
+    """x / sqrt(mean(x^2) + tk.RMS_EPS) over the last dim, no gain; fp32 statistics, result in x's
     dtype."""
-    return F.rms_norm(x, (x.shape[-1],), eps=FLT_EPS)
+    return F.rms_norm(x, (x.shape[-1],), eps=tk.RMS_EPS)
 
 
 def rotary_base_omega(head_dim: int, base: float, device: torch.device) -> Tensor:
@@ -643,28 +648,23 @@ class FP8Head(torch.autograd.Function):
         return dh, dw, None, None, None
 
 
-def head_losses(h: Tensor, w: Tensor, targets: Tensor, mtp_weights: Tensor, use_fp8: bool,
-                fp8_scales: tuple, refs: frozenset[str]) -> Tensor:
-    """Per-row MTP losses (T,) fp32 of the LM head h @ w, each op fused or by its reference (refs,
-    --kernels); off CUDA the FP8 head is its emulation."""
-    ce = tk.softcapped_mtp_ce_reference if "ce" in refs else tk.softcapped_mtp_ce
-    if not use_fp8:
-        return ce(h @ w, targets, mtp_weights)
-    if "fp8" in refs or not h.is_cuda:
-        return ce(FP8HeadEmulated.apply(h, w, *fp8_scales), targets, mtp_weights)
-    if "ce" in refs:
-        return ce(FP8Head.apply(h, w, *fp8_scales), targets, mtp_weights)
-    return FP8HeadMTPCE.apply(h, w, targets, mtp_weights, *fp8_scales)
+def fp8_head_then_ce(head: Callable, mtp_ce: Callable, h: Tensor, w: Tensor, targets: Tensor,
+                     mtp_weights: Tensor, s_x: float, s_w: float, s_g: float) -> Tensor:
+    """Per-row MTP losses (T,) fp32 of the FP8 head h @ w: the logits by `head` (FP8Head.apply or
+    FP8HeadEmulated.apply), then the loss `mtp_ce` of them."""
+    return mtp_ce(head(h, w, s_x, s_w, s_g), targets, mtp_weights)
 
 
 # --kernels: the plain-PyTorch definitions each fused op's kernels were last checked against (the GPU
-# tests, tests/test_kernels_gpu.py), with a digest of their code then. A run warns at start when an
-# edit changed one (harness.edited_references); after checking the kernel again, update the digest.
+# tests, tests/test_kernels_gpu.py), with a digest of their code then: only the code the op's fused
+# path does not run, so that an edit of one runs exactly when the reference does (kernel_ops).
+# fp8_quantize is the ce op's: the FP8 head runs it on either path, but the fused cross entropy's
+# backward quantises the logit gradient itself. After checking the kernel again, update the digest.
 KERNEL_REFERENCES = {
-    "qk": ((tk.qk_norm_rotary_reference, tk.shift_keys_by_one), "66a6a30adc51f00c"),
+    "qk": ((tk.qk_norm_rotary_reference, tk.shift_keys_by_one), "49e8ba64ee2b8e52"),
     "mlp": ((tk.relu2_mlp_reference,), "8b6fad1b2f4093ba"),
-    "ce": ((tk.softcap, tk.softcapped_mtp_ce_reference), "257ad305df15c9ff"),
-    "fp8": ((fp8_quantize, FP8HeadEmulated), "eddd6931e4db74c4"),
+    "ce": ((tk.softcap, tk.softcapped_mtp_ce_reference, fp8_quantize), "443c53a9fd461568"),
+    "fp8": ((FP8HeadEmulated,), "922029c44fb31b28"),
     "adam": ((tk.adam_update_reference,), "941fc473b01c2c49"),
     "normuon": ((tk.normuon_momentum_reference, tk.cautious_step,
                  tk.cautious_update_with_mantissa_reference), "2ddb60702546e03c"),
@@ -717,6 +717,97 @@ def check_model_layout(cfg: ModelConfig) -> None:
                          "(train or val)")
 
 
+def edited_references(references: dict[str, tuple[Sequence[Any], str]] = KERNEL_REFERENCES
+                      ) -> dict[str, str]:
+    """The ops whose definitions changed since their digest was recorded, each with its new digest
+    (none where the source cannot be read, e.g. a frozen install)."""
+    import inspect
+    edited = {}
+    for op, (definitions, digest) in references.items():
+        try:
+            now = harness.reference_digest([inspect.getsource(d) for d in definitions])
+        except (OSError, TypeError):
+            continue
+        if now != digest:
+            edited[op] = now
+    return edited
+
+
+@dataclass(frozen=True)
+class KernelOps:
+    """What runs each switchable op (KERNEL_OPS) this run: its fused kernel or its plain-PyTorch
+    reference, of one contract (triton_kernels.py); chosen once by kernel_ops, passed to GPT and
+    NorMuonAndAdam."""
+    qk_norm_rotary: Callable        # qk: (qkv, cos, sin, pos_mult, key_offset) -> q, k, v
+    relu2_mlp: Callable             # mlp: (x, c_fc, c_proj) -> (T, D)
+    mtp_ce: Callable                # ce: (logits, targets, mtp_weights) -> per-row losses
+    fp8_head_mtp_ce: Callable       # fp8 and ce: (h, w, targets, mtp_weights, s_x, s_w, s_g)
+    adam_update: Callable           # adam: in place, keyword scalars
+    normuon_momentum: Callable      # normuon: (grad, momentum_buffer, momentum) -> U
+    cautious_update: Callable       # normuon: (param, mantissa, O, lr=, wd=) in place
+    xxt: Callable                   # polar: A -> A @ A.mT
+    ba_plus_cAA: Callable           # polar: (A, b, c) -> b*A + c*A@A
+    polar_split_product: Callable   # polar: (y, x, a) -> y = round(y + a*x) in place
+
+
+def fused_ops(kernels: str, device_type: str, edited: Collection[str] = ()) -> frozenset[str]:
+    """The ops that run their fused kernel: on CUDA those --kernels forces (op:fused) or leaves to
+    the default, except an op whose reference was edited (its edit runs); off CUDA none."""
+    requests = kernel_requests(kernels)
+    if device_type != "cuda":
+        return frozenset()
+    return frozenset(op for op in KERNEL_OPS
+                     if requests.get(op, "torch" if op in edited else "fused") == "fused")
+
+
+def kernel_ops(kernels: str, device_type: str, edited: Collection[str] = ()) -> KernelOps:
+    """The run's op table: per op the kernel if fused_ops names it, else the reference."""
+    fused = fused_ops(kernels, device_type, edited)
+
+    def pick(op: str, kernel: Callable, reference: Callable) -> Callable:
+        return kernel if op in fused else reference
+    # A CPU computes the loss a block of rows at a time (the same numbers in bounded memory); CUDA
+    # compiles the reference whole.
+    mtp_ce = pick("ce", tk.softcapped_mtp_ce_triton, tk.softcapped_mtp_ce_reference
+                  if device_type == "cuda" else tk.softcapped_mtp_ce_chunked)
+    fp8_head = pick("fp8", FP8Head.apply, FP8HeadEmulated.apply)
+    return KernelOps(
+        qk_norm_rotary=pick("qk", tk.qk_norm_rotary_triton, tk.qk_norm_rotary_reference),
+        relu2_mlp=pick("mlp", tk.relu2_mlp_triton, tk.relu2_mlp_reference), mtp_ce=mtp_ce,
+        fp8_head_mtp_ce=(FP8HeadMTPCE.apply if {"fp8", "ce"} <= fused
+                         else functools.partial(fp8_head_then_ce, fp8_head, mtp_ce)),
+        adam_update=pick("adam", tk.adam_update, tk.adam_update_reference),
+        normuon_momentum=pick("normuon", tk.normuon_momentum, tk.normuon_momentum_reference),
+        cautious_update=pick("normuon", tk.cautious_update_with_mantissa,
+                             tk.cautious_update_with_mantissa_reference),
+        xxt=pick("polar", tk.xxt, tk.xxt_reference),
+        ba_plus_cAA=pick("polar", tk.ba_plus_cAA, tk.ba_plus_cAA_reference),
+        polar_split_product=pick("polar", tk.polar_split_product_,
+                                 tk.polar_split_product_reference))
+
+
+def kernel_switch_lines(kernels: str, device_type: str, edited: dict[str, str],
+                        references: dict[str, tuple[Sequence[Any], str]] = KERNEL_REFERENCES
+                        ) -> list[str]:
+    """One log line per op whose reference was edited (edited: op -> its new digest): whether this
+    run uses the edit, and how to choose the other way."""
+    fused, lines = fused_ops(kernels, device_type, edited), []
+    for op, digest in edited.items():
+        names = ", ".join(d.__name__ for d in references[op][0])
+        if op in fused:
+            uses = (f"this run uses the fused kernel (--kernels={op}:fused), which does NOT run the "
+                    "edit; drop that to run the edit")
+        elif device_type == "cuda":
+            uses = (f"this run uses the edit, not the fused kernel; --kernels={op}:fused forces "
+                    "the kernel")
+        else:
+            uses = "this run uses the edit (off CUDA every op runs its reference)"
+        lines.append(f"warning: {names} (op {op}) changed since its fused kernel was checked "
+                     f"against it; {uses}. Once the kernel matches the edit, set the op's digest "
+                     f"in KERNEL_REFERENCES to {digest}")
+    return lines
+
+
 # ---- GPT -----------------------------------------------------------------------------------------
 
 class GPT(nn.Module):
@@ -728,12 +819,13 @@ class GPT(nn.Module):
     hold the same values. The tables cover 2 * rotary_max_len angle positions: normal layers read
     rows [0, T), paired layers read rows 2t and 2t+1 for token t, i.e. rows [0, 2T) viewed as
     (T, 2, head_dim/2).
+    ops: the run's kernel or reference per op (kernel_ops).
     """
 
-    def __init__(self, cfg: ModelConfig, device: torch.device):
+    def __init__(self, cfg: ModelConfig, device: torch.device, ops: KernelOps):
         super().__init__()
         check_model_layout(cfg)
-        self.cfg = cfg
+        self.cfg, self.ops = cfg, ops
         D, H, L, hd, V = cfg.model_dim, cfg.num_heads, cfg.num_layers, cfg.head_dim, cfg.vocab_size
         self.plan = self._layer_plan(cfg)
         n_attn = sum(p.attn != "" for p in self.plan)
@@ -792,7 +884,6 @@ class GPT(nn.Module):
                              persistent=False)
         self.attn_scale = cfg.attn_scale
         self.reset_rotary()
-        self.refs = reference_ops(cfg.kernels)
         if cfg.use_fp8:
             register_fp8_head_op()
         if cfg.attn_backend == "fa4":
@@ -856,15 +947,16 @@ class GPT(nn.Module):
         mean CE."""
         h = self.final_hidden(inputs, cu_seqlens, ws_short, ws_long, max_seqlen)  # (T, D) bf16
         if self.training:
-            return head_losses(h, self.lm_head, targets, mtp_weights, self.cfg.use_fp8,
-                               self.cfg.fp8_scales, self.refs).sum()
+            if self.cfg.use_fp8:
+                return self.ops.fp8_head_mtp_ce(h, self.lm_head, targets, mtp_weights,
+                                                *self.cfg.fp8_scales).sum()
+            return self.ops.mtp_ce(h @ self.lm_head, targets, mtp_weights).sum()
         # Mean next-token CE of the softcapped bf16-head logits, through the fused kernel with the
         # single weight 1: it softcaps in fp32 (as the reference's compiled eval does) and never
         # materialises fp32 (T, V) tensors, which at 262,144 val tokens per rank would not fit next
         # to the 26 GB of bf16 logits.
         next_token_only = torch.ones(1, dtype=torch.float32, device=h.device)
-        loss = tk.softcapped_mtp_ce_reference if "ce" in self.refs else tk.softcapped_mtp_ce
-        return loss(h @ self.lm_head, targets, next_token_only).mean()
+        return self.ops.mtp_ce(h @ self.lm_head, targets, next_token_only).mean()
 
     @torch.no_grad()
     def logits(self, inputs: Tensor, cu_seqlens: Tensor, ws_short: int, ws_long: int,
@@ -900,7 +992,6 @@ class GPT(nn.Module):
         # backward stacks each slice's gradient once. The same numbers either way.
         attn_banks = self.attn.unbind(0)                 # (4D, D) per attention layer
         mlp_banks = self.mlp.flatten(0, 1).unbind(0)     # c_fc, c_proj of layer j at 2j, 2j + 1
-        mlp = tk.relu2_mlp_reference if "mlp" in self.refs else tk.relu2_mlp
         skip_saved = backout_saved = None
         for p in self.plan:
             i = p.index
@@ -918,7 +1009,7 @@ class GPT(nn.Module):
                 x = x + self.attention(p, attn_banks[p.attn_slot], rms(x),
                                        ve[p.ve_table] if p.ve_table >= 0 else None, sa_lambdas[i],
                                        cu_seqlens, max_seqlen, window)
-            x = x + mlp(rms(x), mlp_banks[2 * i], mlp_banks[2 * i + 1])
+            x = x + self.ops.relu2_mlp(rms(x), mlp_banks[2 * i], mlp_banks[2 * i + 1])
             if i == cfg.skip_source_layer:
                 skip_saved = x
             if i == cfg.backout_layer:
@@ -939,9 +1030,8 @@ class GPT(nn.Module):
         # heads at angle position t. Paired heads (@classiclarryd, upstream record 58): heads 2b,
         # 2b+1 of token t rotate at angle positions 2t, 2t+1. Key offset layers take a quarter of
         # each half of k from the previous token (tk.shift_keys_by_one), in the same pass.
-        qk_rotary = tk.qk_norm_rotary_reference if "qk" in self.refs else tk.qk_norm_rotary
-        q, k, v = qk_rotary(qkv, self.rotary_cos, self.rotary_sin, 2 if p.attn == "P" else 1,
-                            p.key_offset)
+        q, k, v = self.ops.qk_norm_rotary(qkv, self.rotary_cos, self.rotary_sin,
+                                          2 if p.attn == "P" else 1, p.key_offset)
         gate_in = u[:, :GATE_INPUT_DIM]
         if ve is not None:
             # Elementwise per (token, head), so adding it before the paired interleave equals adding
@@ -990,8 +1080,8 @@ def _fp32(x: float) -> float:
     return float(np.float32(x))
 
 
-def polar_express(G: Tensor, split_final_product: bool, dtype: torch.dtype = torch.bfloat16,
-                  fused: bool = True) -> Tensor:
+def polar_express(G: Tensor, split_final_product: bool, ops: KernelOps,
+                  dtype: torch.dtype = torch.bfloat16) -> Tensor:
     """Approximate U·Vᵀ of G = U·S·Vᵀ for a batch (..., R, C) of matrices, in bf16: Polar Express
     (Amsel, Persson, Musco, Gower 2025; in the speedrun @varunneal, upstream record 38).
 
@@ -1001,23 +1091,18 @@ def polar_express(G: Tensor, split_final_product: bool, dtype: torch.dtype = tor
     it towards 1. split_final_product: round B@X to bf16 before adding a·X (two roundings, as the
     record does for the MLP matrices) instead of one fused GEMM with beta = a.
     dtype: the precision of the iteration; bf16 in training, float32/float64 for parameters stored
-    in that (--dtype).
-    fused=False (--kernels=polar:torch): the Gram products and the split product by their
-    references, also on CUDA.
+    in that (--dtype). ops: the Gram products and the split product (kernels or references).
     """
     shape = G.shape
-    xxt, ba_plus_cAA, split_product_ = (
-        (tk.xxt, tk.ba_plus_cAA, tk.polar_split_product_) if fused
-        else (tk.xxt_reference, tk.ba_plus_cAA_reference, tk.polar_split_product_reference))
     X = G.to(dtype).reshape(-1, shape[-2], shape[-1])       # (n, R, C)
     if shape[-2] > shape[-1]:
         X = X.mT                                            # (n, C, R): Gram matrices are C x C
     X = X / (X.norm(dim=(-2, -1), keepdim=True) * (1 + 2e-2) + 1e-6)
     for a, b, c in POLAR_EXPRESS_COEFFS:
-        A = xxt(X)                                          # (n, m, m) bf16, exactly symmetric
-        B = ba_plus_cAA(A, b, c)                            # (n, m, m) bf16
+        A = ops.xxt(X)                                      # (n, m, m) bf16, exactly symmetric
+        B = ops.ba_plus_cAA(A, b, c)                        # (n, m, m) bf16
         if split_final_product:
-            X = split_product_(B @ X, X, a)                 # bf16(bf16(B@X) + a·X)
+            X = ops.polar_split_product(B @ X, X, a)        # bf16(bf16(B@X) + a·X)
         else:
             X = torch.baddbmm(X, B, X, beta=a)              # bf16(a·X + B@X), fp32 accumulation
     if shape[-2] > shape[-1]:
@@ -1027,32 +1112,26 @@ def polar_express(G: Tensor, split_final_product: bool, dtype: torch.dtype = tor
 
 def adam_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, *,
                 beta1: float, beta2: float, eps: float, step_size: float | Tensor,
-                decay: float | Tensor, fused: bool = True) -> None:
+                decay: float | Tensor, ops: KernelOps) -> None:
     """One Adam update of a slice in place, all arithmetic in fp32.
 
     step_size = fp32(lr·sqrt(1-beta2^t)/(1-beta1^t)) and decay = fp32(lr²·wd) come from
     adam_scalars(). eps is not bias corrected. Cautious decay only where the update and the weight
     agree in sign (strict >). A bf16 param takes the round-to-nearest of the fp32 result
     (no master copy). The moments' dtype sets the precision: fp32, or float64 for a float64
-    parameter (--dtype=float64). fused=False (--kernels=adam:torch): the reference on CUDA too.
+    parameter (--dtype=float64). ops.adam_update: the fused Triton pass (floats only), bitwise its
+    reference as PyTorch runs it on CUDA, or the reference.
     """
-    if (fused and param.is_cuda and not isinstance(step_size, Tensor)
-            and not isinstance(decay, Tensor)):
-        # One fused Triton pass, bitwise its reference as PyTorch runs it on CUDA.
-        tk.adam_update(param, grad, exp_avg, exp_avg_sq, beta1=beta1, beta2=beta2, eps=eps,
-                       step_size=step_size, decay=decay)
-        return
     if param.device.type == "cpu" and param.dim() > 0 and param.numel() > CPU_CHUNK_ELEMENTS:
         # Element-wise math, so row blocks give the same bits; each block's temporaries stay in the
         # CPU's cache.
         rows = max(1, CPU_CHUNK_ELEMENTS * param.shape[0] // param.numel())
         for p, g, m, v in zip(*(t.split(rows) for t in (param, grad, exp_avg, exp_avg_sq))):
             adam_update(p, g, m, v, beta1=beta1, beta2=beta2, eps=eps, step_size=step_size,
-                        decay=decay)
+                        decay=decay, ops=ops)
         return
-    # The reference lives beside its kernel (one definition): moments, cautious decay, step.
-    tk.adam_update_reference(param, grad, exp_avg, exp_avg_sq, beta1=beta1, beta2=beta2, eps=eps,
-                             step_size=step_size, decay=decay)
+    ops.adam_update(param, grad, exp_avg, exp_avg_sq, beta1=beta1, beta2=beta2, eps=eps,
+                    step_size=step_size, decay=decay)
 
 
 def adam_scalars(lr: float, t: int, beta1: float, beta2: float, wd: float) -> tuple[float, float]:
@@ -1085,53 +1164,45 @@ def variance_normalize_(O: Tensor, second_moment: Tensor, beta2: float) -> Tenso
 
 def normuon_direction_(grad: Tensor, momentum_buffer: Tensor, second_moment: Tensor, *,
                        momentum: float, beta2: float, split_final_product: bool,
-                       refs: frozenset[str] = frozenset()) -> Tensor:
+                       ops: KernelOps) -> Tensor:
     """Momentum, Polar Express and variance normalisation of one chunk; updates both buffers.
 
     grad (n, R, C) bf16, momentum_buffer (n, R, C) fp32 -> O (n, R, C) bf16 (float32/64 grads: all
-    in their dtype). refs: the ops run by their references (--kernels: normuon, polar).
+    in their dtype). ops: the momentum step and Polar Express's products (kernels or references).
     """
     # M <- lerp(M, G, 1 - mu); U = lerp(G, M, mu) (Nesterov-style), in grad's dtype
-    momentum_step = (tk.normuon_momentum_reference if "normuon" in refs
-                     else tk.normuon_momentum)
-    U = momentum_step(grad, momentum_buffer, momentum)
-    O = polar_express(U, split_final_product, dtype=grad.dtype, fused="polar" not in refs)
+    U = ops.normuon_momentum(grad, momentum_buffer, momentum)
+    O = polar_express(U, split_final_product, ops, dtype=grad.dtype)
     return variance_normalize_(O, second_moment, beta2)
 
 
 def cautious_update_with_mantissa_(param: Tensor, mantissa: Tensor, O: Tensor, *,
-                                   lr: float | Tensor, wd: float | Tensor,
-                                   fused: bool = True) -> None:
+                                   lr: float | Tensor, wd: float, ops: KernelOps) -> None:
     """P <- (P - ((P·mask)·wd)·lr) - O·lr on the fp32 master P = (bf16 bits << 16) | mantissa
     (cautious decay: @varunneal, upstream record 43; the mantissa: @classiclarryd, record 57).
 
     param (n, R, C) bf16 and mantissa (n, R, C) uint16 are updated in place: the bf16 keeps the high
     16 bits of the new master (truncation toward zero), the mantissa the low 16. mask = [O·P >= 0]
     (non-strict: entries with zero update are decayed too). lr is fp32, a scalar or (n, 1, 1) per
-    matrix; wd is fp32.
+    matrix; wd is fp32. ops.cautious_update: one fused Triton pass, bitwise its reference, or the
+    reference.
     """
-    if fused and param.is_cuda and not isinstance(wd, Tensor):
-        # One fused Triton pass, bitwise its reference.
-        tk.cautious_update_with_mantissa(param, mantissa, O, lr=lr, wd=wd)
-        return
-    tk.cautious_update_with_mantissa_reference(param, mantissa, O, lr, wd)
+    ops.cautious_update(param, mantissa, O, lr=lr, wd=wd)
 
 
 def normuon_update(param: Tensor, grad: Tensor, momentum_buffer: Tensor, second_moment: Tensor,
                    mantissa: Tensor | None, *, momentum: float, beta2: float, lr: float | Tensor,
-                   wd: float | Tensor, split_final_product: bool,
-                   refs: frozenset[str] = frozenset()) -> None:
+                   wd: float | Tensor, split_final_product: bool, ops: KernelOps) -> None:
     """One NorMuon update of a chunk of matrices in place. All tensors (n, R, C) except
     second_moment ((n, R, 1) or (n, 1, C)); lr (fp32 scalar or (n, 1, 1)) and wd from
-    normuon_scalars(); refs as in normuon_direction_.
+    normuon_scalars(); ops as in normuon_direction_.
     mantissa is None for a float32/float64 parameter (--dtype), which is its own master."""
     O = normuon_direction_(grad, momentum_buffer, second_moment, momentum=momentum, beta2=beta2,
-                           split_final_product=split_final_product, refs=refs)
+                           split_final_product=split_final_product, ops=ops)
     if mantissa is None:
         param.copy_(tk.cautious_step(param, O, lr, wd))
     else:
-        cautious_update_with_mantissa_(param, mantissa, O, lr=lr, wd=wd,
-                                       fused="normuon" not in refs)
+        cautious_update_with_mantissa_(param, mantissa, O, lr=lr, wd=wd, ops=ops)
 
 
 def normuon_matrix_lr_scales(matrix_shape: Sequence[int], lr_mul: float,
@@ -1265,14 +1336,14 @@ class NorMuonAndAdam:
     def __init__(self, named_params: dict[str, nn.Parameter], param_table: dict[str, dict], *,
                  adam_lr: float, adam_eps: float, adam_wd: float, muon_lr: float,
                  muon_beta2: float, muon_wd: float, rank: int, world_size: int,
-                 tied: tuple[str, str] | None = ("lm_head", "embed"), kernels: str = "fused"):
+                 ops: KernelOps, tied: tuple[str, str] | None = ("lm_head", "embed")):
         self.params = dict(named_params)
         self.table = {label: dict(row) for label, row in param_table.items()}
         self.scatter_order, self.work_order = tuple(self.table), update_order(self.table)
         self.adam_lr, self.adam_eps, self.adam_wd = adam_lr, adam_eps, adam_wd
         self.muon_lr, self.muon_beta2, self.muon_wd = muon_lr, muon_beta2, muon_wd
         self.rank, self.world_size = rank, world_size
-        self.refs = reference_ops(kernels)   # ops run by their references (--kernels)
+        self.ops = ops                       # kernel or reference per op (kernel_ops)
         self.tied = tuple(tied) if tied is not None else None
         check_param_table(self.params, self.table, rank, world_size, self.tied)
         self._tied_now = self.tied is not None
@@ -1408,8 +1479,7 @@ class NorMuonAndAdam:
                                             self.adam_t[label], beta1, beta2,
                                             self.adam_wd * row["wd_mul"])
             adam_update(param, grad, buf["exp_avg"], buf["exp_avg_sq"], beta1=beta1, beta2=beta2,
-                        eps=self.adam_eps, step_size=step_size, decay=decay,
-                        fused="adam" not in self.refs)
+                        eps=self.adam_eps, step_size=step_size, decay=decay, ops=self.ops)
             return
         lr, wd = normuon_scalars(self.muon_lr, lr_factor, self.muon_wd, row["wd_mul"])
         scale = self._lr_scales[label]
@@ -1417,7 +1487,7 @@ class NorMuonAndAdam:
         normuon_update(param, grad, buf["momentum"], buf["second_moment"], buf.get("mantissa"),
                        momentum=momentum, beta2=self.muon_beta2, lr=lr_eff, wd=wd,
                        split_final_product=row["matrix_shape"][0] > POLAR_EXPRESS_SPLIT_ROWS,
-                       refs=self.refs)
+                       ops=self.ops)
 
     # ---- untying and state -----------------------------------------------------------------------
     @torch.no_grad()
@@ -2166,7 +2236,7 @@ def validate_hyperparameters(hp: Hyperparameters, world_size: int) -> None:
     need(0 <= hp.muon_beta2 < 1, f"--muon_beta2={hp.muon_beta2} must be in [0, 1)")
     need(hp.yarn_alpha < hp.yarn_beta,
          f"--yarn_alpha={hp.yarn_alpha} must be below --yarn_beta={hp.yarn_beta}")
-    reference_ops(hp.kernels)    # raises ConfigError naming the bad op
+    kernel_requests(hp.kernels)  # raises ConfigError naming the bad op
     need(hp.vocab_size > BOS_ID and hp.vocab_size % 16 == 0,
          f"--vocab_size={hp.vocab_size} must hold the BOS id {BOS_ID} and be a multiple of 16 "
          "(FP8 matmul)")
@@ -2307,13 +2377,16 @@ def check_fused_kernel_shapes(hp: Hyperparameters, device: torch.device) -> None
         raise ConfigError(f"--dtype={hp.dtype} runs on a CPU only (the GPU kernels are bf16): add "
                           "--device=cpu, or drop --dtype")
     k_step = tk._MLP_TILES[2]
-    if "mlp" not in reference_ops(hp.kernels) and hp.model_dim % k_step:
+    if "mlp" in fused_ops(hp.kernels, device.type, edited_references()) and hp.model_dim % k_step:
         raise ConfigError(f"the fused MLP kernel reads the model dim in steps of {k_step}: use a "
                           f"--model_dim that is a multiple of {k_step} (not {hp.model_dim}), or "
                           "--kernels=mlp:torch")
 
 
-def build_model(hp: Hyperparameters, device: torch.device, attn_backend: str) -> nn.Module:
+def build_model(hp: Hyperparameters, device: torch.device, attn_backend: str,
+                ops: KernelOps | None = None) -> nn.Module:
+    """The GPT of hp on device; ops: the run's op table (None: the one --kernels, the device and the
+    edited references give, kernel_ops)."""
     names = {f.name for f in dataclasses.fields(ModelConfig)}
     n_train = max(micro_batch_tokens(st.batch, hp.batch_slices) for st in hp.stages)
     n_val = hp.val_batch_size // hp.batch_slices
@@ -2323,7 +2396,7 @@ def build_model(hp: Hyperparameters, device: torch.device, attn_backend: str) ->
                  bank_multiple=math.lcm(RECORD_BANK_MULTIPLE, hp.batch_slices))
     cfg = ModelConfig(**{n: getattr(hp, n) for n in names if hasattr(hp, n) and n not in extra},
                       **extra)
-    return GPT(cfg, device)
+    return GPT(cfg, device, ops or kernel_ops(hp.kernels, device.type, edited_references()))
 
 
 def build_optimizer(hp: Hyperparameters, model: nn.Module, rank: int, world_size: int) -> Any:
@@ -2333,7 +2406,7 @@ def build_optimizer(hp: Hyperparameters, model: nn.Module, rank: int, world_size
     return NorMuonAndAdam(dict(model.named_parameters()), table,
                           adam_lr=hp.adam_lr, adam_eps=hp.adam_eps, adam_wd=hp.adam_wd,
                           muon_lr=hp.muon_lr, muon_beta2=hp.muon_beta2, muon_wd=hp.muon_wd,
-                          rank=rank, world_size=world_size, kernels=hp.kernels)
+                          rank=rank, world_size=world_size, ops=model.ops)
 
 
 # ==================================================================================================
@@ -2536,14 +2609,15 @@ def prepare_training(run: harness.Run, argv_text: str,
     sources = {name: Path(__file__).with_name(name).read_text()
                for name in ("train_gpt.py", "triton_kernels.py")}
     attn_backend = resolve_attn_backend(hp.attn_backend, device)
+    edited = edited_references()
+    ops = kernel_ops(hp.kernels, device.type, edited)
     train_files, val_files, checkpointer = harness.begin_run(run, sources, argv_text, attn_backend)
     checks = preflight(hp, run.world_size, device, run.rank)
-    edits = harness.edited_references(KERNEL_REFERENCES, reference_ops(hp.kernels),
-                                      device.type == "cuda")
-    harness.accept_run(run, sources, attn_backend, [*checks, *notes, *edits])
+    harness.accept_run(run, sources, attn_backend,
+                       [*checks, *notes, *kernel_switch_lines(hp.kernels, device.type, edited)])
     if hp.seed >= 0:
         torch.manual_seed(hp.seed)
-    model = build_model(hp, device, attn_backend)
+    model = build_model(hp, device, attn_backend, ops)
     if run.world_size > 1:
         for p in model.parameters():
             dist.broadcast(p.detach(), 0)

@@ -1,9 +1,9 @@
 """Fused Triton kernels for the speedrun trainer, one section per operation.
 
-Each section has the kernel(s), a launcher that checks its inputs, a plain-PyTorch reference with
-the same contract, and the public op used by train_gpt.py. A public op runs the Triton kernel on
-CUDA tensors and the reference elsewhere (for a large cross entropy, in blocks of rows), so
-the trainer runs unchanged on a CPU, and an edit of a reference takes effect there.
+Each section has the kernel(s), a launcher `X_triton` that checks its inputs (any device: the
+interpreter on a CPU), the fused op the trainer calls (through torch.library, CUDA tensors) and a
+plain-PyTorch reference `X_reference` with the same contract. Nothing here chooses between the two:
+train_gpt.kernel_ops does, once per run (the references off CUDA, and wherever one was edited).
 Importing this file does nothing: no device queries, no compiles. Nothing autotunes at start-up:
 each launcher's tiles are fixed, chosen by a bench/ script (measurements: notes/kernels.md).
 
@@ -242,8 +242,8 @@ def _xxt_op(A: Tensor) -> Tensor:
 
 
 def xxt(A: Tensor) -> Tensor:
-    """A @ A.mT: the Triton kernel on CUDA, the reference elsewhere."""
-    return torch.ops.nanogpt_kernels.xxt(A) if A.is_cuda else xxt_reference(A)
+    """A @ A.mT by the Triton kernel, as the torch.library op torch.compile traces (CUDA)."""
+    return torch.ops.nanogpt_kernels.xxt(A)
 
 
 # ==================================================================================================
@@ -272,9 +272,8 @@ def _ba_plus_cAA_op(A: Tensor, b: float, c: float) -> Tensor:
 
 
 def ba_plus_cAA(A: Tensor, b: float, c: float) -> Tensor:
-    """c*(A @ A.mT) + b*A: the Triton kernel on CUDA, the reference elsewhere."""
-    return (torch.ops.nanogpt_kernels.ba_plus_cAA(A, b, c) if A.is_cuda
-            else ba_plus_cAA_reference(A, b, c))
+    """c*(A @ A.mT) + b*A by the Triton kernel, as its torch.library op (CUDA)."""
+    return torch.ops.nanogpt_kernels.ba_plus_cAA(A, b, c)
 
 
 # ==================================================================================================
@@ -463,8 +462,8 @@ class _Relu2MLPFunction(torch.autograd.Function):
 
 
 def relu2_mlp_triton(x: Tensor, c_fc: Tensor, c_proj: Tensor) -> Tensor:
-    """Differentiable Triton path of relu2_mlp (any device the kernels can run on; CPU only under
-    the interpreter)."""
+    """relu(x @ c_fc.T)^2 @ c_proj, x (..., D), differentiable, by the Triton kernels (CUDA; a CPU
+    only under the interpreter)."""
     return _Relu2MLPFunction.apply(x, c_fc, c_proj)
 
 
@@ -477,11 +476,6 @@ def relu2_mlp_reference(x: Tensor, c_fc: Tensor, c_proj: Tensor) -> Tensor:
     pre = x @ c_fc.mT
     post = F.relu(pre).square()
     return post @ c_proj
-
-
-def relu2_mlp(x: Tensor, c_fc: Tensor, c_proj: Tensor) -> Tensor:
-    """relu(x @ c_fc.T)^2 @ c_proj, x (..., D): Triton on CUDA, the reference elsewhere."""
-    return relu2_mlp_triton(x, c_fc, c_proj) if x.is_cuda else relu2_mlp_reference(x, c_fc, c_proj)
 
 
 # ==================================================================================================
@@ -838,7 +832,8 @@ class _SoftcappedMTPCEFunction(torch.autograd.Function):
 
 
 def softcapped_mtp_ce_triton(logits: Tensor, targets: Tensor, mtp_weights: Tensor) -> Tensor:
-    """Differentiable Triton path of softcapped_mtp_ce (CPU only under the interpreter)."""
+    """Per-row softcapped multi-token CE, differentiable, by the Triton kernels (CUDA; a CPU only
+    under the interpreter)."""
     return _SoftcappedMTPCEFunction.apply(logits, targets, mtp_weights)
 
 
@@ -891,13 +886,6 @@ def softcapped_mtp_ce_chunked(logits: Tensor, targets: Tensor, mtp_weights: Tens
     return torch.cat([checkpoint(softcapped_mtp_ce_reference, logits[r:r + rows],
                                  targets[r:r + rows + K - 1], mtp_weights, use_reentrant=False)
                       for r in range(0, logits.shape[0], rows)])
-
-
-def softcapped_mtp_ce(logits: Tensor, targets: Tensor, mtp_weights: Tensor) -> Tensor:
-    """Per-row softcapped multi-token CE: Triton on CUDA, the chunked reference elsewhere."""
-    if logits.is_cuda:
-        return softcapped_mtp_ce_triton(logits, targets, mtp_weights)
-    return softcapped_mtp_ce_chunked(logits, targets, mtp_weights)
 
 
 # ==================================================================================================
@@ -1000,8 +988,7 @@ def adam_update_triton(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq:
 def adam_update_reference(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, *,
                           beta1: float, beta2: float, eps: float, step_size: float,
                           decay: float) -> None:
-    """The eager Adam math (train_gpt.adam_update runs it off CUDA; the moments' dtype sets the
-    precision): the kernel's contract."""
+    """The eager Adam math (the moments' dtype sets the precision): the kernel's contract."""
     g = grad.to(exp_avg.dtype)
     exp_avg.mul_(beta1).add_(g, alpha=1 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
@@ -1019,13 +1006,9 @@ def _adam_update_op(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Te
 
 def adam_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, *,
                 beta1: float, beta2: float, eps: float, step_size: float, decay: float) -> None:
-    """One Adam update in place: the Triton kernel on CUDA, the reference elsewhere."""
-    if param.is_cuda:
-        torch.ops.nanogpt_kernels.adam_update(param, grad, exp_avg, exp_avg_sq, beta1, beta2, eps,
-                                              step_size, decay)
-    else:
-        adam_update_reference(param, grad, exp_avg, exp_avg_sq, beta1=beta1, beta2=beta2, eps=eps,
-                              step_size=step_size, decay=decay)
+    """One Adam update in place by the Triton kernel, as its torch.library op (CUDA)."""
+    torch.ops.nanogpt_kernels.adam_update(param, grad, exp_avg, exp_avg_sq, beta1, beta2, eps,
+                                          step_size, decay)
 
 
 # ==================================================================================================
@@ -1157,16 +1140,11 @@ def _cautious_update_with_mantissa_op(param: Tensor, mantissa: Tensor, O: Tensor
 
 def cautious_update_with_mantissa(param: Tensor, mantissa: Tensor, O: Tensor, *, lr: float | Tensor,
                                   wd: float) -> None:
-    """NorMuon's cautious update of the bf16 + mantissa master in place: Triton on CUDA, the
-    reference elsewhere. lr: a float or an fp32 (n, 1, 1) tensor."""
-
-    if param.is_cuda:
-        per_matrix = lr if isinstance(lr, Tensor) else None
-        torch.ops.nanogpt_kernels.cautious_update_with_mantissa(
-            param, mantissa, O, per_matrix, 0.0 if per_matrix is not None else float(lr), wd)
-
-    else:
-        cautious_update_with_mantissa_reference(param, mantissa, O, lr, wd)
+    """NorMuon's cautious update of the bf16 + mantissa master in place by the Triton kernel, as its
+    torch.library op (CUDA). lr: a float or an fp32 (n, 1, 1) tensor."""
+    per_matrix = lr if isinstance(lr, Tensor) else None
+    torch.ops.nanogpt_kernels.cautious_update_with_mantissa(
+        param, mantissa, O, per_matrix, 0.0 if per_matrix is not None else float(lr), wd)
 
 
 # ==================================================================================================
@@ -1264,10 +1242,8 @@ def _normuon_momentum_op(grad: Tensor, momentum_buffer: Tensor, momentum: float)
 
 
 def normuon_momentum(grad: Tensor, momentum_buffer: Tensor, momentum: float) -> Tensor:
-    """NorMuon's momentum step: Triton on CUDA, the reference elsewhere."""
-    if grad.is_cuda:
-        return torch.ops.nanogpt_kernels.normuon_momentum(grad, momentum_buffer, momentum)
-    return normuon_momentum_reference(grad, momentum_buffer, momentum)
+    """NorMuon's momentum step by the Triton kernel, as its torch.library op (CUDA)."""
+    return torch.ops.nanogpt_kernels.normuon_momentum(grad, momentum_buffer, momentum)
 
 
 @triton.jit
@@ -1317,12 +1293,10 @@ def _polar_split_product_op(y: Tensor, x: Tensor, a: float) -> None:
 
 
 def polar_split_product_(y: Tensor, x: Tensor, a: float) -> Tensor:
-    """Polar Express's split final product y <- round(y + a*x), y = bf16(B @ X), in place: Triton on
-    CUDA, the reference elsewhere. Returns y."""
-    if y.is_cuda:
-        torch.ops.nanogpt_kernels.polar_split_product_(y, x, a)
-        return y
-    return polar_split_product_reference(y, x, a)
+    """Polar Express's split final product y <- round(y + a*x), y = bf16(B @ X), in place by the
+    Triton kernel, as its torch.library op (CUDA). Returns y."""
+    torch.ops.nanogpt_kernels.polar_split_product_(y, x, a)
+    return y
 
 
 # ==================================================================================================
@@ -1739,7 +1713,7 @@ def varlen_attention_reference(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tens
 # dv. Tiles: 16 rows of hd=128 and 4 warps, picked by timing (notes/2026-11-26_speed3_H200); the
 # tiles set the fp32 sums' order.
 
-_QK_RMS_EPS = 2.0 ** -23  # train_gpt.FLT_EPS, the eps of every rms()
+RMS_EPS = 2.0 ** -23  # the eps of QK-norm and of every train_gpt.rms() (fp32 epsilon)
 _QK_ROTARY_ELEMENTS = 2048
 _QK_ROTARY_WARPS = 4
 _QK_ROTARY_INTERPRETER_ROWS = 8  # CPU tests: several blocks and a partial last one
@@ -1870,7 +1844,7 @@ def _qk_rotary_launch(qkv: Tensor, H: int, hd: int, parts: int, rows: int | None
     block_r = rows or (max(1, _QK_ROTARY_ELEMENTS // hd) if qkv.is_cuda
                        else _QK_ROTARY_INTERPRETER_ROWS)
     n_rows = qkv.shape[0] * H
-    return (triton.cdiv(n_rows, block_r), parts), dict(n_rows=n_rows, H=H, HD=hd, EPS=_QK_RMS_EPS,
+    return (triton.cdiv(n_rows, block_r), parts), dict(n_rows=n_rows, H=H, HD=hd, EPS=RMS_EPS,
                                                    BLOCK_R=block_r, num_warps=_QK_ROTARY_WARPS)
 
 
@@ -1943,7 +1917,9 @@ class _QKNormRotaryFunction(torch.autograd.Function):
 
 def qk_norm_rotary_triton(qkv: Tensor, cos: Tensor, sin: Tensor, pos_mult: int,
                           key_offset: bool = False) -> tuple[Tensor, Tensor, Tensor]:
-    """Differentiable Triton path (CUDA; CPU only under the interpreter, in float32)."""
+    """q, k normed and rotated (contiguous; k shifted by key_offset) and v (a view), each (T, H, hd),
+    from qkv (T, 3*H*hd), differentiable, by the Triton kernels (CUDA; a CPU only under the
+    interpreter, in float32)."""
     return _QKNormRotaryFunction.apply(qkv, cos, sin, pos_mult, key_offset)
 
 
@@ -1973,7 +1949,7 @@ def qk_norm_rotary_reference(qkv: Tensor, cos: Tensor, sin: Tensor, pos_mult: in
 
     def norm_rotate(x: Tensor) -> Tensor:
         x = x.to(acc)
-        n = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + _QK_RMS_EPS)
+        n = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + RMS_EPS)
         n_rot, n_pass = n[..., :half], n[..., half:]
         n_swapped = n_rot.unflatten(-1, (half // 2, 2)).flip(-1).flatten(-2)
         return torch.cat([n_rot * c + n_swapped * s, n_pass], dim=-1).to(qkv.dtype)
@@ -1982,10 +1958,3 @@ def qk_norm_rotary_reference(qkv: Tensor, cos: Tensor, sin: Tensor, pos_mult: in
     k = norm_rotate(k)
     return norm_rotate(q), shift_keys_by_one(k) if key_offset else k, v
 
-
-def qk_norm_rotary(qkv: Tensor, cos: Tensor, sin: Tensor, pos_mult: int, key_offset: bool = False
-                   ) -> tuple[Tensor, Tensor, Tensor]:
-    """q, k normed and rotated (contiguous; k shifted by key_offset) and v (a view), each (T, H, hd),
-    from qkv (T, 3*H*hd): Triton on CUDA, the reference elsewhere."""
-    return (qk_norm_rotary_triton(qkv, cos, sin, pos_mult, key_offset) if qkv.is_cuda
-            else qk_norm_rotary_reference(qkv, cos, sin, pos_mult, key_offset))

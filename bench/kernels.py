@@ -112,7 +112,7 @@ def bench_mlp(table: Table) -> None:
 
     ref_c = torch.compile(tk.relu2_mlp_reference, dynamic=True)
     ref_fb_c = torch.compile(fwd_bwd(tk.relu2_mlp_reference), dynamic=True)
-    kern_fb, ref_fb = fwd_bwd(tk.relu2_mlp), fwd_bwd(tk.relu2_mlp_reference)
+    kern_fb, ref_fb = fwd_bwd(tk.relu2_mlp_triton), fwd_bwd(tk.relu2_mlp_reference)
     c_fc = (torch.randn(3072, 768, device="cuda") / 28).bfloat16().requires_grad_()
     c_proj = (torch.randn(3072, 768, device="cuda") / 55).bfloat16().requires_grad_()
     for M in (16384, 32768, 49152):
@@ -120,7 +120,7 @@ def bench_mlp(table: Table) -> None:
         g = torch.randn(M, 768, device="cuda").bfloat16()
         flops = 2 * 2 * M * 768 * 3072
         with torch.no_grad():
-            table.add("mlp fwd", f"{M}x768->3072", "TFLOP/s", flops, lambda: tk.relu2_mlp(x, c_fc, c_proj),
+            table.add("mlp fwd", f"{M}x768->3072", "TFLOP/s", flops, lambda: tk.relu2_mlp_triton(x, c_fc, c_proj),
                       lambda: tk.relu2_mlp_reference(x, c_fc, c_proj), lambda: ref_c(x, c_fc, c_proj))
         table.add("mlp fwd+bwd", f"{M}x768->3072", "TFLOP/s", 3 * flops, lambda: kern_fb(x, c_fc, c_proj, g),
                   lambda: ref_fb(x, c_fc, c_proj, g), lambda: ref_fb_c(x, c_fc, c_proj, g))
@@ -136,7 +136,7 @@ def bench_ce(table: Table) -> None:
 
     ref_c = torch.compile(tk.softcapped_mtp_ce_reference, dynamic=True)
     ref_fb_c = torch.compile(fwd_bwd(tk.softcapped_mtp_ce_reference), dynamic=True)
-    kern_fb, ref_fb = fwd_bwd(tk.softcapped_mtp_ce), fwd_bwd(tk.softcapped_mtp_ce_reference)
+    kern_fb, ref_fb = fwd_bwd(tk.softcapped_mtp_ce_triton), fwd_bwd(tk.softcapped_mtp_ce_reference)
     V = 50304
     for n in (16384, 32768, 49152):
         logits = (torch.randn(n, V, device="cuda") * 10).bfloat16().requires_grad_()
@@ -146,7 +146,7 @@ def bench_ce(table: Table) -> None:
             w = torch.tensor(weights, device="cuda")
             shape = f"{n}x{V} K={len(weights)}"
             with torch.no_grad():
-                table.add("ce fwd", shape, "GB/s", n * V * 2, lambda: tk.softcapped_mtp_ce(logits, targets, w),
+                table.add("ce fwd", shape, "GB/s", n * V * 2, lambda: tk.softcapped_mtp_ce_triton(logits, targets, w),
                           lambda: tk.softcapped_mtp_ce_reference(logits, targets, w), lambda: ref_c(logits, targets, w))
             table.add("ce fwd+bwd", shape, "GB/s", 3 * n * V * 2, lambda: kern_fb(logits, targets, w, g),
                       lambda: ref_fb(logits, targets, w, g), lambda: ref_fb_c(logits, targets, w, g))

@@ -124,20 +124,21 @@ def test_ce_reference_gradient_matches_spec_closed_form():
     torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-6)
 
 
-def test_public_ops_use_references_on_cpu():
-    """On CPU tensors the public ops are the references (the trainer runs unchanged without a GPU)."""
-    A = torch.randn(2, 8, 12, dtype=torch.bfloat16)
-    assert torch.equal(tk.xxt(A), tk.xxt_reference(A))
-    S = tk.xxt(A[:, :, :8])
-    assert torch.equal(tk.ba_plus_cAA(S, 0.5, -1.0), tk.ba_plus_cAA_reference(S, 0.5, -1.0))
-    x, w1, w2 = torch.randn(4, 8).bfloat16(), torch.randn(16, 8).bfloat16(), torch.randn(16, 8).bfloat16()
-    assert torch.equal(tk.relu2_mlp(x, w1, w2), tk.relu2_mlp_reference(x, w1, w2))
+def test_the_trainer_runs_every_reference_on_cpu():
+    """Off CUDA the op table holds the references (the trainer runs unchanged without a GPU), whatever --kernels
+    asks; the fused entries are torch.library ops for CUDA tensors."""
+    import train_gpt as tg
+    for kernels in ("fused", "torch", "mlp:fused,polar:fused"):
+        ops = tg.kernel_ops(kernels, "cpu")
+        assert (ops.xxt, ops.ba_plus_cAA, ops.relu2_mlp) == (tk.xxt_reference, tk.ba_plus_cAA_reference,
+                                                             tk.relu2_mlp_reference), kernels
+        assert ops.mtp_ce is tk.softcapped_mtp_ce_chunked, kernels
 
 
 @pytest.mark.parametrize("n, weights", [(100, [1.0, 0.5, 0.25]), (70, [1.0, 0.0, 0.5]), (2, [1.0, 0.5, 0.25]),
                                         (33, [1.0]), (64, [0.0, -1.0])])
 def test_ce_cpu_path_matches_reference_forward_and_backward(n, weights):
-    """The public CE op on CPU is the chunked path (rows in blocks of 32, so n=33/70/100 cross block edges and the
+    """The CE op on CPU is the chunked path (rows in blocks of 32, so n=33/70/100 cross block edges and the
     MTP targets of a block's last rows live in the next block): same losses and bf16 gradient as the reference."""
     g = torch.Generator().manual_seed(n)
     V = 777
@@ -145,7 +146,7 @@ def test_ce_cpu_path_matches_reference_forward_and_backward(n, weights):
     targets = torch.randint(0, V, (n,), generator=g)
     targets[5 % n] = targets[4 % n]  # two offsets of one row on one column
     w, grad_rows = torch.tensor(weights), torch.rand(n, generator=g) + 0.5
-    got = tk.softcapped_mtp_ce(logits, targets, w)
+    got = tk.softcapped_mtp_ce_chunked(logits, targets, w, rows=32)
     (got_grad,) = torch.autograd.grad(got, logits, grad_rows)
     want = tk.softcapped_mtp_ce_reference(logits, targets, w)
     (want_grad,) = torch.autograd.grad(want, logits, grad_rows)
@@ -154,7 +155,7 @@ def test_ce_cpu_path_matches_reference_forward_and_backward(n, weights):
     # both round an fp32 gradient to bf16; fp32 op-order differences may flip a rounding: at most one bf16 ulp
     torch.testing.assert_close(got_grad.float(), want_grad.float(), rtol=2 ** -7, atol=1e-6)
     with torch.no_grad():  # eval: the same op without autograd
-        torch.testing.assert_close(tk.softcapped_mtp_ce(logits, targets, w), want, rtol=1e-6, atol=1e-5)
+        torch.testing.assert_close(tk.softcapped_mtp_ce_chunked(logits, targets, w, rows=32), want, rtol=1e-6, atol=1e-5)
 
 
 # ------------------------------------------------------------------------------------------------------------------

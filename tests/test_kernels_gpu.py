@@ -84,7 +84,7 @@ def mlp_inputs(M: int, seed: int, lead=()):
 @pytest.mark.parametrize("M, lead", [(2048, ()), (1000, ()), (512, (2,))])
 def test_relu2_mlp_forward_backward_bf16(M, lead):
     x, c_fc, c_proj = mlp_inputs(M, 2, lead)
-    out = tk.relu2_mlp(x, c_fc, c_proj)
+    out = tk.relu2_mlp_triton(x, c_fc, c_proj)
     grad = torch.randn_like(out)
     dx, dc_fc, dc_proj = torch.autograd.grad(out, (x, c_fc, c_proj), grad)
     x64, fc64, proj64, g64 = (t.detach().double() for t in (x, c_fc, c_proj, grad))
@@ -168,7 +168,7 @@ def test_softcapped_mtp_ce_bf16(weights):
     logits = (torch.randn(n, V, device="cuda", generator=g) * 10).bfloat16().requires_grad_()
     targets = torch.randint(0, V, (n,), device="cuda", generator=g)
     w = torch.tensor(weights, device="cuda")
-    losses = tk.softcapped_mtp_ce(logits, targets, w)
+    losses = tk.softcapped_mtp_ce_triton(logits, targets, w)
     grad_rows = torch.full((n,), 1 / 8, device="cuda")
     (dlogits,) = torch.autograd.grad(losses, logits, grad_rows)
     want_losses, want_d = ce_float64(logits.detach(), targets, w, grad_rows)
@@ -176,7 +176,7 @@ def test_softcapped_mtp_ce_bf16(weights):
     assert rel_err(losses, want_losses) < 1e-4  # fp32 math from the same bf16 logits
     assert rel_err(dlogits, want_d) < BF16_TOL
     # The sum's gradient arrives expanded (stride 0): same result.
-    (d_sum,) = torch.autograd.grad(tk.softcapped_mtp_ce(logits, targets, w).sum() / 8, logits)
+    (d_sum,) = torch.autograd.grad(tk.softcapped_mtp_ce_triton(logits, targets, w).sum() / 8, logits)
     assert rel_err(d_sum, want_d) < BF16_TOL
 
 
@@ -300,7 +300,7 @@ def test_compile_symmetric_ops_two_scalar_pairs():
 
 def test_compile_relu2_mlp_forward_backward():
     def step(x, c_fc, c_proj, grad):
-        out = tk.relu2_mlp(x, c_fc, c_proj)
+        out = tk.relu2_mlp_triton(x, c_fc, c_proj)
         return (out * grad).sum()
 
     compiled = fresh_compile(step)
@@ -317,7 +317,7 @@ def test_compile_relu2_mlp_forward_backward():
 
 def test_compile_softcapped_mtp_ce_new_weight_values():
     def loss_fn(logits, targets, w):
-        return tk.softcapped_mtp_ce(logits, targets, w).sum() / 8
+        return tk.softcapped_mtp_ce_triton(logits, targets, w).sum() / 8
 
     compiled = fresh_compile(loss_fn)
     n, V = 256, 50304
@@ -374,12 +374,15 @@ def adam_gpu_state(shape, dtype, seed):
 @pytest.mark.parametrize("shape, dtype", [((50304, 768), torch.bfloat16), ((768, 50304), torch.bfloat16),
                                           ((1000, 37), torch.float32), ((7,), torch.bfloat16)])
 def test_adam_update_is_bitwise_eager_cuda(shape, dtype):
-    """Kernel, eager reference and train_gpt.adam_update (which routes CUDA tensors to the kernel): same bits,
+    """Kernel, eager reference and train_gpt.adam_update (with a GPU run's op table: the kernel): same bits,
     NaNs included (CUDA writes a NaN to bf16 as 0x7FFF)."""
+    import functools
+
     import train_gpt as tg
     p, grad, m, v = adam_gpu_state(shape, dtype, 20)
     runs = {}
-    for name, fn in [("kernel", tk.adam_update), ("eager", tk.adam_update_reference), ("train_gpt", tg.adam_update)]:
+    train_gpt_update = functools.partial(tg.adam_update, ops=tg.kernel_ops("fused", "cuda"))
+    for name, fn in [("kernel", tk.adam_update), ("eager", tk.adam_update_reference), ("train_gpt", train_gpt_update)]:
         state = [t.clone() for t in (p, m, v)]
         fn(state[0], grad, state[1], state[2], **ADAM_GPU_KW)
         runs[name] = state
@@ -425,7 +428,8 @@ def test_cautious_update_with_mantissa_is_bitwise_eager_cuda(n, R, C, transposed
     runs = {}
     for name, fn in [("kernel", lambda p, m: tk.cautious_update_with_mantissa(p, m, O, lr=lr, wd=wd)),
                      ("eager", lambda p, m: tk.cautious_update_with_mantissa_reference(p, m, O, lr, wd)),
-                     ("train_gpt", lambda p, m: tg.cautious_update_with_mantissa_(p, m, O, lr=lr, wd=wd))]:
+                     ("train_gpt", lambda p, m: tg.cautious_update_with_mantissa_(p, m, O, lr=lr, wd=wd,
+                                                                               ops=tg.kernel_ops("fused", "cuda")))]:
         p, m = param.clone(), mantissa.clone()
         fn(p, m)
         runs[name] = (p, m)

@@ -15,6 +15,7 @@ import train_gpt as tg
 import triton_kernels as tk
 
 EPS = 2.0 ** -23
+CPU_OPS = tg.kernel_ops("fused", "cpu")   # off CUDA every op is its reference
 
 
 def tiny_cfg(**overrides) -> tg.ModelConfig:
@@ -240,7 +241,7 @@ def rel_err(a, b):
 # ---- parameters ---------------------------------------------------------------------------------------------------
 
 def test_real_config_parameter_counts():
-    model = tg.GPT(real_cfg(rotary_max_len=16), torch.device("meta"))
+    model = tg.GPT(real_cfg(rotary_max_len=16), torch.device("meta"), CPU_OPS)
     counts = {k: p.numel() for k, p in dict(model.named_parameters()).items()}
     assert list(counts) == ["attn", "mlp", "lm_head", "embed", "ve0", "ve1", "ve2", "attn_gate_bank", "ve_gate_bank",
                             "smear_gate", "skip_gate", "x0_lambdas", "scalars"]
@@ -259,7 +260,7 @@ def test_real_config_parameter_counts():
 def test_tiny_parameter_shapes_dtypes_and_init():
     cfg = tiny_cfg(vocab_size=1024)
     torch.manual_seed(123)
-    model = tg.GPT(cfg, torch.device("cpu"))
+    model = tg.GPT(cfg, torch.device("cpu"), CPU_OPS)
     D, H, L, V = 64, 4, 6, 1024
     P = dict(model.named_parameters())
     assert {id(p) for p in P.values()} == {id(p) for p in model.parameters()} and len(P) == 13
@@ -291,7 +292,7 @@ def test_tiny_parameter_shapes_dtypes_and_init():
     assert s[3 * L:] == [0.0, 0.5, -1.5]
     # seedable from outside
     torch.manual_seed(123)
-    again = tg.GPT(cfg, torch.device("cpu"))
+    again = tg.GPT(cfg, torch.device("cpu"), CPU_OPS)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters()))
 
 
@@ -313,11 +314,11 @@ def test_an_added_attention_layer_shards_on_eight_ranks():
 
 def test_config_validation_names_the_option():
     with pytest.raises(ValueError, match="attn_layout"):
-        tg.GPT(tiny_cfg(attn_layout="PNN-N"), torch.device("cpu"))
+        tg.GPT(tiny_cfg(attn_layout="PNN-N"), torch.device("cpu"), CPU_OPS)
     with pytest.raises(ValueError, match="ve_layout"):
-        tg.GPT(tiny_cfg(ve_layout=(1, 2, -1, 0, 0, 2)), torch.device("cpu"))  # VE on the attention-free layer
+        tg.GPT(tiny_cfg(ve_layout=(1, 2, -1, 0, 0, 2)), torch.device("cpu"), CPU_OPS)  # VE on the attention-free layer
     with pytest.raises(ValueError, match="num_heads"):
-        tg.GPT(tiny_cfg(num_heads=3), torch.device("cpu"))
+        tg.GPT(tiny_cfg(num_heads=3), torch.device("cpu"), CPU_OPS)
 
 
 # ---- attention paths ---------------------------------------------------------------------------------------------
@@ -341,7 +342,7 @@ def _model_attention(model, layer, u, ve, cu, window):
 @pytest.mark.parametrize("layer, ve_layout", [(0, (1, 2, -1, -1, 0, 2)), (5, (1, 2, -1, -1, 0, -1))])
 def test_paired_attention_matches_direct(layer, ve_layout):  # with a value embedding (layer 0) and without (5)
     torch.manual_seed(0)
-    model = tg.GPT(tiny_cfg(ve_layout=ve_layout), torch.device("cpu"))
+    model = tg.GPT(tiny_cfg(ve_layout=ve_layout), torch.device("cpu"), CPU_OPS)
     randomize(model)
     model.attn_scale = 0.3
     T, window = 32, 12   # window in doubled positions (6 tokens)
@@ -358,7 +359,7 @@ def test_paired_attention_matches_direct(layer, ve_layout):  # with a value embe
 @pytest.mark.parametrize("layer", [1, 2, 4])  # 1: long window + key offset + VE; 2: plain; 4: long + offset + VE0
 def test_normal_attention_matches_direct(layer):
     torch.manual_seed(0)
-    model = tg.GPT(tiny_cfg(), torch.device("cpu"))
+    model = tg.GPT(tiny_cfg(), torch.device("cpu"), CPU_OPS)
     randomize(model, seed=layer)
     model.attn_scale = 0.3
     T, window = 40, 10
@@ -385,7 +386,7 @@ def test_yarn_schedule_values_and_frequencies():
     cfg = tiny_cfg(model_dim=128, num_heads=1, head_dim=128, num_layers=2, attn_layout="NN", ve_layout=(-1, -1),
                    num_value_embeds=0, long_window_layers=(1,), skip_source_layer=0, skip_dest_layer=1,
                    backout_layer=1, block_size=128, vocab_size=32, rotary_max_len=64)
-    model = tg.GPT(cfg, torch.device("cpu"))
+    model = tg.GPT(cfg, torch.device("cpu"), CPU_OPS)
     omega0 = model.rotary_omega.clone()
     f = omega_direct(128, 1024.0)
     assert torch.allclose(omega0[:64:2].double(), f, rtol=1e-6) and torch.equal(omega0[:64:2], omega0[1:64:2])
@@ -420,7 +421,7 @@ def test_yarn_schedule_values_and_frequencies():
 
 def test_full_forward_matches_direct_train_and_eval():
     torch.manual_seed(0)
-    model = tg.GPT(tiny_cfg(), torch.device("cpu"))
+    model = tg.GPT(tiny_cfg(), torch.device("cpu"), CPU_OPS)
     randomize(model, seed=3)
     inputs, targets, cu = batch(T=48, docs=(0, 17, 40))
     weights = torch.tensor([1.0, 0.5, 0.25])
@@ -452,7 +453,7 @@ def test_full_forward_matches_direct_train_and_eval():
 @pytest.mark.parametrize("use_fp8", [False, True])
 def test_backward_gives_finite_grads_for_every_label(use_fp8):
     torch.manual_seed(0)
-    model = tg.GPT(tiny_cfg(use_fp8=use_fp8), torch.device("cpu"))
+    model = tg.GPT(tiny_cfg(use_fp8=use_fp8), torch.device("cpu"), CPU_OPS)
     randomize(model, seed=7)
     inputs, targets, cu = batch(T=48, docs=(0, 30))
     loss = model(inputs, targets, cu, 1, 3, torch.tensor([1.0, 0.5]), 64)
@@ -468,7 +469,7 @@ def test_backward_gives_finite_grads_for_every_label(use_fp8):
 def test_forward_traces_as_one_graph():
     """Dynamo (fullgraph, static shapes) must trace train and eval forward without graph breaks."""
     torch._dynamo.reset()
-    model = tg.GPT(tiny_cfg(use_fp8=True), torch.device("cpu"))
+    model = tg.GPT(tiny_cfg(use_fp8=True), torch.device("cpu"), CPU_OPS)
     randomize(model)
     inputs, targets, cu = batch(T=32, docs=(0, 9))
     compiled = torch.compile(model, backend="eager", fullgraph=True, dynamic=False)
@@ -579,7 +580,7 @@ def test_fp8_custom_ops_match_the_emulation_on_cpu():
 
 def _kernels_loss(kernels: str, train: bool = True) -> tuple[tg.GPT, torch.Tensor]:
     torch.manual_seed(0)
-    model = tg.GPT(tiny_cfg(kernels=kernels, use_fp8=True), torch.device("cpu"))
+    model = tg.GPT(tiny_cfg(use_fp8=True), torch.device("cpu"), tg.kernel_ops(kernels, "cpu"))
     randomize(model, seed=7)
     model.train(train)
     inputs, targets, cu = batch(T=48, docs=(0, 30))
@@ -588,7 +589,7 @@ def _kernels_loss(kernels: str, train: bool = True) -> tuple[tg.GPT, torch.Tenso
 
 
 def test_kernels_torch_gives_the_fused_numbers_on_cpu():
-    # On a CPU the default loss is a chunked closed form of the reference; --kernels=torch runs the reference itself.
+    # On a CPU every op runs its reference, whatever --kernels asks.
     fused_model, fused = _kernels_loss("fused")
     torch_model, plain = _kernels_loss("torch")
     assert plain.item() == pytest.approx(fused.item(), rel=1e-5)

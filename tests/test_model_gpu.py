@@ -60,7 +60,7 @@ def test_fp8_head_mtp_ce_matches_emulation_and_the_unfused_chain():
 
     logits, x8_t, w8 = torch.ops.nanogpt.fp8_head(h.detach(), w.detach(), s_x, s_w)
     logits.requires_grad_(True)
-    (d_logits,) = torch.autograd.grad(tk.softcapped_mtp_ce(logits, targets, mtp).sum() / 8, logits)
+    (d_logits,) = torch.autograd.grad(tk.softcapped_mtp_ce_triton(logits, targets, mtp).sum() / 8, logits)
     quantise = torch.compile(lambda t: tg.fp8_quantize(t, s_g, torch.float8_e5m2), dynamic=False, fullgraph=True)
     g8 = quantise(d_logits)
     udh, udw = torch.ops.nanogpt.fp8_head_backward(g8, g8.t().contiguous(), x8_t, w8, s_x, s_w, s_g)
@@ -85,7 +85,7 @@ def _packed_batch(T, V, max_doc, n_cu, device, seed):
 def compiled_model():
     torch.manual_seed(0)
     dev = torch.device("cuda")
-    model = tg.GPT(real_cfg(), dev)
+    model = tg.GPT(real_cfg(), dev, tg.kernel_ops("fused", "cuda"))
     compiled = torch.compile(model, fullgraph=True, dynamic=False)
     yield model, compiled
     del model, compiled
@@ -155,10 +155,9 @@ def _small_real_model(kernels: str) -> tuple[tg.GPT, object]:
     """The record's widths and kinds of layer in 4 layers (a faster compile), compiled as the trainer compiles it;
     banks and head randomised (at init the zero output projections and the tiny head would hide the MLP)."""
     cfg = real_cfg(num_layers=4, attn_layout="PN-N", long_window_layers=(1,), ve_layout=(0, -1, -1, 1),
-                   num_value_embeds=2, skip_source_layer=0, skip_dest_layer=2, backout_layer=2, kernels=kernels,
-                   rotary_max_len=4096)
+                   num_value_embeds=2, skip_source_layer=0, skip_dest_layer=2, backout_layer=2, rotary_max_len=4096)
     torch.manual_seed(0)
-    model = tg.GPT(cfg, torch.device("cuda"))
+    model = tg.GPT(cfg, torch.device("cuda"), tg.kernel_ops(kernels, "cuda"))
     with torch.no_grad():
         g = torch.Generator(device="cuda").manual_seed(2)
         for bank in (model.attn, model.mlp):
@@ -218,7 +217,7 @@ def test_optimizer_kernels_torch_on_cuda_is_the_fused_update():
     Per op: adam:torch,normuon:torch keeps Polar Express fused, so the whole step is bitwise the fused one."""
     hp = tg.Hyperparameters()
     torch.manual_seed(0)
-    model = tg.GPT(real_cfg(rotary_max_len=16), torch.device("cuda"))
+    model = tg.GPT(real_cfg(rotary_max_len=16), torch.device("cuda"), tg.kernel_ops("fused", "cuda"))
     params = dict(model.named_parameters())
     g = torch.Generator(device="cuda").manual_seed(3)
     grads = {k: 1e-3 * torch.randn(p.shape, device="cuda", generator=g).to(p.dtype) for k, p in params.items()}
@@ -228,7 +227,8 @@ def test_optimizer_kernels_torch_on_cuda_is_the_fused_update():
             copies = {k: torch.nn.Parameter(p.detach().clone()) for k, p in params.items()}
         opt = tg.NorMuonAndAdam(copies, tg.build_optimizer(hp, model, 0, 1).table, adam_lr=hp.adam_lr,
                                 adam_eps=hp.adam_eps, adam_wd=hp.adam_wd, muon_lr=hp.muon_lr,
-                                muon_beta2=hp.muon_beta2, muon_wd=hp.muon_wd, rank=0, world_size=1, kernels=kernels)
+                                muon_beta2=hp.muon_beta2, muon_wd=hp.muon_wd, rank=0, world_size=1,
+                                ops=tg.kernel_ops(kernels, "cuda"))
         for k, p in copies.items():
             p.grad = grads[k].clone()
         opt.step(do_adam=True, lr_factor=1.0, momentum=0.95)

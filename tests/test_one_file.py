@@ -58,8 +58,8 @@ def test_resume_cache_key_and_help_derive_from_one_split():
 
 # ---- one definition per op ----------------------------------------------------------------------------------------
 
-def tiny_model(kernels: str = "fused", seed: int = 0) -> tg.GPT:
-    hp = tg.parse_args(["--preset=tiny", f"--kernels={kernels}"])
+def tiny_model(kernels: str = "fused", seed: int = 0, use_fp8: bool = False) -> tg.GPT:
+    hp = tg.parse_args(["--preset=tiny", f"--kernels={kernels}", f"--use_fp8={use_fp8}"])
     torch.manual_seed(seed)
     model = tg.build_model(hp, torch.device("cpu"), "sdpa")
     g = torch.Generator().manual_seed(seed)
@@ -126,33 +126,67 @@ def test_a_cpu_run_with_default_flags_uses_edited_optimizer_steps(monkeypatch):
                                                                                   plain["embed"])
 
 
-def test_the_per_op_switch_runs_exactly_the_ops_asked_for(monkeypatch):
-    """Each op has a dispatcher (the kernel on CUDA, the reference elsewhere) and a reference; --kernels=op:torch
-    calls the reference directly. Recording both shows which one the model and the optimizer chose."""
-    pairs = {"qk": ("qk_norm_rotary", "qk_norm_rotary_reference"), "mlp": ("relu2_mlp", "relu2_mlp_reference"),
-             "ce": ("softcapped_mtp_ce", "softcapped_mtp_ce_reference"),
-             "normuon": ("normuon_momentum", "normuon_momentum_reference"), "polar": ("xxt", "xxt_reference")}
-    calls = []
+def test_a_cpu_run_runs_an_edited_fp8_head_and_every_edit_whatever_kernels_asks(monkeypatch):
+    """The FP8 head's reference is a class of train_gpt: an edited one changes a CPU run's loss, as an edited
+    activation does, also where --kernels forces the fused kernels (off CUDA there are none)."""
+    def fp8_loss(kernels: str = "fused") -> float:
+        return loss_of(tiny_model(kernels, use_fp8=True)).item()
+    plain = fp8_loss()
+    emulated = tg.FP8HeadEmulated
 
-    def recorder(name, fn):
-        def wrapped(*args, **kwargs):
-            calls.append(name)
-            return fn(*args, **kwargs)
-        return wrapped
-    for dispatcher, reference in pairs.values():
-        dispatch_fn, reference_fn = getattr(tk, dispatcher), getattr(tk, reference)
-        monkeypatch.setattr(tk, dispatcher, recorder(dispatcher, dispatch_fn))
-        monkeypatch.setattr(tk, reference, recorder(reference, reference_fn))
-    for kernels, as_reference in [("fused", set()), ("mlp:torch,polar:torch,qk:torch", {"mlp", "polar", "qk"}),
-                                  ("ce:torch,normuon:torch,mlp:fused", {"ce", "normuon"}),
-                                  ("torch", set(pairs))]:
-        calls.clear()
-        loss_of(tiny_model(kernels)).backward()
-        _one_optimizer_step(kernels)
-        for op, (dispatcher, reference) in pairs.items():
-            # a dispatcher off CUDA calls the reference itself, so the reference is seen either way
-            assert (dispatcher in calls) == (op not in as_reference), (kernels, op)
-            assert reference in calls, (kernels, op)
+    class DoubledLogits(emulated):      # an edited FP8 head: twice the logits
+        @staticmethod
+        def forward(ctx, h, w, s_x, s_w, s_g):
+            return 2 * emulated.forward(ctx, h, w, s_x, s_w, s_g)
+    monkeypatch.setattr(tg, "FP8HeadEmulated", DoubledLogits)
+    edited = fp8_loss()
+    assert abs(edited - plain) > 1e-3 * abs(plain)
+    assert fp8_loss("fp8:fused,ce:fused") == edited
+    monkeypatch.undo()
+    monkeypatch.setattr(tk, "relu2_mlp_reference", lambda x, a, b: 0 * x)       # an MLP that adds nothing
+    assert fp8_loss("mlp:fused") != plain
+
+
+# ---- the op table: one choice per op, made once ------------------------------------------------------------------
+
+# Each op's fields of the table, and what they may hold as (kernel, *references); fp8's field is checked apart.
+OP_FIELDS = {
+    "qk": {"qk_norm_rotary": (tk.qk_norm_rotary_triton, tk.qk_norm_rotary_reference)},
+    "mlp": {"relu2_mlp": (tk.relu2_mlp_triton, tk.relu2_mlp_reference)},
+    "ce": {"mtp_ce": (tk.softcapped_mtp_ce_triton, tk.softcapped_mtp_ce_reference, tk.softcapped_mtp_ce_chunked)},
+    "adam": {"adam_update": (tk.adam_update, tk.adam_update_reference)},
+    "normuon": {"normuon_momentum": (tk.normuon_momentum, tk.normuon_momentum_reference),
+                "cautious_update": (tk.cautious_update_with_mantissa, tk.cautious_update_with_mantissa_reference)},
+    "polar": {"xxt": (tk.xxt, tk.xxt_reference), "ba_plus_cAA": (tk.ba_plus_cAA, tk.ba_plus_cAA_reference),
+              "polar_split_product": (tk.polar_split_product_, tk.polar_split_product_reference)},
+}
+
+
+def fused_in(ops: tg.KernelOps) -> set[str]:
+    """The ops whose fields in the table hold their kernels (asserting that no op is half one, half the other)."""
+    fused = set()
+    for op, fields in OP_FIELDS.items():
+        kinds = {0 if getattr(ops, name) is kernel else 1 if any(getattr(ops, name) is r for r in references)
+                 else None for name, (kernel, *references) in fields.items()}
+        assert kinds in ({0}, {1}), (op, kinds)
+        fused |= {op} if kinds == {0} else set()
+    head = ops.fp8_head_mtp_ce
+    if head == tg.FP8HeadMTPCE.apply:
+        return fused | {"fp8"}
+    assert head.func is tg.fp8_head_then_ce and head.args[1] is ops.mtp_ce
+    return fused | ({"fp8"} if head.args[0] == tg.FP8Head.apply else set())
+
+
+@pytest.mark.parametrize("kernels, on_cuda", [
+    ("fused", set(tg.KERNEL_OPS)), ("torch", set()),
+    ("mlp:torch,polar:torch,qk:torch", set(tg.KERNEL_OPS) - {"mlp", "polar", "qk"}),
+    ("ce:torch,normuon:torch,mlp:fused", set(tg.KERNEL_OPS) - {"ce", "normuon"}),
+    ("fp8:torch,adam:torch,adam:torch", set(tg.KERNEL_OPS) - {"fp8", "adam"})])
+def test_the_op_table_holds_the_kernels_asked_for_on_cuda_and_none_elsewhere(kernels, on_cuda):
+    """Choosing callables does no CUDA work, so a CPU builds a GPU run's table."""
+    assert fused_in(tg.kernel_ops(kernels, "cuda")) == on_cuda
+    assert fused_in(tg.kernel_ops(kernels, "cpu")) == set()
+    assert tg.kernel_ops(kernels, "cpu").mtp_ce is tk.softcapped_mtp_ce_chunked   # the reference, in blocks
 
 
 def test_a_bad_op_in_the_switch_names_the_ops():
@@ -161,23 +195,81 @@ def test_a_bad_op_in_the_switch_names_the_ops():
         tg.validate_hyperparameters(tg.parse_args(["--preset=tiny", "--kernels=mlp:torch,attn:torch"]), 1)
 
 
+def test_an_op_asked_both_ways_is_one_error_naming_the_flag():
+    with pytest.raises(harness.ConfigError) as e:
+        tg.validate_hyperparameters(tg.parse_args(["--preset=tiny", "--kernels=mlp:torch,mlp:fused"]), 1)
+    assert str(e.value) == ("--kernels=mlp:torch,mlp:fused asks for both mlp:torch and mlp:fused; keep one of "
+                            "them") and "\n" not in str(e.value)
+
+
 def test_the_recorded_reference_digests_are_those_of_the_code():
-    assert harness.edited_references(tg.KERNEL_REFERENCES, frozenset(), on_cuda=True) == []
+    assert tg.edited_references() == {}
 
 
-def test_an_edited_reference_gets_a_warning_naming_its_op_and_flag():
-    def relu2_mlp_reference(x, c_fc, c_proj):      # the same name, other code
-        return F.relu(x @ c_fc.mT) @ c_proj
-    table = {**tg.KERNEL_REFERENCES, "mlp": ((relu2_mlp_reference,), tg.KERNEL_REFERENCES["mlp"][1])}
-    fused, = harness.edited_references(table, frozenset(), on_cuda=True)
-    assert re.search(r"^warning: relu2_mlp_reference \(op mlp\) changed .* NOT the edit: --kernels=mlp:torch", fused)
-    on_cpu, = harness.edited_references(table, frozenset(), on_cuda=False)
-    asked, = harness.edited_references(table, frozenset({"mlp"}), on_cuda=True)
-    assert "this run uses the edit" in on_cpu and "this run uses the edit" in asked
+def _edited_version(definition):
+    """Other code under the definition's name, as an edit in the file would give."""
+    def edited(*args, **kwargs):
+        return definition(*args, **kwargs)
+    edited.__name__ = definition.__name__
+    return edited
+
+
+@pytest.mark.parametrize("op", tg.KERNEL_OPS)
+def test_an_edited_reference_runs_on_a_gpu_and_says_so_unless_its_kernel_is_forced(monkeypatch, op):
+    definitions, digest = tg.KERNEL_REFERENCES[op]
+    monkeypatch.setitem(tg.KERNEL_REFERENCES, op, ((_edited_version(definitions[0]), *definitions[1:]), digest))
+    edited = tg.edited_references()
+    assert list(edited) == [op] and edited[op] != digest
+    names = ", ".join(d.__name__ for d in definitions)
+    assert fused_in(tg.kernel_ops("fused", "cuda", edited)) == set(tg.KERNEL_OPS) - {op}
+    line, = tg.kernel_switch_lines("fused", "cuda", edited)
+    assert line.startswith(f"warning: {names} (op {op}) changed since its fused kernel was checked against it; "
+                           "this run uses the edit")
+    assert f"--kernels={op}:fused forces the kernel" in line and line.endswith(f"in KERNEL_REFERENCES to {edited[op]}")
+    forced = f"{op}:fused"
+    assert fused_in(tg.kernel_ops(forced, "cuda", edited)) == set(tg.KERNEL_OPS)
+    line, = tg.kernel_switch_lines(forced, "cuda", edited)
+    assert "uses the edit" not in line and f"uses the fused kernel (--kernels={forced}), which does NOT run the edit" in line
+    assert fused_in(tg.kernel_ops(forced, "cpu", edited)) == set()
+    line, = tg.kernel_switch_lines(forced, "cpu", edited)
+    assert "this run uses the edit (off CUDA every op runs its reference)" in line
+    assert tg.kernel_switch_lines("fused", "cuda", {}) == []
+
+
+def test_the_fp8_digest_holds_only_what_the_fused_head_does_not_run():
+    """fp8_quantize runs on the fused FP8 head's path too (its forward quantisers and FP8Head's backward): it is
+    the ce op's, whose fused backward quantises the gradient itself; fp8's reference is the emulated head alone."""
+    fused_path = [tg._quantize_act, tg._quantize_weight, tg.FP8Head, tg.FP8HeadMTPCE]
+    shared = {d for d in tg.KERNEL_REFERENCES["fp8"][0] if any(d.__name__ in
+                                                            __import__("inspect").getsource(f) for f in fused_path)}
+    assert tg.KERNEL_REFERENCES["fp8"][0] == (tg.FP8HeadEmulated,) and not shared
+    assert tg.fp8_quantize in tg.KERNEL_REFERENCES["ce"][0]
+
+
+def test_editing_the_one_epsilon_changes_qk_norm_and_every_rms(monkeypatch):
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 32, generator=g) * 1e-3          # small rows: an eps of 1e-4 dominates their mean square
+    qkv, cos, sin = torch.randn(5, 3 * 2 * 16, generator=g) * 1e-3, torch.randn(10, 8), torch.randn(10, 8)
+    before = tg.rms(x), tk.qk_norm_rotary_reference(qkv, cos, sin, 1)
+    monkeypatch.setattr(tk, "RMS_EPS", 1e-4)
+    after = tg.rms(x), tk.qk_norm_rotary_reference(qkv, cos, sin, 1)
+    assert not torch.allclose(before[0], after[0], rtol=1e-2)
+    assert not torch.allclose(before[1][0], after[1][0], rtol=1e-2)
+    assert not torch.allclose(before[1][1], after[1][1], rtol=1e-2)
+    _, launch = tk._qk_rotary_launch(qkv, 2, 16, 2, None)          # the kernel's eps, read at each launch
+    assert launch["EPS"] == 1e-4
+    assert loss_of(tiny_model()).item() != pytest.approx(_unedited_tiny_loss(), rel=1e-6)
+
+
+def _unedited_tiny_loss() -> float:
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(tk, "RMS_EPS", 2.0 ** -23)
+        return loss_of(tiny_model()).item()
 
 
 def test_comments_layout_and_docstrings_are_not_edits(tmp_path):
     import importlib.util
+    import inspect
     versions = {
         "same": 'def f(x):\n    """Doc."""\n    return x * 2\n',
         "commented": ('def f(x):\n    """Another docstring."""\n    # a comment\n'
@@ -189,7 +281,7 @@ def test_comments_layout_and_docstrings_are_not_edits(tmp_path):
         spec = importlib.util.spec_from_file_location(f"probe_{name}", tmp_path / f"{name}.py")
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-        digests[name] = harness.reference_digest((module.f,))
+        digests[name] = harness.reference_digest([inspect.getsource(module.f)])
     assert digests["same"] == digests["commented"] != digests["edited"]
 
 
@@ -219,8 +311,10 @@ def test_an_edited_loss_changes_a_default_cpu_run_and_is_named_at_start(tmp_path
     first_val = {label: float(re.search(r"^step:0/\d+ val_loss:([0-9.]+)", log, re.M)[1])
                  for label, log in logs.items()}
     assert first_val["edited"] == pytest.approx(2 * first_val["plain"], abs=2e-4)
-    assert "warning: softcap, softcapped_mtp_ce_reference (op ce) changed" in logs["edited"]
-    assert "--kernels=ce:torch" in logs["edited"] and "warning: " not in logs["plain"]
+    # the log holds the code too, so a line of the run is one that starts with the text
+    assert re.search(r"^warning: softcap, softcapped_mtp_ce_reference, fp8_quantize \(op ce\) changed .* this run "
+                     r"uses the edit \(off CUDA every op runs its reference\)", logs["edited"], re.M)
+    assert not re.search(r"^warning: ", logs["plain"], re.M)
 
 
 def test_the_chunked_loss_is_the_reference_in_blocks():
@@ -237,4 +331,4 @@ def test_the_chunked_loss_is_the_reference_in_blocks():
         grad, = torch.autograd.grad(got.sum(), logits)
         torch.testing.assert_close(got, ref, rtol=1e-13, atol=1e-13)
         torch.testing.assert_close(grad, ref_grad, rtol=1e-12, atol=1e-14)
-    assert tk.softcapped_mtp_ce(logits, targets, weights).shape == (50,)
+    assert tk.softcapped_mtp_ce_chunked(logits, targets, weights).shape == (50,)

@@ -40,6 +40,7 @@ D, H, V = 32, 128, 96
 TINY_TABLE = dict(tg.DEFAULT_PARAM_TABLE, attn=dict(tg.DEFAULT_PARAM_TABLE["attn"], matrix_shape=(D, D)),
                   mlp=dict(tg.DEFAULT_PARAM_TABLE["mlp"], matrix_shape=(H, D)))
 HP = dict(adam_lr=0.008, adam_eps=1e-10, adam_wd=0.005, muon_lr=0.023, muon_beta2=0.95, muon_wd=1.2)
+CPU_OPS = tg.kernel_ops("fused", "cpu")   # off CUDA every op is its reference
 
 
 def make_params(seed: int = 0) -> dict:
@@ -63,7 +64,7 @@ def make_grads(params: dict, seed: int) -> dict:
 
 
 def make_opt(params, world_size=1, rank=0, tied=("lm_head", "embed"), table=TINY_TABLE, **kw):
-    return tg.NorMuonAndAdam(params, table, rank=rank, world_size=world_size, tied=tied, **HP, **kw)
+    return tg.NorMuonAndAdam(params, table, rank=rank, world_size=world_size, tied=tied, ops=CPU_OPS, **HP, **kw)
 
 
 def accumulate(params: dict, grads: dict) -> None:
@@ -113,7 +114,7 @@ def test_polar_express_orthogonalises_within_the_coefficient_band(n, R, C, split
     # Singular values log-uniform over a factor 50: after the Frobenius normalisation they all lie in [1e-3, 1].
     s = torch.exp(torch.rand(n, m, generator=g, dtype=F64) * math.log(50.0))
     G = ((U * s[:, None, :]) @ Vm.mT).bfloat16()
-    O = tg.polar_express(G, split)
+    O = tg.polar_express(G, split, CPU_OPS)
     assert O.dtype == torch.bfloat16 and O.shape == G.shape
     O = O.to(F64)
 
@@ -164,7 +165,7 @@ def polar_express_reference(U: torch.Tensor, split: bool) -> torch.Tensor:
 def test_polar_express_matches_rounded_transcription(split):
     g = torch.Generator().manual_seed(5)
     U = torch.randn(2, 48, 32, generator=g)
-    ours = tg.polar_express(U, split).to(F64)
+    ours = tg.polar_express(U, split, CPU_OPS).to(F64)
     ref = polar_express_reference(U.to(F64), split)
     # Same rounding points, different fp32-vs-float64 accumulation: a few entries land one bf16 ulp apart and the
     # iterations spread that a little; the relative Frobenius distance stays ~1e-3, far below the 5e-2 a wrong
@@ -205,7 +206,7 @@ def test_adam_update_matches_float64_transcription(dtype):
     p0, m0 = p.clone(), m.to(F64)
     p_ref, m_ref, v_ref = adam_reference(p, grad, m, v, t=t, lr=lr, beta1=beta1, beta2=beta2, eps=eps, wd=wd)
     step_size, decay = tg.adam_scalars(lr, t, beta1, beta2, wd)
-    tg.adam_update(p, grad, m, v, beta1=beta1, beta2=beta2, eps=eps, step_size=step_size, decay=decay)
+    tg.adam_update(p, grad, m, v, beta1=beta1, beta2=beta2, eps=eps, step_size=step_size, decay=decay, ops=CPU_OPS)
     # fp32 vs float64: a few fp32 ulps of the terms' magnitude (m ~ 1e-3, v ~ 1e-4), relative where they cancel.
     torch.testing.assert_close(m.to(F64), m_ref, rtol=2e-6, atol=3e-10)
     torch.testing.assert_close(v.to(F64), v_ref, rtol=2e-6, atol=3e-11)
@@ -229,7 +230,7 @@ def test_adam_update_in_cpu_blocks_is_bitwise_the_whole_tensor_update(monkeypatc
     table = (torch.randn(700, 192, generator=g) * 0.1).bfloat16()
     grad = (torch.randn(700, 192, generator=g) * 1e-2).bfloat16()
     m, v = torch.randn(700, 192, generator=g) * 1e-3, torch.rand(700, 192, generator=g) * 1e-4
-    kw = dict(beta1=0.75, beta2=0.95, eps=1e-10, step_size=0.01, decay=0.3)
+    kw = dict(beta1=0.75, beta2=0.95, eps=1e-10, step_size=0.01, decay=0.3, ops=CPU_OPS)
     whole = [t.clone() for t in (table, grad, m, v)]
     monkeypatch.setattr(tg, "CPU_CHUNK_ELEMENTS", 10 ** 9)
     tg.adam_update(whole[0][:, 64:], whole[1][:, 64:], whole[2][:, 64:], whole[3][:, 64:], **kw)
@@ -294,7 +295,7 @@ def test_cautious_update_with_mantissa_matches_float64():
     O[:, :4] = 0                                      # zero update: the NON-strict mask still decays these
     lr = torch.tensor([0.25, 0.5, 0.125], dtype=torch.float32).view(n, 1, 1)
     wd = f32(0.9)
-    tg.cautious_update_with_mantissa_(param, mantissa, O, lr=lr, wd=wd)
+    tg.cautious_update_with_mantissa_(param, mantissa, O, lr=lr, wd=wd, ops=CPU_OPS)
     Og, lr64 = O.to(F64), lr.to(F64)
     mask = (Og * P >= 0).to(F64)
     P_ref = (P - ((P * mask) * wd) * lr64) - Og * lr64
@@ -334,7 +335,7 @@ def test_normuon_update_matches_float64_transcription(R, C, split):
     P_ref, M_ref, Q_ref = normuon_reference(param, grad, M, Q, mantissa, mu=mu, beta2=beta2, lr=f32(lr), wd=wd,
                                             split=split)
     tg.normuon_update(param, grad, M, Q, mantissa, momentum=mu, beta2=beta2, lr=f32(lr), wd=wd,
-                      split_final_product=split)
+                      split_final_product=split, ops=CPU_OPS)
     torch.testing.assert_close(M.to(F64), M_ref, rtol=1e-5, atol=1e-9)
     torch.testing.assert_close(Q.to(F64), Q_ref, rtol=0.05, atol=0)
     # The orthogonalised direction carries bf16 noise (a few % relative, see the Polar Express tests), so compare the
@@ -359,12 +360,13 @@ def test_mantissa_master_equals_fp32_trajectory_bit_for_bit():
     for step in range(steps):
         grad = (torch.randn(n, R, C, generator=g) * 1e-2).bfloat16()
         mu = 0.85 + 0.1 * step / steps
-        O = tg.normuon_direction_(grad, M_ref, Q_ref, momentum=mu, beta2=0.95, split_final_product=False)
+        O = tg.normuon_direction_(grad, M_ref, Q_ref, momentum=mu, beta2=0.95, split_final_product=False,
+                                  ops=CPU_OPS)
         Og = O.float()
         mask = Og * master >= 0
         master = (master - ((master * mask) * wd) * lr) - Og * lr
         tg.normuon_update(param, grad, M, Q, mantissa, momentum=mu, beta2=0.95, lr=lr, wd=wd,
-                          split_final_product=False)
+                          split_final_product=False, ops=CPU_OPS)
         bits = master.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
         assert torch.equal(master_bits(param, mantissa), bits), f"step {step}"
         saw_truncation |= bool((master.bfloat16() != param).any())       # round-to-nearest would differ here
@@ -428,7 +430,7 @@ def test_class_normuon_lr_multipliers_by_global_matrix_index():
         lr = f32(2.0 * (2.0 if i % 2 else 1.0) * (0.023 * s))
         tg.normuon_update(p, grads["mlp"].view(4, H, D)[i:i + 1], torch.zeros(1, H, D), torch.zeros(1, H, 1),
                           torch.zeros(1, H, D, dtype=torch.uint16), momentum=0.9, beta2=0.95, lr=lr, wd=wd,
-                          split_final_product=False)
+                          split_final_product=False, ops=CPU_OPS)
         assert torch.equal(params["mlp"].detach().view(4, H, D)[i], p[0]), i
     assert opt.buffers["mlp"]["second_moment"].shape == (4, H, 1)
     assert opt.buffers["attn"]["second_moment"].shape == (8, D, 1)

@@ -129,13 +129,6 @@ def test_bf16_reference_is_the_float64_math_rounded_once(pos_mult):
     assert torch.equal(got[2], qkv.view(T, 3, H, hd)[:, 2])
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_public_op_is_the_reference_on_cpu(dtype):
-    qkv, cos, sin = make_inputs(9, 2, 16, 2, dtype, "trainer", seed=3)
-    for a, b in zip(tk.qk_norm_rotary(qkv, cos, sin, 2), tk.qk_norm_rotary_reference(qkv, cos, sin, 2)):
-        assert torch.equal(a, b)
-
-
 def check_v_is_a_view_with_its_gradient(fn):
     """A copy of v would be saved by attention beside qkv (which the backward keeps anyway): v must share qkv's
     memory and still receive its gradient."""
@@ -182,7 +175,7 @@ def test_kernels_compile_for_h100_without_fp64(kernel, pos_mult, key_offset):
              else ("dq_ptr", "dk_ptr", "dv_ptr", "qkv_ptr", "cos_ptr", "sin_ptr", "dqkv_ptr"))
     sig = {**{n: "*bf16" for n in names}, "stride_tab": "i32", "n_rows": "i32", "H": "i32"}
     fn = tk._qk_rotary_fwd_kernel if kernel == "fwd" else tk._qk_rotary_bwd_kernel
-    consts = {"POS_MULT": pos_mult, "KEY_OFFSET": key_offset, "HD": 128, "EPS": tk._QK_RMS_EPS,
+    consts = {"POS_MULT": pos_mult, "KEY_OFFSET": key_offset, "HD": 128, "EPS": tk.RMS_EPS,
               "BLOCK_R": tk._QK_ROTARY_ELEMENTS // 128}
     try:
         compiled = compile_for_h100(fn, sig, consts, {"num_warps": tk._QK_ROTARY_WARPS}, (), tuple(sig))
@@ -276,7 +269,7 @@ def test_gpu_bf16_matches_float64(T, H, hd, tables, pos_mult, key_offset):
     qkv, cos, sin = make_inputs(T, H, hd, pos_mult, torch.bfloat16, tables, seed=T + pos_mult, device="cuda")
     g = torch.Generator(device="cuda").manual_seed(4)
     grads = [torch.randn(T, H, hd, device="cuda", generator=g).bfloat16() for _ in range(3)]
-    got, got_d = grad_of(lambda x: tk.qk_norm_rotary(x, cos, sin, pos_mult, key_offset), qkv, grads)
+    got, got_d = grad_of(lambda x: tk.qk_norm_rotary_triton(x, cos, sin, pos_mult, key_offset), qkv, grads)
     exact = tk.qk_norm_rotary_reference(qkv.double(), cos.double(), sin.double(), pos_mult, key_offset)
     if key_offset:  # k's gradient before the shift, as autograd forms it in bf16 (token 0 sums two terms)
         k0 = torch.zeros_like(grads[1], requires_grad=True)
@@ -309,9 +302,9 @@ def test_gpu_key_offset_is_the_shift_after_the_op_bit_for_bit(T):
     grads = [torch.randn(T, H, hd, device="cuda", generator=g).bfloat16() for _ in range(3)]
 
     def shifted_after(x):
-        q, k, v = tk.qk_norm_rotary(x, cos, sin, 1)
+        q, k, v = tk.qk_norm_rotary_triton(x, cos, sin, 1)
         return q, tk.shift_keys_by_one(k), v
-    got, got_d = grad_of(lambda x: tk.qk_norm_rotary(x, cos, sin, 1, True), qkv, grads)
+    got, got_d = grad_of(lambda x: tk.qk_norm_rotary_triton(x, cos, sin, 1, True), qkv, grads)
     want, want_d = grad_of(shifted_after, qkv, grads)
     for a, b in zip(got, want):
         assert torch.equal(a, b)
@@ -330,7 +323,7 @@ def test_gpu_compiled_is_eager():
     def step(qkvs, cos, sin, w):
         total = 0
         for layer, (qkv, (pos_mult, key_offset)) in enumerate(zip(qkvs, layers)):
-            q, k, v = tk.qk_norm_rotary(qkv, cos, sin, pos_mult, key_offset)
+            q, k, v = tk.qk_norm_rotary_triton(qkv, cos, sin, pos_mult, key_offset)
             total = total + sum((t.float() * w[i]).sum() for i, t in enumerate((q, k, v))) * (layer + 1)
         return total
 

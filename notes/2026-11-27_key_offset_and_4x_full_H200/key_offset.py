@@ -31,11 +31,11 @@ from attention import gpu_kernel_ms  # noqa: E402  (bench/attention.py)
 def variant(name: str):
     def run(qkv, cos, sin):
         if name == "no shift":
-            return tk.qk_norm_rotary(qkv, cos, sin, 1)
+            return tk.qk_norm_rotary_triton(qkv, cos, sin, 1)
         if name == "compiled shift after":
-            q, k, v = tk.qk_norm_rotary(qkv, cos, sin, 1)
+            q, k, v = tk.qk_norm_rotary_triton(qkv, cos, sin, 1)
             return q, tk.shift_keys_by_one(k), v
-        return tk.qk_norm_rotary(qkv, cos, sin, 1, key_offset=True)
+        return tk.qk_norm_rotary_triton(qkv, cos, sin, 1, key_offset=True)
     return run
 
 
