@@ -28,8 +28,10 @@ SYNTHETIC_RUN = ("python3 data/synthetic.py --out data/synthetic --preset=full",
 
 @pytest.fixture
 def tree(tmp_path):
-    """A copy of run.sh and data/*.py: what run.sh needs up to the GPU check."""
-    shutil.copy2(ROOT / "run.sh", tmp_path / "run.sh")
+    """A copy of run.sh, data/*.py and the trainer's files (data/shards.py reads the shard format from train_gpt.py):
+    what run.sh needs up to the GPU check."""
+    for name in ("run.sh", "train_gpt.py", "harness.py", "triton_kernels.py", "compile_split.py"):
+        shutil.copy2(ROOT / name, tmp_path / name)
     (tmp_path / "data").mkdir()
     for script in (ROOT / "data").glob("*.py"):
         shutil.copy2(script, tmp_path / "data" / script.name)
