@@ -1371,6 +1371,64 @@ class StopSignals:
         raise Interrupted(signum, f"stopped by {name}")
 
 
+class StopVote:
+    """A stop that every rank takes at the same step, asked at every step boundary for the price of
+    one 4-byte all-reduce (MAX) that nobody waits for: each boundary reads the result of the
+    all-reduce the boundary before launched (long done: a step ran since) and launches the next
+    with this rank's signal. Every rank reads the same result at the same boundary, so a signal to
+    any rank (torchrun passes the launcher's on to all) stops every rank after the same step, one
+    step after the boundary that first saw it: well inside torchrun's 30 s before it SIGKILLs. On
+    a GPU the result is copied to pinned host memory on a side stream, so reading it waits for that
+    copy only, never for the step queued behind it. One process needs no vote."""
+
+    def __init__(self, world_size: int, device: torch.device):
+        self.world_size, self.device = world_size, device
+        self.work: Any = None            # the all-reduce in flight, launched at the last boundary
+        if world_size > 1:
+            self.flag = torch.zeros((), dtype=torch.int32, device=device)
+            if device.type == "cuda":
+                self.host = torch.zeros((), dtype=torch.int32, pin_memory=True)
+                self.copy_stream, self.copied = torch.cuda.Stream(device), torch.cuda.Event()
+
+    def _launch(self, signum: int) -> None:
+        self.flag.fill_(signum)          # on a GPU: a kernel with the value, no sync
+        self.work = dist.all_reduce(self.flag, op=dist.ReduceOp.MAX, async_op=True)
+        if self.device.type == "cuda":
+            with torch.cuda.stream(self.copy_stream):
+                self.work.wait()         # the side stream (not the step's) waits for NCCL
+                self.host.copy_(self.flag, non_blocking=True)
+                self.copied.record()
+
+    def _result(self) -> int:
+        if self.work is None:
+            return 0
+        if self.device.type == "cuda":
+            self.copied.synchronize()
+            agreed = int(self.host)
+        else:
+            self.work.wait()
+            agreed = int(self.flag)
+        self.work = None
+        return agreed
+
+    def at_boundary(self, signum: int) -> int:
+        """The agreed signal of the last boundary's vote (0: go on); launches this boundary's."""
+        if self.world_size == 1:
+            return signum
+        agreed = self._result()
+        if not agreed:
+            self._launch(signum)
+        return agreed
+
+    def now(self, signum: int) -> int:
+        """The agreed signal, waited for: the vote in flight, then one more with `signum`."""
+        if self.world_size == 1:
+            return signum
+        earlier = self._result()
+        self._launch(signum)
+        return max(earlier, self._result())
+
+
 # ==================================================================================================
 # 9. The run: opening it, the services of the timed loop, the dry run, the command line
 # ==================================================================================================
@@ -1395,20 +1453,24 @@ class Run:
     compiling: bool = False              # torch.compile is on (CUDA and --compile)
     accepted: bool = False               # the checks passed (begin_run): a resume refused before
                                          # this leaves no log, so the corrected command can follow
+    votes: StopVote = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.votes = StopVote(self.world_size, self.device)
 
     def sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
     def agreed_signal(self) -> int:
-        """The signal that asked for a stop on any rank (0 if none), the same on every rank (one
-        tiny all-reduce with several processes)."""
-        signum = self.stops.requested or 0
-        if self.world_size > 1:
-            agreed = torch.tensor(signum, device=self.device)
-            dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
-            signum = int(agreed.item())
-        return signum
+        """The signal that asked for a stop on any rank (0 if none), the same on every rank: with
+        several processes one tiny all-reduce, waited for (the final validation's check)."""
+        return self.votes.now(self.stops.requested or 0)
+
+    def vote_to_stop(self) -> int:
+        """At a step boundary: the signal that asked for a stop on any rank by the boundary before
+        this one (0 if none), the same on every rank, without waiting for the device (StopVote)."""
+        return self.votes.at_boundary(self.stops.requested or 0)
 
     def log_table(self, lines: Sequence[str]) -> None:
         """A table into the log file, its last (summary) line on the console too."""

@@ -2705,9 +2705,6 @@ def timed_loop(run: harness.Run, trainer: Trainer, checkpointer: harness.Checkpo
     saving = hp.save_checkpoint or hp.checkpoint_every > 0
     finite = harness.FiniteWatch(hp.nonfinite_check_every, total, run.device)
     profiler = harness.StepProfiler(hp, run)
-    # Signals are polled every step with one process (a host flag, free); with several at the NaN
-    # check's steps (or every 25), where the ranks agree with one tiny all-reduce.
-    poll_every = 1 if run.world_size == 1 else (hp.nonfinite_check_every or 25)
     # With states saved, `pending` is the state at the last loss check; it becomes `last_good` (what
     # is saved if training blows up) once the steps after it gave finite losses.
     pending, last_good = (trainer.state(start, train_ms) if saving else None), None
@@ -2764,7 +2761,9 @@ def timed_loop(run: harness.Run, trainer: Trainer, checkpointer: harness.Checkpo
         if hp.checkpoint_every and done % hp.checkpoint_every == 0 and done < total:
             checkpointer.save(trainer.state(done, clock.pause()), periodic=True)   # untimed
             clock.start()
-        if done % poll_every == 0 and done < total and (signum := run.agreed_signal()):
+        # A stop is voted on at every boundary: free with one process; with several a 4-byte
+        # all-reduce read at the next boundary (harness.StopVote), so every rank stops after one step.
+        if done < total and (signum := run.vote_to_stop()):
             saved = ""
             if saving:
                 saved = (f"; the state after step {done} is saved: "
