@@ -1201,20 +1201,20 @@ def load_checkpoint(path: str, rank: int, world_size: int,
 
 def load_resume(hp: Any, rank: int, world_size: int) -> dict:
     """The state --resume names, for this rank; ConfigError when it cannot continue (see
-    load_checkpoint), or when its run already finished."""
+    load_checkpoint), or when it lies past the end of these options' schedule. The state after the
+    last step (saved when a signal came before or during the final validation, or at the end) is
+    taken: that resume runs only the final validation and writes the result line."""
     state = load_checkpoint(expand_path(hp.resume), rank, world_size)
     if state["step"] >= hp.num_iterations:
         try:
             total = from_dict(type(hp)(), state["hyperparameters"]).num_iterations
         except Exception:  # noqa: BLE001 (an unreadable record: the message below stands)
             total = hp.num_iterations
-        if total != hp.num_iterations:
+        if total != hp.num_iterations or state["step"] > total:
             raise ConfigError(f"--resume: {state['path']} is the state after step {state['step']} "
                               f"of a run of {total} steps, and these options give "
                               f"{hp.num_iterations}: resume with that run's options (its log's "
                               "command line)")
-        raise ConfigError(f"--resume: {state['path']} is the state after step {state['step']} of "
-                          f"{hp.num_iterations}: that run finished, there is nothing to continue")
     return state
 
 

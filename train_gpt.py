@@ -2711,7 +2711,8 @@ def timed_loop(run: harness.Run, trainer: Trainer, checkpointer: harness.Checkpo
     clock, val_loss = TrainClock(train_ms, run.device), float("nan")
     run.log(f"phase:process_start_to_timed_loop time:{run.since_start_ms():.0f}ms")
     run.stops.defer = True               # a signal now stops the run at the next step boundary
-    clock.start()
+    if start < total:                    # (the resume of a final state only validates: no clock)
+        clock.start()
     for step in range(start, total + 1):
         last = step == total
         sched = schedule_at(min(step, total - 1), hp)
