@@ -1686,6 +1686,19 @@ class Outcome:
 
 
 @contextlib.contextmanager
+def same_on_every_rank() -> Iterator[None]:
+    """Around the option checks, which every process torchrun starts meets alike before the process
+    group exists: their error is reported by rank 0 alone (not once per process). Checks that can
+    fail on some ranks only (GPUs per node, the launch variables) stay outside: each rank says its
+    own."""
+    try:
+        yield
+    except (ConfigError, DataError) as e:
+        e.same_on_every_rank = True      # type: ignore[attr-defined]
+        raise
+
+
+@contextlib.contextmanager
 def command_line(argv: Sequence[str]) -> Iterator[Outcome]:
     """Around the script's main: signal handlers for the whole process, and for every failure one
     `error: ...` line and an exit code in outcome.code (see EXIT_* above) instead of a traceback
@@ -1700,6 +1713,8 @@ def command_line(argv: Sequence[str]) -> Iterator[Outcome]:
     except KeyboardInterrupt as e:   # a Ctrl-C that arrived before the handler was installed
         outcome.code = _report_failure(e, _debug_requested(argv))
     finally:
+        if outcome.code:
+            _tell_the_launcher(outcome.code)
         outcome.stops.uninstall()
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
@@ -1721,6 +1736,16 @@ def share_failure(store: Any, code: int, rank: int, message: str) -> str:
     return message
 
 
+def _launched_rank() -> int:
+    """This process's rank: the process group's, else the one torchrun gave it (0 without one)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    try:
+        return launch_environment()[0]
+    except ConfigError:
+        return 0
+
+
 def _report_failure(e: BaseException, debug: bool) -> int:
     distributed = dist.is_available() and dist.is_initialized()
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
@@ -1730,9 +1755,20 @@ def _report_failure(e: BaseException, debug: bool) -> int:
     if debug:
         import traceback
         traceback.print_exception(e)
-    # Options, data and signals are the same on every rank: rank 0 speaks for all of them.
+    # Options, data and signals are the same on every rank: rank 0 speaks for all of them, also
+    # before the process group exists (the options' checks, a signal torchrun passed to every rank).
+    if not distributed and (getattr(e, "same_on_every_rank", False) or code >= 128):
+        rank = _launched_rank()
     if rank == 0 or code in (EXIT_DIVERGED, EXIT_PEER, EXIT_BUG):
         to_console(f"error: {'' if world_size == 1 else f'rank {rank}: '}{message}", sys.stderr)
 
     return code
 
+
+def _tell_the_launcher(code: int) -> None:
+    """run.sh exits with its ranks' code, not torchrun's 1: it names a folder in RUN_SH_EXIT_DIR,
+    where each failing rank leaves its exit code in rank<r>."""
+    folder = os.environ.get("RUN_SH_EXIT_DIR")
+    if folder:
+        with contextlib.suppress(OSError):
+            Path(folder, f"rank{_launched_rank()}").write_text(f"{code}\n")

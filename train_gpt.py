@@ -2778,12 +2778,13 @@ def train(hp: Hyperparameters, argv_text: str,
     """The whole run: checks, setup, warmup and reset, then the timed loop. Returns a summary
     (final val loss, train time)."""
     world_size = harness.launch_environment()[1]
-    asked, hp = hp.batch_slices, slices_for(hp, world_size)
+    with harness.same_on_every_rank():
+        asked, hp = hp.batch_slices, slices_for(hp, world_size)
+        validate_hyperparameters(hp, world_size)
     notes = [] if hp.batch_slices == asked else [
         f"note: {hp.batch_slices} processes, more than --batch_slices={asked}: each takes one slice "
         f"of the batch cut {hp.batch_slices} ways, so documents are cut where {asked} slices would "
         "not cut them (the record's exact math needs at most 8 processes; docs/multi-node.md)"]
-    validate_hyperparameters(hp, world_size)
     run = harness.open_run(hp, stops or harness.StopSignals(),
                            [Path(__file__), Path(tk.__file__), Path(compile_split.__file__)])
     with run.failures_logged():
@@ -2805,8 +2806,9 @@ def train(hp: Hyperparameters, argv_text: str,
 def dry_run(hp: Hyperparameters) -> None:
     """--dry_run: every check a run makes before it builds or compiles anything, printed as a
     checklist; the first failing check raises as in a real run."""
-    hp = slices_for(hp, harness.launch_environment()[1])
-    validate_hyperparameters(hp, harness.launch_environment()[1])
+    with harness.same_on_every_rank():
+        hp = slices_for(hp, harness.launch_environment()[1])
+        validate_hyperparameters(hp, harness.launch_environment()[1])
     rank, world_size, _, device = harness.setup_distributed(hp)
     harness.dry_run_checks(hp, rank, world_size, device, available_attn_backends(device),
                            resolve_attn_backend(hp.attn_backend, device))
@@ -2821,7 +2823,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(harness.help_text(Hyperparameters(), PRESETS))
         return 0
     with harness.command_line(argv) as outcome:
-        hp = parse_args(argv)
+        with harness.same_on_every_rank():
+            hp = parse_args(argv)
         if hp.dry_run:
             dry_run(hp)
         else:
