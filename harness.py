@@ -1201,20 +1201,20 @@ def load_checkpoint(path: str, rank: int, world_size: int,
 
 def load_resume(hp: Any, rank: int, world_size: int) -> dict:
     """The state --resume names, for this rank; ConfigError when it cannot continue (see
-    load_checkpoint), or when its run already finished."""
+    load_checkpoint), or when it lies past the end of these options' schedule. The state after the
+    last step (saved when a signal came before or during the final validation, or at the end) is
+    taken: that resume runs only the final validation and writes the result line."""
     state = load_checkpoint(expand_path(hp.resume), rank, world_size)
     if state["step"] >= hp.num_iterations:
         try:
             total = from_dict(type(hp)(), state["hyperparameters"]).num_iterations
         except Exception:  # noqa: BLE001 (an unreadable record: the message below stands)
             total = hp.num_iterations
-        if total != hp.num_iterations:
+        if total != hp.num_iterations or state["step"] > total:
             raise ConfigError(f"--resume: {state['path']} is the state after step {state['step']} "
                               f"of a run of {total} steps, and these options give "
                               f"{hp.num_iterations}: resume with that run's options (its log's "
                               "command line)")
-        raise ConfigError(f"--resume: {state['path']} is the state after step {state['step']} of "
-                          f"{hp.num_iterations}: that run finished, there is nothing to continue")
     return state
 
 
@@ -1371,6 +1371,64 @@ class StopSignals:
         raise Interrupted(signum, f"stopped by {name}")
 
 
+class StopVote:
+    """A stop that every rank takes at the same step, asked at every step boundary for the price of
+    one 4-byte all-reduce (MAX) that nobody waits for: each boundary reads the result of the
+    all-reduce the boundary before launched (long done: a step ran since) and launches the next
+    with this rank's signal. Every rank reads the same result at the same boundary, so a signal to
+    any rank (torchrun passes the launcher's on to all) stops every rank after the same step, one
+    step after the boundary that first saw it: well inside torchrun's 30 s before it SIGKILLs. On
+    a GPU the result is copied to pinned host memory on a side stream, so reading it waits for that
+    copy only, never for the step queued behind it. One process needs no vote."""
+
+    def __init__(self, world_size: int, device: torch.device):
+        self.world_size, self.device = world_size, device
+        self.work: Any = None            # the all-reduce in flight, launched at the last boundary
+        if world_size > 1:
+            self.flag = torch.zeros((), dtype=torch.int32, device=device)
+            if device.type == "cuda":
+                self.host = torch.zeros((), dtype=torch.int32, pin_memory=True)
+                self.copy_stream, self.copied = torch.cuda.Stream(device), torch.cuda.Event()
+
+    def _launch(self, signum: int) -> None:
+        self.flag.fill_(signum)          # on a GPU: a kernel with the value, no sync
+        self.work = dist.all_reduce(self.flag, op=dist.ReduceOp.MAX, async_op=True)
+        if self.device.type == "cuda":
+            with torch.cuda.stream(self.copy_stream):
+                self.work.wait()         # the side stream (not the step's) waits for NCCL
+                self.host.copy_(self.flag, non_blocking=True)
+                self.copied.record()
+
+    def _result(self) -> int:
+        if self.work is None:
+            return 0
+        if self.device.type == "cuda":
+            self.copied.synchronize()
+            agreed = int(self.host)
+        else:
+            self.work.wait()
+            agreed = int(self.flag)
+        self.work = None
+        return agreed
+
+    def at_boundary(self, signum: int) -> int:
+        """The agreed signal of the last boundary's vote (0: go on); launches this boundary's."""
+        if self.world_size == 1:
+            return signum
+        agreed = self._result()
+        if not agreed:
+            self._launch(signum)
+        return agreed
+
+    def now(self, signum: int) -> int:
+        """The agreed signal, waited for: the vote in flight, then one more with `signum`."""
+        if self.world_size == 1:
+            return signum
+        earlier = self._result()
+        self._launch(signum)
+        return max(earlier, self._result())
+
+
 # ==================================================================================================
 # 9. The run: opening it, the services of the timed loop, the dry run, the command line
 # ==================================================================================================
@@ -1395,20 +1453,24 @@ class Run:
     compiling: bool = False              # torch.compile is on (CUDA and --compile)
     accepted: bool = False               # the checks passed (begin_run): a resume refused before
                                          # this leaves no log, so the corrected command can follow
+    votes: StopVote = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.votes = StopVote(self.world_size, self.device)
 
     def sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
     def agreed_signal(self) -> int:
-        """The signal that asked for a stop on any rank (0 if none), the same on every rank (one
-        tiny all-reduce with several processes)."""
-        signum = self.stops.requested or 0
-        if self.world_size > 1:
-            agreed = torch.tensor(signum, device=self.device)
-            dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
-            signum = int(agreed.item())
-        return signum
+        """The signal that asked for a stop on any rank (0 if none), the same on every rank: with
+        several processes one tiny all-reduce, waited for (the final validation's check)."""
+        return self.votes.now(self.stops.requested or 0)
+
+    def vote_to_stop(self) -> int:
+        """At a step boundary: the signal that asked for a stop on any rank by the boundary before
+        this one (0 if none), the same on every rank, without waiting for the device (StopVote)."""
+        return self.votes.at_boundary(self.stops.requested or 0)
 
     def log_table(self, lines: Sequence[str]) -> None:
         """A table into the log file, its last (summary) line on the console too."""
@@ -1624,6 +1686,19 @@ class Outcome:
 
 
 @contextlib.contextmanager
+def same_on_every_rank() -> Iterator[None]:
+    """Around the option checks, which every process torchrun starts meets alike before the process
+    group exists: their error is reported by rank 0 alone (not once per process). Checks that can
+    fail on some ranks only (GPUs per node, the launch variables) stay outside: each rank says its
+    own."""
+    try:
+        yield
+    except (ConfigError, DataError) as e:
+        e.same_on_every_rank = True      # type: ignore[attr-defined]
+        raise
+
+
+@contextlib.contextmanager
 def command_line(argv: Sequence[str]) -> Iterator[Outcome]:
     """Around the script's main: signal handlers for the whole process, and for every failure one
     `error: ...` line and an exit code in outcome.code (see EXIT_* above) instead of a traceback
@@ -1638,6 +1713,8 @@ def command_line(argv: Sequence[str]) -> Iterator[Outcome]:
     except KeyboardInterrupt as e:   # a Ctrl-C that arrived before the handler was installed
         outcome.code = _report_failure(e, _debug_requested(argv))
     finally:
+        if outcome.code:
+            _tell_the_launcher(outcome.code)
         outcome.stops.uninstall()
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
@@ -1659,6 +1736,16 @@ def share_failure(store: Any, code: int, rank: int, message: str) -> str:
     return message
 
 
+def _launched_rank() -> int:
+    """This process's rank: the process group's, else the one torchrun gave it (0 without one)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    try:
+        return launch_environment()[0]
+    except ConfigError:
+        return 0
+
+
 def _report_failure(e: BaseException, debug: bool) -> int:
     distributed = dist.is_available() and dist.is_initialized()
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
@@ -1668,9 +1755,20 @@ def _report_failure(e: BaseException, debug: bool) -> int:
     if debug:
         import traceback
         traceback.print_exception(e)
-    # Options, data and signals are the same on every rank: rank 0 speaks for all of them.
+    # Options, data and signals are the same on every rank: rank 0 speaks for all of them, also
+    # before the process group exists (the options' checks, a signal torchrun passed to every rank).
+    if not distributed and (getattr(e, "same_on_every_rank", False) or code >= 128):
+        rank = _launched_rank()
     if rank == 0 or code in (EXIT_DIVERGED, EXIT_PEER, EXIT_BUG):
         to_console(f"error: {'' if world_size == 1 else f'rank {rank}: '}{message}", sys.stderr)
 
     return code
 
+
+def _tell_the_launcher(code: int) -> None:
+    """run.sh exits with its ranks' code, not torchrun's 1: it names a folder in RUN_SH_EXIT_DIR,
+    where each failing rank leaves its exit code in rank<r>."""
+    folder = os.environ.get("RUN_SH_EXIT_DIR")
+    if folder:
+        with contextlib.suppress(OSError):
+            Path(folder, f"rank{_launched_rank()}").write_text(f"{code}\n")

@@ -69,10 +69,64 @@ else
 fi
 
 export PYTORCH_ALLOC_CONF=${PYTORCH_ALLOC_CONF:-expandable_segments:True}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}   # what torchrun gives its processes anyway, without its banner
+
+# torchrun ends every failure with exit 1 and its own traceback (ChildFailedError and its report, or SignalException
+# when it was signalled), after the ranks' one `error:` line. launch runs it with that face removed: the console keeps
+# the ranks' output, torchrun's log lines and closing traceback go to a file (shown only if no rank said why it
+# failed), and run.sh exits with the ranks' code (docs/failures.md): each failing rank leaves it in RUN_SH_EXIT_DIR.
+# torchrun runs in its own process group, so a Ctrl-C or SIGTERM reaches it once, from here; it passes the signal on
+# to its processes, which stop after the step every rank agrees on, save (--save_checkpoint) and exit 130 or 143.
+TORCHRUN_FACE='
+  function aside(text) { print text > keep; fflush(keep) }
+  state == 0 && /^[DIWEC][0-9][0-9][0-9][0-9] [0-9:.]+ +[0-9]+ .*torch\/distributed\// { aside($0); next }
+  state == 0 && $0 == "Traceback (most recent call last):" { state = 1; held = $0; next }
+  state == 1 {
+    held = held "\n" $0
+    if ($0 !~ /^[ \t]/) {                          # the exception line ends the traceback
+      if ($0 ~ /^torch\.distributed\.elastic\..*(ChildFailedError|SignalException)/) {
+        aside(held); state = $0 ~ /ChildFailedError/ ? 2 : 0
+      } else { print held; fflush(); state = 0 }
+    }
+    next
+  }
+  state == 2 { aside($0); if ($0 ~ /^Root Cause/) root = 1; if (root && $0 ~ /^==+$/) state = root = 0; next }
+  { print; fflush() }'
+launch() {
+  local status torchrun filter rc code c own="" sig="" peer="" signalled=""
+  status=$(mktemp -d "${TMPDIR:-/tmp}/run_sh.XXXXXX")
+  trap 'rm -rf "$status"' EXIT
+  mkfifo "$status/stderr"
+  (trap '' INT TERM HUP; exec awk -v keep="$status/torchrun.txt" "$TORCHRUN_FACE") < "$status/stderr" >&2 &
+  filter=$!
+  set -m
+  RUN_SH_EXIT_DIR="$status" "$PY" -m torch.distributed.run "$@" 2> "$status/stderr" &
+  torchrun=$!
+  set +m
+  for s in INT TERM HUP; do trap "signalled=\$(kill -l $s); kill -$s $torchrun 2>/dev/null || true" "$s"; done
+  while :; do        # a trapped signal ends `wait` early: wait again until torchrun has ended
+    if wait "$torchrun"; then rc=0; else rc=$?; fi
+    kill -0 "$torchrun" 2>/dev/null || break
+  done
+  trap '' INT TERM HUP
+  wait "$filter" || true
+  [ "$rc" -eq 0 ] && exit 0
+  for f in "$status"/rank*; do     # a rank's own failure, else a signal, else 4 (it stopped because another failed)
+    [ -e "$f" ] || continue
+    c=$(cat "$f")
+    case "$c" in 4) peer=4 ;; 1[2-9][0-9]|2[0-9][0-9]) sig=${sig:-$c} ;; *) own=${own:-$c} ;; esac
+  done
+  code=${own:-${sig:-$peer}}
+  if [ -z "$code" ]; then          # no rank said why: show what torchrun said
+    [ -n "$signalled" ] && code=$((128 + signalled)) || { cat "$status/torchrun.txt" >&2 2>/dev/null; code=$rc; }
+  fi
+  exit "$code"
+}
+
 NNODES=${NNODES:-1}
 case "$NNODES" in ''|*[!0-9]*|0) echo "run.sh: error: NNODES=$NNODES must be a node count (1, 2, ...)" >&2; exit 1;; esac
 if [ "$NNODES" -eq 1 ]; then
-  exec "$PY" -m torch.distributed.run --standalone --nproc_per_node="$NPROC" train_gpt.py "$@"
+  launch --standalone --nproc_per_node="$NPROC" train_gpt.py "$@"
 fi
 if [ -z "${MASTER_ADDR:-}" ]; then
   echo "run.sh: error: NNODES=$NNODES needs MASTER_ADDR, an address of the first node that every node can reach" \
@@ -86,5 +140,5 @@ if [ $((8 % WORLD)) -ne 0 ] && [ $((WORLD % 8)) -ne 0 ]; then
   exit 1
 fi
 echo "run.sh: node of $NNODES, $NPROC GPUs each ($WORLD processes); rendezvous at ${MASTER_ADDR}:${MASTER_PORT:-29500}"
-exec "$PY" -m torch.distributed.run --nnodes="$NNODES" --nproc_per_node="$NPROC" --rdzv_backend=c10d \
+launch --nnodes="$NNODES" --nproc_per_node="$NPROC" --rdzv_backend=c10d \
   --rdzv_endpoint="${MASTER_ADDR}:${MASTER_PORT:-29500}" --rdzv_id="${RDZV_ID:-nanogpt_speedrun}" train_gpt.py "$@"

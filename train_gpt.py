@@ -2705,16 +2705,14 @@ def timed_loop(run: harness.Run, trainer: Trainer, checkpointer: harness.Checkpo
     saving = hp.save_checkpoint or hp.checkpoint_every > 0
     finite = harness.FiniteWatch(hp.nonfinite_check_every, total, run.device)
     profiler = harness.StepProfiler(hp, run)
-    # Signals are polled every step with one process (a host flag, free); with several at the NaN
-    # check's steps (or every 25), where the ranks agree with one tiny all-reduce.
-    poll_every = 1 if run.world_size == 1 else (hp.nonfinite_check_every or 25)
     # With states saved, `pending` is the state at the last loss check; it becomes `last_good` (what
     # is saved if training blows up) once the steps after it gave finite losses.
     pending, last_good = (trainer.state(start, train_ms) if saving else None), None
     clock, val_loss = TrainClock(train_ms, run.device), float("nan")
     run.log(f"phase:process_start_to_timed_loop time:{run.since_start_ms():.0f}ms")
     run.stops.defer = True               # a signal now stops the run at the next step boundary
-    clock.start()
+    if start < total:                    # (the resume of a final state only validates: no clock)
+        clock.start()
     for step in range(start, total + 1):
         last = step == total
         sched = schedule_at(min(step, total - 1), hp)
@@ -2764,7 +2762,9 @@ def timed_loop(run: harness.Run, trainer: Trainer, checkpointer: harness.Checkpo
         if hp.checkpoint_every and done % hp.checkpoint_every == 0 and done < total:
             checkpointer.save(trainer.state(done, clock.pause()), periodic=True)   # untimed
             clock.start()
-        if done % poll_every == 0 and done < total and (signum := run.agreed_signal()):
+        # A stop is voted on at every boundary: free with one process; with several a 4-byte
+        # all-reduce read at the next boundary (harness.StopVote), so every rank stops after one step.
+        if done < total and (signum := run.vote_to_stop()):
             saved = ""
             if saving:
                 saved = (f"; the state after step {done} is saved: "
@@ -2778,12 +2778,13 @@ def train(hp: Hyperparameters, argv_text: str,
     """The whole run: checks, setup, warmup and reset, then the timed loop. Returns a summary
     (final val loss, train time)."""
     world_size = harness.launch_environment()[1]
-    asked, hp = hp.batch_slices, slices_for(hp, world_size)
+    with harness.same_on_every_rank():
+        asked, hp = hp.batch_slices, slices_for(hp, world_size)
+        validate_hyperparameters(hp, world_size)
     notes = [] if hp.batch_slices == asked else [
         f"note: {hp.batch_slices} processes, more than --batch_slices={asked}: each takes one slice "
         f"of the batch cut {hp.batch_slices} ways, so documents are cut where {asked} slices would "
         "not cut them (the record's exact math needs at most 8 processes; docs/multi-node.md)"]
-    validate_hyperparameters(hp, world_size)
     run = harness.open_run(hp, stops or harness.StopSignals(),
                            [Path(__file__), Path(tk.__file__), Path(compile_split.__file__)])
     with run.failures_logged():
@@ -2805,8 +2806,9 @@ def train(hp: Hyperparameters, argv_text: str,
 def dry_run(hp: Hyperparameters) -> None:
     """--dry_run: every check a run makes before it builds or compiles anything, printed as a
     checklist; the first failing check raises as in a real run."""
-    hp = slices_for(hp, harness.launch_environment()[1])
-    validate_hyperparameters(hp, harness.launch_environment()[1])
+    with harness.same_on_every_rank():
+        hp = slices_for(hp, harness.launch_environment()[1])
+        validate_hyperparameters(hp, harness.launch_environment()[1])
     rank, world_size, _, device = harness.setup_distributed(hp)
     harness.dry_run_checks(hp, rank, world_size, device, available_attn_backends(device),
                            resolve_attn_backend(hp.attn_backend, device))
@@ -2821,7 +2823,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(harness.help_text(Hyperparameters(), PRESETS))
         return 0
     with harness.command_line(argv) as outcome:
-        hp = parse_args(argv)
+        with harness.same_on_every_rank():
+            hp = parse_args(argv)
         if hp.dry_run:
             dry_run(hp)
         else:

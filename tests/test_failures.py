@@ -181,6 +181,20 @@ def test_torchrun_variables_without_torchrun(capsys, tmp_path, data, monkeypatch
     assert_one_error(code, err, 2, needle, "./run.sh")
 
 
+def test_a_bad_option_under_torchrun_is_reported_by_rank_0_alone_and_left_for_run_sh(capsys, tmp_path, monkeypatch):
+    """Every process torchrun starts parses the same options before the process group exists: rank 0 alone prints
+    the error line (not one per process), and each leaves its exit code where run.sh reads it."""
+    monkeypatch.setenv("RUN_SH_EXIT_DIR", str(tmp_path))
+    for rank in (0, 1):
+        for name, value in (("RANK", rank), ("LOCAL_RANK", rank), ("WORLD_SIZE", 2)):
+            monkeypatch.setenv(name, str(value))
+        assert tg.main(["--bogus=1"]) == 2
+        out, err = capsys.readouterr()
+        assert err.splitlines() == (["error: unknown option --bogus; python3 train_gpt.py --help lists them"]
+                                    if rank == 0 else []), (rank, err)
+        assert (tmp_path / f"rank{rank}").read_text() == "2\n"
+
+
 def test_help_lists_every_field_with_its_default_and_exits_0(capsys):
     for flag in ("--help", "-h"):
         assert tg.main([flag]) == 0

@@ -135,7 +135,7 @@ def test_resume_names_every_math_difference_and_lets_run_control_differ():
 @pytest.mark.timeout(900)
 def test_refused_resumes_are_one_error_line_and_leave_nothing_behind(tmp_path):
     """Other math is refused by name (before the data checks, which other options would fail), so is a shorter
-    schedule and a state whose run finished, and so is a new run that would replace the states of an earlier one
+    schedule than the state's, and so is a new run that would replace the states of an earlier one
     with its --run_id. None of them leaves a log or changes a file, so the corrected command then continues the run
     under the id the resume gives it; where an earlier try at that resume left its log, under the next free one."""
     train, val = make_dataset(tmp_path / "d", train_tokens=400_000, val_tokens=20_000)
@@ -153,7 +153,6 @@ def test_refused_resumes_are_one_error_line_and_leave_nothing_behind(tmp_path):
                          "other math: --num_scheduled_iterations=3 (now 3000)"),    # more than the data holds
                         ([*common, "--num_extension_iterations=0", "--split_frac=0.3", f"--resume={final}"],
                          "after step 4 of a run of 4 steps, and these options give 3"),
-                        ([*common, f"--resume={final}"], "that run finished, there is nothing to continue"),
                         ([*common, "--run_id=a", "--seed=1"], f"{logs / 'a'} holds the states of an earlier run")):
         p = run_trainer(args, tmp_path)
         assert p.returncode == 2 and "Traceback" not in p.stderr
@@ -166,3 +165,26 @@ def test_refused_resumes_are_one_error_line_and_leave_nothing_behind(tmp_path):
     p = run_trainer([*common, f"--resume={middle}"], tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "result: " in (logs / "a-from2.2.txt").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_state_saved_before_the_final_validation_resumes_into_the_result_line(tmp_path):
+    """A stop before or during the final validation saves the state after the last step: the file a run with
+    --save_checkpoint writes just before it validates. Resuming it trains nothing, runs the final validation and
+    writes the result line, with the loss and the train time of the run it continues (the clock never starts)."""
+    train, val = make_dataset(tmp_path / "d", train_tokens=400_000, val_tokens=20_000)
+    logs = tmp_path / "logs"
+    common = ["--preset=tiny", "--num_scheduled_iterations=3", "--num_extension_iterations=1", "--val_loss_every=0",
+              "--seed=0", "--warmup=false", "--save_checkpoint", f"--train_files={train}", f"--val_files={val}",
+              f"--log_dir={logs}"]
+    p = run_trainer([*common, "--run_id=a"], tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    p = run_trainer([*common, f"--resume={logs / 'a' / 'state_step000004.pt'}"], tmp_path)
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    first, resumed = ((logs / name).read_text().splitlines() for name in ("a.txt", "a-from4.txt"))
+    assert any(line.startswith("resumed from ") and "after step 4 of 4" in line for line in resumed)
+    assert not [line for line in resumed if line.startswith("step:") and "val_loss" not in line]   # no step trained
+    assert [line for line in resumed if "val_loss:" in line and line.startswith("step:4/4")] == \
+        [line for line in first if "val_loss:" in line and line.startswith("step:4/4")]
+    assert resumed[-1].startswith("result: ") and resumed[-1].split(" log:")[0] == first[-1].split(" log:")[0]

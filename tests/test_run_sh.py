@@ -113,3 +113,76 @@ def test_a_bad_nproc_is_refused_before_anything_else(tree):
     assert result.returncode == 1
     assert result.stderr.strip() == "run.sh: error: NPROC=3 must divide 8 (1, 2, 4 or 8)"
     assert not (tree / "data" / "fineweb10B").exists()
+
+
+# ---- the launcher's face: torchrun with 2 gloo processes on a CPU, as run.sh starts them ----------------------------
+
+@pytest.fixture
+def two_cpu_ranks(tmp_path):
+    """run.sh's environment for 2 processes on a CPU: a PYTHON whose GPU count (run.sh's check) says 2, the real
+    Python for everything else; the trainer then finds no CUDA and runs on gloo."""
+    fake = tmp_path / "python"
+    fake.write_text("#!/usr/bin/env bash\n"
+                    'if [ "$1" = -c ] && [[ "$2" == *device_count* ]]; then echo 2; exit 0; fi\n'
+                    f'exec {sys.executable} "$@"\n')
+    fake.chmod(0o755)
+    from _shards import CPU_MALLOC_ENV, make_dataset
+    train, val = make_dataset(tmp_path / "d", train_tokens=2_000_000, val_tokens=20_000)
+    env = dict(os.environ, PYTHON=str(fake), NPROC="2", CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1",
+               **CPU_MALLOC_ENV)
+    args = ["--preset=tiny", "--warmup=false", "--val_loss_every=0", "--seed=0", f"--train_files={train}",
+            f"--val_files={val}", f"--log_dir={tmp_path / 'logs'}"]
+    return env, args
+
+
+def error_lines(out):
+    return [line for line in out.splitlines() if line.startswith("error:") or ": error:" in line]
+
+
+@pytest.mark.timeout(900)
+def test_a_bad_option_under_run_sh_is_exit_2_and_one_error_line(two_cpu_ranks):
+    env, args = two_cpu_ranks
+    result = subprocess.run(["bash", str(ROOT / "run.sh"), *args, "--bogus=1"], env=env, capture_output=True,
+                            text=True, timeout=HANG_GUARD_S)
+    out = result.stdout + result.stderr
+    assert result.returncode == 2, out
+    assert error_lines(out) == ["error: unknown option --bogus; python3 train_gpt.py --help lists them"], out
+    assert "Traceback" not in out and "ChildFailedError" not in out, out
+
+
+@pytest.mark.timeout(900)
+def test_sigterm_to_run_sh_between_check_steps_stops_every_rank_at_one_step_with_143(two_cpu_ranks, tmp_path):
+    """The NaN check (so formerly the stop) comes every 25 steps; the SIGTERM goes to run.sh at step 2's line. Every
+    rank stops after the same step, one or two later, saves it, and run.sh exits 143 with the one error line and
+    no traceback, well inside the 30 s torchrun waits before it SIGKILLs."""
+    import signal
+    import time
+    import torch
+    env, args = two_cpu_ranks
+    proc = subprocess.Popen(["bash", str(ROOT / "run.sh"), *args, "--save_checkpoint", "--run_id=term"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline, seen = time.time() + 600, []
+        for line in proc.stdout:
+            seen.append(line)
+            if line.startswith("step:2/") or time.time() > deadline:
+                break
+        assert seen and seen[-1].startswith("step:2/"), "".join(seen) + proc.stderr.read()
+        proc.send_signal(signal.SIGTERM)
+        t0 = time.time()
+        out, err = proc.communicate(timeout=300)
+        took = time.time() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = "".join(seen) + out + err
+    assert proc.returncode == 143, out[-3000:]
+    assert "Traceback" not in out and "SignalException" not in out, out[-3000:]
+    errors = error_lines(out)
+    assert len(errors) == 1 and errors[0].startswith("error: rank 0: stopped by SIGTERM after step "), out[-3000:]
+    step = int(errors[0].split("after step ")[1].split()[0])
+    assert 2 <= step <= 5 and took < 30, (step, took)        # not the check step 25, nor torchrun's SIGKILL
+    for rank in range(2):
+        state = tmp_path / "logs" / "term" / f"state_step{step:06d}_rank{rank}.pt"
+        assert torch.load(state, weights_only=False)["step"] == step
+    assert (tmp_path / "logs" / "term.txt").read_text().splitlines()[-1] == errors[0].replace("rank 0: ", "")
