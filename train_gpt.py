@@ -1996,8 +1996,39 @@ def stage_index(step: int, num_scheduled: int, num_stages: int, strict: bool = F
                for k in range(1, num_stages))
 
 
+def stage_starts(num_scheduled: int, num_stages: int, strict: bool = False) -> list[int]:
+    """The first step of each stage by stage_index's rule, without walking the steps: the exact
+    boundary k * num_scheduled / num_stages, moved to where the float comparison puts it (a step or
+    two at most). Options are checked in a time that does not grow with the step count."""
+    starts = [0]
+    for k in range(1, num_stages):
+        def reached(s: int) -> bool:
+            return stage_index(s, num_scheduled, num_stages, strict) >= k
+        s = k * num_scheduled // num_stages
+        while s > 0 and reached(s - 1):
+            s -= 1
+        while not reached(s):
+            s += 1
+        starts.append(s)
+    return starts
+
+
 def global_batch_size(step: int, num_scheduled: int, stages: Sequence[Stage]) -> int:
     return stages[stage_index(step, num_scheduled, len(stages))].batch
+
+
+def batch_segments(num_steps: int, num_scheduled: int,
+                   stages: Sequence[Stage]) -> list[tuple[int, int, int]]:
+    """(first step, end step, global batch) of the runs of steps 0..num_steps-1 that share a batch
+    size: one per stage (steps past the schedule stay in the last), empty ones left out."""
+    starts = stage_starts(num_scheduled, len(stages))
+    ends = [min(end, num_steps) for end in (*starts[1:], num_steps)]
+    return [(a, b, st.batch) for a, b, st in zip(starts, ends, stages) if a < b]
+
+
+def tokens_before(step: int, segments: Sequence[tuple[int, int, int]]) -> int:
+    """Global tokens trained by steps 0..step-1 (batch_segments' runs of steps)."""
+    return sum(batch * (min(end, step) - start) for start, end, batch in segments if start < step)
 
 
 def window_sizes(step: int, num_scheduled: int, stages: Sequence[Stage],
@@ -2045,6 +2076,15 @@ def mtp_weights(step: int, num_scheduled: int, stages: Sequence[Stage]) -> tuple
         return tuple(weights)
     fade = k + 1 - n * min(step / num_scheduled, 1.0)         # 1 at the stage's start, 0 at its end
     return (*weights[:-1], weights[-1] * fade)
+
+
+def schedule_changes(hp: Hyperparameters) -> list[int]:
+    """The steps after 0 where the batch size, the windows or the number of MTP weights can change
+    (every stage start and the end of the schedule): between two of them only the per-step values
+    (lr, momentum, MTP fade) move, so a plan needs schedule_at at these steps alone."""
+    ns = hp.num_scheduled_iterations
+    return sorted(s for s in {*stage_starts(ns, len(hp.stages))[1:], ns}
+                  if 0 < s < hp.num_iterations)
 
 
 @dataclass(frozen=True)
@@ -2251,8 +2291,8 @@ def validate_hyperparameters(hp: Hyperparameters, world_size: int) -> None:
 def train_tokens_needed(hp: Hyperparameters) -> int:
     """Tokens that carry a loss over the whole run (467,927,040 for the record); reads are higher
     (see preflight)."""
-    return sum(global_batch_size(s, hp.num_scheduled_iterations, hp.stages)
-               for s in range(hp.num_iterations))
+    return tokens_before(hp.num_iterations, batch_segments(hp.num_iterations,
+                                                           hp.num_scheduled_iterations, hp.stages))
 
 
 def estimate_gpu_memory_gib(hp: Hyperparameters, world_size: int) -> float:
@@ -2416,9 +2456,10 @@ def build_optimizer(hp: Hyperparameters, model: nn.Module, rank: int, world_size
 def variant_starts(hp: Hyperparameters) -> list[int]:
     """The first step of each compiled variant of the model: step 0 and every change of the
     windows, batch size or number of MTP weights (each is its own pair of graphs)."""
-    shapes = [(sc.ws_short, sc.ws_long, sc.global_batch, len(sc.mtp_weights))
-              for sc in (schedule_at(s, hp) for s in range(hp.num_iterations))]
-    return [0] + [s for s in range(1, hp.num_iterations) if shapes[s] != shapes[s - 1]]
+    def shape(step: int) -> tuple:
+        sc = schedule_at(step, hp)
+        return sc.ws_short, sc.ws_long, sc.global_batch, len(sc.mtp_weights)
+    return [0] + [s for s in schedule_changes(hp) if shape(s) != shape(s - 1)]
 
 
 def warmup_steps(hp: Hyperparameters) -> list[int]:
@@ -2435,7 +2476,9 @@ def replay_yarn(model: nn.Module, hp: Hyperparameters, steps_done: int) -> int:
     Returns the last step's long window."""
     ws_long = schedule_at(0, hp).ws_long
     model.reset_rotary()
-    for step in range(min(steps_done, hp.num_iterations)):
+    for step in schedule_changes(hp):     # the window changes only there
+        if step >= steps_done:
+            break
         new = schedule_at(step, hp).ws_long
         if new != ws_long:
             model.apply_yarn(ws_long, new)
@@ -2701,7 +2744,7 @@ def timed_loop(run: harness.Run, trainer: Trainer, checkpointer: harness.Checkpo
     GPU is read), the step line, a periodic state, and a stop that a signal asked for (taken at a
     step boundary every rank agrees on). Returns the run's summary."""
     hp, total = trainer.hp, trainer.hp.num_iterations
-    tokens_after = np.cumsum([schedule_at(s, hp).global_batch for s in range(total)])
+    segments = batch_segments(total, hp.num_scheduled_iterations, hp.stages)
     saving = hp.save_checkpoint or hp.checkpoint_every > 0
     finite = harness.FiniteWatch(hp.nonfinite_check_every, total, run.device)
     profiler = harness.StepProfiler(hp, run)
@@ -2759,8 +2802,8 @@ def timed_loop(run: harness.Run, trainer: Trainer, checkpointer: harness.Checkpo
                 last_good, pending = pending, trainer.state(done, clock.now_ms())
         train_loss = (trainer.mean_train_loss(loss, sched)
                       if hp.train_loss_every and done % hp.train_loss_every == 0 else None)
-        run.log_step(done, total, clock.now_ms(), int(tokens_after[done - 1]),
-                     int(tokens_after[-1]), train_loss)
+        run.log_step(done, total, clock.now_ms(), tokens_before(done, segments),
+                     tokens_before(total, segments), train_loss)
         if hp.checkpoint_every and done % hp.checkpoint_every == 0 and done < total:
             checkpointer.save(trainer.state(done, clock.pause()), periodic=True)   # untimed
             clock.start()
