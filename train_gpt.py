@@ -21,6 +21,7 @@ import copy
 import dataclasses
 import functools
 import gc
+import hashlib
 import math
 import os
 import sys
@@ -2337,6 +2338,7 @@ def preflight(hp: Hyperparameters, world_size: int, device: torch.device,
     notes = []
     train_files = harness.resolve_shards(hp.train_files, "train")
     val_files = harness.resolve_shards(hp.val_files, "val")
+    check_disjoint_shards(train_files, val_files, hp.train_files, hp.val_files)
     train_avail = sum(shard_num_tokens(f) for f in train_files)   # validates every header and size
     for path in train_files:
         sample = read_tokens(path, PREFLIGHT_SAMPLE_TOKENS)[0]
@@ -2382,6 +2384,42 @@ def preflight(hp: Hyperparameters, world_size: int, device: torch.device,
                  f"trained tokens; {len(val_files)} val shard(s), {hp.val_tokens:,} tokens per "
                  "validation")
     return notes
+
+
+def shard_digest(path: str, part: int = 1 << 20) -> tuple[int, str]:
+    """A cheap content key: the size and the sha256 of the file if it is at most 2 MiB, else of its
+    first and last MiB (two shards that agree there and in size are the same shard for our
+    purpose)."""
+    size = os.path.getsize(path)
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        h.update(f.read(part if size > 2 * part else size))
+        if size > 2 * part:
+            f.seek(size - part)
+            h.update(f.read(part))
+    return size, h.hexdigest()
+
+
+def check_disjoint_shards(train_files: Sequence[str], val_files: Sequence[str], train_glob: str,
+                          val_glob: str) -> None:
+    """Raise DataError if a validation shard is also a training shard: the same file (a glob that
+    matches both) or a copy of it (same size and digest; only shards of equal size are read)."""
+    val_by_path = {os.path.realpath(v): v for v in val_files}
+    for t in train_files:
+        if os.path.realpath(t) in val_by_path:
+            raise DataError(f"--train_files={train_glob} and --val_files={val_glob} both match "
+                            f"{t} (as {val_by_path[os.path.realpath(t)]}): the run would validate on "
+                            "tokens it trained on; make the patterns match separate shards")
+    val_sizes = {os.path.getsize(v) for v in val_files}
+    same_size = [t for t in train_files if os.path.getsize(t) in val_sizes]
+    if not same_size:
+        return
+    val_by_digest = {shard_digest(v): v for v in val_files}
+    for t in same_size:
+        if (v := val_by_digest.get(shard_digest(t))) is not None:
+            raise DataError(f"training shard {t} and validation shard {v} hold the same tokens (same "
+                            "size and sha256): the run would validate on tokens it trained on; "
+                            "train and validate on different shards (--train_files, --val_files)")
 
 
 def check_document_density(path: str, bos_id: int, max_seq_len: int, rooms: dict[int, int],

@@ -152,6 +152,39 @@ def test_a_billion_steps_is_refused_by_the_data_check_without_walking_them(capsy
     assert_one_error(code, err, 1, "the schedule trains on", "--num_scheduled_iterations")
 
 
+@pytest.mark.parametrize("how", ["glob", "symlink", "copy", "big_copy"])
+@pytest.mark.parametrize("dry", [False, True])
+def test_train_and_val_files_that_overlap_are_refused_naming_both(capsys, tmp_path, data, how, dry):
+    """A --train_files glob that also matches the val shard (the dry run used to count it as a train shard), a link
+    to it, or a copy of it (same size and content digest; a >2 MiB copy is told by its first and last MiB)."""
+    d = tmp_path / "shards"
+    d.mkdir()
+    val = Path(data[1].replace("*", "000000"))
+    train = write_shard(d / "fineweb_train_000001.bin", structured_docs(300_000, 9))
+    train_glob = str(d / "fineweb_*.bin")
+    if how == "big_copy":
+        val = Path(write_shard(d / "val.bin", structured_docs(1_200_000, 8)))
+    if how == "glob":
+        (d / "fineweb_val_000000.bin").write_bytes(val.read_bytes())
+        val_glob = named = str(d / "fineweb_val_*.bin")
+    else:
+        train_glob = str(d / "fineweb_train_*.bin")
+        dup = d / "fineweb_train_000002.bin"
+        os.symlink(val, dup) if how == "symlink" else dup.write_bytes(val.read_bytes())
+        val_glob, named = str(val), str(dup)
+    code, err, _, _ = run_main(capsys, [*SHORT, *(["--dry_run"] if dry else []), f"--train_files={train_glob}",
+                                        f"--val_files={val_glob}"], tmp_path)
+    assert_one_error(code, err, 1, named, str(val) if how != "glob" else named, "validate on tokens it trained on")
+    assert train not in err[0]
+
+
+def test_same_sized_train_and_val_shards_with_other_tokens_pass(tmp_path):
+    d = tmp_path
+    a = write_shard(d / "a.bin", structured_docs(50_000, 1))
+    b = write_shard(d / "b.bin", structured_docs(50_000, 2))
+    tg.check_disjoint_shards([a], [b], "a.bin", "b.bin")
+
+
 # ---- options ------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("arg,needles", [
