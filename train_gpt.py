@@ -1692,17 +1692,23 @@ def max_num_docs(num_tokens: int, tokens_per_doc_bound: int) -> int:
 
 
 def _check_doc_capacity(num_seqs: int, num_tokens: int, tokens_per_doc_bound: int,
-                        what: str) -> None:
+                        what: str, doc_lens: np.ndarray | None = None,
+                        max_seq_len: int | None = None) -> None:
     """num_seqs sequences need num_seqs + 1 boundaries in cu_seqlens; fail loudly rather than
-    overflow."""
+    overflow. doc_lens, max_seq_len: the training documents before --train_max_seq_len cut them,
+    to name it where the cut made the extra sequences."""
     capacity = max_num_docs(num_tokens, tokens_per_doc_bound)
     if num_seqs + 1 > capacity:
         fits = num_tokens // (num_seqs + 1)
+        cut = (f"; documents here are cut to --train_max_seq_len={max_seq_len} tokens, which "
+               "makes more of them: a longer --train_max_seq_len also helps"
+               if doc_lens is not None and (doc_lens[:-1] > max_seq_len).any() else "")
         raise DataError(
             f"{what} of {num_tokens} tokens holds {num_seqs} sequences, but cu_seqlens has room "
             f"for {capacity - 1}: --tokens_per_doc_bound={tokens_per_doc_bound} assumes "
             "documents average more tokens than these do. Lower it: "
-            f"--tokens_per_doc_bound={fits} fits this batch, {max(1, fits // 2)} leaves headroom")
+            f"--tokens_per_doc_bound={fits} fits this batch, {max(1, fits // 2)} leaves headroom"
+            + cut)
 
 
 class _ShardIndex:
@@ -1892,7 +1898,7 @@ def _train_batch_stream(files: list[str], global_batch: int, grad_accum: int, ra
         seg_lens = np.minimum(shard.doc_lens[first:end], max_seq_len)                    # (m,)
         seg_lens[-1] = tokens_per_rank + 1 - (seg_lens.sum() - seg_lens[-1])
         _check_doc_capacity(len(seg_lens), tokens_per_rank, tokens_per_doc_bound,
-                            "a training micro-batch")
+                            "a training micro-batch", shard.doc_lens[first:end], max_seq_len)
         # (N+1,) uint16
         buf = np.concatenate([shard.tokens[s:s + n] for s, n in zip(shard.bos[first:end].tolist(),
                                                                      seg_lens.tolist())])
@@ -2434,12 +2440,21 @@ def check_document_density(path: str, bos_id: int, max_seq_len: int, rooms: dict
     starts = np.flatnonzero(tokens == bos_id)
     if len(starts) < 2:
         return
-    mean_len = float(np.minimum(np.diff(starts), max_seq_len).mean())
+    doc_lens = np.diff(starts)
+    mean_len = float(np.minimum(doc_lens, max_seq_len).mean())
     for n, room in sorted(rooms.items()):
         expected = 1.25 * n / mean_len + 2                # 25% margin for batches of
                                                           # shorter-than-average documents
         if expected > room:
             bound = max(1, int(mean_len / 1.25) - 1)
+            uncut = float(doc_lens.mean())
+            if 1.25 * n / uncut + 2 <= room:              # the cut, not the documents, is short
+                raise ConfigError(
+                    f"--train_max_seq_len={max_seq_len} cuts the documents in {path} (averaging "
+                    f"{uncut:.0f} tokens) to an average of {mean_len:.0f}: a {n}-token micro-batch "
+                    f"holds about {expected:.0f} pieces but cu_seqlens has room for {room}. Rerun "
+                    f"with a longer --train_max_seq_len, or --tokens_per_doc_bound={bound} "
+                    "(default 300)")
             raise ConfigError(f"documents in {path} average {mean_len:.0f} tokens, much shorter "
                               f"than FineWeb's: a {n}-token micro-batch holds about {expected:.0f} "
                               f"documents but cu_seqlens has room for {room}. Rerun with "

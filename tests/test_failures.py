@@ -146,8 +146,8 @@ def step_walk_guard(monkeypatch):
 @pytest.mark.parametrize("dry", [False, True])
 def test_a_billion_steps_is_refused_by_the_data_check_without_walking_them(capsys, tmp_path, data, monkeypatch, dry):
     step_walk_guard(monkeypatch)
-    code, err, _, _ = run_main(capsys, [*SHORT, *(["--dry_run"] if dry else []), "--num_scheduled_iterations=1000000000",
-                                        f"--train_files={data[0]}",
+    code, err, _, _ = run_main(capsys, [*SHORT, *(["--dry_run"] if dry else []),
+                                        "--num_scheduled_iterations=1000000000", f"--train_files={data[0]}",
                                         f"--val_files={data[1]}"], tmp_path)
     assert_one_error(code, err, 1, "the schedule trains on", "--num_scheduled_iterations")
 

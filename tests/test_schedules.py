@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+import harness
 import train_gpt as tg
 
 HP = tg.Hyperparameters()
@@ -174,8 +175,7 @@ def _random_hp(rng):
                             tuple([1.0] + [0.5] * int(rng.integers(0, 3)))) for _ in range(n))
     return tg.parse_args(["--preset=tiny", f"--num_scheduled_iterations={int(rng.integers(n, 120))}",
                           f"--num_extension_iterations={int(rng.integers(0, 12))}",
-                          f"--ws_long_extension={int(rng.integers(1, 6))}",
-                          f"--stages={','.join(f'{s.batch}:{s.lr_peak}:{s.ws_long}:' + '/'.join(map(str, s.mtp_weights)) for s in stages)}"])
+                          f"--ws_long_extension={int(rng.integers(1, 6))}", f"--stages={harness.show(stages)}"])
 
 
 def _plans():
