@@ -277,6 +277,33 @@ def test_reused_run_id_never_touches_the_earlier_log(capsys, tmp_path, data):
     assert earlier.read_text() == "an earlier run's log\n"
 
 
+@pytest.mark.parametrize("args", [["--save_checkpoint"], ["--checkpoint_every=2"], ["--save_checkpoint", "--dry_run"]])
+def test_a_refused_run_leaves_no_empty_folder(capsys, tmp_path, data, args):
+    """The checkpoint folder is made (and write-tested) before the data checks; a run they refuse, or a dry run,
+    removes it again: only the failed run's log stays under the log folder."""
+    code, err, _, log = run_main(capsys, [*SHORT, *args, "--val_tokens=1048576", f"--train_files={data[0]}",
+                                          f"--val_files={data[1]}"], tmp_path)
+    assert_one_error(code, err, 1, "validation reads 1,048,576 tokens")
+    assert [p.name for p in (tmp_path / "logs").iterdir()] == ([] if "--dry_run" in args else ["run.txt"])
+
+
+def test_a_failed_runs_log_keeps_its_run_id_and_the_refusal_says_how_to_continue(capsys, tmp_path, data):
+    """Intended: a failed run's log is its record and is kept, so its explicit --run_id is not reused; the refusal
+    says how that run ended and the ways on: another --run_id, moving the log away, or resuming its states."""
+    args = [*SHORT, f"--train_files={data[0]}", f"--val_files={data[1]}"]
+    code, err, _, log = run_main(capsys, [*args, "--val_tokens=1048576"], tmp_path, run_id="mine")
+    assert code == 1 and log[-1] == err[0]
+    code, err, _, _ = run_main(capsys, args, tmp_path, run_id="mine")
+    assert_one_error(code, err, 2, "mine.txt exists", "--run_id=mine failed (error: validation reads 1,048,576",
+                     "its log is kept", "choose another --run_id", "move that log away to reuse this one")
+    assert "--resume" not in err[0]
+    (tmp_path / "logs" / "mine").mkdir()
+    (tmp_path / "logs" / "mine" / "state_step000004.pt").write_bytes(b"a state")
+    code, err, _, _ = run_main(capsys, args, tmp_path, run_id="mine")
+    assert_one_error(code, err, 2, "mine.txt exists", f"--resume={tmp_path / 'logs' / 'mine'}")
+    assert (tmp_path / "logs" / "mine.txt").read_text().splitlines()[-1].startswith("error: validation reads")
+
+
 # ---- signals ------------------------------------------------------------------------------------------------------
 
 def start(args, cwd):
