@@ -2392,17 +2392,20 @@ def preflight(hp: Hyperparameters, world_size: int, device: torch.device,
     return notes
 
 
-def shard_digest(path: str, part: int = 1 << 20) -> tuple[int, str]:
+def shard_digest(path: str, part: int = 1 << 20) -> tuple[int, str] | None:
     """A cheap content key: the size and the sha256 of the file if it is at most 2 MiB, else of its
     first and last MiB (two shards that agree there and in size are the same shard for our
-    purpose)."""
-    size = os.path.getsize(path)
+    purpose). None if it cannot be read (the shard checks that follow name the file and the fix)."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        h.update(f.read(part if size > 2 * part else size))
-        if size > 2 * part:
-            f.seek(size - part)
-            h.update(f.read(part))
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            h.update(f.read(part if size > 2 * part else size))
+            if size > 2 * part:
+                f.seek(size - part)
+                h.update(f.read(part))
+    except OSError:
+        return None
     return size, h.hexdigest()
 
 
@@ -2420,9 +2423,9 @@ def check_disjoint_shards(train_files: Sequence[str], val_files: Sequence[str], 
     same_size = [t for t in train_files if os.path.getsize(t) in val_sizes]
     if not same_size:
         return
-    val_by_digest = {shard_digest(v): v for v in val_files}
+    val_by_digest = {d: v for v in val_files if (d := shard_digest(v)) is not None}
     for t in same_size:
-        if (v := val_by_digest.get(shard_digest(t))) is not None:
+        if (d := shard_digest(t)) is not None and (v := val_by_digest.get(d)) is not None:
             raise DataError(f"training shard {t} and validation shard {v} hold the same tokens (same "
                             "size and sha256): the run would validate on tokens it trained on; "
                             "train and validate on different shards (--train_files, --val_files)")
