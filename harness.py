@@ -671,6 +671,29 @@ def default_run_id(log_dir: str, resumed: dict | None) -> str:
     return run_id
 
 
+def how_log_ends(log_path: Path) -> str:
+    """How the run that wrote log_path ended, from its last line: "finished", "failed (error:
+    ...)", or "did not finish" (stopped, killed, or still running)."""
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 8192))
+            lines = f.read().decode("utf-8", errors="replace").splitlines()
+    except OSError:
+        lines = []
+    last = next((line.strip() for line in reversed(lines) if line.strip()), "")
+    if last.startswith("result:"):
+        return "finished"
+    if last.startswith("error:"):
+        return f"failed ({last[:100]}{'...' if len(last) > 100 else ''})"
+    return "did not finish (stopped, killed, or still running)"
+
+
+def remove_if_empty(folder: Path) -> None:
+    """Remove `folder` if it holds nothing (a refused run's checkpoint folder); else leave it."""
+    with contextlib.suppress(OSError):
+        folder.rmdir()
+
+
 def prepare_output(opts: RunOptions, run_id: str, rank: int) -> Path:
     """Before anything trains: refuse a --run_id whose log exists, create the log folder (and the
     checkpoint folder with --save_checkpoint) and prove that each is writable, so no run trains for
@@ -679,8 +702,12 @@ def prepare_output(opts: RunOptions, run_id: str, rank: int) -> Path:
     log_dir = Path(expand_path(opts.log_dir))
     log_path = log_dir / f"{run_id}.txt"
     if log_path.exists():
-        raise ConfigError(f"{log_path} exists (an earlier run with --run_id={run_id}): "
-                          "choose another --run_id or move that log away")
+        states = log_dir / run_id
+        resume = (f", or continue that run from its states: --resume={states}"
+                  if any(states.glob("state_step*.pt")) else "")
+        raise ConfigError(f"{log_path} exists: an earlier run with --run_id={run_id} "
+                          f"{how_log_ends(log_path)}; its log is kept: choose another --run_id, or "
+                          f"move that log away to reuse this one{resume}")
     saving = opts.save_checkpoint or opts.checkpoint_every
     if saving and any((log_dir / run_id).glob("state_step*.pt")):
         raise ConfigError(f"{log_dir / run_id} holds the states of an earlier run with "
@@ -1453,6 +1480,8 @@ class Run:
     compiling: bool = False              # torch.compile is on (CUDA and --compile)
     accepted: bool = False               # the checks passed (begin_run): a resume refused before
                                          # this leaves no log, so the corrected command can follow
+    made_folder: Path | None = None      # the checkpoint folder this run created: a failed run
+                                         # that saved nothing there removes it
     votes: StopVote = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
@@ -1508,10 +1537,11 @@ class Run:
     def failures_logged(self) -> Iterator[None]:
         """The log ends with the error line main() prints (and a bug's traceback); the log is closed
         either way."""
-        refused = False
+        refused = failed = False
         try:
             yield
         except BaseException as e:
+            failed = True
             self.stops.defer = False
             if not isinstance(e, SystemExit):
                 code, message = describe_failure(e, self.rank, self.world_size)
@@ -1525,6 +1555,8 @@ class Run:
             raise
         finally:
             self.log.close(remove=refused)
+            if failed and self.made_folder is not None:
+                remove_if_empty(self.made_folder)
 
 
 def open_run(hp: Any, stops: StopSignals, code: Sequence[Path] = ()) -> Run:
@@ -1542,12 +1574,15 @@ def open_run(hp: Any, stops: StopSignals, code: Sequence[Path] = ()) -> Run:
         shared = [run_id]
         dist.broadcast_object_list(shared, 0)
         run_id = shared[0]
+    folder = Path(expand_path(hp.log_dir)) / run_id
+    made = folder if not folder.exists() else None
     log_path = prepare_output(hp, run_id, rank)
     if world_size > 1:
         dist.barrier()                  # every rank has checked that the log
                                         # does not exist before rank 0 makes it
     log = RunLogger(log_path if rank == 0 else None)
-    return Run(hp, rank, world_size, device, run_id, log, stops, t_process, resumed)
+    return Run(hp, rank, world_size, device, run_id, log, stops, t_process, resumed,
+               made_folder=made)
 
 
 def check_same_everywhere(hp: Any, files: Sequence[Path], world_size: int) -> None:
@@ -1654,7 +1689,11 @@ def dry_run_checks(hp: Any, rank: int, world_size: int, device: torch.device,
     saved = load_resume(hp, rank, world_size) if hp.resume else None
     run_id = hp.run_id or (default_run_id(hp.log_dir, saved) if saved else "<a new run id>")
     if hp.run_id:
+        folder = Path(expand_path(hp.log_dir)) / run_id
+        made = not folder.exists()
         prepare_output(hp, run_id, rank)
+        if made:                    # the dry run writes nothing: the checkpoint folder goes again
+            remove_if_empty(folder)
     else:
         prepare_output(dataclasses.replace(hp, save_checkpoint=False, checkpoint_every=0),
                        f".dry_run_{os.getpid()}", rank)

@@ -21,6 +21,7 @@ import copy
 import dataclasses
 import functools
 import gc
+import hashlib
 import math
 import os
 import sys
@@ -1691,17 +1692,23 @@ def max_num_docs(num_tokens: int, tokens_per_doc_bound: int) -> int:
 
 
 def _check_doc_capacity(num_seqs: int, num_tokens: int, tokens_per_doc_bound: int,
-                        what: str) -> None:
+                        what: str, doc_lens: np.ndarray | None = None,
+                        max_seq_len: int | None = None) -> None:
     """num_seqs sequences need num_seqs + 1 boundaries in cu_seqlens; fail loudly rather than
-    overflow."""
+    overflow. doc_lens, max_seq_len: the training documents before --train_max_seq_len cut them,
+    to name it where the cut made the extra sequences."""
     capacity = max_num_docs(num_tokens, tokens_per_doc_bound)
     if num_seqs + 1 > capacity:
         fits = num_tokens // (num_seqs + 1)
+        cut = (f"; documents here are cut to --train_max_seq_len={max_seq_len} tokens, which "
+               "makes more of them: a longer --train_max_seq_len also helps"
+               if doc_lens is not None and (doc_lens[:-1] > max_seq_len).any() else "")
         raise DataError(
             f"{what} of {num_tokens} tokens holds {num_seqs} sequences, but cu_seqlens has room "
             f"for {capacity - 1}: --tokens_per_doc_bound={tokens_per_doc_bound} assumes "
             "documents average more tokens than these do. Lower it: "
-            f"--tokens_per_doc_bound={fits} fits this batch, {max(1, fits // 2)} leaves headroom")
+            f"--tokens_per_doc_bound={fits} fits this batch, {max(1, fits // 2)} leaves headroom"
+            + cut)
 
 
 class _ShardIndex:
@@ -1891,7 +1898,7 @@ def _train_batch_stream(files: list[str], global_batch: int, grad_accum: int, ra
         seg_lens = np.minimum(shard.doc_lens[first:end], max_seq_len)                    # (m,)
         seg_lens[-1] = tokens_per_rank + 1 - (seg_lens.sum() - seg_lens[-1])
         _check_doc_capacity(len(seg_lens), tokens_per_rank, tokens_per_doc_bound,
-                            "a training micro-batch")
+                            "a training micro-batch", shard.doc_lens[first:end], max_seq_len)
         # (N+1,) uint16
         buf = np.concatenate([shard.tokens[s:s + n] for s, n in zip(shard.bos[first:end].tolist(),
                                                                      seg_lens.tolist())])
@@ -1996,8 +2003,39 @@ def stage_index(step: int, num_scheduled: int, num_stages: int, strict: bool = F
                for k in range(1, num_stages))
 
 
+def stage_starts(num_scheduled: int, num_stages: int, strict: bool = False) -> list[int]:
+    """The first step of each stage by stage_index's rule, without walking the steps: the exact
+    boundary k * num_scheduled / num_stages, moved to where the float comparison puts it (a step or
+    two at most). Options are checked in a time that does not grow with the step count."""
+    starts = [0]
+    for k in range(1, num_stages):
+        def reached(s: int) -> bool:
+            return stage_index(s, num_scheduled, num_stages, strict) >= k
+        s = k * num_scheduled // num_stages
+        while s > 0 and reached(s - 1):
+            s -= 1
+        while not reached(s):
+            s += 1
+        starts.append(s)
+    return starts
+
+
 def global_batch_size(step: int, num_scheduled: int, stages: Sequence[Stage]) -> int:
     return stages[stage_index(step, num_scheduled, len(stages))].batch
+
+
+def batch_segments(num_steps: int, num_scheduled: int,
+                   stages: Sequence[Stage]) -> list[tuple[int, int, int]]:
+    """(first step, end step, global batch) of the runs of steps 0..num_steps-1 that share a batch
+    size: one per stage (steps past the schedule stay in the last), empty ones left out."""
+    starts = stage_starts(num_scheduled, len(stages))
+    ends = [min(end, num_steps) for end in (*starts[1:], num_steps)]
+    return [(a, b, st.batch) for a, b, st in zip(starts, ends, stages) if a < b]
+
+
+def tokens_before(step: int, segments: Sequence[tuple[int, int, int]]) -> int:
+    """Global tokens trained by steps 0..step-1 (batch_segments' runs of steps)."""
+    return sum(batch * (min(end, step) - start) for start, end, batch in segments if start < step)
 
 
 def window_sizes(step: int, num_scheduled: int, stages: Sequence[Stage],
@@ -2045,6 +2083,15 @@ def mtp_weights(step: int, num_scheduled: int, stages: Sequence[Stage]) -> tuple
         return tuple(weights)
     fade = k + 1 - n * min(step / num_scheduled, 1.0)         # 1 at the stage's start, 0 at its end
     return (*weights[:-1], weights[-1] * fade)
+
+
+def schedule_changes(hp: Hyperparameters) -> list[int]:
+    """The steps after 0 where the batch size, the windows or the number of MTP weights can change
+    (every stage start and the end of the schedule): between two of them only the per-step values
+    (lr, momentum, MTP fade) move, so a plan needs schedule_at at these steps alone."""
+    ns = hp.num_scheduled_iterations
+    return sorted(s for s in {*stage_starts(ns, len(hp.stages))[1:], ns}
+                  if 0 < s < hp.num_iterations)
 
 
 @dataclass(frozen=True)
@@ -2251,8 +2298,8 @@ def validate_hyperparameters(hp: Hyperparameters, world_size: int) -> None:
 def train_tokens_needed(hp: Hyperparameters) -> int:
     """Tokens that carry a loss over the whole run (467,927,040 for the record); reads are higher
     (see preflight)."""
-    return sum(global_batch_size(s, hp.num_scheduled_iterations, hp.stages)
-               for s in range(hp.num_iterations))
+    return tokens_before(hp.num_iterations, batch_segments(hp.num_iterations,
+                                                           hp.num_scheduled_iterations, hp.stages))
 
 
 def estimate_gpu_memory_gib(hp: Hyperparameters, world_size: int) -> float:
@@ -2297,6 +2344,7 @@ def preflight(hp: Hyperparameters, world_size: int, device: torch.device,
     notes = []
     train_files = harness.resolve_shards(hp.train_files, "train")
     val_files = harness.resolve_shards(hp.val_files, "val")
+    check_disjoint_shards(train_files, val_files, hp.train_files, hp.val_files)
     train_avail = sum(shard_num_tokens(f) for f in train_files)   # validates every header and size
     for path in train_files:
         sample = read_tokens(path, PREFLIGHT_SAMPLE_TOKENS)[0]
@@ -2344,6 +2392,45 @@ def preflight(hp: Hyperparameters, world_size: int, device: torch.device,
     return notes
 
 
+def shard_digest(path: str, part: int = 1 << 20) -> tuple[int, str] | None:
+    """A cheap content key: the size and the sha256 of the file if it is at most 2 MiB, else of its
+    first and last MiB (two shards that agree there and in size are the same shard for our
+    purpose). None if it cannot be read (the shard checks that follow name the file and the fix)."""
+    h = hashlib.sha256()
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            h.update(f.read(part if size > 2 * part else size))
+            if size > 2 * part:
+                f.seek(size - part)
+                h.update(f.read(part))
+    except OSError:
+        return None
+    return size, h.hexdigest()
+
+
+def check_disjoint_shards(train_files: Sequence[str], val_files: Sequence[str], train_glob: str,
+                          val_glob: str) -> None:
+    """Raise DataError if a validation shard is also a training shard: the same file (a glob that
+    matches both) or a copy of it (same size and digest; only shards of equal size are read)."""
+    val_by_path = {os.path.realpath(v): v for v in val_files}
+    for t in train_files:
+        if os.path.realpath(t) in val_by_path:
+            raise DataError(f"--train_files={train_glob} and --val_files={val_glob} both match "
+                            f"{t} (as {val_by_path[os.path.realpath(t)]}): the run would validate on "
+                            "tokens it trained on; make the patterns match separate shards")
+    val_sizes = {os.path.getsize(v) for v in val_files}
+    same_size = [t for t in train_files if os.path.getsize(t) in val_sizes]
+    if not same_size:
+        return
+    val_by_digest = {d: v for v in val_files if (d := shard_digest(v)) is not None}
+    for t in same_size:
+        if (d := shard_digest(t)) is not None and (v := val_by_digest.get(d)) is not None:
+            raise DataError(f"training shard {t} and validation shard {v} hold the same tokens (same "
+                            "size and sha256): the run would validate on tokens it trained on; "
+                            "train and validate on different shards (--train_files, --val_files)")
+
+
 def check_document_density(path: str, bos_id: int, max_seq_len: int, rooms: dict[int, int],
                            sample_tokens: int = 4_000_000) -> None:
     """Fail before compiling if documents are so short that a micro-batch's cu_seqlens (rooms:
@@ -2356,12 +2443,21 @@ def check_document_density(path: str, bos_id: int, max_seq_len: int, rooms: dict
     starts = np.flatnonzero(tokens == bos_id)
     if len(starts) < 2:
         return
-    mean_len = float(np.minimum(np.diff(starts), max_seq_len).mean())
+    doc_lens = np.diff(starts)
+    mean_len = float(np.minimum(doc_lens, max_seq_len).mean())
     for n, room in sorted(rooms.items()):
         expected = 1.25 * n / mean_len + 2                # 25% margin for batches of
                                                           # shorter-than-average documents
         if expected > room:
             bound = max(1, int(mean_len / 1.25) - 1)
+            uncut = float(doc_lens.mean())
+            if 1.25 * n / uncut + 2 <= room:              # the cut, not the documents, is short
+                raise ConfigError(
+                    f"--train_max_seq_len={max_seq_len} cuts the documents in {path} (averaging "
+                    f"{uncut:.0f} tokens) to an average of {mean_len:.0f}: a {n}-token micro-batch "
+                    f"holds about {expected:.0f} pieces but cu_seqlens has room for {room}. Rerun "
+                    f"with a longer --train_max_seq_len, or --tokens_per_doc_bound={bound} "
+                    "(default 300)")
             raise ConfigError(f"documents in {path} average {mean_len:.0f} tokens, much shorter "
                               f"than FineWeb's: a {n}-token micro-batch holds about {expected:.0f} "
                               f"documents but cu_seqlens has room for {room}. Rerun with "
@@ -2416,9 +2512,10 @@ def build_optimizer(hp: Hyperparameters, model: nn.Module, rank: int, world_size
 def variant_starts(hp: Hyperparameters) -> list[int]:
     """The first step of each compiled variant of the model: step 0 and every change of the
     windows, batch size or number of MTP weights (each is its own pair of graphs)."""
-    shapes = [(sc.ws_short, sc.ws_long, sc.global_batch, len(sc.mtp_weights))
-              for sc in (schedule_at(s, hp) for s in range(hp.num_iterations))]
-    return [0] + [s for s in range(1, hp.num_iterations) if shapes[s] != shapes[s - 1]]
+    def shape(step: int) -> tuple:
+        sc = schedule_at(step, hp)
+        return sc.ws_short, sc.ws_long, sc.global_batch, len(sc.mtp_weights)
+    return [0] + [s for s in schedule_changes(hp) if shape(s) != shape(s - 1)]
 
 
 def warmup_steps(hp: Hyperparameters) -> list[int]:
@@ -2435,7 +2532,9 @@ def replay_yarn(model: nn.Module, hp: Hyperparameters, steps_done: int) -> int:
     Returns the last step's long window."""
     ws_long = schedule_at(0, hp).ws_long
     model.reset_rotary()
-    for step in range(min(steps_done, hp.num_iterations)):
+    for step in schedule_changes(hp):     # the window changes only there
+        if step >= steps_done:
+            break
         new = schedule_at(step, hp).ws_long
         if new != ws_long:
             model.apply_yarn(ws_long, new)
@@ -2701,7 +2800,7 @@ def timed_loop(run: harness.Run, trainer: Trainer, checkpointer: harness.Checkpo
     GPU is read), the step line, a periodic state, and a stop that a signal asked for (taken at a
     step boundary every rank agrees on). Returns the run's summary."""
     hp, total = trainer.hp, trainer.hp.num_iterations
-    tokens_after = np.cumsum([schedule_at(s, hp).global_batch for s in range(total)])
+    segments = batch_segments(total, hp.num_scheduled_iterations, hp.stages)
     saving = hp.save_checkpoint or hp.checkpoint_every > 0
     finite = harness.FiniteWatch(hp.nonfinite_check_every, total, run.device)
     profiler = harness.StepProfiler(hp, run)
@@ -2757,8 +2856,8 @@ def timed_loop(run: harness.Run, trainer: Trainer, checkpointer: harness.Checkpo
                 last_good, pending = pending, trainer.state(done, clock.now_ms())
         train_loss = (trainer.mean_train_loss(loss, sched)
                       if hp.train_loss_every and done % hp.train_loss_every == 0 else None)
-        run.log_step(done, total, clock.now_ms(), int(tokens_after[done - 1]),
-                     int(tokens_after[-1]), train_loss)
+        run.log_step(done, total, clock.now_ms(), tokens_before(done, segments),
+                     tokens_before(total, segments), train_loss)
         if hp.checkpoint_every and done % hp.checkpoint_every == 0 and done < total:
             checkpointer.save(trainer.state(done, clock.pause()), periodic=True)   # untimed
             clock.start()

@@ -332,6 +332,29 @@ def test_short_documents_overflow_cu_seqlens(tmp_path):
             break
 
 
+def test_documents_cut_short_by_train_max_seq_len_name_it(tmp_path):
+    """Long documents cut to a tiny --train_max_seq_len make the many short pieces: the loader's message and the
+    density check before compiling both name --train_max_seq_len (issue 56); short documents themselves do not."""
+    rng = np.random.default_rng(4)
+    long_docs = write_shard(str(tmp_path / "long_train_000001.bin"), labelled_docs(rng, 1500, 0, median=400, sigma=0.2))
+    with pytest.raises(tg.DataError) as info:
+        next(tg.train_batches([long_docs], 4096, 1, 0, 1, CPU, 8, 300))
+    assert "--train_max_seq_len=8" in str(info.value) and "--tokens_per_doc_bound=" in str(info.value)
+    rooms = {4096: tg.max_num_docs(4096, 300) - 1}
+    with pytest.raises(tg.ConfigError) as info:
+        tg.check_document_density(long_docs, BOS, 8, rooms)
+    assert str(info.value).startswith("--train_max_seq_len=8 cuts the documents in ") and \
+        "--tokens_per_doc_bound=" in str(info.value)
+    tg.check_document_density(long_docs, BOS, 2048, rooms)          # uncut, they fit
+
+    short_docs = write_shard(str(tmp_path / "short_train_000001.bin"), labelled_docs(rng, 3000, 0, median=8, sigma=0.3))
+    for call in (lambda: next(tg.train_batches([short_docs], 4096, 1, 0, 1, CPU, 2048, 300)),
+                 lambda: tg.check_document_density(short_docs, BOS, 2048, rooms)):
+        with pytest.raises((tg.DataError, tg.ConfigError)) as info:
+            call()
+        assert "--train_max_seq_len" not in str(info.value) and "--tokens_per_doc_bound=" in str(info.value)
+
+
 @pytest.mark.timeout(900)
 def test_corrupt_next_shard_reaches_the_caller(labelled_dir, tmp_path):
     """The background thread loading shard 2 fails: the caller gets that error (not a hang, not StopIteration)."""

@@ -129,6 +129,62 @@ def test_shard_the_process_cannot_read(capsys, tmp_path, data, monkeypatch):
     assert_one_error(code, err, 1, "cannot read shard", "permission denied", "chmod")
 
 
+def step_walk_guard(monkeypatch):
+    """stage_index (every per-step schedule function calls it) with a budget: a check that walks the steps stops with
+    an error at once instead of running for minutes (83 s at 10^8 steps before issue 56)."""
+    calls = {"n": 0}
+    stage_index = tg.stage_index
+
+    def counted(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] > 1000:
+            raise AssertionError("a check walks the steps")
+        return stage_index(*args, **kwargs)
+    monkeypatch.setattr(tg, "stage_index", counted)
+
+
+@pytest.mark.parametrize("dry", [False, True])
+def test_a_billion_steps_is_refused_by_the_data_check_without_walking_them(capsys, tmp_path, data, monkeypatch, dry):
+    step_walk_guard(monkeypatch)
+    code, err, _, _ = run_main(capsys, [*SHORT, *(["--dry_run"] if dry else []),
+                                        "--num_scheduled_iterations=1000000000", f"--train_files={data[0]}",
+                                        f"--val_files={data[1]}"], tmp_path)
+    assert_one_error(code, err, 1, "the schedule trains on", "--num_scheduled_iterations")
+
+
+@pytest.mark.parametrize("how", ["glob", "symlink", "copy", "big_copy"])
+@pytest.mark.parametrize("dry", [False, True])
+def test_train_and_val_files_that_overlap_are_refused_naming_both(capsys, tmp_path, data, how, dry):
+    """A --train_files glob that also matches the val shard (the dry run used to count it as a train shard), a link
+    to it, or a copy of it (same size and content digest; a >2 MiB copy is told by its first and last MiB)."""
+    d = tmp_path / "shards"
+    d.mkdir()
+    val = Path(data[1].replace("*", "000000"))
+    train = write_shard(d / "fineweb_train_000001.bin", structured_docs(300_000, 9))
+    train_glob = str(d / "fineweb_*.bin")
+    if how == "big_copy":
+        val = Path(write_shard(d / "val.bin", structured_docs(1_200_000, 8)))
+    if how == "glob":
+        (d / "fineweb_val_000000.bin").write_bytes(val.read_bytes())
+        val_glob = named = str(d / "fineweb_val_*.bin")
+    else:
+        train_glob = str(d / "fineweb_train_*.bin")
+        dup = d / "fineweb_train_000002.bin"
+        os.symlink(val, dup) if how == "symlink" else dup.write_bytes(val.read_bytes())
+        val_glob, named = str(val), str(dup)
+    code, err, _, _ = run_main(capsys, [*SHORT, *(["--dry_run"] if dry else []), f"--train_files={train_glob}",
+                                        f"--val_files={val_glob}"], tmp_path)
+    assert_one_error(code, err, 1, named, str(val) if how != "glob" else named, "validate on tokens it trained on")
+    assert train not in err[0]
+
+
+def test_same_sized_train_and_val_shards_with_other_tokens_pass(tmp_path):
+    d = tmp_path
+    a = write_shard(d / "a.bin", structured_docs(50_000, 1))
+    b = write_shard(d / "b.bin", structured_docs(50_000, 2))
+    tg.check_disjoint_shards([a], [b], "a.bin", "b.bin")
+
+
 # ---- options ------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("arg,needles", [
@@ -233,6 +289,33 @@ def test_reused_run_id_never_touches_the_earlier_log(capsys, tmp_path, data):
                                run_id="mine")
     assert_one_error(code, err, 2, "mine.txt exists", "choose another --run_id")
     assert earlier.read_text() == "an earlier run's log\n"
+
+
+@pytest.mark.parametrize("args", [["--save_checkpoint"], ["--checkpoint_every=2"], ["--save_checkpoint", "--dry_run"]])
+def test_a_refused_run_leaves_no_empty_folder(capsys, tmp_path, data, args):
+    """The checkpoint folder is made (and write-tested) before the data checks; a run they refuse, or a dry run,
+    removes it again: only the failed run's log stays under the log folder."""
+    code, err, _, log = run_main(capsys, [*SHORT, *args, "--val_tokens=1048576", f"--train_files={data[0]}",
+                                          f"--val_files={data[1]}"], tmp_path)
+    assert_one_error(code, err, 1, "validation reads 1,048,576 tokens")
+    assert [p.name for p in (tmp_path / "logs").iterdir()] == ([] if "--dry_run" in args else ["run.txt"])
+
+
+def test_a_failed_runs_log_keeps_its_run_id_and_the_refusal_says_how_to_continue(capsys, tmp_path, data):
+    """Intended: a failed run's log is its record and is kept, so its explicit --run_id is not reused; the refusal
+    says how that run ended and the ways on: another --run_id, moving the log away, or resuming its states."""
+    args = [*SHORT, f"--train_files={data[0]}", f"--val_files={data[1]}"]
+    code, err, _, log = run_main(capsys, [*args, "--val_tokens=1048576"], tmp_path, run_id="mine")
+    assert code == 1 and log[-1] == err[0]
+    code, err, _, _ = run_main(capsys, args, tmp_path, run_id="mine")
+    assert_one_error(code, err, 2, "mine.txt exists", "--run_id=mine failed (error: validation reads 1,048,576",
+                     "its log is kept", "choose another --run_id", "move that log away to reuse this one")
+    assert "--resume" not in err[0]
+    (tmp_path / "logs" / "mine").mkdir()
+    (tmp_path / "logs" / "mine" / "state_step000004.pt").write_bytes(b"a state")
+    code, err, _, _ = run_main(capsys, args, tmp_path, run_id="mine")
+    assert_one_error(code, err, 2, "mine.txt exists", f"--resume={tmp_path / 'logs' / 'mine'}")
+    assert (tmp_path / "logs" / "mine.txt").read_text().splitlines()[-1].startswith("error: validation reads")
 
 
 # ---- signals ------------------------------------------------------------------------------------------------------

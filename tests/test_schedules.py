@@ -2,9 +2,11 @@
 import math
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
+import harness
 import train_gpt as tg
 
 HP = tg.Hyperparameters()
@@ -134,3 +136,88 @@ def test_attn_scale_after_yarn_matches_the_record():
         scale *= 1 + 0.2 * math.log(new / prev)
         prev = new
         assert scale == pytest.approx(want, abs=1e-8)
+
+
+# ---- the plan in closed form (issue 56): nothing before training walks the steps ------------------------------------
+
+def _walked_variant_starts(hp):
+    """The step walk variant_starts replaced, kept as the reference."""
+    shapes = [(sc.ws_short, sc.ws_long, sc.global_batch, len(sc.mtp_weights))
+              for sc in (tg.schedule_at(s, hp) for s in range(hp.num_iterations))]
+    return [0] + [s for s in range(1, hp.num_iterations) if shapes[s] != shapes[s - 1]]
+
+
+class _YarnRecorder:
+    """All of the model that replay_yarn touches: the calls it makes, in order."""
+    def __init__(self):
+        self.calls = []
+
+    def reset_rotary(self):
+        self.calls.append("reset")
+
+    def apply_yarn(self, old, new):
+        self.calls.append((old, new))
+
+
+def _walked_yarn(hp, steps_done):
+    calls, ws_long = ["reset"], tg.schedule_at(0, hp).ws_long
+    for step in range(min(steps_done, hp.num_iterations)):
+        new = tg.schedule_at(step, hp).ws_long
+        if new != ws_long:
+            calls.append((ws_long, new))
+            ws_long = new
+    return calls, ws_long
+
+
+def _random_hp(rng):
+    n = int(rng.integers(1, 6))
+    stages = tuple(tg.Stage(int(rng.integers(1, 5)) * 256, float(rng.uniform(0.5, 2)), int(rng.integers(1, 6)),
+                            tuple([1.0] + [0.5] * int(rng.integers(0, 3)))) for _ in range(n))
+    return tg.parse_args(["--preset=tiny", f"--num_scheduled_iterations={int(rng.integers(n, 120))}",
+                          f"--num_extension_iterations={int(rng.integers(0, 12))}",
+                          f"--ws_long_extension={int(rng.integers(1, 6))}", f"--stages={harness.show(stages)}"])
+
+
+def _plans():
+    rng = np.random.default_rng(56)
+    return [HP, tg.parse_args(["--preset=tiny"]), *(_random_hp(rng) for _ in range(40)),
+            tg.parse_args(["--num_scheduled_iterations=3"]), tg.parse_args(["--num_scheduled_iterations=7"])]
+
+
+def test_the_closed_form_plan_equals_the_step_walk():
+    """Token counts, compiled variants, warmup steps and the YaRN replay, computed per stage, are exactly what
+    walking every step gave: the default and tiny presets and random small stage tables."""
+    for hp in _plans():
+        total = hp.num_iterations
+        batches = [tg.schedule_at(s, hp).global_batch for s in range(total)]
+        segments = tg.batch_segments(total, hp.num_scheduled_iterations, hp.stages)
+        assert [tg.tokens_before(d, segments) for d in range(total + 1)] == [0, *np.cumsum(batches).tolist()]
+        assert tg.train_tokens_needed(hp) == sum(batches)
+        assert tg.variant_starts(hp) == _walked_variant_starts(hp), hp.stages
+        for done in sorted({0, 1, total // 2, hp.num_scheduled_iterations, total - 1, total, total + 5}):
+            model = _YarnRecorder()
+            ws_long = tg.replay_yarn(model, hp, done)
+            assert (model.calls, ws_long) == _walked_yarn(hp, done), (hp.stages, done)
+
+
+def test_a_billion_steps_is_planned_without_walking_them(monkeypatch):
+    """10^9 scheduled steps: the token count, the variants, the warmup steps and the YaRN replay each look at a
+    handful of steps (the stage boundaries). The budget on stage_index (which every per-step schedule function calls)
+    is the hang guard: a per-step walk stops at once with an error instead of running for hours."""
+    calls = {"n": 0}
+    stage_index = tg.stage_index
+
+    def counted(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] > 1000:
+            raise AssertionError("the plan walks the steps")
+        return stage_index(*args, **kwargs)
+    monkeypatch.setattr(tg, "stage_index", counted)
+    hp = tg.parse_args(["--num_scheduled_iterations=1000000000"])
+    assert tg.train_tokens_needed(hp) == (333_333_334 * 131072 + 333_333_333 * 262144
+                                          + (333_333_333 + 40) * 393216)
+    assert tg.variant_starts(hp) == [0, 333_333_334, 666_666_667, 1_000_000_000]
+    assert 1_000_000_001 in tg.warmup_steps(hp)
+    model = _YarnRecorder()
+    assert tg.replay_yarn(model, hp, hp.num_iterations) == 13 and model.calls == ["reset", (3, 7), (7, 11), (11, 13)]
+    assert calls["n"] < 1000

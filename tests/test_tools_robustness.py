@@ -538,3 +538,47 @@ def test_a_log_given_through_a_pipe_is_read(tmp_path):
     finally:
         os.close(r)
     assert p.returncode == 0 and f"/dev/fd/{r}: run {r} finished" in p.stdout and "3.2771" in p.stdout, p
+
+
+# ---- issue 56: extreme values -------------------------------------------------------------------------------------
+
+def strict_json(text):
+    """json.loads that refuses NaN / Infinity (not JSON, though Python writes and reads them by default)."""
+    def refuse(name):
+        raise ValueError(f"{name} is not JSON")
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_stats_json_is_valid_json_for_extreme_logs(tmp_path):
+    """Losses near 1.7e308 (their mean overflows to inf) and 18-digit train times: the program's --json output parses
+    as strict JSON, an overflowed statistic is the string "inf", one that needs more runs null."""
+    huge = [write_log(tmp_path / f"h{i}.txt", [(0, 1.7e308, 0.0), (TOTAL, x, 88.0 + i)])
+            for i, x in enumerate((1.7e308, 1.6e308))]
+    slow = [write_log(tmp_path / f"s{i}.txt", [(0, 10.8, 0.0), (TOTAL, 3.2 + i / 100, t)])
+            for i, t in enumerate((9e14, 9.99e14))]
+    for logs in (huge, slow, [*slow, "--baseline", *huge], [*huge, "--baseline", *slow], huge[:1]):
+        p = tool("stats", *logs, "--json")
+        assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
+        r = strict_json(p.stdout)
+        assert r["n"] in (1, 2)
+    r = strict_json(tool("stats", *huge, "--json").stdout)
+    assert r["val_loss_mean"] == "inf" and r["runs"][0]["val_loss"] == 1.7e308
+    assert strict_json(tool("stats", huge[0], "--json").stdout)["val_loss_std"] is None
+
+
+def test_plot_leaves_out_losses_too_large_to_draw_and_says_so(tmp_path):
+    """A loss of 1.7e308 made matplotlib's tick arithmetic overflow (a traceback, no image): it is left out of its
+    curve with a line naming the log; a run with nothing else to draw is skipped, saying why."""
+    partly = write_log(tmp_path / "partly.txt", [(0, 10.8, 0.0), (1000, 1.7e308, 50.0), (TOTAL, 3.3, 89.0)])
+    only = write_log(tmp_path / "only.txt", [(0, 1.7e308, 0.0), (TOTAL, 1.7e308, 88.0)])
+    good = finished(tmp_path, "a", 3.2771, 88.1)
+    out = tmp_path / "curves.png"
+    p = tool("plot", good, partly, only, f"--out={out}")
+    assert p.returncode == 0 and "Traceback" not in p.stderr and p.stderr == "", p.stderr
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "(2 runs)" in p.stdout
+    assert f"left out of {partly}: 1 validation loss(es) above 1e+06, too large to draw (1.7e+308 at step 1000)" \
+        in p.stdout
+    assert f"skipped {only}: 2 validation loss(es) above 1e+06, too large to draw" in p.stdout
+    p = tool("plot", only, f"--out={tmp_path / 'x.png'}")
+    assert_one_error_line(p, 2, "no validation line", "too large to draw")
+    assert not (tmp_path / "x.png").exists()

@@ -4,8 +4,9 @@
 
 Two panels (loss vs step, loss vs train time in seconds), one line per run labelled by its run id, the target as a
 dashed horizontal line. Unfinished, failed and diverged runs are drawn too (their label says so; a NaN or infinite
-validation loss is left out of the curve). Logs with nothing to draw (no validation line, not a train_gpt.py log,
-unreadable, named twice) are listed as "skipped <log>: <reason>". The image is written atomically. Needs matplotlib
+validation loss is left out of the curve, and so is one above 1e6, too large to draw: "left out of <log>: ...").
+Logs with nothing to draw (no validation line, not a train_gpt.py log, unreadable, named twice, only losses too large)
+are listed as "skipped <log>: <reason>". The image is written atomically. Needs matplotlib
 (pip install matplotlib). Exit codes: 0 written, 2 bad arguments, a log that does not exist, no validation line in any
 log, or matplotlib missing.
 """
@@ -21,6 +22,13 @@ from runlogs import Run, ToolArgumentParser, finite_float, load_runs, user_path 
 
 
 IMAGE_SUFFIXES = (".png", ".pdf", ".svg")
+# Validation losses above this are left out of the curve and listed: an axis that reaches 1.7e308 cannot be drawn
+# (matplotlib's tick arithmetic overflows), and no run that far gone says anything a 1e6 point would not.
+DRAWABLE_LOSS = 1e6
+
+
+def drawable(x: float) -> bool:
+    return math.isfinite(x) and abs(x) <= DRAWABLE_LOSS
 
 
 def curves(runs: list[Run]) -> list[tuple[str, list[int], list[float], list[float]]]:
@@ -35,13 +43,28 @@ def curves(runs: list[Run]) -> list[tuple[str, list[int], list[float], list[floa
 
 
 def finite(data):
-    """The curves without their NaN / infinite validations (a diverged run's), and without curves left empty."""
+    """The curves without their NaN, infinite or too large (DRAWABLE_LOSS) validations, and without curves left
+    empty."""
     out = []
     for label, steps, losses, times in data:
-        keep = [(s, x, t) for s, x, t in zip(steps, losses, times) if math.isfinite(x)]
+        keep = [(s, x, t) for s, x, t in zip(steps, losses, times) if drawable(x)]
         if keep:
             out.append((label, *(list(col) for col in zip(*keep))))
     return out
+
+
+def too_large(r: Run) -> str:
+    """Which of r's validation losses are finite but not drawable ("" if none)."""
+    huge = [(s, x) for s, x, _ in r.val if math.isfinite(x) and not drawable(x)]
+    if not huge:
+        return ""
+    return (f"{len(huge)} validation loss(es) above {DRAWABLE_LOSS:g}, too large to draw ({huge[0][1]:.4g} at step "
+            f"{huge[0][0]})")
+
+
+def why_not_drawn(r: Run) -> str:
+    huge = too_large(r) if r.is_log else ""
+    return r.why_excluded if not huge else huge if r.finished else f"{r.why_excluded}; {huge}"
 
 
 def plain(text: str) -> str:
@@ -109,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     data = finite(curves(runs))
     if not data:
-        reasons = "; ".join(f"{r.path}: {r.why_excluded}" for r in runs)
+        reasons = "; ".join(f"{r.path}: {why_not_drawn(r)}" for r in runs)
         print(f"error: no validation line in any of the logs ({reasons}); pass logs of runs that reached a "
               f"validation", file=sys.stderr)
         return 2
@@ -130,8 +153,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: cannot write {args.out}: {e.strerror}; choose a writable --out", file=sys.stderr)
         return 2
     for r in runs:
-        if not (r.is_log and any(math.isfinite(x) for _, x, _ in r.val)):
-            print(f"skipped {r.path}: {r.why_excluded}")
+        if not (r.is_log and any(drawable(x) for _, x, _ in r.val)):
+            print(f"skipped {r.path}: {why_not_drawn(r)}")
+        elif too_large(r):
+            print(f"left out of {r.path}: {too_large(r)}")
     for path, reason in repeats:
         print(f"skipped {path}: {reason}")
     print(f"wrote {args.out} ({len(data)} runs)")

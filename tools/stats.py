@@ -156,13 +156,16 @@ def report(done: list[Run], excluded: list[tuple[str, str]], target: float, base
     return out
 
 
-def no_nan(x):
-    """NaN (a statistic that needs more runs) as JSON null."""
+def json_safe(x):
+    """Values JSON can hold: NaN (a statistic that needs more runs) as null, an infinity (a sum or spread of values
+    too large for a double, e.g. losses near 1.7e308) as the string "inf" or "-inf"."""
     if isinstance(x, dict):
-        return {k: no_nan(v) for k, v in x.items()}
+        return {k: json_safe(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
-        return [no_nan(v) for v in x]
-    return None if isinstance(x, float) and math.isnan(x) else x
+        return [json_safe(v) for v in x]
+    if isinstance(x, float) and not math.isfinite(x):
+        return None if math.isnan(x) else ("inf" if x > 0 else "-inf")
+    return x
 
 
 def markdown(r: dict) -> str:
@@ -211,8 +214,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: no finished {which}run to summarise ({reasons}); pass logs of runs that reached their last "
               f"step", file=sys.stderr)
         return 2
-    r = report(done, excluded, args.target, base)
-    print(json.dumps(no_nan(r), indent=1) if args.json else markdown(r))
+    with np.errstate(all="ignore"):     # overflow in a mean of huge values: inf, written as "inf"
+        r = report(done, excluded, args.target, base)
+    print(json.dumps(json_safe(r), indent=1, allow_nan=False) if args.json else markdown(r))
     return 0
 
 
