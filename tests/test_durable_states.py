@@ -90,8 +90,9 @@ def test_a_folder_with_no_whole_state_names_each_and_why(tmp_path):
 def test_states_written_before_the_seal_still_load_and_are_checked_by_loading(tmp_path):
     folder = tmp_path / "run"
     folder.mkdir()
-    torch.save({**WHOLE, "format": harness.CHECKPOINT_FORMAT, "run_id": "old", "step": 2}, folder / "state_step000002.pt")
-    torch.save({**WHOLE, "format": harness.CHECKPOINT_FORMAT, "run_id": "old", "step": 4}, folder / "state_step000004.pt")
+    for step in (2, 4):
+        torch.save({**WHOLE, "format": harness.CHECKPOINT_FORMAT, "run_id": "old", "step": step},
+                   folder / f"state_step{step:06d}.pt")
     assert harness.load_checkpoint(str(folder), 0, 1)["step"] == 4
     assert harness.inspect_state(folder / "state_step000004.pt", 4, 0, 1) == ({}, None)
     cut = folder / "state_step000004.pt"
@@ -110,7 +111,7 @@ def test_the_seal_keeps_a_state_a_zip_that_torch_load_reads(tmp_path):
         assert z.comment.startswith(harness.STATE_SEAL) and z.testzip() is None
 
 
-# ---- 1. durable writes and stale temporaries --------------------------------------------------------------------------
+# ---- 1. durable writes and stale temporaries -------------------------------------------------------------------------
 
 def test_a_write_fsyncs_the_file_then_the_folder_after_the_rename(tmp_path, monkeypatch):
     synced, real_fsync, real_replace = [], os.fsync, os.replace
@@ -246,7 +247,7 @@ def test_a_power_cut_run_resumes_its_folder_from_the_older_state_end_to_end(tmp_
     p = run_trainer([*common, f"--resume={logs / 'a'}"], tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
     notes = [line for line in p.stdout.splitlines() if line.startswith("note:")]
-    assert len(notes) == 1 and notes[0].startswith("note: skipped state_step000005.pt: truncated") and notes[0].endswith(
-        "resuming from state_step000004.pt"), p.stdout[-3000:]
+    assert len(notes) == 1 and notes[0].startswith("note: skipped state_step000005.pt: truncated"), p.stdout[-3000:]
+    assert notes[0].endswith("resuming from state_step000004.pt")
     log = (logs / "a-from4.txt").read_text()
     assert notes[0] in log and "result: " in log
