@@ -1144,7 +1144,7 @@ CHECKPOINT_NAME = re.compile(r"state_step(\d{6,})(?:_rank(\d+))?\.pt")
 STATE_KEYS = frozenset({"run_id", "hyperparameters", "facts", "code", "step", "model", "optimizer",
                         "grads", "train_time_ms", "loader", "rng"})
 # A state file is torch.save's zip archive whose end record carries a comment: this mark, then JSON
-# with the run id, step, rank, world size and the sha256 of every byte before the comment. It stays
+# with the run id, step, rank, world size and a sha256 of the bytes before it and of these. It stays
 # a valid zip (torch.load and unzip read it as before), and a damaged file is found before anything
 # is unpickled. States written before the seal (no comment) still load; torch.load checks those.
 STATE_SEAL = b"train_gpt sealed state "
@@ -1159,26 +1159,23 @@ def checkpoint_path(folder: Path, step: int, rank: int, world_size: int) -> Path
 
 
 def sealed_state(obj: dict, record: dict) -> list[memoryview | bytes]:
-    """torch.save(obj) in memory, its zip comment set to STATE_SEAL + record + the sha256: the
-    chunks to write, without copying the archive."""
+    """torch.save(obj) in memory, then its zip comment set to STATE_SEAL + the JSON of record and a
+    sha256 of the bytes before the comment's length and of that record: the chunks to write (the
+    archive uncopied)."""
     import hashlib
     import io
     import json
-    import struct
     buffer = io.BytesIO()
     torch.save(obj, buffer)
     archive = buffer.getbuffer()
-    end = len(archive) - _ZIP_END_SIZE
-    if bytes(archive[end:end + 4]) != _ZIP_END or bytes(archive[-2:]) != b"\0\0":
+    end = bytes(archive[-_ZIP_END_SIZE:])
+    if end[:4] != _ZIP_END or end[-2:] != b"\0\0":
         raise RuntimeError("torch.save wrote no zip end record without a comment")
     digest = hashlib.sha256(archive[:-2])
-    body = json.dumps(record, sort_keys=True).encode()
-    comment_size = len(STATE_SEAL) + len(body) + len(b' "sha256": ""}') + 64
-    size_field = struct.pack("<H", comment_size)
-    digest.update(size_field)
-    comment = (STATE_SEAL + body[:-1] + b', "sha256": "' + digest.hexdigest().encode() + b'"}')
-    assert len(comment) == comment_size
-    return [archive[:-2], size_field, comment]
+    digest.update(json.dumps(record, sort_keys=True).encode())
+    sealed = {**record, "sha256": digest.hexdigest()}
+    comment = STATE_SEAL + json.dumps(sealed, sort_keys=True).encode()
+    return [archive[:-2], len(comment).to_bytes(2, "little"), comment]
 
 
 def inspect_state(file: Path, step: int, rank: int, world_size: int) -> tuple[dict, str | None]:
@@ -1207,7 +1204,7 @@ def inspect_state(file: Path, step: int, rank: int, world_size: int) -> tuple[di
             want = record.pop("sha256")
         except (ValueError, KeyError, AttributeError):
             return {}, "damaged (its seal is unreadable)"
-        covered, digest = size - len(comment), hashlib.sha256()
+        covered, digest = size - len(comment) - 2, hashlib.sha256()
         f.seek(0)
         while covered > 0:
             chunk = f.read(min(covered, 1 << 24))
@@ -1215,6 +1212,7 @@ def inspect_state(file: Path, step: int, rank: int, world_size: int) -> tuple[di
                 break
             digest.update(chunk)
             covered -= len(chunk)
+    digest.update(json.dumps(record, sort_keys=True).encode())
     if digest.hexdigest() != want:
         return record, "damaged (its sha256 does not match its contents)"
     have = (record.get("step"), record.get("rank"), record.get("world_size"))

@@ -46,15 +46,17 @@ def test_a_state_cut_at_every_tenth_of_its_length_is_skipped_for_the_older_one(t
     assert ("empty (0 bytes" if tenths == 0 else f"truncated ({len(whole) * tenths // 10:,} bytes") in note
 
 
-@pytest.mark.parametrize("damage", ["flipped byte", "cut seal", "renamed"])
+@pytest.mark.parametrize("damage", ["flipped byte", "flipped seal", "cut seal", "renamed"])
 def test_a_whole_length_state_with_a_bad_seal_is_skipped(tmp_path, damage):
-    """Damage a length check alone would miss: a flipped byte (the digest), the seal's last byte lost, a state
-    renamed to a newer step."""
+    """Damage a length check alone would miss: a flipped byte in the archive or in the seal's run id (the digest),
+    the seal's last byte lost, a state renamed to a newer step."""
     older, newest = save_states(tmp_path, "run", (2, 4))
     data = bytearray(newest.read_bytes())
     if damage == "flipped byte":
         data[len(data) // 2] ^= 0x40
         newest.write_bytes(data)
+    elif damage == "flipped seal":
+        newest.write_bytes(bytes(data).replace(b'"run_id": "run"', b'"run_id": "rum"'))
     elif damage == "cut seal":
         newest.write_bytes(data[:-1])
     else:
@@ -63,7 +65,7 @@ def test_a_whole_length_state_with_a_bad_seal_is_skipped(tmp_path, damage):
     state = harness.load_checkpoint(str(tmp_path / "run"), 0, 1)
     [note] = state["notes"]
     assert state["step"] == 2 and note.startswith("note: skipped state_step00000")
-    assert {"flipped byte": "sha256 does not match", "cut seal": "truncated",
+    assert {"flipped byte": "sha256 does not match", "flipped seal": "sha256 does not match", "cut seal": "truncated",
             "renamed": "not rank 0 of 1 after step 6 (a renamed file)"}[damage] in note, note
 
 
