@@ -1184,8 +1184,12 @@ def inspect_state(file: Path, step: int, rank: int, world_size: int) -> tuple[di
     A file written before the seal gives ({}, None): loading it is its check."""
     import hashlib
     import json
+    if not file.exists():
+        others = sorted(f.name for f in file.parent.glob(f"state_step{step:06d}*.pt"))
+        return {}, (f"missing (the step-{step} state has {', '.join(others)})" if others
+                    else "missing")
     if not file.is_file():
-        return {}, "missing" if not file.exists() else "not a file"
+        return {}, "not a file"
     size = file.stat().st_size
     if size == 0:
         return {}, "empty (0 bytes, a write cut short)"

@@ -169,6 +169,8 @@ def test_a_rank_file_sealed_for_another_rank_or_process_count_is_refused(tmp_pat
     assert harness.inspect_state(path, 2, 1, 2) == ({"run_id": "run", "step": 2, "rank": 1, "world_size": 2}, None)
     assert "holds rank 1 of 2 after step 2, not rank 0 of 2" in harness.inspect_state(path, 2, 0, 2)[1]
     assert "not rank 1 of 4" in harness.inspect_state(path, 2, 1, 4)[1]
+    assert harness.inspect_state(path.with_name("state_step000002_rank0.pt"), 2, 0, 2) == (
+        {}, "missing (the step-2 state has state_step000002_rank1.pt)")
 
 
 @pytest.mark.slow
@@ -208,7 +210,7 @@ def test_a_two_process_state_set_is_checked_on_every_rank_before_loading(tmp_pat
         assert len(errors) == 1 and errors[0].startswith(f"error: rank 0: --resume: {rank1}: {words}"), errors
         assert not any("Traceback" in p.stderr or "bug" in p.stderr for p in ps)
 
-    refused("removed", "missing")
+    refused("removed", "missing (the step-4 state has state_step000004_rank0.pt)")
     refused("truncated", f"truncated ({len(kept) // 3:,} bytes")
     refused("foreign", "foreign (from run b; state_step000004_rank0.pt is from run a)")
     assert sorted(f.name for f in logs.iterdir()) == ["a", "a.txt"]     # refused before the log: nothing left
