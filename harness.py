@@ -599,6 +599,8 @@ def begin_run(run: Run, sources: dict[str, str], argv_text: str,
     checkpointer."""
     hp, device = run.hp, run.device
     log_start(run, sources, argv_text)
+    for line in run.resumed["notes"] if run.resumed is not None else ():
+        run.log(line)                   # the states a --resume=<folder> skipped
     train_files, val_files = resolve_shards(hp.train_files, "train"), resolve_shards(hp.val_files,
                                                                                      "val")
     facts = run_facts(run.world_size, device, attn_backend, train_files)
@@ -713,6 +715,8 @@ def prepare_output(opts: RunOptions, run_id: str, rank: int) -> Path:
         raise ConfigError(f"{log_dir / run_id} holds the states of an earlier run with "
                           f"--run_id={run_id}, which this run's would replace: choose another "
                           "--run_id or move that folder away")
+    if saving:
+        remove_stale_temporaries(log_dir / run_id)    # a reused --run_id's killed writes
     for folder in [log_dir] + ([log_dir / run_id] if saving else []):
         probe = folder / f".write_test_{os.getpid()}_{rank}"
         try:
@@ -725,17 +729,68 @@ def prepare_output(opts: RunOptions, run_id: str, rank: int) -> Path:
     return log_path
 
 
-def atomic_write(path: Path, data: bytes | memoryview) -> None:
-    """`data` to a temporary name beside `path`, then renamed over `path`: a crash leaves the old
-    file or the new one, never half of one."""
+def atomic_write(path: Path, *chunks: bytes | memoryview) -> None:
+    """The chunks, in order, to a temporary name beside `path` (<name>.tmp<pid>), flushed and
+    fsynced, renamed over `path`, then the folder fsynced: after a crash or a power loss the name
+    holds the old file or the whole new one, never a 0-byte or partial one."""
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_bytes(data)
+        with open(tmp, "wb") as f:
+            for chunk in chunks:
+                f.write(chunk)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
+        fsync_folder(path.parent)
     finally:
         if tmp.is_file():
             tmp.unlink()
+
+
+def fsync_folder(folder: Path) -> None:
+    """Make a rename in `folder` durable. A file system that cannot sync a folder (EINVAL) is left
+    as it is; any other error (EIO) is the write's error."""
+    import errno
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP):
+            raise
+    finally:
+        os.close(fd)
+
+
+TEMPORARY_NAME = re.compile(r".+\.tmp(\d+)")
+
+
+def remove_stale_temporaries(folder: Path) -> list[Path]:
+    """Delete the <name>.tmp<pid> files in `folder` whose writer is gone (a write killed before its
+    rename); a live writer's are kept. Returns the deleted paths. The pid is checked on this host:
+    call it only on folders this run owns or resumes, which no live run elsewhere writes."""
+    removed = []
+    with contextlib.suppress(OSError):           # a folder that is not there holds nothing stale
+        for f in sorted(folder.iterdir()):
+            m = TEMPORARY_NAME.fullmatch(f.name)
+            if m is None or not f.is_file() or _alive(int(m[1])):
+                continue
+            with contextlib.suppress(FileNotFoundError):     # another rank was first
+                f.unlink()
+                removed.append(f)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:      # another user's process
+        return True
+    except OverflowError:        # a number no process can have
+        return False
+    return True
 
 
 def atomic_torch_save(obj: Any, path: Path) -> None:
@@ -1115,12 +1170,99 @@ CHECKPOINT_FORMAT = "train_gpt state 1"
 CHECKPOINT_NAME = re.compile(r"state_step(\d{6,})(?:_rank(\d+))?\.pt")
 STATE_KEYS = frozenset({"run_id", "hyperparameters", "facts", "code", "step", "model", "optimizer",
                         "grads", "train_time_ms", "loader", "rng"})
+# A state file is torch.save's zip archive whose end record carries a comment: this mark, then JSON
+# with the run id, step, rank, world size and a sha256 of the bytes before it and of these. It stays
+# a valid zip (torch.load and unzip read it as before), and a damaged file is found before anything
+# is unpickled. States written before the seal (no comment) still load; torch.load checks those.
+STATE_SEAL = b"train_gpt sealed state "
+_ZIP_END = b"PK\x05\x06"           # the end-of-central-directory record: 22 bytes, then the
+_ZIP_END_SIZE = 22                 # comment, whose length is the record's last 2 bytes
 
 
 def checkpoint_path(folder: Path, step: int, rank: int, world_size: int) -> Path:
     """<folder>/state_step<step>.pt; with several processes one file per rank (optimizer state is
     sharded)."""
     return folder / f"state_step{step:06d}{f'_rank{rank}' if world_size > 1 else ''}.pt"
+
+
+def sealed_state(obj: dict, record: dict) -> list[memoryview | bytes]:
+    """torch.save(obj) in memory, then its zip comment set to STATE_SEAL + the JSON of record and a
+    sha256 of the bytes before the comment's length and of that record: the chunks to write (the
+    archive uncopied)."""
+    import hashlib
+    import io
+    import json
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    archive = buffer.getbuffer()
+    end = bytes(archive[-_ZIP_END_SIZE:])
+    if end[:4] != _ZIP_END or end[-2:] != b"\0\0":
+        raise RuntimeError("torch.save wrote no zip end record without a comment")
+    digest = hashlib.sha256(archive[:-2])
+    digest.update(json.dumps(record, sort_keys=True).encode())
+    sealed = {**record, "sha256": digest.hexdigest()}
+    comment = STATE_SEAL + json.dumps(sealed, sort_keys=True).encode()
+    return [archive[:-2], len(comment).to_bytes(2, "little"), comment]
+
+
+def inspect_state(file: Path, step: int, rank: int, world_size: int) -> tuple[dict, str | None]:
+    """(its seal's record, why it cannot be resumed or None) for the state file `file`, which
+    should hold rank `rank` of `world_size` after step `step`, read without unpickling anything.
+    A file written before the seal gives ({}, None): loading it is its check."""
+    import hashlib
+    import json
+    if not file.exists():
+        others = sorted(f.name for f in file.parent.glob(f"state_step{step:06d}*.pt"))
+        return {}, (f"missing (the step-{step} state has {', '.join(others)})" if others
+                    else "missing")
+    if not file.is_file():
+        return {}, "not a file"
+    size = file.stat().st_size
+    if size == 0:
+        return {}, "empty (0 bytes, a write cut short)"
+    with open(file, "rb") as f:
+        f.seek(max(0, size - _ZIP_END_SIZE - 65535))
+        tail = f.read()
+        comment = _zip_comment(tail)
+        if comment is None:
+            return {}, f"truncated ({size:,} bytes and no zip end record: a write cut short)"
+        if comment == b"":
+            return {}, None                     # the format before the seal
+        if not comment.startswith(STATE_SEAL):
+            return {}, "not a training state written by this trainer (a foreign zip comment)"
+        try:
+            record = json.loads(comment[len(STATE_SEAL):])
+            want = record.pop("sha256")
+        except (ValueError, KeyError, AttributeError):
+            return {}, "damaged (its seal is unreadable)"
+        covered, digest = size - len(comment) - 2, hashlib.sha256()
+        f.seek(0)
+        while covered > 0:
+            chunk = f.read(min(covered, 1 << 24))
+            if not chunk:
+                break
+            digest.update(chunk)
+            covered -= len(chunk)
+    digest.update(json.dumps(record, sort_keys=True).encode())
+    if digest.hexdigest() != want:
+        return record, "damaged (its sha256 does not match its contents)"
+    have = (record.get("step"), record.get("rank"), record.get("world_size"))
+    if have != (step, rank, world_size):
+        return record, (f"holds rank {have[1]} of {have[2]} after step {have[0]}, not rank {rank} "
+                        f"of {world_size} after step {step} (a renamed file)")
+    return record, None
+
+
+def _zip_comment(tail: bytes) -> bytes | None:
+    """The comment of the zip end record that ends `tail` exactly; None if no record does."""
+    i = tail.rfind(_ZIP_END)
+    while i >= 0:
+        if i + _ZIP_END_SIZE <= len(tail):
+            n = int.from_bytes(tail[i + 20:i + 22], "little")
+            if i + _ZIP_END_SIZE + n == len(tail):
+                return tail[i + _ZIP_END_SIZE:]
+        i = tail.rfind(_ZIP_END, 0, i)
+    return None
 
 
 def run_facts(world_size: int, device: torch.device, attn_backend: str,
@@ -1132,8 +1274,9 @@ def run_facts(world_size: int, device: torch.device, attn_backend: str,
 
 
 class Checkpointer:
-    """Writes this rank's part of the training state atomically. Periodic checkpoints keep the
-    newest `keep`; the ones written at the end, when stopped, or before a divergence are kept."""
+    """Writes this rank's part of the training state atomically and sealed (sealed_state). Periodic
+    checkpoints keep the newest `keep`; the ones written at the end, when stopped, or before a
+    divergence are kept."""
 
     def __init__(self, hp: Any, run_id: str, rank: int, world_size: int, facts: dict,
                  log: RunLogger, code: str = ""):
@@ -1148,8 +1291,10 @@ class Checkpointer:
 
     def save(self, state: dict, periodic: bool = False) -> Path:
         path = checkpoint_path(self.folder, state["step"], self.rank, self.world_size)
+        record = {"run_id": self.header["run_id"], "step": state["step"], "rank": self.rank,
+                  "world_size": self.world_size}
         try:
-            atomic_torch_save({**self.header, **state}, path)
+            atomic_write(path, *sealed_state({**self.header, **state}, record))
         except Exception as e:   # torch.save reports a full disk as a RuntimeError
             reason = write_failure(e)
             if reason is None:
@@ -1172,58 +1317,118 @@ class Checkpointer:
         return path
 
 
-def find_checkpoint(path: str, world_size: int) -> tuple[Path, int]:
-    """(folder, step) of what --resume names: a state file (any rank's) or a run folder, whose
-    newest checkpoint with a file for each of world_size ranks is taken (a crash while writing
-    leaves the previous one complete)."""
+def find_checkpoint(path: str, world_size: int) -> tuple[Path, list[int]]:
+    """(folder, steps newest first) of what --resume names: a state file (any rank's), its step
+    alone; or a run folder, every step with a file of a world_size-process run (load_checkpoint
+    walks back from the newest to the first set that is whole on every rank)."""
     p = Path(path)
     if p.is_dir():
-        names = {f.name for f in p.iterdir()}
-        steps = {int(m[1]) for name in names if (m := CHECKPOINT_NAME.fullmatch(name))}
-        complete = [st for st in steps
-                    if all(checkpoint_path(p, st, r, world_size).name in names
-                           for r in range(world_size))]
-        if not complete:
-            found = (f"states for other process counts or incomplete (steps {sorted(steps)})"
-                     if steps else "no states")
+        ranked = world_size > 1
+        steps = {int(m[1]) for f in p.iterdir() if (m := CHECKPOINT_NAME.fullmatch(f.name))
+                 and (m[2] is not None) == ranked and int(m[2] or 0) < world_size}
+        if not steps:
+            others = sorted({int(m[1]) for f in p.iterdir()
+                             if (m := CHECKPOINT_NAME.fullmatch(f.name))})
+            found = (f"states of other process counts (steps {others})" if others
+                     else "no states")
             raise ConfigError(f"--resume={path}: the folder holds {found}, none written by "
                               f"{world_size} process(es); give a run's folder (logs/<run_id>) or "
                               "one of its state_step*.pt files")
-        return p, max(complete)
+        return p, sorted(steps, reverse=True)
     m = CHECKPOINT_NAME.fullmatch(p.name)
     if m is None or not p.is_file():
         raise ConfigError(f"--resume={path} is "
                           f"{'not a file' if m else 'neither a folder nor a state_step*.pt file'}: "
                           "give a run's folder (logs/<run_id>) or one of its state_step*.pt files")
-    return p.parent, int(m[1])
+    return p.parent, [int(m[1])]
+
+
+def _everyone(value: Any, world_size: int) -> list[Any]:
+    """value from every rank, in rank order (all_gather_object); [value] in one process."""
+    if world_size == 1:
+        return [value]
+    every: list[Any] = [None] * world_size
+    dist.all_gather_object(every, value)
+    return every
+
+
+def set_problem(reports: Sequence[tuple[str, str | None, str | None]]) -> tuple[str, str] | None:
+    """(file name, why) for the first file of a state's set (one report per rank: file name, its
+    problem, its run id or None where unknown) that keeps the set from being resumed: a bad file,
+    or one of another run than rank 0's. None if every file is whole and all are of one run."""
+    for name, problem, _ in reports:
+        if problem is not None:
+            return name, problem
+    runs = [(name, run_id) for name, _, run_id in reports if run_id is not None]
+    for name, run_id in runs[1:]:
+        if run_id != runs[0][1]:
+            return name, f"foreign (from run {run_id}; {runs[0][0]} is from run {runs[0][1]})"
+    return None
 
 
 def load_checkpoint(path: str, rank: int, world_size: int,
                     device: str | torch.device = "cpu") -> dict:
-    """This rank's state from the checkpoint `path` names (see find_checkpoint); ConfigError if it
-    cannot be used."""
-    folder, step = find_checkpoint(path, world_size)
-    file = checkpoint_path(folder, step, rank, world_size)
-    if not file.is_file():
-        others = sorted(f.name for f in folder.glob(f"state_step{step:06d}*.pt"))
-        raise ConfigError(f"--resume: {file} does not exist (the step-{step} state has "
-                          f"{', '.join(others)}): resume with the number of processes that "
-                          "wrote it")
+    """This rank's state from the checkpoint `path` names (see find_checkpoint), the same step on
+    every rank: each state, newest first, is checked as a set (every rank's file there, whole,
+    sealed by the same run for that step) before any rank loads it. A named state that fails is a
+    ConfigError naming the file; a folder's newest whole set is taken, and state["notes"] has a
+    line for each state skipped (and for each stale temporary removed)."""
+    try:
+        mine: list[int] | str = find_checkpoint(path, world_size)[1]
+    except ConfigError as e:
+        mine, refused = str(e), e
+    listed = _everyone(mine, world_size)      # the steps each rank sees: one node's disk need
+    if all(isinstance(x, str) for x in listed):
+        raise refused
+    named = not Path(path).is_dir()
+    folder = Path(path).parent if named else Path(path)
+    steps = sorted({st for x in listed if not isinstance(x, str) for st in x},   # not hold
+                   reverse=True)                                                # another's
+    notes = [f"note: removed {f}, the temporary file of a write that was cut short"
+             for f in remove_stale_temporaries(folder)] if not named else []
+    skipped: list[str] = []
+    for step in steps:
+        file = checkpoint_path(folder, step, rank, world_size)
+        record, problem = inspect_state(file, step, rank, world_size)
+        why = set_problem(_everyone((file.name, problem, record.get("run_id")), world_size))
+        if why is None:                  # the set is whole: now each rank unpickles its file
+            state, problem = _read_state(file, step, device)
+            why = set_problem(_everyone((file.name, problem, state and state["run_id"]),
+                                        world_size))
+        if why is None:
+            break
+        if named:
+            raise ConfigError(f"--resume: {folder / why[0]}: {why[1]}. Resume from an earlier "
+                              "state (written by as many processes as this run has), or give the "
+                              f"folder (--resume={folder}) to take its newest whole one")
+        skipped.append(f"{why[0]}: {why[1]}")
+    else:
+        raise ConfigError(f"--resume={path}: no state in the folder is whole on all {world_size} "
+                          f"process(es): {'; '.join(skipped)}. Start a new run, or give another "
+                          "run's folder")
+    state["path"] = str(file)
+    chosen = f"state_step{step:06d}{'_rank*' if world_size > 1 else ''}.pt"
+    state["notes"] = notes + [f"note: skipped {line}; resuming from {chosen}" for line in skipped]
+    return state
+
+
+def _read_state(file: Path, step: int,
+                device: str | torch.device) -> tuple[dict | None, str | None]:
+    """(the state, None) or (None, why it is not a whole training state after `step`) for a file
+    inspect_state passed (for one written before the seal, loading it is the check)."""
     try:
         state = torch.load(file, map_location=device, weights_only=True)
     except Exception as e:  # noqa: BLE001 (a truncated or foreign file, reported as such)
-        raise ConfigError(f"--resume: cannot read {file} as a training state (torch.load: "
-                          f"{type(e).__name__}, the file is empty, cut short or foreign); resume "
-                          "from another checkpoint") from None
+        return None, (f"unreadable as a training state (torch.load: {type(e).__name__}; the file "
+                      "is cut short or foreign)")
     if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
-        raise ConfigError(f"--resume: {file} is not a training state written by this trainer "
-                          "(--checkpoint_every, --save_checkpoint)")
+        return None, "not a training state written by this trainer"
     missing = sorted(STATE_KEYS - set(state))
     if missing or not isinstance(state["step"], int):
-        raise ConfigError(f"--resume: {file} is not a whole training state (no "
-                          f"{', '.join(missing) or 'step number'}): resume from another checkpoint")
-    state["path"] = str(file)
-    return state
+        return None, f"not a whole training state (no {', '.join(missing) or 'step number'})"
+    if state["step"] != step:
+        return None, f"the state after step {state['step']}, not {step} (a renamed file)"
+    return state, None
 
 
 def load_resume(hp: Any, rank: int, world_size: int) -> dict:
@@ -1687,6 +1892,8 @@ def dry_run_checks(hp: Any, rank: int, world_size: int, device: torch.device,
     say(f"  ok  environment: {short_environment(device)}; attention backends "
         f"{', '.join(available)} (--attn_backend={hp.attn_backend} runs {chosen})")
     saved = load_resume(hp, rank, world_size) if hp.resume else None
+    for line in saved["notes"] if saved is not None else ():
+        say(f"  !!  {line}")
     run_id = hp.run_id or (default_run_id(hp.log_dir, saved) if saved else "<a new run id>")
     if hp.run_id:
         folder = Path(expand_path(hp.log_dir)) / run_id

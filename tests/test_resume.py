@@ -73,26 +73,29 @@ def test_resumed_run_is_bitwise_the_straight_run(tmp_path, world_size):
         assert not any(line.startswith("warning:") for line in resumed_log)
 
 
-def test_run_folder_resumes_from_its_newest_complete_state(tmp_path):
+def test_run_folder_lists_its_states_newest_first_for_the_process_count(tmp_path):
+    """find_checkpoint lists by name; load_checkpoint then checks each set (tests/test_durable_states.py)."""
     folder = tmp_path / "run"
     folder.mkdir()
     for name in ("state_step000003_rank0.pt", "state_step000003_rank1.pt", "state_step000006_rank0.pt",
                  "state_step000002.pt", "notes.txt"):
         (folder / name).write_bytes(b"")
-    assert harness.find_checkpoint(str(folder), 2) == (folder, 3)      # 6 misses rank 1: a crash while writing it
-    assert harness.find_checkpoint(str(folder), 1) == (folder, 2)
-    assert harness.find_checkpoint(str(folder / "state_step000006_rank0.pt"), 2) == (folder, 6)
-    with pytest.raises(tg.ConfigError, match="none written by 4 process"):
-        harness.find_checkpoint(str(folder), 4)
+    assert harness.find_checkpoint(str(folder), 2) == (folder, [6, 3])    # 6 misses rank 1: checked as a set later
+    assert harness.find_checkpoint(str(folder), 1) == (folder, [2])
+    assert harness.find_checkpoint(str(folder / "state_step000006_rank0.pt"), 2) == (folder, [6])
+    assert harness.find_checkpoint(str(folder), 4) == (folder, [6, 3])    # their seals say 2 processes: refused later
+    single = tmp_path / "single"
+    single.mkdir()
+    (single / "state_step000002.pt").write_bytes(b"")
+    with pytest.raises(tg.ConfigError, match=r"other process counts \(steps \[2\]\), none written by 2 process"):
+        harness.find_checkpoint(str(single), 2)
     with pytest.raises(tg.ConfigError, match="neither a folder nor a state_step"):
         harness.find_checkpoint(str(folder / "notes.txt"), 1)
-    with pytest.raises(tg.ConfigError, match="the number of processes that wrote it"):
-        harness.load_checkpoint(str(folder / "state_step000006_rank0.pt"), 1, 2)   # rank 1's file is missing
 
 
 def test_unreadable_or_foreign_state_files_are_refused(tmp_path):
     (tmp_path / "state_step000004.pt").write_bytes(b"PK\x03\x04 cut short")
-    with pytest.raises(tg.ConfigError, match="cannot read .* resume from another checkpoint"):
+    with pytest.raises(tg.ConfigError, match="state_step000004.pt: truncated .* Resume from an earlier state"):
         harness.load_checkpoint(str(tmp_path / "state_step000004.pt"), 0, 1)
     torch.save({"model": {}}, tmp_path / "state_step000005.pt")
     with pytest.raises(tg.ConfigError, match="not a training state written by this trainer"):
