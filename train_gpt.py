@@ -138,7 +138,7 @@ class Hyperparameters(harness.RunOptions):
     adam_eps: float = 1e-10                # Adam epsilon (not bias corrected)
     adam_wd: float = 0.005                 # Adam cautious weight decay (times wd_mul): lr^2 * wd
     muon_lr: float = 0.023                 # NorMuon base lr for the matrix banks
-    muon_beta2: float = 0.95               # NorMuon second-moment decay
+    muon_beta2: float = 0.9                # NorMuon second-moment decay (0.9: upstream record 78)
     muon_wd: float = 1.2                   # NorMuon cautious weight decay (times the row's wd_mul)
     param_table: dict = field(             # optimizer row per label
         default_factory=lambda: copy.deepcopy(DEFAULT_PARAM_TABLE))
@@ -1485,8 +1485,10 @@ class NorMuonAndAdam:
         lr, wd = normuon_scalars(self.muon_lr, lr_factor, self.muon_wd, row["wd_mul"])
         scale = self._lr_scales[label]
         lr_eff = _fp32(scale * lr) if isinstance(scale, float) else (scale * lr).float()
+        # mu as an fp32 value, so both lerp weights, 1 - mu and mu, are exact fp32 numbers (upstream
+        # record 74, PR #233)
         normuon_update(param, grad, buf["momentum"], buf["second_moment"], buf.get("mantissa"),
-                       momentum=momentum, beta2=self.muon_beta2, lr=lr_eff, wd=wd,
+                       momentum=_fp32(momentum), beta2=self.muon_beta2, lr=lr_eff, wd=wd,
                        split_final_product=row["matrix_shape"][0] > POLAR_EXPRESS_SPLIT_ROWS,
                        ops=self.ops)
 

@@ -515,3 +515,20 @@ def test_comm_orders_derived_from_the_table_are_the_records():
     # a new replicated Adam row joins the first group, whatever its place in the table
     table = dict(TINY_TABLE, **{"new": dict(TINY_TABLE["scalars"])})
     assert tg.update_order(table).index("new") == 6
+
+
+def test_momentum_lerp_weights_are_formed_from_fp32_mu():
+    # Upstream record 74 holds mu as fp32 and forms 1 - mu_f in fp32 (exact): at mu = 0.95 the buffer's weight is
+    # 0.050000011920929, not fp32(1 - 0.95) = 0.050000000745058. From a zero buffer the first step gives M = w * G.
+    R, C = 8, 16
+    g = torch.Generator().manual_seed(3)
+    bank = nn.Parameter((torch.randn(2, R, C, generator=g) * 0.05).bfloat16())
+    table = {"m": dict(optim="normuon", comms="none", lr_mul=1.0, wd_mul=1.0, matrix_shape=(R, C))}
+    opt = tg.NorMuonAndAdam({"m": bank}, table, rank=0, world_size=1, tied=None, ops=CPU_OPS, **HP)
+    bank.grad = (torch.randn(2, R, C, generator=g) * 3).bfloat16()
+    grad = bank.grad.float()
+    opt.step(do_adam=False, lr_factor=1.0, momentum=0.95)
+    w_fp32_mu = torch.tensor(1.0, dtype=torch.float32) - torch.tensor(0.95, dtype=torch.float32)
+    assert float(w_fp32_mu) == 0.050000011920928955
+    assert torch.equal(opt.buffers["m"]["momentum"], grad * w_fp32_mu)
+    assert not torch.equal(grad * w_fp32_mu, grad * torch.tensor(1 - 0.95, dtype=torch.float32))
