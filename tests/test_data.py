@@ -173,9 +173,9 @@ def test_train_batches_match_reference(request, source, world_size, cap):
         assert g == [tuple(x) for x in w], f"request {step} differs from the reference"
 
 
-def test_quick_scan_prefix_gives_the_same_batches(synthetic_dir, monkeypatch):
+def test_quick_index_prefix_gives_the_same_batches(synthetic_dir, monkeypatch):
     """The first shard starts from a quick prefix index while the full one loads; batches must not change."""
-    monkeypatch.setattr(tg, "_QUICK_SCAN_TOKENS", 1500)
+    monkeypatch.setattr(tg, "_QUICK_INDEX_TOKENS", 1500)
     got, want = run_both(shard_files(synthetic_dir), [(4096, 1, False)] * 100, 4, 2048, 20)
     assert len(got) > 10 and got == [[tuple(x) for x in w] for w in want]
 
@@ -332,27 +332,28 @@ def test_short_documents_overflow_cu_seqlens(tmp_path):
             break
 
 
-def test_documents_cut_short_by_train_max_seq_len_name_it(tmp_path):
-    """Long documents cut to a tiny --train_max_seq_len make the many short pieces: the loader's message and the
-    density check before compiling both name --train_max_seq_len (issue 56); short documents themselves do not."""
+def test_documents_cut_short_by_max_doc_len_name_it(tmp_path):
+    """Long documents cut to a tiny max_doc_len make the many short pieces: the loader's message and the density
+    check before compiling both name the stage's max_doc_len (issue 56); short documents themselves do not."""
     rng = np.random.default_rng(4)
     long_docs = write_shard(str(tmp_path / "long_train_000001.bin"), labelled_docs(rng, 1500, 0, median=400, sigma=0.2))
     with pytest.raises(tg.DataError) as info:
         next(tg.train_batches([long_docs], 4096, 1, 0, 1, CPU, 8, 300))
-    assert "--train_max_seq_len=8" in str(info.value) and "--tokens_per_doc_bound=" in str(info.value)
-    rooms = {4096: tg.max_num_docs(4096, 300) - 1}
-    with pytest.raises(tg.ConfigError) as info:
-        tg.check_document_density(long_docs, BOS, 8, rooms)
-    assert str(info.value).startswith("--train_max_seq_len=8 cuts the documents in ") and \
+    assert "max_doc_len=8" in str(info.value) and "--stages" in str(info.value) and \
         "--tokens_per_doc_bound=" in str(info.value)
-    tg.check_document_density(long_docs, BOS, 2048, rooms)          # uncut, they fit
+    room = tg.max_num_docs(4096, 300) - 1
+    with pytest.raises(tg.ConfigError) as info:      # one stage's cap is enough to fail
+        tg.check_document_density(long_docs, BOS, {(4096, 2048): room, (4096, 8): room})
+    assert str(info.value).startswith("max_doc_len=8 in --stages cuts the documents in ") and \
+        "--tokens_per_doc_bound=" in str(info.value)
+    tg.check_document_density(long_docs, BOS, {(4096, 2048): room})          # uncut, they fit
 
     short_docs = write_shard(str(tmp_path / "short_train_000001.bin"), labelled_docs(rng, 3000, 0, median=8, sigma=0.3))
     for call in (lambda: next(tg.train_batches([short_docs], 4096, 1, 0, 1, CPU, 2048, 300)),
-                 lambda: tg.check_document_density(short_docs, BOS, 2048, rooms)):
+                 lambda: tg.check_document_density(short_docs, BOS, {(4096, 2048): room})):
         with pytest.raises((tg.DataError, tg.ConfigError)) as info:
             call()
-        assert "--train_max_seq_len" not in str(info.value) and "--tokens_per_doc_bound=" in str(info.value)
+        assert "max_doc_len" not in str(info.value) and "--tokens_per_doc_bound=" in str(info.value)
 
 
 @pytest.mark.timeout(900)
