@@ -160,6 +160,16 @@ def test_a_four_stage_table():
     assert [g[4] for g in got] == [32, 32, 64, 64, 64, 64, 128, 128, 128, 128]
 
 
+def test_mtp_weights_are_a_plus_b_minus_a_times_t():
+    """Spec 6.2's form a + (b - a) t, not a (1 - t) + b t (the same doubles for the record's weights, not for
+    these): a stage of 7 steps from 0.3 to 0.7, then 0.1 to 0.9."""
+    stages = (tg.Stage(64, 1.0, 2, (1.0, 0.3), (1.0, 0.7), 32), tg.Stage(64, 1.0, 2, (0.1,), (0.9,), 32))
+    spec = [(1.0, 0.3 + (0.7 - 0.3) * (s / 7)) for s in range(7)] + [(0.1 + (0.9 - 0.1) * ((s - 7) / 7),)
+                                                                    for s in range(7, 14)] + [(0.9,)]
+    assert [tg.mtp_weights(s, 14, stages) for s in range(15)] == spec
+    assert any(w[-1] != (0.3 * (1 - s / 7) + 0.7 * (s / 7)) for s, w in enumerate(spec[:7]))
+
+
 def test_schedule_at_parity_and_fields():
     s = tg.schedule_at(961, HP)
     assert s.do_adam and not tg.schedule_at(960, HP).do_adam
