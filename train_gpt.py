@@ -2585,8 +2585,8 @@ def snapshot_state(model: nn.Module, opt: Any) -> dict[str, Any]:
 
 
 class Trainer:
-    """The schedule state (windows, batch size) and the step/validation routines shared by warmup
-    and the timed loop."""
+    """The schedule state (windows, batch size, document cap) and the step/validation routines
+    shared by warmup and the timed loop."""
 
     def __init__(self, hp: Hyperparameters, model: nn.Module, compiled: Callable, opt: Any,
                  device: torch.device, rank: int, world_size: int, train_files: list[str],
@@ -2909,9 +2909,10 @@ def timed_loop(run: harness.Run, trainer: Trainer, checkpointer: harness.Checkpo
                          f"--resume={checkpointer.save(trainer.state(done, clock.pause()))}")
             raise harness.stopped(signum, f"after step {done} of {total}{saved}")
     if over := trainer.position.over_upstream_capacity:
+        rooms = ", ".join(f"{room - 1} at {n}" for n, room in UPSTREAM_DOC_CAPACITY.items())
         run.log(f"note: {over} training micro-batches held more documents than record 80's "
-                f"cu_seqlens has room for ({UPSTREAM_DOC_CAPACITY}); upstream would have crashed "
-                "there (spec D2)")
+                f"cu_seqlens has room for ({rooms} tokens per micro-batch): upstream would have "
+                "stopped there (spec D2)")
     return run.finish(val_loss, clock.ms)
 
 

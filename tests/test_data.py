@@ -78,6 +78,9 @@ def as_lists(batch):
 
 def test_max_num_docs_spec_values():
     assert [tg.max_num_docs(n, 300) for n in (16384, 32768, 49152, 262144)] == [128, 128, 256, 896]
+    # spec D2: ours holds at least as many segments as record 80's 64 / 96 / 128 at the record's micro-batch sizes
+    assert tg.UPSTREAM_DOC_CAPACITY == {16384: 64, 32768: 96, 49152: 128}
+    assert all(tg.max_num_docs(n, 300) >= room for n, room in tg.UPSTREAM_DOC_CAPACITY.items())
     for n in [1, 127, 38_400, 38_401, 38_700, 100_000, 1_000_000]:
         for bound in (1, 7, 100, 300):
             assert tg.max_num_docs(n, bound) == ref_max_num_docs(n, bound)
