@@ -17,6 +17,7 @@ parallel). Nothing happens at import.
 """
 from __future__ import annotations
 
+import bisect
 import copy
 import dataclasses
 import functools
@@ -75,11 +76,13 @@ DEFAULT_PARAM_TABLE: dict[str, dict[str, Any]] = {
 @dataclass(frozen=True)
 class Stage:
     """One row of the schedule table: the scheduled steps are split evenly between the stages, in
-    order."""
+    order (stage_starts); everything in a row takes effect at the stage's first step."""
     batch: int             # global tokens per step
-    lr_peak: float         # lr factor before the cooldown (from the step after the stage starts)
+    lr_peak: float         # lr factor until the cooldown starts (lr_factor)
     ws_long: int           # long attention window in blocks; the short one is half, rounded down
-    mtp_weights: tuple     # weights of the next 1, 2, ... tokens; the last of several fades to 0
+    mtp_start: tuple       # weights of the next 1, 2, ... tokens at the stage's first step, moving
+    mtp_end: tuple         # linearly to these at its end (upstream record 65, PR #215)
+    max_doc_len: int       # training documents are cut to this many tokens (record 72, PR #224)
 
 
 @dataclass
@@ -90,20 +93,23 @@ class Hyperparameters(harness.RunOptions):
     # ---- data shapes ----
     val_tokens: int = 10_485_760           # tokens per validation (a fixed val prefix)
     val_batch_size: int = 2_097_152        # global val tokens per val step (4*64*1024*8)
-    train_max_seq_len: int = 2048          # training documents are cut to this many tokens
     tokens_per_doc_bound: int = 300        # cu_seqlens holds ceil128(N / this) entries
     batch_slices: int = 8                  # micro-batches per global batch (world * accum)
     # ---- steps and schedules ----
-    stages: tuple = (                      # schedule table (option: batch:lr_peak:ws_long:w1/w2)
-        Stage(batch=131_072, lr_peak=1.0, ws_long=3, mtp_weights=(1.0, 0.5, 0.25)),
-        Stage(batch=262_144, lr_peak=1.52, ws_long=7, mtp_weights=(1.0, 0.5)),
-        Stage(batch=393_216, lr_peak=1.73, ws_long=11, mtp_weights=(1.0,)),
+    stages: tuple = (                      # schedule table (option, per stage:
+                                           # batch:lr_peak:ws_long:a1/a2:b1/b2:max_doc_len)
+        Stage(batch=131_072, lr_peak=1.0, ws_long=3, mtp_start=(1.0, 0.5, 0.25),
+              mtp_end=(1.0, 0.5, 0.0), max_doc_len=896),
+        Stage(batch=262_144, lr_peak=1.52, ws_long=7, mtp_start=(1.0, 0.5), mtp_end=(1.0, 0.0),
+              max_doc_len=2048),
+        Stage(batch=393_216, lr_peak=1.73, ws_long=11, mtp_start=(1.0,), mtp_end=(1.0,),
+              max_doc_len=2048),
     )
-    num_scheduled_iterations: int = 1725   # steps of the lr / batch / window schedule
-    num_extension_iterations: int = 40     # extra steps at the final lr with the extended window
-    cooldown_frac: float = 0.5             # fraction of scheduled steps spent decaying lr to lr_min
-    lr_min: float = 0.1                    # lr factor at the end of cooldown and in the extension
-    split_frac: float = 2 / 3              # untie embed, lm_head after ceil(frac * scheduled) | 1
+    num_scheduled_iterations: int = 1440   # steps of the lr / batch / window schedule
+    num_extension_iterations: int = 40     # extra steps at the last stage's values, lr_min and
+                                           # the extended window
+    cooldown_frac: float = 0.6             # fraction of scheduled steps spent decaying lr to lr_min
+    lr_min: float = 0.15                   # lr factor at the end of cooldown and in the extension
     momentum_min: float = 0.85             # NorMuon momentum at step 0, rising linearly ...
     momentum_max: float = 0.95             # ... to this ...
     momentum_warmup_steps: int = 300       # ... over this many steps,
@@ -156,7 +162,9 @@ class Hyperparameters(harness.RunOptions):
 
     @property
     def split_step(self) -> int:
-        return math.ceil(self.split_frac * self.num_scheduled_iterations) | 1
+        """Untie embed and lm_head after this step: the first step of the last stage, made odd
+        (an Adam step); 961 for the record. Past the last step of a short run: they stay tied."""
+        return stage_starts(self.num_scheduled_iterations, len(self.stages))[-1] | 1
 
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -168,12 +176,13 @@ PRESETS: dict[str, dict[str, Any]] = {
         attn_layout="PNN-NP", long_window_layers=(1, 4), ve_layout=(1, 2, -1, -1, 0, 2),
         skip_source_layer=1, skip_dest_layer=3, backout_layer=4,
         batch_slices=2, block_size=16,
-        stages=(Stage(512, 1.0, 3, (1.0, 0.5, 0.25)), Stage(768, 1.52, 7, (1.0, 0.5)),
-                Stage(1024, 1.73, 11, (1.0,))),
+        stages=(Stage(512, 1.0, 3, (1.0, 0.5, 0.25), (1.0, 0.5, 0.0), 128),
+                Stage(768, 1.52, 7, (1.0, 0.5), (1.0, 0.0), 256),
+                Stage(1024, 1.73, 11, (1.0,), (1.0,), 256)),
         ws_long_extension=13, ws_long_final_val=20,
         val_batch_size=2048, val_tokens=4096, num_scheduled_iterations=60,
         num_extension_iterations=4, momentum_warmup_steps=10, momentum_cooldown_steps=4,
-        val_loss_every=20, train_max_seq_len=256,
+        val_loss_every=20,
         tokens_per_doc_bound=100, compile=False, use_fp8=False, attn_backend="sdpa", warmup=False,
     ),
 }
@@ -1546,7 +1555,7 @@ class NorMuonAndAdam:
 # 5. Data
 # ==================================================================================================
 # The data pipeline. Shards are FineWeb's GPT-2 token files, read and checked here. Training batches are BOS aligned (every
-# segment starts at a document start and is at most max_seq_len long); validation batches are a
+# segment starts at a document start and is at most the stage's max_doc_len long); validation batches are a
 # plain cut of the val stream. Every rank builds the joint batch of all ranks and keeps its own
 # part, so no communication is needed and the tokens of an optimizer step do not depend on the world
 # size.
@@ -1684,8 +1693,11 @@ def check_document_start(tokens: np.ndarray, path: str, bos_id: int, prefix: boo
 # ---- batches ------------------------------------------------------------------------------------
 
 BOS_ID = 50256                          # GPT-2 <|endoftext|>; every FineWeb document starts with it
-_QUICK_SCAN_TOKENS = 4_000_000          # the first batches come from this
-                                        # prefix of shard 0 while the rest loads
+_QUICK_INDEX_TOKENS = 6_000_000         # a shard's first batches come from this prefix
+                                        # while the rest loads (upstream record 65)
+# Record 80's cu_seqlens length per micro-batch size (record 78, PR #246): upstream would crash on a
+# micro-batch with more segments than this minus 1; ours has room (max_num_docs), so we count them.
+UPSTREAM_DOC_CAPACITY = {16_384: 64, 32_768: 96, 49_152: 128}
 
 def max_num_docs(num_tokens: int, tokens_per_doc_bound: int) -> int:
     """Fixed length of cu_seqlens for a batch of num_tokens: floor(N / bound) rounded up to a
@@ -1695,16 +1707,16 @@ def max_num_docs(num_tokens: int, tokens_per_doc_bound: int) -> int:
 
 def _check_doc_capacity(num_seqs: int, num_tokens: int, tokens_per_doc_bound: int,
                         what: str, doc_lens: np.ndarray | None = None,
-                        max_seq_len: int | None = None) -> None:
+                        max_doc_len: int | None = None) -> None:
     """num_seqs sequences need num_seqs + 1 boundaries in cu_seqlens; fail loudly rather than
-    overflow. doc_lens, max_seq_len: the training documents before --train_max_seq_len cut them,
-    to name it where the cut made the extra sequences."""
+    overflow. doc_lens, max_doc_len: the training documents before the stage's cap cut them, to
+    name it where the cut made the extra sequences."""
     capacity = max_num_docs(num_tokens, tokens_per_doc_bound)
     if num_seqs + 1 > capacity:
         fits = num_tokens // (num_seqs + 1)
-        cut = (f"; documents here are cut to --train_max_seq_len={max_seq_len} tokens, which "
-               "makes more of them: a longer --train_max_seq_len also helps"
-               if doc_lens is not None and (doc_lens[:-1] > max_seq_len).any() else "")
+        cut = (f"; documents here are cut to the stage's max_doc_len={max_doc_len} tokens, which "
+               "makes more of them: a longer max_doc_len in --stages also helps"
+               if doc_lens is not None and (doc_lens[:-1] > max_doc_len).any() else "")
         raise DataError(
             f"{what} of {num_tokens} tokens holds {num_seqs} sequences, but cu_seqlens has room "
             f"for {capacity - 1}: --tokens_per_doc_bound={tokens_per_doc_bound} assumes "
@@ -1739,22 +1751,34 @@ class _ShardIndex:
 
 class _TrainShards:
     """The training shards in order. While one is in use, a background thread reads and indexes the
-    next. The first starts from a quick index of its first _QUICK_SCAN_TOKENS tokens while a thread
-    indexes all of it; the quick document list is a prefix of the full one, so which index built a
-    batch does not change the batch."""
+    next. A shard whose full index is not ready when it is reached (the first one always) starts
+    from a quick index of its first _QUICK_INDEX_TOKENS tokens while a thread indexes all of it
+    (upstream record 65); the quick document list is a prefix of the full one, and a batch the
+    quick list cannot supply waits for the full one, so which index built a batch does not change
+    the batch (upstream instead skips the rest of the shard there: a race it does not expect to
+    hit, spec D3)."""
 
     def __init__(self, files: list[str], vocab_size: int | None, first: int = 0):
         self.files, self.shard, self.vocab_size = files, first, vocab_size
-        tokens, n = read_tokens(files[first], _QUICK_SCAN_TOKENS)
-        self.current = _ShardIndex(files[first], tokens, complete=len(tokens) == n,
-                                   vocab_size=vocab_size)
         self.tokens_done = 0                       # tokens in the shards used up
                                                    # so far (for the error message)
-        self._full_current = (None if self.current.complete
-                              else Background(lambda: self._load(first)))
         self._next = None
-        if self._full_current is None:
-            self._prefetch()
+        self._start(first, None)
+
+    def _start(self, k: int, full: Background | None) -> None:
+        """Make shard k current: its full index if `full` (its background load) has finished, else
+        the quick index of its first tokens while `full` (started now if None) finishes."""
+        self.shard, self._full_current, self._next = k, None, None
+        if full is not None and full.done():
+            self.current = full.result()
+        else:
+            tokens, n = read_tokens(self.files[k], _QUICK_INDEX_TOKENS)
+            self.current = _ShardIndex(self.files[k], tokens, complete=len(tokens) == n,
+                                       vocab_size=self.vocab_size)
+            if not self.current.complete:
+                self._full_current = full or Background(lambda: self._load(k))
+                return
+        self._prefetch()
 
     def _load(self, k: int) -> _ShardIndex:
         return _ShardIndex(self.files[k], read_tokens(self.files[k])[0], complete=True,
@@ -1769,8 +1793,8 @@ class _TrainShards:
         self._prefetch()
 
     def poll(self) -> None:
-        """Re-raise a failure of a background load now; switch to the full index of shard 0 once it
-        is ready."""
+        """Re-raise a failure of a background load now; switch to the full index of the current
+        shard once it is ready."""
         for task in (self._full_current, self._next):
             if task is not None:
                 task.raise_if_failed()
@@ -1791,8 +1815,7 @@ class _TrainShards:
                 f"({self.tokens_done:,} tokens) matched by --train_files (first: {self.files[0]}); "
                 f"download more: python data/cached_fineweb10B.py {len(self.files) + 2} (or make "
                 "more synthetic shards, or train fewer steps)")
-        self.current, self.shard = self._next.result(), self.shard + 1
-        self._prefetch()
+        self._start(self.shard + 1, self._next)
         return True
 
 
@@ -1842,16 +1865,19 @@ class TrainPosition:
     with the same batches."""
     shard: int = 0
     cursor: int = 0
+    over_upstream_capacity: int = 0    # micro-batches so far (all ranks) with more segments than
+                                       # record 80's cu_seqlens holds (UPSTREAM_DOC_CAPACITY)
 
 
 def train_batches(files: list[str], global_batch: int, grad_accum: int, rank: int, world_size: int,
-                  device: torch.device, max_seq_len: int, tokens_per_doc_bound: int,
+                  device: torch.device, max_doc_len: int, tokens_per_doc_bound: int,
                   vocab_size: int | None = None, position: TrainPosition | None = None,
                   ) -> Generator[tuple[Tensor, Tensor, Tensor], tuple[int, int, int] | None, None]:
     """BOS-aligned training micro-batches of `rank`. Each request yields
     (inputs int32 (N,), targets int64 (N,), cu_seqlens int32 (max_num_docs(N),)) on device,
     N = global_batch/(A*W).
-    With each request send None or (global_batch, max_seq_len, grad_accum); a triple applies to the
+    Documents are cut to max_doc_len tokens.
+    With each request send None or (global_batch, max_doc_len, grad_accum); a triple applies to the
     batch it gets.
     The arguments are checked now; the first shard is read on the first request (inside the timed
     region, as in the record).
@@ -1869,11 +1895,11 @@ def train_batches(files: list[str], global_batch: int, grad_accum: int, rank: in
                         f"matches {len(files)} shards: give the shards the run started with")
     _micro_batch_tokens(global_batch, grad_accum, world_size)
     return _train_batch_stream(list(files), global_batch, grad_accum, rank, world_size, device,
-                               max_seq_len, tokens_per_doc_bound, vocab_size, position)
+                               max_doc_len, tokens_per_doc_bound, vocab_size, position)
 
 
 def _train_batch_stream(files: list[str], global_batch: int, grad_accum: int, rank: int,
-                        world_size: int, device: torch.device, max_seq_len: int,
+                        world_size: int, device: torch.device, max_doc_len: int,
                         tokens_per_doc_bound: int, vocab_size: int | None,
                         position: TrainPosition):
     tokens_per_rank = _micro_batch_tokens(global_batch, grad_accum, world_size)
@@ -1883,10 +1909,10 @@ def _train_batch_stream(files: list[str], global_batch: int, grad_accum: int, ra
     message = None
     while True:
         if message is not None:                  # applies to the batch answering it
-            global_batch, max_seq_len, grad_accum = message
+            global_batch, max_doc_len, grad_accum = message
             tokens_per_rank = _micro_batch_tokens(global_batch, grad_accum, world_size)
         shards.poll()
-        while (cursors := _plan_joint_batch(shards.current.cum_lens(max_seq_len), cursor,
+        while (cursors := _plan_joint_batch(shards.current.cum_lens(max_doc_len), cursor,
                                             tokens_per_rank, world_size)) is None:
             if shards.extend():                  # abandon the partial batch; restart
                                                  # it from the next shard's start
@@ -1895,12 +1921,14 @@ def _train_batch_stream(files: list[str], global_batch: int, grad_accum: int, ra
         first, end = cursors[rank], cursors[rank + 1]
         cursor = cursors[-1]                     # commit after all ranks are planned
         position.shard, position.cursor = shards.shard, cursor
-        # This rank's segments: documents first..end-1 cut to max_seq_len, the last one cut so that
+        if (upstream := UPSTREAM_DOC_CAPACITY.get(tokens_per_rank)) is not None:
+            position.over_upstream_capacity += int((np.diff(cursors) > upstream - 1).sum())
+        # This rank's segments: documents first..end-1 cut to max_doc_len, the last one cut so that
         # the segments hold exactly N + 1 tokens (its final token is only a target).
-        seg_lens = np.minimum(shard.doc_lens[first:end], max_seq_len)                    # (m,)
+        seg_lens = np.minimum(shard.doc_lens[first:end], max_doc_len)                    # (m,)
         seg_lens[-1] = tokens_per_rank + 1 - (seg_lens.sum() - seg_lens[-1])
         _check_doc_capacity(len(seg_lens), tokens_per_rank, tokens_per_doc_bound,
-                            "a training micro-batch", shard.doc_lens[first:end], max_seq_len)
+                            "a training micro-batch", shard.doc_lens[first:end], max_doc_len)
         # (N+1,) uint16
         buf = np.concatenate([shard.tokens[s:s + n] for s, n in zip(shard.bos[first:end].tolist(),
                                                                      seg_lens.tolist())])
@@ -1994,36 +2022,29 @@ def _val_batch_stream(files: list[str], placements: list[tuple[int, int]], token
 # 6. Schedules: pure functions of the step
 # ==================================================================================================
 
-def stage_index(step: int, num_scheduled: int, num_stages: int, strict: bool = False) -> int:
-    """The stage of `step`: stage k starts at the first step with
-    step / num_scheduled >= k / num_stages (steps past the schedule stay in the last).
-    strict: > instead of >=, which starts a stage one step later exactly where
-    step / num_scheduled == k / num_stages (step 575 of the record's 1725), the record's rule for
-    the lr peak."""
-    x = step / num_scheduled
-    return sum((x > k / num_stages) if strict else (x >= k / num_stages)
-               for k in range(1, num_stages))
-
-
-def stage_starts(num_scheduled: int, num_stages: int, strict: bool = False) -> list[int]:
-    """The first step of each stage by stage_index's rule, without walking the steps: the exact
-    boundary k * num_scheduled / num_stages, moved to where the float comparison puts it (a step or
-    two at most). Options are checked in a time that does not grow with the step count."""
-    starts = [0]
-    for k in range(1, num_stages):
-        def reached(s: int) -> bool:
-            return stage_index(s, num_scheduled, num_stages, strict) >= k
-        s = k * num_scheduled // num_stages
-        while s > 0 and reached(s - 1):
-            s -= 1
-        while not reached(s):
-            s += 1
-        starts.append(s)
+def stage_starts(num_scheduled: int, num_stages: int) -> list[int]:
+    """The first step of each stage: 0, then round(num_scheduled * c) for c the running double sum
+    1/n, 1/n + 1/n, ... (Python round; upstream record 65, PR #215): [0, 480, 960] for the record."""
+    starts, c = [0], 0.0
+    for _ in range(num_stages - 1):
+        c += 1 / num_stages
+        starts.append(round(num_scheduled * c))
     return starts
+
+
+def stage_index(step: int, num_scheduled: int, num_stages: int) -> int:
+    """The stage of `step`: the last one starting at or before it (steps past the schedule stay in
+    the last stage)."""
+    return bisect.bisect_right(stage_starts(num_scheduled, num_stages), step) - 1
 
 
 def global_batch_size(step: int, num_scheduled: int, stages: Sequence[Stage]) -> int:
     return stages[stage_index(step, num_scheduled, len(stages))].batch
+
+
+def doc_len_cap(step: int, num_scheduled: int, stages: Sequence[Stage]) -> int:
+    """The stage's cut of training documents (also the attention's max_seqlen hint)."""
+    return stages[stage_index(step, num_scheduled, len(stages))].max_doc_len
 
 
 def batch_segments(num_steps: int, num_scheduled: int,
@@ -2052,48 +2073,58 @@ def window_sizes(step: int, num_scheduled: int, stages: Sequence[Stage],
 
 def lr_factor(step: int, num_scheduled: int, stages: Sequence[Stage], lr_min: float,
               cooldown_frac: float) -> float:
-    """Multiplier on every base lr: the stage's peak, then a linear cooldown to lr_min, then lr_min.
-    The peak changes one step after the batch and windows where a stage starts exactly on a step
-    (strict stage_index)."""
-    if step > num_scheduled:
-        return lr_min
-    x = step / num_scheduled
-    peak = stages[stage_index(step, num_scheduled, len(stages), strict=True)].lr_peak
-    if x >= 1 - cooldown_frac:
-        w = (1 - x) / cooldown_frac
-        return peak * w + lr_min * (1 - w)
-    return peak
+    """Multiplier on every base lr: the stage's peak until the cooldown starts at
+    int(num_scheduled * (1 - cooldown_frac)) (576 for the record), then the line from that peak to
+    lr_min at the end of the schedule, then lr_min. The peak is the step's own stage's, so it jumps
+    where a stage starts inside the cooldown (960: up to 1.0278). Upstream records 65 and 72."""
+    cooldown_start = int(num_scheduled * (1 - cooldown_frac))
+    peak = stages[stage_index(step, num_scheduled, len(stages))].lr_peak
+    if step < cooldown_start:
+        return peak
+    t = min(1.0, (step - cooldown_start) / (num_scheduled - cooldown_start))
+    return peak * (1 - t) + lr_min * t
 
 
 def muon_momentum(step: int, num_iterations: int, lo: float, hi: float, warmup: int,
                   cooldown: int) -> float:
-    """NorMuon momentum: lo -> hi over `warmup` steps, hi, then down by (hi - lo) over the last
-    `cooldown` steps."""
+    """NorMuon momentum (double; the optimizer rounds it to fp32): lo -> hi over `warmup` steps,
+    hi, then down by (hi - lo) over the last `cooldown` steps. The operations in upstream's order,
+    which decides the last bit."""
     if step < warmup:
-        return lo + (hi - lo) * step / warmup
+        return lo + (step / warmup) * (hi - lo)
     if step > num_iterations - cooldown:
-        return hi - (hi - lo) * (step - (num_iterations - cooldown)) / cooldown
+        return hi - ((step - (num_iterations - cooldown)) / cooldown) * (hi - lo)
     return hi
 
 
 def mtp_weights(step: int, num_scheduled: int, stages: Sequence[Stage]) -> tuple[float, ...]:
-    """The stage's multi-token-prediction weights, the last of several fading linearly to 0 across
-    the stage."""
-    k, n = stage_index(step, num_scheduled, len(stages)), len(stages)
-    weights = stages[k].mtp_weights
-    if len(weights) == 1:
-        return tuple(weights)
-    fade = k + 1 - n * min(step / num_scheduled, 1.0)         # 1 at the stage's start, 0 at its end
-    return (*weights[:-1], weights[-1] * fade)
+    """The multi-token-prediction weights (double): the stage's start weights moving linearly to its
+    end weights, a + (b - a) * t with t = (step - start) / (end - start); past the schedule, the
+    last stage's end weights (t = 1). Upstream record 65, PR #215."""
+    if step >= num_scheduled:
+        return tuple(float(b) for b in stages[-1].mtp_end)
+    starts = stage_starts(num_scheduled, len(stages))
+    k = stage_index(step, num_scheduled, len(stages))
+    end = starts[k + 1] if k + 1 < len(stages) else num_scheduled
+    t = (step - starts[k]) / (end - starts[k])
+    return tuple(a + (b - a) * t for a, b in zip(stages[k].mtp_start, stages[k].mtp_end))
 
 
 def schedule_changes(hp: Hyperparameters) -> list[int]:
-    """The steps after 0 where the batch size, the windows or the number of MTP weights can change
-    (every stage start and the end of the schedule): between two of them only the per-step values
-    (lr, momentum, MTP fade) move, so a plan needs schedule_at at these steps alone."""
+    """The steps after 0 where the batch size, the windows, the document cap or the number of MTP
+    weights can change (every stage start and the end of the schedule): between two of them only
+    the per-step values (lr, momentum, MTP weights) move, so a plan needs schedule_at at these
+    steps alone."""
     ns = hp.num_scheduled_iterations
     return sorted(s for s in {*stage_starts(ns, len(hp.stages))[1:], ns}
                   if 0 < s < hp.num_iterations)
+
+
+def validates_at(step: int, num_iterations: int, every: int) -> bool:
+    """Whether the loop validates before `step` (at step num_iterations: after the last step):
+    every `every` steps from 0 (0: never) and at the end; 0, 250, ..., 1250 and 1480 for the
+    record."""
+    return step == num_iterations or (every > 0 and step % every == 0)
 
 
 @dataclass(frozen=True)
@@ -2104,7 +2135,8 @@ class StepSchedule:
     ws_long: int
     lr_factor: float
     momentum: float
-    mtp_weights: tuple
+    mtp_weights: tuple           # doubles; the model gets them as fp32 (Trainer.mtp_weights)
+    max_doc_len: int             # training documents are cut to this (and max_seqlen hint)
     do_adam: bool                # Adam on odd steps, on two steps' gradients (upstream record 39)
 
 
@@ -2119,6 +2151,7 @@ def schedule_at(step: int, hp: Hyperparameters) -> StepSchedule:
         momentum=muon_momentum(step, hp.num_iterations, hp.momentum_min, hp.momentum_max,
                                hp.momentum_warmup_steps, hp.momentum_cooldown_steps),
         mtp_weights=mtp_weights(step, ns, hp.stages),
+        max_doc_len=doc_len_cap(step, ns, hp.stages),
         do_adam=step % 2 == 1,
     )
 
@@ -2238,7 +2271,7 @@ def validate_hyperparameters(hp: Hyperparameters, world_size: int) -> None:
         if not ok:
             raise ConfigError(msg)
 
-    for name in ("val_tokens", "val_batch_size", "train_max_seq_len", "tokens_per_doc_bound",
+    for name in ("val_tokens", "val_batch_size", "tokens_per_doc_bound",
                  "batch_slices", "block_size", "ws_long_extension", "ws_long_final_val",
                  "vocab_size", "model_dim", "num_heads", "head_dim", "mlp_hidden", "num_layers",
                  "momentum_warmup_steps", "momentum_cooldown_steps", "rope_base", "attn_scale",
@@ -2252,10 +2285,13 @@ def validate_hyperparameters(hp: Hyperparameters, world_size: int) -> None:
          f"--fp8_scales={harness.show(hp.fp8_scales)} needs 3 positive scales (x, w, grad)")
     need(len(hp.stages) >= 1, "--stages needs at least one stage")
     for i, st in enumerate(hp.stages):
-        need(st.batch > 0 and st.ws_long > 0 and st.lr_peak >= 0 and len(st.mtp_weights) >= 1
-             and st.mtp_weights[0] > 0 and min(st.mtp_weights) >= 0,
-             f"stage {i + 1} of --stages ({harness.show(st)}) needs a positive batch and window, "
-             "an lr peak >= 0, and weights >= 0 with a positive first (next-token) weight")
+        need(st.batch > 0 and st.ws_long > 0 and st.lr_peak >= 0 and st.max_doc_len > 0,
+             f"stage {i + 1} of --stages ({harness.show(st)}) needs a positive batch, window and "
+             "max_doc_len, and an lr peak >= 0")
+        need(len(st.mtp_start) == len(st.mtp_end) >= 1
+             and min(st.mtp_start[0], st.mtp_end[0]) > 0 and min(*st.mtp_start, *st.mtp_end) >= 0,
+             f"stage {i + 1} of --stages ({harness.show(st)}) needs as many start as end MTP "
+             "weights (a1/a2:b1/b2), all >= 0, with a positive first (next-token) weight")
     need(world_size >= 1 and (hp.batch_slices % world_size == 0
                               or world_size % hp.batch_slices == 0),
          f"world size {world_size} neither divides --batch_slices={hp.batch_slices} nor is a "
@@ -2276,10 +2312,10 @@ def validate_hyperparameters(hp: Hyperparameters, world_size: int) -> None:
     need(hp.num_scheduled_iterations >= len(hp.stages),
          f"--num_scheduled_iterations={hp.num_scheduled_iterations} must be >= {len(hp.stages)} "
          "(a step per stage)")
-    need(0 < hp.cooldown_frac <= 1, f"--cooldown_frac={hp.cooldown_frac} must be in (0, 1]")
-    need(0 < hp.split_frac <= 1, f"--split_frac={hp.split_frac} must be in (0, 1]")
-    need(hp.split_step < hp.num_iterations,
-         f"split step {hp.split_step} is past the last step: lower --split_frac")
+    need(0 < hp.cooldown_frac <= 1
+         and int(hp.num_scheduled_iterations * (1 - hp.cooldown_frac)) < hp.num_scheduled_iterations,
+         f"--cooldown_frac={hp.cooldown_frac} must be in (0, 1] and leave at least one cooldown "
+         f"step of the {hp.num_scheduled_iterations} scheduled")
     need(0 <= hp.momentum_min <= hp.momentum_max < 1,
          f"need 0 <= --momentum_min ({hp.momentum_min}) <= --momentum_max ({hp.momentum_max}) < 1")
     need(0 <= hp.muon_beta2 < 1, f"--muon_beta2={hp.muon_beta2} must be in [0, 1)")
@@ -2376,10 +2412,9 @@ def preflight(hp: Hyperparameters, world_size: int, device: torch.device,
                          rank, world_size, torch.device("cpu"), hp.tokens_per_doc_bound,
                          hp.vocab_size):
         pass
-    rooms = {micro_batch_tokens(st.batch, hp.batch_slices):
-             max_num_docs(micro_batch_tokens(st.batch, hp.batch_slices),
-                          hp.tokens_per_doc_bound) - 1 for st in hp.stages}
-    check_document_density(train_files[0], BOS_ID, hp.train_max_seq_len, rooms)
+    sizes = {(micro_batch_tokens(st.batch, hp.batch_slices), st.max_doc_len) for st in hp.stages}
+    rooms = {(n, cap): max_num_docs(n, hp.tokens_per_doc_bound) - 1 for n, cap in sizes}
+    check_document_density(train_files[0], BOS_ID, rooms)
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory / 2**30
         est = estimate_gpu_memory_gib(hp, world_size)
@@ -2433,33 +2468,33 @@ def check_disjoint_shards(train_files: Sequence[str], val_files: Sequence[str], 
                             "train and validate on different shards (--train_files, --val_files)")
 
 
-def check_document_density(path: str, bos_id: int, max_seq_len: int, rooms: dict[int, int],
+def check_document_density(path: str, bos_id: int, rooms: dict[tuple[int, int], int],
                            sample_tokens: int = 4_000_000) -> None:
-    """Fail before compiling if documents are so short that a micro-batch's cu_seqlens (rooms:
-    micro-batch tokens -> documents it can hold) would overflow.
+    """Fail before compiling if documents are so short that a micro-batch's cu_seqlens would
+    overflow. rooms: (micro-batch tokens, the stage's max_doc_len) -> documents it can hold.
 
     Samples the first shard: a micro-batch of N tokens holds about
-    N / mean(min(doc_len, max_seq_len)) segments.
+    N / mean(min(doc_len, max_doc_len)) segments.
     """
     tokens = np.memmap(path, dtype=np.uint16, mode="r", offset=SHARD_HEADER_BYTES)[:sample_tokens]
     starts = np.flatnonzero(tokens == bos_id)
     if len(starts) < 2:
         return
     doc_lens = np.diff(starts)
-    mean_len = float(np.minimum(doc_lens, max_seq_len).mean())
-    for n, room in sorted(rooms.items()):
+    uncut = float(doc_lens.mean())
+    for (n, max_doc_len), room in sorted(rooms.items()):
+        mean_len = float(np.minimum(doc_lens, max_doc_len).mean())
         expected = 1.25 * n / mean_len + 2                # 25% margin for batches of
                                                           # shorter-than-average documents
         if expected > room:
             bound = max(1, int(mean_len / 1.25) - 1)
-            uncut = float(doc_lens.mean())
             if 1.25 * n / uncut + 2 <= room:              # the cut, not the documents, is short
                 raise ConfigError(
-                    f"--train_max_seq_len={max_seq_len} cuts the documents in {path} (averaging "
-                    f"{uncut:.0f} tokens) to an average of {mean_len:.0f}: a {n}-token micro-batch "
-                    f"holds about {expected:.0f} pieces but cu_seqlens has room for {room}. Rerun "
-                    f"with a longer --train_max_seq_len, or --tokens_per_doc_bound={bound} "
-                    "(default 300)")
+                    f"max_doc_len={max_doc_len} in --stages cuts the documents in {path} "
+                    f"(averaging {uncut:.0f} tokens) to an average of {mean_len:.0f}: a {n}-token "
+                    f"micro-batch holds about {expected:.0f} pieces but cu_seqlens has room for "
+                    f"{room}. Rerun with a longer max_doc_len in --stages, or "
+                    f"--tokens_per_doc_bound={bound} (default 300)")
             raise ConfigError(f"documents in {path} average {mean_len:.0f} tokens, much shorter "
                               f"than FineWeb's: a {n}-token micro-batch holds about {expected:.0f} "
                               f"documents but cu_seqlens has room for {room}. Rerun with "
@@ -2513,10 +2548,11 @@ def build_optimizer(hp: Hyperparameters, model: nn.Module, rank: int, world_size
 
 def variant_starts(hp: Hyperparameters) -> list[int]:
     """The first step of each compiled variant of the model: step 0 and every change of the
-    windows, batch size or number of MTP weights (each is its own pair of graphs)."""
+    windows, batch size, document cap (the max_seqlen hint, an int the graphs specialise on) or
+    number of MTP weights (each is its own pair of graphs)."""
     def shape(step: int) -> tuple:
         sc = schedule_at(step, hp)
-        return sc.ws_short, sc.ws_long, sc.global_batch, len(sc.mtp_weights)
+        return sc.ws_short, sc.ws_long, sc.global_batch, sc.max_doc_len, len(sc.mtp_weights)
     return [0] + [s for s in schedule_changes(hp) if shape(s) != shape(s - 1)]
 
 
@@ -2551,8 +2587,8 @@ def snapshot_state(model: nn.Module, opt: Any) -> dict[str, Any]:
 
 
 class Trainer:
-    """The schedule state (windows, batch size) and the step/validation routines shared by warmup
-    and the timed loop."""
+    """The schedule state (windows, batch size, document cap) and the step/validation routines
+    shared by warmup and the timed loop."""
 
     def __init__(self, hp: Hyperparameters, model: nn.Module, compiled: Callable, opt: Any,
                  device: torch.device, rank: int, world_size: int, train_files: list[str],
@@ -2566,15 +2602,16 @@ class Trainer:
     def reset_schedule_state(self, steps_done: int = 0,
                              position: TrainPosition | None = None) -> None:
         """The state after `steps_done` steps: the long window and YaRN state of the last step, the
-        next step's batch size, and a data stream from `position`."""
+        next step's batch size and document cap, and a data stream from `position`."""
         hp = self.hp
         self.ws_long = replay_yarn(self.model, hp, steps_done)
-        # The stream starts with the next step's batch size (sending it a new size would do the
+        # The stream starts with the next step's batch size and cap (sending them would do the
         # same).
-        self.global_batch = schedule_at(min(steps_done, hp.num_iterations - 1), hp).global_batch
+        sched = schedule_at(min(steps_done, hp.num_iterations - 1), hp)
+        self.global_batch, self.max_doc_len = sched.global_batch, sched.max_doc_len
         self.position = position if position is not None else TrainPosition()
         self.loader = train_batches(self.train_files, self.global_batch, self.grad_accum, self.rank,
-                                    self.world_size, self.device, hp.train_max_seq_len,
+                                    self.world_size, self.device, self.max_doc_len,
                                     hp.tokens_per_doc_bound, hp.vocab_size, self.position)
 
     def state(self, steps_done: int, train_ms: float) -> dict[str, Any]:
@@ -2603,22 +2640,24 @@ class Trainer:
         self.reset_schedule_state(state["step"], TrainPosition(**state["loader"]))
 
     def advance_schedule(self, sched: StepSchedule) -> tuple | None:
-        """Apply YaRN at a window change; return the batch-size message for this step's
-        micro-batches, if any."""
+        """Apply YaRN at a window change; return the loader's message for this step's
+        micro-batches where the batch size or the document cap changes (480 and 960 for the
+        record), else None."""
         if sched.ws_long != self.ws_long:
             self.model.apply_yarn(self.ws_long, sched.ws_long)
             self.ws_long = sched.ws_long
-        if sched.global_batch != self.global_batch:
-            self.global_batch = sched.global_batch
-            return (sched.global_batch, self.hp.train_max_seq_len, self.grad_accum)
+        if (sched.global_batch, sched.max_doc_len) != (self.global_batch, self.max_doc_len):
+            self.global_batch, self.max_doc_len = sched.global_batch, sched.max_doc_len
+            return (sched.global_batch, sched.max_doc_len, self.grad_accum)
         return None
 
     def train_loss(self, batch: tuple[Tensor, Tensor, Tensor], sched: StepSchedule,
                    mtp: Tensor) -> Tensor:
-        """One training micro-batch's summed loss (the forward; the caller runs the backward)."""
+        """One training micro-batch's summed loss (the forward; the caller runs the backward). No
+        segment is longer than the stage's document cap: the attention's max_seqlen hint."""
         inputs, targets, cu_seqlens = batch
         return self.compiled(inputs, targets, cu_seqlens, sched.ws_short, sched.ws_long, mtp,
-                             self.hp.train_max_seq_len)
+                             sched.max_doc_len)
 
     def val_loss(self, batch: tuple[Tensor, Tensor, Tensor], ws_short: int,
                  ws_long: int) -> Tensor:
@@ -2648,7 +2687,7 @@ class Trainer:
             self.model.train()
             return
         batches = train_batches(self.train_files, sched.global_batch, self.grad_accum, self.rank,
-                                self.world_size, self.device, hp.train_max_seq_len,
+                                self.world_size, self.device, sched.max_doc_len,
                                 hp.tokens_per_doc_bound, hp.vocab_size, TrainPosition())
         self.train_loss(next(batches), sched, self.mtp_weights(sched)).backward()
         batches.close()
@@ -2818,7 +2857,7 @@ def timed_loop(run: harness.Run, trainer: Trainer, checkpointer: harness.Checkpo
         last = step == total
         sched = schedule_at(min(step, total - 1), hp)
         batch_change = trainer.advance_schedule(sched) if not last else None   # and YaRN
-        if last or (hp.val_loss_every > 0 and step % hp.val_loss_every == 0):
+        if validates_at(step, total, hp.val_loss_every):
             train_ms = clock.pause()                                  # validation is untimed
             saved = ""
             if last:   # no step boundary follows: save the final state, then stop at once if asked
@@ -2871,6 +2910,11 @@ def timed_loop(run: harness.Run, trainer: Trainer, checkpointer: harness.Checkpo
                 saved = (f"; the state after step {done} is saved: "
                          f"--resume={checkpointer.save(trainer.state(done, clock.pause()))}")
             raise harness.stopped(signum, f"after step {done} of {total}{saved}")
+    if over := trainer.position.over_upstream_capacity:
+        rooms = ", ".join(f"{room - 1} at {n}" for n, room in UPSTREAM_DOC_CAPACITY.items())
+        run.log(f"note: {over} training micro-batches held more documents than record 80's "
+                f"cu_seqlens has room for ({rooms} tokens per micro-batch): upstream would have "
+                "stopped there (spec D2)")
     return run.finish(val_loss, clock.ms)
 
 

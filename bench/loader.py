@@ -80,7 +80,7 @@ def main() -> None:
             torch.cuda.synchronize()
         t2 = time.perf_counter()
         assert first[0].numel() == args.tokens_per_rank and times and batch[0].device.type == device.type
-        rows.append((f"loader: first request (quick scan of {tg._QUICK_SCAN_TOKENS / 1e6:.0f}M tokens)",
+        rows.append((f"loader: first request (quick index of {tg._QUICK_INDEX_TOKENS / 1e6:.0f}M tokens)",
                      f"{(t1 - t0) * 1e3:.1f} ms", ""))
         label = f"W={args.world_size}, N={args.tokens_per_rank:,}, {device.type}"
         for name, per_batch in [("mean over the shard", (t2 - t1) / len(times)), ("median", float(np.median(times)))]:

@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     mtp = torch.tensor(sched.mtp_weights, dtype=torch.float32, device=device)
 
     def step() -> None:
-        loss = compiled(inputs, targets, cu, sched.ws_short, sched.ws_long, mtp, hp.train_max_seq_len)
+        loss = compiled(inputs, targets, cu, sched.ws_short, sched.ws_long, mtp, sched.max_doc_len)
         loss.backward()
 
     for _ in range(3):                     # compile and settle

@@ -247,12 +247,11 @@ case "$command" in
       echo "error: rank8 needs a GPU count that divides 8, got $gpus: set NPROC to 1, 2, 4 or 8" >&2; exit 2 ;;
     esac
     export NPROC=$gpus
-    # the default batches (stages, validation) at NPROC/8 of their size; a stage reads "batch:lr_peak:ws_long:w1/w2/..."
+    # the default batches (stages, validation) at NPROC/8 of their size; the stages as --stages reads them
     # shellcheck disable=SC2207  # options without spaces or wildcards, one per word
-    shape=($("$PY" -c 'import sys, train_gpt as t
+    shape=($("$PY" -c 'import dataclasses, sys, harness, train_gpt as t
 n, hp = int(sys.argv[1]), t.Hyperparameters()
-stages = ",".join(":".join([str(s.batch * n // 8), str(s.lr_peak), str(s.ws_long), "/".join(map(str, s.mtp_weights))])
-                  for s in hp.stages)
+stages = harness.show(tuple(dataclasses.replace(s, batch=s.batch * n // 8) for s in hp.stages))
 print(f"--batch_slices={n} --stages={stages} --val_batch_size={hp.val_batch_size * n // 8}")' "$gpus"))
     make_data
     clocks_start rank8_clocks

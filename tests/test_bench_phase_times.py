@@ -1,4 +1,5 @@
 """bench/phase_times.py: the per-phase step times of a training log, and the before/after table of several."""
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -154,8 +155,8 @@ def test_bench_rank8_gives_each_gpu_one_micro_batch_of_the_8_gpu_size(tmp_path, 
         assert [train_gpt.micro_batch_tokens(s.batch, gpus) for s in hp.stages] == [
             train_gpt.micro_batch_tokens(s.batch, 8) for s in default.stages]
         assert hp.val_batch_size // gpus == default.val_batch_size // 8
-        assert [(s.lr_peak, s.ws_long, s.mtp_weights) for s in hp.stages] == [
-            (s.lr_peak, s.ws_long, s.mtp_weights) for s in default.stages]
+        assert [dataclasses.replace(s, batch=0) for s in hp.stages] == [
+            dataclasses.replace(s, batch=0) for s in default.stages]
 
 
 def test_bench_rank8_logs_the_gpus_clocks_around_both_runs(tmp_path):

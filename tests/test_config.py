@@ -12,10 +12,11 @@ import harness  # noqa: E402
 
 def test_parse_types_and_preset_order():
     hp = tg.parse_args(["--num_layers=11", "--preset=tiny", "--muon_lr=0.05", "--compile=false",
-                        "--stages=4096:1:3:1/0.5/0.25,8192:1.5:7:1"])
+                        "--stages=4096:1:3:1/0.5/0.25:1/0.5/0:896,8192:1.5:7:1:1:2048"])
     assert hp.preset == "tiny" and hp.model_dim == 128          # preset applied first, whatever its position
     assert hp.num_layers == 11 and hp.muon_lr == 0.05 and hp.compile is False
-    assert hp.stages == (tg.Stage(4096, 1.0, 3, (1.0, 0.5, 0.25)), tg.Stage(8192, 1.5, 7, (1.0,)))
+    assert hp.stages == (tg.Stage(4096, 1.0, 3, (1.0, 0.5, 0.25), (1.0, 0.5, 0.0), 896),
+                         tg.Stage(8192, 1.5, 7, (1.0,), (1.0,), 2048))
     assert tg.parse_args([f"--stages={harness.show(hp.stages)}"]).stages == hp.stages   # what --help shows parses back
 
 
@@ -25,7 +26,8 @@ def test_parse_types_and_preset_order():
     (["--preset=huge"], "unknown --preset=huge"),
     (["num_layers=3"], "expected --name=value"),
     (["--lr=0.1"], "did you mean --adam_lr, --muon_lr, --lr_min?"),
-    (["--stages=4096:1:3"], "--stages='4096:1:3' is not batch:lr_peak:ws_long:mtp_weights per stage"),
+    (["--stages=4096:1:3"],
+     "--stages='4096:1:3' is not batch:lr_peak:ws_long:mtp_start:mtp_end:max_doc_len per stage"),
     (["--train_bs_schedule=1,2,3"], "unknown option --train_bs_schedule"),    # no shims for old options
     (["--muon_lrr=0.1"], "did you mean --muon_lr"),
     (["--num_layers", "3"], "--num_layers needs a value: write --num_layers=VALUE"),
@@ -39,8 +41,11 @@ def test_parse_errors(argv, needle):
 
 @pytest.mark.parametrize("world_size,argv,needle", [
     (3, [], "world size 3 neither divides --batch_slices=8 nor is a multiple of it"),
-    (1, ["--stages=131072:1:3:1,1000:1:3:1"], "global batch 1000"),
-    (1, ["--stages=1024:1:3:0/1"], "stage 1 of --stages (1024:1.0:3:0.0/1.0) needs"),
+    (1, ["--stages=131072:1:3:1:1:896,1000:1:3:1:1:2048"], "global batch 1000"),
+    (1, ["--stages=1024:1:3:0/1:0/1:896"], "stage 1 of --stages (1024:1.0:3:0.0/1.0:0.0/1.0:896) needs"),
+    (1, ["--stages=1024:1:3:1/1:1:896"], "needs as many start as end MTP weights"),
+    (1, ["--stages=1024:1:3:1:1:0"], "stage 1 of --stages (1024:1.0:3:1.0:1.0:0) needs a positive batch, "
+                                     "window and max_doc_len"),
     (1, ["--val_tokens=1000"], "--val_tokens=1000"),
     (1, ["--attn_layout=PN"], "--attn_layout"),
     (1, ["--attn_backend=magic"], "--attn_backend=magic"),

@@ -3,6 +3,7 @@ world-size invariance, batch-size messages, shard ends, validation batches, and 
 import os
 import threading
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -77,6 +78,9 @@ def as_lists(batch):
 
 def test_max_num_docs_spec_values():
     assert [tg.max_num_docs(n, 300) for n in (16384, 32768, 49152, 262144)] == [128, 128, 256, 896]
+    # spec D2: ours holds at least as many segments as record 80's 64 / 96 / 128 at the record's micro-batch sizes
+    assert tg.UPSTREAM_DOC_CAPACITY == {16384: 64, 32768: 96, 49152: 128}
+    assert all(tg.max_num_docs(n, 300) >= room for n, room in tg.UPSTREAM_DOC_CAPACITY.items())
     for n in [1, 127, 38_400, 38_401, 38_700, 100_000, 1_000_000]:
         for bound in (1, 7, 100, 300):
             assert tg.max_num_docs(n, bound) == ref_max_num_docs(n, bound)
@@ -173,11 +177,128 @@ def test_train_batches_match_reference(request, source, world_size, cap):
         assert g == [tuple(x) for x in w], f"request {step} differs from the reference"
 
 
-def test_quick_scan_prefix_gives_the_same_batches(synthetic_dir, monkeypatch):
+def test_quick_index_prefix_gives_the_same_batches(synthetic_dir, monkeypatch):
     """The first shard starts from a quick prefix index while the full one loads; batches must not change."""
-    monkeypatch.setattr(tg, "_QUICK_SCAN_TOKENS", 1500)
+    monkeypatch.setattr(tg, "_QUICK_INDEX_TOKENS", 1500)
     got, want = run_both(shard_files(synthetic_dir), [(4096, 1, False)] * 100, 4, 2048, 20)
     assert len(got) > 10 and got == [[tuple(x) for x in w] for w in want]
+
+
+def test_quick_index_of_a_later_shard_gives_the_same_batches(synthetic_dir, monkeypatch):
+    """Spec D3: a later shard whose full index is not ready starts from its quick index; where that runs out the
+    loader waits for the full one (no skipped rest of the shard). Shard 2's full load is held back until the
+    quick index has run out, so the quick path is taken; the batches equal the reference (the full index)."""
+    monkeypatch.setattr(tg, "_QUICK_INDEX_TOKENS", 1500)
+    files = shard_files(synthetic_dir)
+    release, quick_reads = threading.Event(), []
+    real_load, real_extend, real_read = tg._TrainShards._load, tg._TrainShards.extend, tg.read_tokens
+
+    def held_load(self, k):
+        if k == 1:
+            assert release.wait(60)
+        return real_load(self, k)
+
+    def extend(self):
+        if self._full_current is not None and self.shard == 1:     # shard 2's quick index ran out
+            release.set()
+        return real_extend(self)
+
+    def read(path, max_tokens=None, out=None):
+        if max_tokens is not None:
+            quick_reads.append(files.index(path))
+        return real_read(path, max_tokens, out)
+
+    monkeypatch.setattr(tg._TrainShards, "_load", held_load)
+    monkeypatch.setattr(tg._TrainShards, "extend", extend)
+    monkeypatch.setattr(tg, "read_tokens", read)
+    got, want = run_both(files[:3], [(4096, 1, False)] * 40, 1, 2048, 20)
+    assert release.is_set() and 0 in quick_reads and 1 in quick_reads
+    assert len(got) > 15 and got == [[tuple(x) for x in w] for w in want]
+
+
+def test_spec_worked_example_of_the_document_cap(tmp_path):
+    """Spec 2.1: W = 1, N = 1500, a 5000-token shard with BOS at 0, 1000, 1100, 3000."""
+    tokens = [1 + i % 40000 for i in range(5000)]
+    for p in (0, 1000, 1100, 3000):
+        tokens[p] = BOS
+    files = [write_shard(str(tmp_path / "w_train_000001.bin"), tokens)]
+    cap_len = tg.max_num_docs(1500, 300)
+    for cap, segments, cu in [(896, [(0, 896), (1000, 1100), (1100, 1605)], [0, 896, 996, 1500]),
+                              (2048, [(0, 1000), (1000, 1100), (1100, 1501)], [0, 1000, 1100, 1500])]:
+        position = tg.TrainPosition()
+        gen = tg.train_batches(files, 1500, 1, 0, 1, CPU, cap, 300, position=position)
+        inputs, targets, cu_seqlens = as_lists(next(gen))
+        buf = [t for a, b in segments for t in tokens[a:b]]
+        assert inputs == buf[:-1] and targets == buf[1:]
+        assert cu_seqlens == cu + [1500] * (cap_len - len(cu))
+        assert (position.shard, position.cursor) == (0, 3)
+        if cap == 896:      # the message applies to the batch it gets: document 3 cut at 2048 would give 1501
+            inputs, _, cu_seqlens = as_lists(gen.send((1500, 2048, 1)))
+            assert inputs == tokens[3000:4500] and cu_seqlens[:2] == [0, 1500]
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_cap_messages_match_the_reference(labelled_dir, world_size):
+    """The cap and the batch change by message, together or alone; each batch follows the reference with the cap
+    the message named."""
+    files = shard_files(labelled_dir)
+    shards = [read_shard(f) for f in files]
+    ref = RefTrainLoader(shards)
+    plan = [(256, 32), (256, 32), (256, 64), (512, 64), (512, 64), (512, 16), (384, 16), (384, 16)] * 2
+    gens = [tg.train_batches(files, 256 * world_size, 1, r, world_size, CPU, 32, 4) for r in range(world_size)]
+    for i, (n, cap) in enumerate(plan):
+        want = ref.next_batch(n, world_size, cap, 4)
+        msg = (n * world_size, cap, 1) if i and plan[i - 1] != (n, cap) else None
+        got = [as_lists(next(g) if i == 0 else g.send(msg)) for g in gens]
+        assert got == [tuple(w) for w in want], i
+
+
+def test_batches_over_upstreams_capacity_are_counted(labelled_dir, monkeypatch):
+    """Spec D2: micro-batches (of every rank) holding more segments than record 80's cu_seqlens would are counted in
+    the stream position; sizes upstream has no entry for are not counted."""
+    monkeypatch.setattr(tg, "UPSTREAM_DOC_CAPACITY", {256: 6})
+    files = shard_files(labelled_dir)
+    world_size, over = 2, 0
+    positions = [tg.TrainPosition() for _ in range(world_size)]
+    gens = [tg.train_batches(files, 512, 1, r, world_size, CPU, 2048, 4, position=positions[r])
+            for r in range(world_size)]
+    for _ in range(20):
+        for g in gens:
+            inputs, _, cu = as_lists(next(g))
+            over += len(set(cu)) - 1 > 5          # segments = distinct boundaries - 1 (a lone BOS adds none)
+    assert 0 < over < 40 and all(p.over_upstream_capacity == over for p in positions)
+    position = tg.TrainPosition()
+    gen = tg.train_batches(files, 1024, 1, 0, 1, CPU, 2048, 4, position=position)
+    for _ in range(5):
+        next(gen)
+    assert position.over_upstream_capacity == 0
+
+
+def test_resume_takes_the_cap_of_the_next_step(tmp_path):
+    """Trainer.reset_schedule_state: a stream resumed inside stage 1 cuts documents at stage 1's cap, one resumed
+    after stage 2 has started at stage 2's (tiny preset: 128 before step 20, 256 from it)."""
+    hp = tg.parse_args(["--preset=tiny"])
+    assert [st.max_doc_len for st in hp.stages] == [128, 256, 256] and tg.stage_starts(60, 3)[1] == 20
+    rng = np.random.default_rng(6)
+    files = [write_shard(str(tmp_path / "long_train_000001.bin"), labelled_docs(rng, 300, 0, median=400, sigma=0.3))]
+    for steps_done, cap, batch in [(0, 128, 512), (10, 128, 512), (19, 128, 512), (20, 256, 768), (45, 256, 1024)]:
+        host = SimpleNamespace(hp=hp, model=_Rotary(), train_files=files, grad_accum=2, rank=0, world_size=1,
+                               device=CPU)
+        tg.Trainer.reset_schedule_state(host, steps_done)
+        assert (host.max_doc_len, host.global_batch) == (cap, batch), steps_done
+        longest = 0
+        for _ in range(6):
+            _, _, cu = as_lists(next(host.loader))
+            longest = max(longest, max(b - a for a, b in zip(cu, cu[1:])))
+        assert longest == cap, steps_done          # documents of ~400 tokens: some piece reaches the cap
+
+
+class _Rotary:
+    def reset_rotary(self):
+        pass
+
+    def apply_yarn(self, old, new):
+        pass
 
 
 def segments_of(inputs, targets, cu):
@@ -332,27 +453,28 @@ def test_short_documents_overflow_cu_seqlens(tmp_path):
             break
 
 
-def test_documents_cut_short_by_train_max_seq_len_name_it(tmp_path):
-    """Long documents cut to a tiny --train_max_seq_len make the many short pieces: the loader's message and the
-    density check before compiling both name --train_max_seq_len (issue 56); short documents themselves do not."""
+def test_documents_cut_short_by_max_doc_len_name_it(tmp_path):
+    """Long documents cut to a tiny max_doc_len make the many short pieces: the loader's message and the density
+    check before compiling both name the stage's max_doc_len (issue 56); short documents themselves do not."""
     rng = np.random.default_rng(4)
     long_docs = write_shard(str(tmp_path / "long_train_000001.bin"), labelled_docs(rng, 1500, 0, median=400, sigma=0.2))
     with pytest.raises(tg.DataError) as info:
         next(tg.train_batches([long_docs], 4096, 1, 0, 1, CPU, 8, 300))
-    assert "--train_max_seq_len=8" in str(info.value) and "--tokens_per_doc_bound=" in str(info.value)
-    rooms = {4096: tg.max_num_docs(4096, 300) - 1}
-    with pytest.raises(tg.ConfigError) as info:
-        tg.check_document_density(long_docs, BOS, 8, rooms)
-    assert str(info.value).startswith("--train_max_seq_len=8 cuts the documents in ") and \
+    assert "max_doc_len=8" in str(info.value) and "--stages" in str(info.value) and \
         "--tokens_per_doc_bound=" in str(info.value)
-    tg.check_document_density(long_docs, BOS, 2048, rooms)          # uncut, they fit
+    room = tg.max_num_docs(4096, 300) - 1
+    with pytest.raises(tg.ConfigError) as info:      # one stage's cap is enough to fail
+        tg.check_document_density(long_docs, BOS, {(4096, 2048): room, (4096, 8): room})
+    assert str(info.value).startswith("max_doc_len=8 in --stages cuts the documents in ") and \
+        "--tokens_per_doc_bound=" in str(info.value)
+    tg.check_document_density(long_docs, BOS, {(4096, 2048): room})          # uncut, they fit
 
     short_docs = write_shard(str(tmp_path / "short_train_000001.bin"), labelled_docs(rng, 3000, 0, median=8, sigma=0.3))
     for call in (lambda: next(tg.train_batches([short_docs], 4096, 1, 0, 1, CPU, 2048, 300)),
-                 lambda: tg.check_document_density(short_docs, BOS, 2048, rooms)):
+                 lambda: tg.check_document_density(short_docs, BOS, {(4096, 2048): room})):
         with pytest.raises((tg.DataError, tg.ConfigError)) as info:
             call()
-        assert "--train_max_seq_len" not in str(info.value) and "--tokens_per_doc_bound=" in str(info.value)
+        assert "max_doc_len" not in str(info.value) and "--tokens_per_doc_bound=" in str(info.value)
 
 
 @pytest.mark.timeout(900)

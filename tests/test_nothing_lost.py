@@ -109,11 +109,12 @@ def test_a_state_file_that_is_not_a_whole_state_is_refused_by_name(tmp_path, con
     ("--adam_lr=nan", "--adam_lr='nan' is not a finite float"),
     ("--val_loss_target=inf", "is not a finite float"),
     ("--fp8_scales=0.2,nan,0.1", "is not comma-separated finite floats"),
-    ("--stages=131072:1.0:3:1.0,262144:nan:7:1.0", "stage 2 ('262144:nan:7:1.0'): its lr_peak 'nan' is not a "
-                                                   "finite float"),
-    ("--stages=" + ",".join(["512:1.0:3:1.0"] * 19 + ["512:1.0:x:1.0"]), "stage 20 ('512:1.0:x:1.0'): its ws_long "
-                                                                        "'x' is not an int"),
-    ("--stages=512:1.0:3", "stage 1 ('512:1.0:3'): it has 3 ':' fields, not 4"),
+    ("--stages=131072:1.0:3:1:1:896,262144:nan:7:1:1:2048", "stage 2 ('262144:nan:7:1:1:2048'): its lr_peak 'nan' "
+                                                           "is not a finite float"),
+    ("--stages=" + ",".join(["512:1.0:3:1:1:64"] * 19 + ["512:1.0:x:1:1:64"]), "stage 20 ('512:1.0:x:1:1:64'): its "
+                                                                              "ws_long 'x' is not an int"),
+    ("--stages=512:1.0:3:1:1:1.5", "stage 1 ('512:1.0:3:1:1:1.5'): its max_doc_len '1.5' is not an int"),
+    ("--stages=512:1.0:3", "stage 1 ('512:1.0:3'): it has 3 ':' fields, not 6"),
 ])
 def test_meaningless_values_are_refused_naming_the_field(arg, words):
     with pytest.raises(harness.ConfigError, match=None) as info:

@@ -154,7 +154,7 @@ def test_refused_resumes_are_one_error_line_and_leave_nothing_behind(tmp_path):
     for args, words in (([*common, "--adam_lr=0.01", f"--resume={middle}"], "--adam_lr=0.008 (now 0.01)"),
                         ([*default_schedule, "--num_scheduled_iterations=3000", f"--resume={middle}"],
                          "other math: --num_scheduled_iterations=3 (now 3000)"),    # more than the data holds
-                        ([*common, "--num_extension_iterations=0", "--split_frac=0.3", f"--resume={final}"],
+                        ([*common, "--num_extension_iterations=0", f"--resume={final}"],
                          "after step 4 of a run of 4 steps, and these options give 3"),
                         ([*common, "--run_id=a", "--seed=1"], f"{logs / 'a'} holds the states of an earlier run")):
         p = run_trainer(args, tmp_path)

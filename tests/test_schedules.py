@@ -13,119 +13,223 @@ HP = tg.Hyperparameters()
 NS = HP.num_scheduled_iterations
 
 
+# ---- record 80's schedule (spec RECIPE80 section 6), transcribed apart from the code under test ---------------------
+
+SPEC_STAGES = (   # lr peak, global batch, long window, L_max, MTP start, MTP end; the extension row last
+    (1.0, 131072, 3, 896, (1.0, 0.5, 0.25), (1.0, 0.5, 0.0)),
+    (1.52, 262144, 7, 2048, (1.0, 0.5), (1.0, 0.0)),
+    (1.73, 393216, 11, 2048, (1.0,), (1.0,)),
+    (1.0, 393216, 13, 2048, (1.0,), (1.0,)),
+)
+
+
+def spec_schedule(step, ns=1440, ne=40):
+    """Spec 6.1-6.4 as written: (stage 1..4, batch, L_max, (short, long), lr, mu) and the MTP weights, all
+    doubles. Stage 4 is the extension."""
+    ends, c = [0], 0.0
+    for _ in range(3):
+        c += 1 / 3
+        ends.append(round(ns * c))
+    ends.append(ns + ne)
+    k = next((k for k in range(4) if step < ends[k + 1]), None)
+    if k is None:                                          # past the last step: the extension with t = 1
+        k, t = 3, 1.0
+    else:
+        t = (step - ends[k]) / (ends[k + 1] - ends[k])
+    peak, batch, ws_long, cap, a, b = SPEC_STAGES[k]
+    cd = int(ns * (1 - 0.6))
+    if step < cd:
+        lr = peak
+    else:
+        u = min(1, (step - cd) / (ns - cd))
+        lr = peak * (1 - u) + 0.15 * u
+    n_tot = ns + ne
+    if step < 300:
+        mu = 0.85 + (step / 300) * (0.95 - 0.85)
+    elif step > n_tot - 50:
+        mu = 0.95 - ((step - (n_tot - 50)) / 50) * (0.95 - 0.85)
+    else:
+        mu = 0.95
+    mtp = tuple(ak + (bk - ak) * t for ak, bk in zip(a, b))
+    return k + 1, batch, cap, (ws_long // 2, ws_long), lr, mu, mtp
+
+
 def test_totals():
-    assert HP.num_iterations == 1765
-    assert HP.split_step == 1151
-    assert tg.train_tokens_needed(HP) == 467_927_040 
+    assert HP.num_iterations == 1480
+    assert HP.split_step == 961                                        # spec 5.11: 960 | 1
+    assert tg.stage_starts(NS, 3) == [0, 480, 960]
+    assert tg.train_tokens_needed(HP) == 393_216_000                   # spec 1 / 10.3
 
 
-@pytest.mark.parametrize("step,bs", [(0, 131072), (574, 131072), (575, 262144), (1149, 262144), (1150, 393216),
-                                     (1724, 393216), (1725, 393216), (1764, 393216)])
-def test_batch_size(step, bs):
-    assert tg.global_batch_size(step, NS, HP.stages) == bs
+def test_every_step_is_the_spec_transcription():
+    """Steps 0..1480: stage, batch, L_max, windows, lr and mu (double, ==), mu as fp32, and the MTP weights the model
+    gets (fp32), against spec_schedule."""
+    host = SimpleNamespace(device=torch.device("cpu"))      # all that Trainer.mtp_weights reads
+    for step in range(HP.num_iterations + 1):
+        stage, batch, cap, ws, lr, mu, mtp = spec_schedule(step)
+        s = tg.schedule_at(step, HP)
+        assert tg.stage_index(step, NS, 3) == min(stage, 3) - 1, step
+        assert (s.global_batch, s.max_doc_len, (s.ws_short, s.ws_long)) == (batch, cap, ws), step
+        assert s.lr_factor == lr and s.momentum == mu, step
+        assert np.float32(s.momentum) == np.float32(mu), step
+        got = tg.Trainer.mtp_weights(host, s)
+        assert got.dtype == torch.float32 and got.tolist() == [float(np.float32(w)) for w in mtp], step
 
 
-@pytest.mark.parametrize("step,ws", [(0, (1, 3)), (574, (1, 3)), (575, (3, 7)), (1149, (3, 7)), (1150, (5, 11)),
-                                     (1724, (5, 11)), (1725, (6, 13)), (1764, (6, 13))])
-def test_windows(step, ws):
-    assert tg.window_sizes(step, NS, HP.stages, HP.ws_long_extension) == ws
+@pytest.mark.parametrize("ns", [3, 4, 5, 7, 9, 60, 100, 999, 1725, 2000])
+def test_other_lengths_follow_the_same_formulas(ns):
+    hp = tg.Hyperparameters(num_scheduled_iterations=ns)
+    for step in range(hp.num_iterations + 1):
+        _, batch, cap, ws, lr, mu, mtp = spec_schedule(step, ns)
+        s = tg.schedule_at(step, hp)
+        assert (s.global_batch, s.max_doc_len, (s.ws_short, s.ws_long), s.lr_factor, s.momentum, s.mtp_weights) == \
+            (batch, cap, ws, lr, mu, mtp), (ns, step)
 
 
-@pytest.mark.parametrize("step,lr", [(0, 1.0), (575, 1.0), (576, 1.52), (862, 1.52), (863, 1.5191768),
-                                     (1150, 1.0466667), (1151, 1.1847768), (1724, 0.1018899), (1725, 0.1),
-                                     (1726, 0.1), (1764, 0.1)])
-def test_lr(step, lr):
-    got = tg.lr_factor(step, NS, HP.stages, HP.lr_min, HP.cooldown_frac)
-    assert got == pytest.approx(lr, abs=5e-8)
+# spec 6.6, as printed there: step, stage, batch, L_max, windows, lr_sched, mu (double), mu (fp32), MTP weights (fp32)
+SPEC_TABLE = [
+    (0, 1, 131072, 896, (1, 3), 1.0, 0.85, 0.8500000238418579, [1, 0.5, 0.25]),
+    (299, 1, 131072, 896, (1, 3), 1.0, 0.9496666666666667, 0.9496666789054871, [1, 0.5, 0.09427083283662796]),
+    (479, 1, 131072, 896, (1, 3), 1.0, 0.95, 0.949999988079071, [1, 0.5, 0.0005208333604969084]),
+    (480, 2, 262144, 2048, (3, 7), 1.52, 0.95, 0.949999988079071, [1, 0.5]),
+    (576, 2, 262144, 2048, (3, 7), 1.52, 0.95, 0.949999988079071, [1, 0.4000000059604645]),
+    (959, 2, 262144, 2048, (3, 7), 0.9126967592592593, 0.95, 0.949999988079071, [1, 0.0010416667209938169]),
+    (960, 3, 393216, 2048, (5, 11), 1.027777777777778, 0.95, 0.949999988079071, [1]),
+    (1439, 3, 393216, 2048, (5, 11), 0.15182870370370374, 0.9319999999999999, 0.9319999814033508, [1]),
+    (1440, 4, 393216, 2048, (6, 13), 0.15, 0.9299999999999999, 0.9300000071525574, [1]),
+    (1479, 4, 393216, 2048, (6, 13), 0.15, 0.852, 0.8519999980926514, [1]),
+]
 
 
-# The record's schedule as it writes it: three parallel triples and hard-coded thirds. The stage table must give
-# exactly these numbers (==, not approx) at every step, for any schedule length.
-def record_schedule(step, ns, ext_ws=13, lr_min=0.1, cooldown_frac=0.5):
-    bs_schedule, lr_peaks, ws_schedule, mtp_start = (131072, 262144, 393216), (1.0, 1.52, 1.73), (3, 7, 11), \
-        (1.0, 0.5, 0.25)
-    third = min(int(3 * (step / ns)), 2)
-    ws_long = ext_ws if step >= ns else ws_schedule[third]
-    x = step / ns
-    if step > ns:
-        lr = lr_min
-    else:
-        peak = lr_peaks[2] if x > 2 / 3 else lr_peaks[1] if x > 1 / 3 else lr_peaks[0]
-        w = (1 - x) / cooldown_frac
-        lr = peak * w + lr_min * (1 - w) if x >= 1 - cooldown_frac else peak
-    if x < 1 / 3:
-        mtp = (mtp_start[0], mtp_start[1], mtp_start[2] * (1 - 3 * x))
-    elif x < 2 / 3:
-        mtp = (mtp_start[0], mtp_start[1] * (2 - 3 * x))
-    else:
-        mtp = (mtp_start[0],)
-    return bs_schedule[third], (ws_long // 2, ws_long), lr, mtp
+@pytest.mark.parametrize("row", SPEC_TABLE, ids=lambda r: f"step{r[0]}")
+def test_spec_table(row):
+    step, stage, batch, cap, ws, lr, mu, mu32, mtp32 = row
+    s = tg.schedule_at(step, HP)
+    assert min(stage, 3) - 1 == tg.stage_index(step, NS, 3)
+    assert (s.global_batch, s.max_doc_len, (s.ws_short, s.ws_long)) == (batch, cap, ws)
+    assert s.lr_factor == lr and s.momentum == mu and float(np.float32(s.momentum)) == mu32
+    assert [float(np.float32(w)) for w in s.mtp_weights] == mtp32
 
 
-def test_stage_table_is_the_records_schedule_exactly():
-    for ns in [3, 4, 5, 7, 9, 60, 100, 999, 1725, 1726, 2000]:
-        hp = tg.Hyperparameters(num_scheduled_iterations=ns)
-        for step in range(ns + 45):
-            s = tg.schedule_at(step, hp)
-            assert (s.global_batch, (s.ws_short, s.ws_long), s.lr_factor, s.mtp_weights) == \
-                record_schedule(step, ns), (ns, step)
+@pytest.mark.parametrize("step,lr", [(576, 1.52), (577, 1.5184143518518518), (959, 0.9126967592592593),
+                                     (960, 1.027777777777778), (961, 1.025949074074074), (1200, 0.5888888888888889),
+                                     (1439, 0.15182870370370374), (1440, 0.15), (1479, 0.15), (575, 1.52),
+                                     (480, 1.52), (479, 1.0), (0, 1.0)])
+def test_lr_examples_of_spec_6_3(step, lr):
+    assert tg.lr_factor(step, NS, HP.stages, HP.lr_min, HP.cooldown_frac) == lr     # bit-exact doubles
+
+
+@pytest.mark.parametrize("step,mu", [(0, 0.85), (1, 0.8503333333333333), (299, 0.9496666666666667), (300, 0.95),
+                                     (1430, 0.95), (1431, 0.948), (1439, 0.9319999999999999),
+                                     (1440, 0.9299999999999999), (1479, 0.852)])
+def test_momentum_examples_of_spec_6_4(step, mu):
+    got = tg.muon_momentum(step, HP.num_iterations, HP.momentum_min, HP.momentum_max,
+                           HP.momentum_warmup_steps, HP.momentum_cooldown_steps)
+    assert got == mu                                                                 # bit-exact doubles
+
+
+def test_mtp_examples_of_spec_6_2():
+    w32 = lambda s: [float(np.float32(w)) for w in tg.mtp_weights(s, NS, HP.stages)]
+    assert w32(1)[2] == pytest.approx(0.24947916, abs=5e-9)
+    assert w32(479)[2] == pytest.approx(0.00052083336, abs=5e-12)
+    assert w32(481)[1] == pytest.approx(0.49895832, abs=5e-9)
+    assert w32(959)[1] == pytest.approx(0.0010416667, abs=5e-11)
+    assert all(w > 0 for s in range(HP.num_iterations) for w in w32(s))      # no weight is ever exactly 0
+    assert len(w32(479)) == 3 and len(w32(480)) == 2 and len(w32(960)) == 1  # the length changes with the batch
+
+
+def test_stage_boundaries_are_the_rounded_running_sums():
+    """round(ns * (1/3 + 1/3)) with the double sum, not ns * 2 // 3 or ceil: they differ where ns/3 has a
+    fraction."""
+    assert tg.stage_starts(1000, 3) == [0, 333, 667] and tg.stage_starts(1001, 3) == [0, 334, 667]
+    assert tg.stage_starts(1725, 3) == [0, 575, 1150] and tg.stage_starts(10, 4) == [0, 2, 5, 8]
+    assert [tg.stage_index(s, 1440, 3) for s in (0, 479, 480, 959, 960, 1439, 1440, 5000)] == [0, 0, 1, 1, 2, 2, 2, 2]
 
 
 def test_a_four_stage_table():
-    stages = (tg.Stage(64, 1.0, 2, (1.0, 0.5)), tg.Stage(128, 2.0, 4, (1.0, 0.5)), tg.Stage(192, 3.0, 6, (1.0,)),
-              tg.Stage(256, 4.0, 8, (1.0, 0.25)))
+    stages = (tg.Stage(64, 1.0, 2, (1.0, 0.5), (1.0, 0.5), 32), tg.Stage(128, 2.0, 4, (1.0, 0.5), (1.0, 0.0), 64),
+              tg.Stage(192, 3.0, 6, (1.0,), (1.0,), 64), tg.Stage(256, 4.0, 8, (1.0, 0.25), (1.0, 0.75), 128))
     got = [(tg.global_batch_size(s, 8, stages), tg.window_sizes(s, 8, stages, 10)[1],
-            tg.lr_factor(s, 8, stages, 0.0, 0.01), tg.mtp_weights(s, 8, stages)) for s in range(10)]
+            tg.lr_factor(s, 8, stages, 0.0, 0.01), tg.mtp_weights(s, 8, stages), tg.doc_len_cap(s, 8, stages))
+           for s in range(10)]
     assert [g[0] for g in got] == [64, 64, 128, 128, 192, 192, 256, 256, 256, 256]
     assert [g[1] for g in got] == [2, 2, 4, 4, 6, 6, 8, 8, 10, 10]
-    assert [g[2] for g in got[:8]] == [1.0, 1.0, 1.0, 2.0, 2.0, 3.0, 3.0, 4.0]    # one step later at exact starts
-    assert [g[3] for g in got[:4]] == [(1.0, 0.5), (1.0, 0.25), (1.0, 0.5), (1.0, 0.25)]
-    assert got[7][3] == (1.0, 0.125) and got[9][3] == (1.0, 0.0)     # the last stage fades too, to 0 at its end
+    assert [g[2] for g in got[:8]] == [1.0, 1.0, 2.0, 2.0, 3.0, 3.0, 4.0, 4.0]     # the peak moves with the batch
+    assert [g[3] for g in got[:4]] == [(1.0, 0.5), (1.0, 0.5), (1.0, 0.5), (1.0, 0.25)]
+    assert got[7][3] == (1.0, 0.5) and got[9][3] == (1.0, 0.75)     # the last stage moves too; then its end values
+    assert [g[4] for g in got] == [32, 32, 64, 64, 64, 64, 128, 128, 128, 128]
 
 
-@pytest.mark.parametrize("step,mu", [(0, 0.85), (150, 0.90), (299, 0.85 + 0.1 * 299 / 300), (300, 0.95),
-                                     (1715, 0.95), (1724, 0.932), (1764, 0.852)])
-def test_momentum(step, mu):
-    got = tg.muon_momentum(step, HP.num_iterations, HP.momentum_min, HP.momentum_max,
-                           HP.momentum_warmup_steps, HP.momentum_cooldown_steps)
-    assert got == pytest.approx(mu, abs=1e-12)
-
-
-def test_mtp_weights():
-    w = lambda s: tg.mtp_weights(s, NS, HP.stages)
-    assert w(0) == (1.0, 0.5, 0.25)
-    assert w(574)[2] == pytest.approx(0.000434783, abs=1e-9)
-    assert w(575) == (1.0, 0.5)                       # 575/1725 is the double nearest 1/3: 3x rounds to 1
-    assert w(1149)[1] == pytest.approx(0.000869565, abs=1e-9)
-    assert w(1150) == (1.0,) and w(1764) == (1.0,)
-
-
-def test_the_step_hands_the_model_each_mtp_weight_rounded_once_to_float32():
-    """The model sees fp32(w) of every schedule weight, as torch.tensor(w, dtype=float32) makes it (one rounding
-    from the double), at every step of the default schedule."""
-    host = SimpleNamespace(device=torch.device("cpu"))      # all that Trainer.mtp_weights reads
-    for step in range(HP.num_iterations):
-        sched = tg.schedule_at(step, HP)
-        got = tg.Trainer.mtp_weights(host, sched)
-        want = torch.tensor(sched.mtp_weights, dtype=torch.float32)
-        assert got.dtype == torch.float32 and torch.equal(got, want), step
+def test_mtp_weights_are_a_plus_b_minus_a_times_t():
+    """Spec 6.2's form a + (b - a) t, not a (1 - t) + b t (the same doubles for the record's weights, not for
+    these): a stage of 7 steps from 0.3 to 0.7, then 0.1 to 0.9."""
+    stages = (tg.Stage(64, 1.0, 2, (1.0, 0.3), (1.0, 0.7), 32), tg.Stage(64, 1.0, 2, (0.1,), (0.9,), 32))
+    spec = [(1.0, 0.3 + (0.7 - 0.3) * (s / 7)) for s in range(7)] + [(0.1 + (0.9 - 0.1) * ((s - 7) / 7),)
+                                                                    for s in range(7, 14)] + [(0.9,)]
+    assert [tg.mtp_weights(s, 14, stages) for s in range(15)] == spec
+    assert any(w[-1] != (0.3 * (1 - s / 7) + 0.7 * (s / 7)) for s, w in enumerate(spec[:7]))
 
 
 def test_schedule_at_parity_and_fields():
-    s = tg.schedule_at(1151, HP)
-    assert s.do_adam and not tg.schedule_at(1150, HP).do_adam
-    assert (s.ws_short, s.ws_long, s.global_batch) == (5, 11, 393216)
+    s = tg.schedule_at(961, HP)
+    assert s.do_adam and not tg.schedule_at(960, HP).do_adam
+    assert (s.ws_short, s.ws_long, s.global_batch, s.max_doc_len) == (5, 11, 393216, 2048)
 
 
-def test_warmup_steps_cover_every_transition_and_the_split():
-    assert tg.warmup_steps(HP) == [0, 1, 2, 574, 575, 576, 1149, 1150, 1151, 1724, 1725, 1726]
-    tiny = tg.parse_args(["--preset=tiny"])
-    steps = tg.warmup_steps(tiny)
-    ws = [tg.schedule_at(s, tiny).ws_long for s in range(tiny.num_iterations)]
-    for t in range(1, tiny.num_iterations):
-        if ws[t] != ws[t - 1]:
-            assert {t - 1, t, t + 1} <= set(steps)
-    assert tiny.split_step in steps and all(0 <= s < tiny.num_iterations for s in steps)
+def test_seven_validations():
+    assert [s for s in range(HP.num_iterations + 1) if tg.validates_at(s, HP.num_iterations, HP.val_loss_every)] == \
+        [0, 250, 500, 750, 1000, 1250, 1480]                           # spec 6.5
+    assert [s for s in range(11) if tg.validates_at(s, 10, 0)] == [10]
+
+
+def _shape(hp, step):
+    sc = tg.schedule_at(step, hp)
+    return sc.ws_short, sc.ws_long, sc.global_batch, sc.max_doc_len, len(sc.mtp_weights)
+
+
+def test_warmup_steps_cover_every_variant_and_the_split():
+    assert tg.variant_starts(HP) == [0, 480, 960, 1440]
+    assert tg.warmup_steps(HP) == [0, 1, 2, 479, 480, 481, 959, 960, 961, 1439, 1440, 1441]
+    for hp in (HP, tg.parse_args(["--preset=tiny"]),
+               tg.parse_args(["--preset=tiny", "--stages=512:1:3:1:1:64,512:1:3:1:1:128,768:1:3:1:1:128"])):
+        steps = tg.warmup_steps(hp)
+        shapes = {_shape(hp, s) for s in range(hp.num_iterations)}
+        assert shapes == {_shape(hp, s) for s in steps}                # every compiled variant runs in the warmup
+        assert hp.split_step in steps and all(0 <= s < hp.num_iterations for s in steps)
+    cap_only = tg.parse_args(["--preset=tiny", "--stages=512:1:3:1:1:64,512:1:3:1:1:128,768:1:3:1:1:128"])
+    assert tg.variant_starts(cap_only) == [0, 20, 40, 60]               # a new document cap is a new variant
+
+
+# ---- the trainer's side: loader messages and the doc cap across a resume -------------------------------------
+
+class _YarnRecorder:
+    """All of the model that replay_yarn touches: the calls it makes, in order."""
+    def __init__(self):
+        self.calls = []
+
+    def reset_rotary(self):
+        self.calls.append("reset")
+
+    def apply_yarn(self, old, new):
+        self.calls.append((old, new))
+
+
+def test_the_loader_hears_of_the_batch_and_cap_at_480_and_960_only():
+    """Trainer.advance_schedule over the whole run from the reset state: messages (global batch, L_max, A) at the
+    stage starts, none at 1440 (spec 2.1)."""
+    host = SimpleNamespace(model=_YarnRecorder(), ws_long=3, global_batch=131072, max_doc_len=896, grad_accum=8)
+    sent = {}
+    for step in range(HP.num_iterations):
+        if (msg := tg.Trainer.advance_schedule(host, tg.schedule_at(step, HP))) is not None:
+            sent[step] = msg
+    assert sent == {480: (262144, 2048, 8), 960: (393216, 2048, 8)}
+    assert host.model.calls == [(3, 7), (7, 11), (11, 13)]
+    # a cap that changes alone is sent too
+    hp = tg.parse_args(["--preset=tiny", "--stages=512:1:3:1:1:64,512:1:3:1:1:128,768:1:3:1:1:128"])
+    host = SimpleNamespace(model=_YarnRecorder(), ws_long=3, global_batch=512, max_doc_len=64, grad_accum=2)
+    sent = {s: m for s in range(hp.num_iterations)
+            if (m := tg.Trainer.advance_schedule(host, tg.schedule_at(s, hp))) is not None}
+    assert sent == {20: (512, 128, 2), 40: (768, 128, 2)}
 
 
 def test_attn_scale_after_yarn_matches_the_record():
@@ -142,21 +246,8 @@ def test_attn_scale_after_yarn_matches_the_record():
 
 def _walked_variant_starts(hp):
     """The step walk variant_starts replaced, kept as the reference."""
-    shapes = [(sc.ws_short, sc.ws_long, sc.global_batch, len(sc.mtp_weights))
-              for sc in (tg.schedule_at(s, hp) for s in range(hp.num_iterations))]
+    shapes = [_shape(hp, s) for s in range(hp.num_iterations)]
     return [0] + [s for s in range(1, hp.num_iterations) if shapes[s] != shapes[s - 1]]
-
-
-class _YarnRecorder:
-    """All of the model that replay_yarn touches: the calls it makes, in order."""
-    def __init__(self):
-        self.calls = []
-
-    def reset_rotary(self):
-        self.calls.append("reset")
-
-    def apply_yarn(self, old, new):
-        self.calls.append((old, new))
 
 
 def _walked_yarn(hp, steps_done):
@@ -171,8 +262,11 @@ def _walked_yarn(hp, steps_done):
 
 def _random_hp(rng):
     n = int(rng.integers(1, 6))
-    stages = tuple(tg.Stage(int(rng.integers(1, 5)) * 256, float(rng.uniform(0.5, 2)), int(rng.integers(1, 6)),
-                            tuple([1.0] + [0.5] * int(rng.integers(0, 3)))) for _ in range(n))
+    def stage():
+        k = int(rng.integers(0, 3))
+        return tg.Stage(int(rng.integers(1, 5)) * 256, float(rng.uniform(0.5, 2)), int(rng.integers(1, 6)),
+                        (1.0,) + (0.5,) * k, (1.0,) + (0.25,) * k, int(rng.choice([64, 128, 256])))
+    stages = tuple(stage() for _ in range(n))
     return tg.parse_args(["--preset=tiny", f"--num_scheduled_iterations={int(rng.integers(n, 120))}",
                           f"--num_extension_iterations={int(rng.integers(0, 12))}",
                           f"--ws_long_extension={int(rng.integers(1, 6))}", f"--stages={harness.show(stages)}"])
@@ -214,9 +308,9 @@ def test_a_billion_steps_is_planned_without_walking_them(monkeypatch):
         return stage_index(*args, **kwargs)
     monkeypatch.setattr(tg, "stage_index", counted)
     hp = tg.parse_args(["--num_scheduled_iterations=1000000000"])
-    assert tg.train_tokens_needed(hp) == (333_333_334 * 131072 + 333_333_333 * 262144
+    assert tg.train_tokens_needed(hp) == (333_333_333 * 131072 + 333_333_334 * 262144
                                           + (333_333_333 + 40) * 393216)
-    assert tg.variant_starts(hp) == [0, 333_333_334, 666_666_667, 1_000_000_000]
+    assert tg.variant_starts(hp) == [0, 333_333_333, 666_666_667, 1_000_000_000]
     assert 1_000_000_001 in tg.warmup_steps(hp)
     model = _YarnRecorder()
     assert tg.replay_yarn(model, hp, hp.num_iterations) == 13 and model.calls == ["reset", (3, 7), (7, 11), (11, 13)]

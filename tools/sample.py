@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     generator = torch.Generator().manual_seed(args.seed)
     for k in range(args.num_samples):
         ids = generate(model, prompt, args.max_new_tokens, args.temperature, args.top_k, generator, ws_short,
-                       ws_long, hp.train_max_seq_len, allowed)
+                       ws_long, hp.stages[-1].max_doc_len, allowed)
         if k:
             print("-" * 40)
         print(args.prompt + enc.decode(ids[len(prompt):], errors="replace"), flush=True)
