@@ -56,7 +56,7 @@ from harness import ConfigError, DataError
 # their reduce-scatters start earliest. The order of the updates is derived from the rows
 # (update_order).
 DEFAULT_PARAM_TABLE: dict[str, dict[str, Any]] = {
-    # Q/K per head pair and V/O per matrix, each orthogonalised on its own (upstream record 80, PR #253)
+    # Q/K per head pair, V/O per matrix, each orthogonalised alone (upstream record 80, PR #253)
     "qk":             dict(optim="normuon", comms="sharded",    lr_mul=1.0,  wd_mul=1.0),
     "vo":             dict(optim="normuon", comms="sharded",    lr_mul=1.0,  wd_mul=1.0),
     "mlp":            dict(optim="normuon", comms="sharded",    lr_mul=1.0,  wd_mul=1.0,   matrix_lr_muls=(1.0, 2.0)),
@@ -124,7 +124,8 @@ class Hyperparameters(harness.RunOptions):
     mlp_hidden: int = 3072                 # MLP hidden width
     num_layers: int = 11                   # transformer layers (one layout entry each)
     num_value_embeds: int = 5              # value-embedding tables (vocab x model_dim each)
-    bigram_vocab_size: int = 251_520       # rows of the bigram-hash embedding (hash modulus - 1)
+    bigram_vocab_size: int = 251_520       # rows of the bigram-hash embedding (5 x vocab): hashes
+                                           # modulo rows - 1, the last row is position 0's
     attn_layout: str = "PNPNNP-NNPN"       # per layer: P paired heads, N normal, - no attention
     long_window_layers: tuple = (3, 10)    # layers with the long window (normal ones: key offset)
     ve_layout: tuple = (-1, 0, 1, -1, -1, -1, -1, -1, 2, 3, 4)  # value-embedding table per layer
@@ -1086,7 +1087,7 @@ class GPT(nn.Module):
         # kernel that reads every layer's gradient for every element of the bank; unbind's
         # backward stacks each matrix's gradient once. The same numbers either way.
         qk_banks = self.qk.unbind(0)                     # (2*hd, D) per head pair of Q or K
-        vo_banks = self.vo.unbind(0)                     # W_v, W_o of attention layer l at 2l, 2l + 1
+        vo_banks = self.vo.unbind(0)                     # W_v, W_o of attention layer l: 2l, 2l+1
         mlp_banks = self.mlp.flatten(0, 1).unbind(0)     # c_fc, c_proj of layer j at 2j, 2j + 1
         H = cfg.num_heads
         skip_saved = backout_saved = cached_u = None

@@ -1,8 +1,8 @@
 """CPU tests of the MODEL section of train_gpt.py against direct implementations written here.
 
 The attention backend is replaced by `masked_sdpa`, a dense-mask stand-in defined in this file (the real
-varlen_attention lives in another section). The references transcribe RECIPE80 §2.4 and §3.1-3.6 (record 80's model) in
-float64 with loops over tokens and heads where the math is a per-token rule, reading nothing from train_gpt but the
+varlen_attention lives in another section). The references transcribe RECIPE80 §2.4 and §3.1-3.6 (record 80's model)
+in float64 with loops over tokens and heads where the math is a per-token rule, reading nothing from train_gpt but the
 parameters and the rotary tables (tested on their own in test_yarn_schedule_values_and_frequencies). The model runs in
 float64 (--dtype=float64) against them with tight tolerances, and in bf16 with loose ones.
 """
