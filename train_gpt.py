@@ -57,18 +57,22 @@ from harness import ConfigError, DataError
 # their reduce-scatters start earliest. The order of the updates is derived from the rows
 # (update_order).
 DEFAULT_PARAM_TABLE: dict[str, dict[str, Any]] = {
-    "attn":           dict(optim="normuon", comms="sharded",    lr_mul=1.0,  wd_mul=1.0),
+    # Q/K per head pair, V/O per matrix, each orthogonalised alone (upstream record 80, PR #253)
+    "qk":             dict(optim="normuon", comms="sharded",    lr_mul=1.0,  wd_mul=1.0),
+    "vo":             dict(optim="normuon", comms="sharded",    lr_mul=1.0,  wd_mul=1.0),
     "mlp":            dict(optim="normuon", comms="sharded",    lr_mul=1.0,  wd_mul=1.0,   matrix_lr_muls=(1.0, 2.0)),
     "scalars":        dict(optim="adam",    comms="replicated", lr_mul=5.0,  wd_mul=0.0,   betas=(0.9, 0.99)),
-    "ve0":            dict(optim="adam",    comms="sharded",    lr_mul=75.0, wd_mul=5.0,   betas=(0.75, 0.95)),
-    "ve1":            dict(optim="adam",    comms="sharded",    lr_mul=75.0, wd_mul=5.0,   betas=(0.75, 0.95)),
-    "ve2":            dict(optim="adam",    comms="sharded",    lr_mul=75.0, wd_mul=5.0,   betas=(0.75, 0.95)),
     "smear_gate":     dict(optim="adam",    comms="replicated", lr_mul=0.01, wd_mul=0.0,   betas=(0.9, 0.99)),
     "skip_gate":      dict(optim="adam",    comms="replicated", lr_mul=0.05, wd_mul=0.0,   betas=(0.9, 0.99)),
     "attn_gate_bank": dict(optim="adam",    comms="replicated", lr_mul=1.0,  wd_mul=1.0,   betas=(0.9, 0.99)),
     "ve_gate_bank":   dict(optim="adam",    comms="replicated", lr_mul=1.0,  wd_mul=1.0,   betas=(0.9, 0.99)),
-    "x0_lambdas":     dict(optim="adam",    comms="replicated", lr_mul=5.0,  wd_mul=0.0,   betas=(0.65, 0.95)),
     "lm_head":        dict(optim="adam",    comms="sharded",    lr_mul=1.0,  wd_mul=150.0, betas=(0.5, 0.95)),
+    "bigram_embed":   dict(optim="adam",    comms="sharded",    lr_mul=75.0, wd_mul=5.0,   betas=(0.75, 0.95)),
+    "post_lambdas":   dict(optim="adam",    comms="replicated", lr_mul=1.0,  wd_mul=0.0,   betas=(0.9, 0.95)),
+    "x0_lambdas":     dict(optim="adam",    comms="replicated", lr_mul=1.0,  wd_mul=0.0,   betas=(0.9, 0.95)),
+    "bigram_lambdas": dict(optim="adam",    comms="replicated", lr_mul=1.0,  wd_mul=0.0,   betas=(0.9, 0.95)),
+    "resid_lambdas":  dict(optim="adam",    comms="replicated", lr_mul=5.0,  wd_mul=0.0,   betas=(0.9, 0.95)),
+    "value_embeds":   dict(optim="adam",    comms="sharded",    lr_mul=75.0, wd_mul=5.0,   betas=(0.75, 0.95)),
     "embed":          dict(optim="adam",    comms="sharded",    lr_mul=1.0,  wd_mul=150.0, betas=(0.5, 0.95)),
 }
 
@@ -125,13 +129,16 @@ class Hyperparameters(harness.RunOptions):
     head_dim: int = 128                    # channels per head (a multiple of 4: rotary pairs)
     mlp_hidden: int = 3072                 # MLP hidden width
     num_layers: int = 11                   # transformer layers (one layout entry each)
-    num_value_embeds: int = 3              # value-embedding tables (vocab x model_dim each)
+    num_value_embeds: int = 5              # value-embedding tables (vocab x model_dim each)
+    bigram_vocab_size: int = 251_520       # rows of the bigram-hash embedding (5 x vocab): hashes
+                                           # modulo rows - 1, the last row is position 0's
     attn_layout: str = "PNPNNP-NNPN"       # per layer: P paired heads, N normal, - no attention
     long_window_layers: tuple = (3, 10)    # layers with the long window (normal ones: key offset)
-    ve_layout: tuple = (1, 2, -1, -1, -1, -1, -1, -1, 0, 1, 2)  # value-embedding table per layer
+    ve_layout: tuple = (-1, 0, 1, -1, -1, -1, -1, -1, 2, 3, 4)  # value-embedding table per layer
     skip_source_layer: int = 3             # its output is added (gated) to the input of ...
-    skip_dest_layer: int = 6               # ... this layer
+    skip_dest_layer: int = 6               # ... this layer, in place of its attention sublayer
     backout_layer: int = 7                 # backout_lambda * its output is subtracted at the end
+    cached_input_layer: int = 7            # attention of every later layer reads rms of its output
     rope_base: float = 1024.0              # frequencies (1/base)^(j/(n-1)) on a head's first half
     attn_scale: float = 0.1                # softmax scale at the start (YaRN grows it)
     yarn_alpha: float = 1.0                # YaRN: frequencies turning fewer than alpha times over
@@ -173,8 +180,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     # on a CPU.
     "tiny": dict(
         model_dim=128, num_heads=4, head_dim=32, mlp_hidden=512, num_layers=6,
-        attn_layout="PNN-NP", long_window_layers=(1, 4), ve_layout=(1, 2, -1, -1, 0, 2),
-        skip_source_layer=1, skip_dest_layer=3, backout_layer=4,
+        attn_layout="PNN-NP", long_window_layers=(1, 4), ve_layout=(-1, 0, 1, -1, 2, 3),
+        num_value_embeds=4, bigram_vocab_size=5 * 1024, skip_source_layer=1, skip_dest_layer=3,
+        backout_layer=4, cached_input_layer=3,
         batch_slices=2, block_size=16,
         stages=(Stage(512, 1.0, 3, (1.0, 0.5, 0.25), (1.0, 0.5, 0.0), 128),
                 Stage(768, 1.52, 7, (1.0, 0.5), (1.0, 0.0), 256),
@@ -410,12 +418,14 @@ class ModelConfig:
     mlp_hidden: int
     num_layers: int
     num_value_embeds: int
+    bigram_vocab_size: int
     attn_layout: str
     long_window_layers: tuple
     ve_layout: tuple
     skip_source_layer: int
     skip_dest_layer: int
     backout_layer: int
+    cached_input_layer: int
     block_size: int
     rope_base: float
     attn_scale: float
@@ -445,17 +455,60 @@ class LayerPlan:
     index)."""
     index: int
     attn: str            # "P" paired heads, "N" normal, "" none
-    attn_slot: int       # slice of the attn bank and attn_gate_bank (-1: no attention)
+    attn_slot: int       # attention layer l: qk groups [H*l, H*l + H), vo 2l, 2l+1, attn_gate_bank
+                         # slice l (-1: no attention)
     long_window: bool
     key_offset: bool     # normal long-window layers only (the paired path never shifts keys)
     ve_table: int        # value-embedding table (-1: none)
     ve_slot: int         # slice of ve_gate_bank (-1: none)
+    reads_cached: bool   # attention reads rms of cached_input_layer's output, not of x
+    skip_dest: bool      # the gated skip is added here, before the attention sublayer (if any)
+    skip_source: bool    # its output is the skip
+    backout: bool        # its output is backed out at the end
+    cached_input: bool   # rms of its output is the attention input of every later layer
 
 
 def rms(x: Tensor) -> Tensor:
     """x / sqrt(mean(x^2) + tk.RMS_EPS) over the last dim, no gain; fp32 statistics, result in x's
     dtype."""
     return F.rms_norm(x, (x.shape[-1],), eps=tk.RMS_EPS)
+
+
+def weighted_sum(*terms: tuple[Tensor, Tensor]) -> Tensor:
+    """sum of scale * tensor over (0-d scale, tensor) pairs, in the accumulation dtype of the
+    tensors' dtype, rounded once to it. The reference's whole-graph compile evaluates each residual
+    update (rho*x + pi*a + chi*x0 + beta*Bg) in fp32 and rounds once when it stores x; eager bf16
+    would round after every product and sum (RECIPE80 §3.4 recommends the single rounding)."""
+    dtype = terms[0][1].dtype
+    acc = tk.acc_dtype(dtype)
+    total = None
+    for scale, t in terms:
+        term = scale.to(acc) * t.to(acc)
+        total = term if total is None else total + term
+    return total.to(dtype)
+
+
+BIGRAM_HASH_CUR, BIGRAM_HASH_PREV = 36313, 27191   # multipliers of the current and previous id
+
+
+def bigram_ids(inputs: Tensor, table_size: int) -> Tensor:
+    """(T,) bigram-hash rows of the tokens `inputs` (T,) (upstream record 62, PR #201):
+    b_t = floormod(int32(36313 x_t) XOR int32(27191 p_{t-1}), M), M = table_size - 1, with
+    the sentinel M as b_0 and as p_0 (p_t = x_t for t >= 1), as in RECIPE80 §2.4. The sentinel
+    replacing x_0 as position 1's previous token is upstream's (RECIPE80 F1: b_1 depends on x_1
+    only, through a product that wraps); a BOS hashes with the previous document's last token
+    (F2). int64 arithmetic emulates the int32 wrap on any device. Same dtype as inputs."""
+    M = table_size - 1
+    x = inputs.long()
+    T = x.shape[0]
+    sentinel = x.new_full((1,), M)
+    prev = torch.cat([sentinel, x[1:]])[: max(T - 1, 0)]             # p_0 .. p_{T-2}
+
+    def int32(v: Tensor) -> Tensor:   # two's complement wrap of an int64 into [-2^31, 2^31)
+        return (v + 2**31) % 2**32 - 2**31
+
+    h = torch.remainder(int32(BIGRAM_HASH_CUR * x[1:]) ^ int32(BIGRAM_HASH_PREV * prev), M)
+    return torch.cat([sentinel[:T], h]).to(inputs.dtype)
 
 
 def rotary_base_omega(head_dim: int, base: float, device: torch.device) -> Tensor:
@@ -671,7 +724,7 @@ def fp8_head_then_ce(head: Callable, mtp_ce: Callable, h: Tensor, w: Tensor, tar
 # fp8_quantize is the ce op's: the FP8 head runs it on either path, but the fused cross entropy's
 # backward quantises the logit gradient itself. After checking the kernel again, update the digest.
 KERNEL_REFERENCES = {
-    "qk": ((tk.qk_norm_rotary_reference, tk.shift_keys_by_one), "49e8ba64ee2b8e52"),
+    "qk": ((tk.qk_norm_rotary_reference, tk.shift_keys_by_one), "fae18133f82d6f5e"),
     "mlp": ((tk.relu2_mlp_reference,), "8b6fad1b2f4093ba"),
     "ce": ((tk.softcap, tk.softcapped_mtp_ce_reference, fp8_quantize), "443c53a9fd461568"),
     "fp8": ((FP8HeadEmulated,), "922029c44fb31b28"),
@@ -698,14 +751,25 @@ def check_model_layout(cfg: ModelConfig) -> None:
     if len(cfg.attn_layout) != L or set(cfg.attn_layout) - set("PN-"):
         raise ValueError(f"--attn_layout={cfg.attn_layout!r} needs one of P, N, - per layer "
                          f"({L} layers)")
-    if "P" in cfg.attn_layout and cfg.num_heads % 2:
-        raise ValueError(f"paired-head layers need an even --num_heads (got {cfg.num_heads}); "
-                         "or remove P from --attn_layout")
-    if len(cfg.ve_layout) != L or any(not -1 <= j < cfg.num_value_embeds
-                                       for j in cfg.ve_layout):
-        raise ValueError(f"--ve_layout={cfg.ve_layout} needs one entry per layer ({L}), "
-                         "each -1 or a table index below "
-                         f"--num_value_embeds={cfg.num_value_embeds}")
+    if cfg.num_heads % 2:
+        raise ValueError(f"the qk bank holds Q and K by pairs of adjacent heads, and paired "
+                         f"layers pair heads too: use an even --num_heads (got {cfg.num_heads})")
+    if len(cfg.ve_layout) != L:
+        raise ValueError(f"--ve_layout={cfg.ve_layout} needs one entry per layer ({L})")
+    bad = [j for j in cfg.ve_layout if not -1 <= j < cfg.num_value_embeds]
+    if bad:
+        raise ValueError(f"--ve_layout={cfg.ve_layout} names value-embedding table(s) {bad}: "
+                         "each entry is -1 (none) or a table index below "
+                         f"--num_value_embeds={cfg.num_value_embeds}; raise --num_value_embeds "
+                         "or fix --ve_layout")
+    if not 0 <= cfg.cached_input_layer < L:
+        raise ValueError(f"--cached_input_layer={cfg.cached_input_layer} must be a layer index "
+                         f"below num_layers={L} (the attention of later layers reads rms of its "
+                         f"output; {L - 1} makes none do)")
+    if cfg.bigram_vocab_size < 2:
+        raise ValueError(f"--bigram_vocab_size={cfg.bigram_vocab_size} must be at least 2 (the "
+                         "hash is taken modulo bigram_vocab_size - 1, whose value is the "
+                         "sentinel row)")
     if any(j >= 0 and cfg.attn_layout[i] == "-" for i, j in enumerate(cfg.ve_layout)):
         raise ValueError("--ve_layout puts a value embedding on a layer without attention "
                          "(- in --attn_layout)")
@@ -821,7 +885,7 @@ def kernel_switch_lines(kernels: str, device_type: str, edited: dict[str, str],
 # ---- GPT -----------------------------------------------------------------------------------------
 
 class GPT(nn.Module):
-    """The record's GPT, parameters in 13 labelled tensors (banks), layer wiring from the
+    """The record's GPT, parameters in 16 labelled tensors (banks), layer wiring from the
     ModelConfig.
 
     Rotary state (omega, bf16 tables, attn_scale) is one object shared by normal and paired layers:
@@ -844,48 +908,65 @@ class GPT(nn.Module):
         def param(t: Tensor) -> nn.Parameter:
             return nn.Parameter(t)
 
-        # Banks: attn slice i = [W_q; W_k; W_v; W_o] (4D, D) of the i-th attention layer; mlp slice
-        # j = [c_fc, c_proj] (2, hidden, D) of layer j. Unused pad slices at the end make each bank
-        # shard evenly (cfg.bank_multiple): the attn pad stays zero; the mlp pad's c_fc is drawn as
-        # far as the record's 8-GPU padding goes (it draws its whole 12-slice bank), so the random
-        # draws, and every initial weight, are the same on any world size.
+        # Banks (upstream record 80, PR #253): qk holds one (2*hd, D) matrix per (attention layer
+        # l, Q or K, adjacent head pair j): Q rows of heads 2j, 2j+1 at H*l + j, K rows at
+        # H*l + H/2 + j, so that the optimizer orthogonalises each pair on its own; vo holds W_v at
+        # 2l and W_o at 2l + 1; mlp slice j = [c_fc, c_proj] (2, hidden, D) of layer j. Unused pad
+        # matrices at the end make each bank shard evenly (cfg.bank_multiple) and stay zero; the
+        # random draws fill only the real matrices (the mlp pad's c_fc as far as the record's
+        # 8-GPU padding, which it draws), so every initial weight is the same on any world size.
+        # Draw order as the record's (RECIPE80 §3.1; it matters only when seeded): value_embeds,
+        # qk, vo, mlp, lm_head.
         # Built in fp32 on `device`, then cast to bf16. With --dtype=float32/float64 the bf16
         # tensors are that dtype instead and the fp32 ones at least fp32.
         wdt = getattr(torch, cfg.dtype)
         fdt = tk.acc_dtype(wdt)
-        attn = torch.zeros(n_attn + bank_padding(n_attn, 4, cfg.bank_multiple), 4 * D, D,
-                           device=device)
-        bound = math.sqrt(3) * D ** -0.5
-        attn[:n_attn, : 3 * D].uniform_(-bound, bound)               # QKV; the O rows stay zero
+        gate = dict(dtype=wdt, device=device)
+        # bf16(0.01 n), n drawn in bf16 (upstream record 65, PR #215): random, untied tables
+        value_embeds = 0.01 * torch.randn(cfg.num_value_embeds * V, D, dtype=torch.bfloat16,
+                                          device=device)
+        bound = 0.5 * math.sqrt(3) * D ** -0.5      # Q, K, V, O all U(+-bound) (upstream record
+                                                    # 64, PR #214), as c_fc
+        n_qk = H * n_attn
+        qk = torch.zeros(n_qk + bank_padding(n_qk, 1, cfg.bank_multiple), 2 * hd, D,
+                         device=device)
+        qk[:n_qk].uniform_(-bound, bound)
+        vo = torch.zeros(2 * n_attn + bank_padding(2 * n_attn, 1, cfg.bank_multiple), D, D,
+                         device=device)
+        vo[: 2 * n_attn].uniform_(-bound, bound)
         mlp = torch.zeros(L + bank_padding(L, 2, cfg.bank_multiple), 2, cfg.mlp_hidden, D,
                           device=device)
         drawn = L + bank_padding(L, 2, RECORD_BANK_MULTIPLE)
-        mlp[:drawn, 0].uniform_(-0.5 * bound, 0.5 * bound)           # c_fc; c_proj stays zero
+        mlp[:drawn, 0].uniform_(-bound, bound)                       # c_fc; c_proj stays zero
         # drawn into bf16
         lm_head = torch.empty(D, V, dtype=torch.bfloat16, device=device).normal_(0.0, 0.005)
         scalars = torch.cat([
-            torch.full((L,), 1.1),                                   # residual lambdas r_i
             torch.tensor([0.5, 1.0]).repeat(L),                      # SA lambdas (qkv, o) per layer
             torch.tensor([0.0, 0.5, -1.5]),                          # smear, backout, skip lambdas
         ]).to(device, fdt)
-        gate = dict(dtype=wdt, device=device)
-        self.attn = param(attn.to(wdt))
+        lam = dict(dtype=fdt, device=device)
+        self.qk = param(qk.to(wdt))
+        self.vo = param(vo.to(wdt))
         self.mlp = param(mlp.to(wdt))
+        self.scalars = param(scalars)  # (2L+3,) fp32; the reference's sharding
+                                       # padding is dropped (vestigial)
+        self.smear_gate = param(torch.zeros(1, GATE_INPUT_DIM, **gate))
+        self.skip_gate = param(torch.zeros(1, GATE_INPUT_DIM, **gate))
+        self.attn_gate_bank = param(torch.zeros(n_attn, H, GATE_INPUT_DIM, **gate))
+        self.ve_gate_bank = param(torch.zeros(n_ve, H, GATE_INPUT_DIM, **gate))
         lm_head = lm_head.to(wdt)
         self.lm_head = param(lm_head)                                # (D, V): stored transposed,
                                                                      # logits = h @ lm_head
+        # bigram-hash embedding (upstream record 62, PR #201), zero at the start
+        self.bigram_embed = param(torch.zeros(cfg.bigram_vocab_size, D, **gate))
+        # per-sublayer residual weights, [:, 0] attention, [:, 1] MLP (upstream record 77, PR #241)
+        self.post_lambdas = param(torch.ones(L, 2, **lam))
+        self.x0_lambdas = param(torch.zeros(L, **lam))
+        self.bigram_lambdas = param(torch.full((L,), 0.05, **lam))
+        self.resid_lambdas = param(torch.full((L, 2), math.sqrt(1.1), **lam))
+        self.value_embeds = param(value_embeds.to(wdt))              # table j: rows [j*V, (j+1)*V)
         self.embed = param(lm_head.T.contiguous())                   # tied copy until the
                                                                      # optimizer splits them
-        self.ve_names = tuple(f"ve{j}" for j in range(cfg.num_value_embeds))
-        for name in self.ve_names:
-            self.register_parameter(name, param(torch.zeros(V, D, **gate)))
-        self.attn_gate_bank = param(torch.zeros(n_attn, H, GATE_INPUT_DIM, **gate))
-        self.ve_gate_bank = param(torch.zeros(n_ve, H, GATE_INPUT_DIM, **gate))
-        self.smear_gate = param(torch.zeros(1, GATE_INPUT_DIM, **gate))
-        self.skip_gate = param(torch.zeros(1, GATE_INPUT_DIM, **gate))
-        self.x0_lambdas = param(torch.zeros(L, device=device, dtype=fdt))
-        self.scalars = param(scalars)  # (3L+3,) fp32; the reference's sharding
-                                       # padding is dropped (vestigial)
 
         self.register_buffer("rotary_omega", torch.zeros(hd, device=device), persistent=False)
         self.register_buffer("rotary_cos", torch.empty(2 * cfg.rotary_max_len, hd // 2, **gate),
@@ -908,17 +989,23 @@ class GPT(nn.Module):
             plan.append(LayerPlan(index=i, attn=kind if has_attn else "",
                                   attn_slot=attn_slot if has_attn else -1,
                                   long_window=long_window, key_offset=long_window and kind == "N",
-                                  ve_table=cfg.ve_layout[i], ve_slot=ve_slot if has_ve else -1))
+                                  ve_table=cfg.ve_layout[i], ve_slot=ve_slot if has_ve else -1,
+                                  reads_cached=has_attn and i > cfg.cached_input_layer,
+                                  skip_dest=i == cfg.skip_dest_layer,
+                                  skip_source=i == cfg.skip_source_layer,
+                                  backout=i == cfg.backout_layer,
+                                  cached_input=i == cfg.cached_input_layer))
             attn_slot += has_attn
             ve_slot += has_ve
         return tuple(plan)
 
     @property
     def bank_matrix_shapes(self) -> dict[str, tuple[int, int]]:
-        """The matrices the optimizer orthogonalises: attn's W_q, W_k, W_v, W_o (D, D); mlp's c_fc,
-        c_proj (H, D)."""
-        return {"attn": (self.cfg.model_dim, self.cfg.model_dim),
-                "mlp": (self.cfg.mlp_hidden, self.cfg.model_dim)}
+        """The matrices the optimizer orthogonalises: qk's head-pair groups (2*hd, D), vo's W_v, W_o
+        (D, D); mlp's c_fc, c_proj (hidden, D)."""
+        cfg = self.cfg
+        return {"qk": (2 * cfg.head_dim, cfg.model_dim), "vo": (cfg.model_dim, cfg.model_dim),
+                "mlp": (cfg.mlp_hidden, cfg.model_dim)}
 
     # ---- rotary state ----
 
@@ -978,75 +1065,95 @@ class GPT(nn.Module):
 
     def final_hidden(self, inputs: Tensor, cu_seqlens: Tensor, ws_short: int, ws_long: int,
                      max_seqlen: int) -> Tensor:
-        """The normed final residual h (T, D) bf16 that the LM head reads."""
+        """The normed final residual h (T, D) bf16 that the LM head reads (RECIPE80 §3.4)."""
         cfg, T = self.cfg, inputs.shape[0]
         if T > cfg.rotary_max_len:
             raise ValueError(f"micro-batch of {T} tokens exceeds "
                              f"rotary_max_len={cfg.rotary_max_len}; build the model with "
                              "rotary_max_len = the largest train/val micro-batch")
-        L = cfg.num_layers
-        resid_lambdas, sa_lambdas = self.scalars[:L], self.scalars[L: 3 * L].view(L, 2)
-        smear_lambda, backout_lambda, skip_lambda = self.scalars[3 * L: 3 * L + 3].unbind()
-        # value embeddings (@KoszarskyB, upstream record 14), (T, D) bf16 each
-        ve = [F.embedding(inputs, getattr(self, name)) for name in self.ve_names]
+        L, V, wdt = cfg.num_layers, cfg.vocab_size, self.embed.dtype
+        sa_lambdas = self.scalars[: 2 * L].view(L, 2)
+        smear_lambda, backout_lambda, skip_lambda = self.scalars[2 * L: 2 * L + 3].unbind()
+        # The per-sublayer weights are rounded to the weights' dtype (bf16) each forward, as the
+        # record's are (RECIPE80 F6): rho = 1.046875 at the start, not sqrt(1.1).
+        resid, post = self.resid_lambdas.to(wdt), self.post_lambdas.to(wdt)      # (L, 2)
+        x0_lambdas, bigram_lambdas = self.x0_lambdas.to(wdt), self.bigram_lambdas.to(wdt)
+        # value embeddings (@KoszarskyB, upstream record 14): table j at rows [j*V, (j+1)*V),
+        # (T, D) bf16 each
+        ve = {p.ve_table: F.embedding(inputs + p.ve_table * V, self.value_embeds)
+              for p in self.plan if p.ve_table >= 0}
+        bigram = F.embedding(bigram_ids(inputs, cfg.bigram_vocab_size), self.bigram_embed)
 
         # Token smear (@classiclarryd, upstream record 34): e'_t = e_t + smear_lambda * sigmoid(e_t[:12] . w) * e_{t-1}, across
         # document boundaries.
         e = F.embedding(inputs, self.embed)  # (T, D) bf16
         # (T-1, 1) bf16
         smear = smear_lambda * torch.sigmoid(e[1:, :GATE_INPUT_DIM] @ self.smear_gate.T)
-        x = x0 = rms(torch.cat([e[:1], e[1:] + smear * e[:-1]]))
+        x0 = rms(torch.cat([e[:1], e[1:] + smear * e[:-1]]))
+        x = weighted_sum((x0.new_ones(()), x0), (bigram_lambdas[0], bigram))  # layer 0's bigram
 
-        # The banks as one view per slice. Indexing the bank per layer instead costs a backward
+        # The banks as one view per matrix. Indexing the bank per layer instead costs a backward
         # kernel that reads every layer's gradient for every element of the bank; unbind's
-        # backward stacks each slice's gradient once. The same numbers either way.
-        attn_banks = self.attn.unbind(0)                 # (4D, D) per attention layer
+        # backward stacks each matrix's gradient once. The same numbers either way.
+        qk_banks = self.qk.unbind(0)                     # (2*hd, D) per head pair of Q or K
+        vo_banks = self.vo.unbind(0)                     # W_v, W_o of attention layer l: 2l, 2l+1
         mlp_banks = self.mlp.flatten(0, 1).unbind(0)     # c_fc, c_proj of layer j at 2j, 2j + 1
-        skip_saved = backout_saved = None
+        H = cfg.num_heads
+        skip_saved = backout_saved = cached_u = None
         for p in self.plan:
             i = p.index
-            if i == cfg.skip_dest_layer:  # U-net skip (@brendanh0gan, upstream record 11), gated
+            if p.skip_dest:  # U-net skip (@brendanh0gan, upstream record 11), gated
                 skip_scale = torch.sigmoid(skip_lambda) * 2                               # fp32 0-d
                 x = x + (skip_scale * torch.sigmoid(x0[:, :GATE_INPUT_DIM] @ self.skip_gate.T)
                          * skip_saved)
-            if i == 0:  # the first layer, where x is still x0: one
-                        # scale (r_0 + x0_lambda_0), summed in fp32
-                x = (resid_lambdas[0] + self.x0_lambdas[0]) * x
-            else:
-                x = resid_lambdas[i] * x + self.x0_lambdas[i] * x0
             if p.attn:
+                l = p.attn_slot
+                w_qkv = torch.cat([*qk_banks[H * l: H * (l + 1)], vo_banks[2 * l]])  # (3D, D)
                 window = (ws_long if p.long_window else ws_short) * cfg.block_size          # tokens
-                x = x + self.attention(p, attn_banks[p.attn_slot], rms(x),
-                                       ve[p.ve_table] if p.ve_table >= 0 else None, sa_lambdas[i],
-                                       cu_seqlens, max_seqlen, window)
-            x = x + self.ops.relu2_mlp(rms(x), mlp_banks[2 * i], mlp_banks[2 * i + 1])
-            if i == cfg.skip_source_layer:
+                # layers after cached_input_layer read its normed output (upstream record 77,
+                # PR #241)
+                a = self.attention(p, w_qkv, vo_banks[2 * l + 1],
+                                   cached_u if p.reads_cached else rms(x), ve.get(p.ve_table),
+                                   sa_lambdas[i], cu_seqlens, max_seqlen, window)
+                # x0 and the bigram embedding are injected with the attention output (upstream
+                # records 62, 77); layer 0 took its bigram before its attention instead
+                injections = [(x0_lambdas[i], x0)] + ([(bigram_lambdas[i], bigram)] if i else [])
+                x = weighted_sum((resid[i, 0], x), (post[i, 0], a), *injections)
+            x = weighted_sum((resid[i, 1], x),
+                             (post[i, 1], self.ops.relu2_mlp(rms(x), mlp_banks[2 * i],
+                                                             mlp_banks[2 * i + 1])))
+            if p.skip_source:
                 skip_saved = x
-            if i == cfg.backout_layer:
+            if p.backout:
                 backout_saved = x
+            if p.cached_input:
+                cached_u = rms(x)
         x = x - backout_lambda * backout_saved
         return rms(x)
 
-    def attention(self, p: LayerPlan, bank: Tensor, u: Tensor, ve: Tensor | None, sa_lambda: Tensor,
-                  cu_seqlens: Tensor, max_seqlen: int, window: int) -> Tensor:
-        """One attention sublayer. bank (4D, D) = [W_q; W_k; W_v; W_o]; u = rms(x) (T, D) bf16 ->
-        (T, D) bf16."""
+    def attention(self, p: LayerPlan, w_qkv: Tensor, w_o: Tensor, u: Tensor, ve: Tensor | None,
+                  sa_lambda: Tensor, cu_seqlens: Tensor, max_seqlen: int, window: int) -> Tensor:
+        """One attention sublayer. w_qkv (3D, D) = [W_q; W_k; W_v], w_o (D, D); u: the normed input
+        (T, D) bf16 -> (T, D) bf16."""
         cfg = self.cfg
         T, D, H, hd = u.shape[0], cfg.model_dim, cfg.num_heads, cfg.head_dim
         lambda_qkv, lambda_o = sa_lambda.unbind()
-        qkv = u @ (lambda_qkv * bank[: 3 * D]).T   # weights scaled and rounded to bf16 first
+        qkv = u @ (lambda_qkv * w_qkv).T   # weights scaled and rounded to bf16 first
         # QK-norm per head, then half-truncated rotary on the first half of each head in adjacent
         # pairs, one pass over qkv (triton_kernels.py section 9). Normal layers rotate token t's
         # heads at angle position t. Paired heads (@classiclarryd, upstream record 58): heads 2b,
-        # 2b+1 of token t rotate at angle positions 2t, 2t+1. Key offset layers take a quarter of
-        # each half of k from the previous token (tk.shift_keys_by_one), in the same pass.
+        # 2b+1 of token t rotate at angle positions 2t, 2t+1. Key offset layers take the
+        # stationary half of k from the previous token (tk.shift_keys_by_one), in the same pass.
         q, k, v = self.ops.qk_norm_rotary(qkv, self.rotary_cos, self.rotary_sin,
                                           2 if p.attn == "P" else 1, p.key_offset)
         gate_in = u[:, :GATE_INPUT_DIM]
         if ve is not None:
-            # Elementwise per (token, head), so adding it before the paired interleave equals adding
-            # it after.
-            ve_gate = 2 * torch.sigmoid(gate_in @ self.ve_gate_bank[p.ve_slot].T)  # (T, H)
+            # Normal layers gate the VE by half u, half the VE row (upstream record 70, PR #218);
+            # paired layers keep u alone (RECIPE80 F12). Elementwise per (token, head), so adding
+            # it before the paired interleave equals adding it after.
+            half = GATE_INPUT_DIM // 2
+            ve_gate_in = gate_in if p.attn == "P" else torch.cat([u[:, :half], ve[:, :half]], -1)
+            ve_gate = 2 * torch.sigmoid(ve_gate_in @ self.ve_gate_bank[p.ve_slot].T)  # (T, H)
             v = v + ve_gate[..., None] * ve.view(T, H, hd)
         if p.attn == "P":
             # Row-major reinterpretation as 2T positions of H/2 heads: position 2t slot g = head g
@@ -1061,7 +1168,7 @@ class GPT(nn.Module):
                                  self.attn_scale, cfg.attn_backend)
         # per-head output gate
         y = y * torch.sigmoid(gate_in @ self.attn_gate_bank[p.attn_slot].T)[..., None]
-        return y.reshape(T, D) @ (lambda_o * bank[3 * D:]).T
+        return y.reshape(T, D) @ (lambda_o * w_o).T
 
 
 # ==================================================================================================
@@ -2345,8 +2452,9 @@ def estimate_gpu_memory_gib(hp: Hyperparameters, world_size: int) -> float:
     activations, logits)."""
     D, H, V, L = hp.model_dim, hp.mlp_hidden, hp.vocab_size, hp.num_layers
     shapes = build_model(hp, torch.device("meta"), "sdpa")  # the parameter sizes, without memory
-    banks = shapes.attn.numel() + shapes.mlp.numel()
-    tables = (2 + hp.num_value_embeds) * V * D
+    banks = sum(getattr(shapes, label).numel() for label in shapes.bank_matrix_shapes)
+    tables = sum(getattr(shapes, label).numel()
+                 for label in ("embed", "lm_head", "value_embeds", "bigram_embed"))
     weights = 2 * (banks + tables)                       # bf16
     grads = 2 * (banks + tables)
     optim = (4 * 3 * banks + 8 * tables) / world_size    # fp32 momentum + master bits /

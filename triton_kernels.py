@@ -1703,10 +1703,10 @@ def varlen_attention_reference(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tens
 # closer to the exact value (tested against a float64 transcription of the former formulation).
 # Backward, from the saved qkv (not q, k): dn[d] = g[d]*cos[d] + g[d^1]*sin[d^1] (the rotation's
 # transpose) for d < hd/2, dn = g after, then dx = r*(dn - n*mean(dn*n)).
-# Key offset (KEY_OFFSET, normal long-window layers; tk.shift_keys_by_one): k's second and fourth
-# quarters take the previous token's values (token 0 keeps its own). The forward stores those
-# quarters of row (t, h) at row (t + 1, h), and token 0's at its own row too; the backward loads
-# them from row t + 1, and token 0 adds its own, rounded to the gradient's dtype as autograd's sum
+# Key offset (KEY_OFFSET, normal long-window layers; tk.shift_keys_by_one): k's stationary half
+# (dims hd/2..hd) takes the previous token's values (token 0 keeps its own). The forward stores
+# that half of row (t, h) at row (t + 1, h), and token 0's at its own row too; the backward loads
+# it from row t + 1, and token 0 adds its own, rounded to the gradient's dtype as autograd's sum
 # of the two uses was. So each row is normalised once and the outputs are bitwise the former
 # compiled shift's.
 # Grid (blocks of BLOCK_R (t, h) rows, part): parts q and k forward; the backward's part 2 copies
@@ -1753,12 +1753,12 @@ def _swap_pairs(x, BLOCK_R: tl.constexpr, HD: tl.constexpr):
 
 
 @triton.jit
-def _late_quarters(part, HD: tl.constexpr):
-    """(1, HD): the columns the key offset moves, a head's second and fourth quarters, in part k
-    only (the comparison with part broadcast first: the interpreter rejects a mask that combines
-    a block with a scalar's)."""
+def _shifted_half(part, HD: tl.constexpr):
+    """(1, HD): the columns the key offset moves, a head's stationary second half, in part k only
+    (the comparison with part broadcast first: the interpreter rejects a mask that combines a
+    block with a scalar's)."""
     cols = tl.arange(0, HD)[None, :]
-    return ((cols // (HD // 4)) % 2 == 1) & (cols * 0 + part == 1)
+    return (cols >= HD // 2) & (cols * 0 + part == 1)
 
 
 @triton.jit
@@ -1776,7 +1776,7 @@ def _qk_rotary_fwd_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, stride_tab, n
     if part == 1:
         out_ptr = k_ptr
     if KEY_OFFSET:
-        late = _late_quarters(part, HD)
+        late = _shifted_half(part, HD)
         _store_from_fp32(out_ptr + offs, out, keep & late & first)
         offs = tl.where(late, offs + H * HD, offs)
         keep = keep & (offs < n_rows * HD)
@@ -1802,7 +1802,7 @@ def _qk_rotary_bwd_kernel(dq_ptr, dk_ptr, dv_ptr, qkv_ptr, cos_ptr, sin_ptr, dqk
             g_ptr = dk_ptr
         offs, keep = out_row + cols, mask
         if KEY_OFFSET:
-            late = _late_quarters(part, HD)
+            late = _shifted_half(part, HD)
             own = _load_as_fp32(dk_ptr + offs, keep & late & first)
             offs = tl.where(late, offs + H * HD, offs)
             keep = keep & (offs < n_rows * HD)
@@ -1924,14 +1924,13 @@ def qk_norm_rotary_triton(qkv: Tensor, cos: Tensor, sin: Tensor, pos_mult: int,
 
 
 def shift_keys_by_one(k: Tensor) -> Tensor:
-    """Key offset (@classiclarryd, upstream record 49): the second quarter of each half of every head
-    (dims [hd/4, hd/2), [3hd/4, hd)) takes the values of the previous packed position (position 0
-    keeps its own; document boundaries are ignored). k (T, H, hd)."""
-    T, H, hd = k.shape
+    """Key offset (@classiclarryd, upstream record 49; the whole stationary half since upstream
+    record 62, PR #201): dims [hd/2, hd) of every head, where rotary does not turn, take the values
+    of the previous packed position (position 0 keeps its own; document boundaries are ignored).
+    k (T, H, hd)."""
+    half = k.shape[-1] // 2
     k_prev = torch.cat([k[:1], k[:-1]], dim=0)
-    quarters_now = k.view(T, H, 2, 2, hd // 4)
-    quarters_prev = k_prev.view(T, H, 2, 2, hd // 4)
-    return torch.stack([quarters_now[:, :, :, 0], quarters_prev[:, :, :, 1]], dim=3).view(T, H, hd)
+    return torch.cat([k[..., :half], k_prev[..., half:]], dim=-1)
 
 
 def qk_norm_rotary_reference(qkv: Tensor, cos: Tensor, sin: Tensor, pos_mult: int,

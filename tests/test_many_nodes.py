@@ -27,7 +27,7 @@ def test_slices_follow_a_world_size_past_the_batch_slices():
         hp = tg.slices_for(record, world)
         tg.validate_hyperparameters(hp, world)        # batches, banks and shards all divide
         model = tg.build_model(hp, torch.device("meta"), "sdpa")
-        for label in ("attn", "mlp"):
+        for label in model.bank_matrix_shapes:
             rows, cols = model.bank_matrix_shapes[label]
             assert getattr(model, label).numel() // (rows * cols) % world == 0, (world, label)
     with pytest.raises(harness.ConfigError, match="world size 12 neither divides --batch_slices=8 nor is a multiple"):

@@ -1,8 +1,10 @@
 """CPU tests of the MODEL section of train_gpt.py against direct implementations written here.
 
 The attention backend is replaced by `masked_sdpa`, a dense-mask stand-in defined in this file (the real
-varlen_attention lives in another section). References use fp32 math on the model's bf16 weights, loops over tokens
-and heads where the record's math is a per-token rule, and nothing from train_gpt except the parameters they read.
+varlen_attention lives in another section). The references transcribe RECIPE80 §2.4 and §3.1-3.6 (record 80's model)
+in float64 with loops over tokens and heads where the math is a per-token rule, reading nothing from train_gpt but the
+parameters and the rotary tables (tested on their own in test_yarn_schedule_values_and_frequencies). The model runs in
+float64 (--dtype=float64) against them with tight tolerances, and in bf16 with loose ones.
 """
 import math
 from dataclasses import replace
@@ -20,9 +22,9 @@ CPU_OPS = tg.kernel_ops("fused", "cpu")   # off CUDA every op is its reference
 
 def tiny_cfg(**overrides) -> tg.ModelConfig:
     cfg = tg.ModelConfig(
-        vocab_size=256, model_dim=64, num_heads=4, head_dim=16, mlp_hidden=128, num_layers=6, num_value_embeds=3,
-        attn_layout="PNN-NP", long_window_layers=(1, 4), ve_layout=(1, 2, -1, -1, 0, 2),
-        skip_source_layer=1, skip_dest_layer=3, backout_layer=4, block_size=16,
+        vocab_size=256, model_dim=64, num_heads=4, head_dim=16, mlp_hidden=128, num_layers=6, num_value_embeds=4,
+        bigram_vocab_size=97, attn_layout="PNN-NP", long_window_layers=(1, 4), ve_layout=(-1, 0, 1, -1, 2, 3),
+        skip_source_layer=1, skip_dest_layer=3, backout_layer=4, cached_input_layer=3, block_size=16,
         rope_base=1024.0, attn_scale=0.1, yarn_alpha=1.0, yarn_beta=32.0,
         fp8_scales=(100 / 448, 1.6 / 448, 0.75 / 448), use_fp8=False, attn_backend="test-sdpa", rotary_max_len=128)
     return replace(cfg, **overrides)
@@ -36,17 +38,19 @@ def real_cfg(**overrides) -> tg.ModelConfig:
 
 
 def masked_sdpa(q, k, v, cu_seqlens, max_seqlen, window, scale, backend):
-    """Stand-in for varlen_attention: dense mask (same document, causal, key >= query - window), fp32 softmax."""
-    assert backend == "test-sdpa" and q.dtype == torch.bfloat16 and q.shape == k.shape == v.shape
+    """Stand-in for varlen_attention: dense mask (same document, causal, key >= query - window), softmax in fp32
+    (float64 for a float64 model)."""
+    assert backend == "test-sdpa" and q.dtype in (torch.bfloat16, torch.float64) and q.shape == k.shape == v.shape
     T = q.shape[0]
     if not torch.compiler.is_compiling():
         assert int(cu_seqlens[-1]) == T and max_seqlen >= int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    acc = tk.acc_dtype(q.dtype)
     pos = torch.arange(T)
     doc = torch.searchsorted(cu_seqlens.long(), pos, right=True)
     mask = (doc[:, None] == doc[None, :]) & (pos[None, :] <= pos[:, None]) & (pos[None, :] >= pos[:, None] - window)
-    scores = torch.einsum("thd,shd->hts", q.float(), k.float()) * scale
+    scores = torch.einsum("thd,shd->hts", q.to(acc), k.to(acc)) * scale
     probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
-    return torch.einsum("hts,shd->thd", probs, v.float()).bfloat16()
+    return torch.einsum("hts,shd->thd", probs, v.to(acc)).to(q.dtype)
 
 
 @pytest.fixture(autouse=True)
@@ -55,21 +59,23 @@ def _standin_attention(monkeypatch):
 
 
 def randomize(model: tg.GPT, seed: int = 0) -> None:
-    """Non-zero values everywhere (the zero-initialised banks would hide whole paths)."""
+    """Non-zero values everywhere, lambdas and gates away from their init, so that every term of the forward
+    matters (the zero-initialised tables and gates would hide whole paths)."""
     g = torch.Generator().manual_seed(seed)
     L = model.cfg.num_layers
     with torch.no_grad():
         for name, p in dict(model.named_parameters()).items():
-            r = torch.randn(p.shape, generator=g)
+            r = torch.randn(p.shape, generator=g, dtype=torch.float64)
             if name == "scalars":
-                base = torch.cat([torch.full((L,), 1.1), torch.tensor([0.5, 1.0]).repeat(L),
-                                  torch.tensor([0.3, 0.5, -1.5])])
+                base = torch.cat([torch.tensor([0.5, 1.0]).repeat(L), torch.tensor([0.3, 0.5, -1.5])])
                 p.copy_(base + 0.1 * r)
-            elif name == "x0_lambdas":
+            elif name in ("resid_lambdas", "post_lambdas"):
+                p.copy_(1.0 + 0.2 * r)
+            elif name in ("x0_lambdas", "bigram_lambdas"):
                 p.copy_(0.3 * r)
-            elif name in ("lm_head", "embed") or name.startswith("ve"):
+            elif name in ("lm_head", "embed", "value_embeds", "bigram_embed"):
                 p.copy_(0.5 * r)
-            elif name in ("attn", "mlp"):
+            elif name in ("qk", "vo", "mlp"):
                 p.copy_(r * p.shape[-1] ** -0.5)
             else:
                 p.copy_(0.5 * r)
@@ -95,14 +101,15 @@ def omega_direct(head_dim, base):
     return torch.tensor([base ** (-j / (n - 1)) for j in range(n)], dtype=torch.float64)
 
 
-def rotate_direct(vec, angle_pos, freqs):
-    """Clockwise rotation of pairs (2m, 2m+1), m < len(freqs), by angle_pos * freqs[m]; other dims untouched."""
+def rotate_direct(vec, cos_row, sin_row):
+    """Clockwise rotation of pairs (2m, 2m+1) of the first half by the angle whose cosine and sine are the tables'
+    columns 2m (the table negates sin on odd columns; its even column holds +sin); the second half untouched."""
     out = vec.clone()
-    for m, f in enumerate(freqs.tolist()):
-        th = angle_pos * f
+    for m in range(cos_row.shape[0] // 2):
+        c, s = cos_row[2 * m].item(), sin_row[2 * m].item()
         a, b = vec[2 * m].item(), vec[2 * m + 1].item()
-        out[2 * m] = math.cos(th) * a + math.sin(th) * b
-        out[2 * m + 1] = math.cos(th) * b - math.sin(th) * a
+        out[2 * m] = c * a + s * b
+        out[2 * m + 1] = c * b - s * a
     return out
 
 
@@ -111,24 +118,58 @@ def doc_of(cu, t):
     return max(j for j in range(len(cu) - 1) if cu[j] <= t < cu[j + 1])
 
 
-def attention_direct(model, layer, u, ve, cu, window, *, swap_slot=True):
-    """The attention sublayer (paired and normal) written out per token and head, in fp32.
-    u (T, D) bf16 -> (T, D) fp32."""
+def as_model_dtype(model, x):
+    """x rounded to the model's weight dtype (bf16; nothing for a float64 model), back in float64."""
+    return x.to(model.embed.dtype).double()
+
+
+def bigram_direct(ids, table_size):
+    """RECIPE80 §2.4 in Python integers: b_0 = p_0 = M, p_t = x_t, b_t = floormod(i32(36313 x_t) ^ i32(27191 p_{t-1}),
+    M) with i32 the two's complement wrap."""
+    M = table_size - 1
+
+    def i32(v):
+        v &= 0xFFFFFFFF
+        return v - (1 << 32) if v >= (1 << 31) else v
+    out, prev = [M][:len(ids)], M
+    for t in range(1, len(ids)):
+        out.append((i32(36313 * ids[t]) ^ i32(27191 * prev)) % M)
+        prev = ids[t]
+    return out
+
+
+def layer_weights(model, layer):
+    """RECIPE80 §3.1's assembly, written out: W_q rows of heads (2j, 2j+1) = qk[H*l + j], W_k's = qk[H*l + H/2 + j],
+    W_v = vo[2l], W_o = vo[2l + 1] (float64)."""
     cfg = model.cfg
-    T, D, H, hd, L = u.shape[0], cfg.model_dim, cfg.num_heads, cfg.head_dim, cfg.num_layers
+    H = cfg.num_heads
+    l = sum(c != "-" for c in cfg.attn_layout[:layer])
+    qk, vo = model.qk.detach().double(), model.vo.detach().double()
+    Wq = torch.cat([qk[H * l + j] for j in range(H // 2)])
+    Wk = torch.cat([qk[H * l + H // 2 + j] for j in range(H // 2)])
+    return Wq, Wk, vo[2 * l], vo[2 * l + 1]
+
+
+def attention_direct(model, layer, u, ve, cu, window, *, swap_slot=True, key_offset_dims=None):
+    """The attention sublayer (paired and normal) written out per token and head, in float64 from the model's
+    weights (the lambda-scaled weights rounded to the model's dtype). u (T, D) -> (T, D) float64.
+    key_offset_dims: the dims the key offset moves (default the stationary half, T1)."""
+    cfg = model.cfg
+    T, D, H, hd = u.shape[0], cfg.model_dim, cfg.num_heads, cfg.head_dim
     kind = cfg.attn_layout[layer]
     slot = sum(c != "-" for c in cfg.attn_layout[:layer])
     ve_slot = sum(j >= 0 for j in cfg.ve_layout[:layer])
-    lam_qkv, lam_o = model.scalars[L + 2 * layer], model.scalars[L + 2 * layer + 1]
-    S = model.attn[slot].detach()
-    Wqkv = (lam_qkv * S[: 3 * D]).detach().bfloat16().float()   # weights rounded to bf16 after the lambda
-    Wo = (lam_o * S[3 * D:]).detach().bfloat16().float()
-    uf = u.float()
+    sc = model.scalars.detach().double()
+    lam_qkv, lam_o = sc[2 * layer], sc[2 * layer + 1]
+    Wq, Wk, Wv, Wo = layer_weights(model, layer)
+    Wqkv = as_model_dtype(model, lam_qkv * torch.cat([Wq, Wk, Wv]))
+    Wo = as_model_dtype(model, lam_o * Wo)
+    uf = u.double()
     qkv = uf @ Wqkv.T
     q = f32_rms(qkv[:, :D].view(T, H, hd))
     k = f32_rms(qkv[:, D: 2 * D].view(T, H, hd))
     v = qkv[:, 2 * D:].view(T, H, hd).clone()
-    freqs = omega_direct(hd, cfg.rope_base)
+    cos, sin = model.rotary_cos.double(), model.rotary_sin.double()
     qr, kr = torch.empty_like(q), torch.empty_like(k)
     for t in range(T):
         for h in range(H):
@@ -136,32 +177,36 @@ def attention_direct(model, layer, u, ve, cu, window, *, swap_slot=True):
                 angle = 2 * t + (h % 2 if swap_slot else int(h >= H // 2))
             else:
                 angle = t
-            qr[t, h] = rotate_direct(q[t, h], angle, freqs)
-            kr[t, h] = rotate_direct(k[t, h], angle, freqs)
+            qr[t, h] = rotate_direct(q[t, h], cos[angle], sin[angle])
+            kr[t, h] = rotate_direct(k[t, h], cos[angle], sin[angle])
     if kind == "N" and layer in cfg.long_window_layers:
+        dims = key_offset_dims if key_offset_dims is not None else range(hd // 2, hd)
         shifted = kr.clone()
         for t in range(1, T):
-            for lo, hi in ((hd // 4, hd // 2), (3 * hd // 4, hd)):
-                shifted[t, :, lo:hi] = kr[t - 1, :, lo:hi]
+            for d in dims:
+                shifted[t, :, d] = kr[t - 1, :, d]
         kr = shifted
     gate_in = uf[:, :12]
     if ve is not None:
-        Gv = model.ve_gate_bank[ve_slot].detach().float()
+        Gv = model.ve_gate_bank[ve_slot].detach().double()
+        ve = ve.double()
         for t in range(T):
+            # normal layers: [u_0..u_5, ve_0..ve_5]; paired layers: u_0..u_11 (RECIPE80 F12)
+            gin = gate_in[t] if kind == "P" else torch.cat([uf[t, :6], ve[t, :6]])
             for h in range(H):
-                v[t, h] += 2 * torch.sigmoid(gate_in[t] @ Gv[h]) * ve[t, h * hd:(h + 1) * hd].float()
-    y = torch.zeros(T, H, hd)
+                v[t, h] += 2 * torch.sigmoid(gin @ Gv[h]) * ve[t, h * hd:(h + 1) * hd]
+    y = torch.zeros(T, H, hd, dtype=torch.float64)
     if kind == "P":
         # doubled position P = 2t (heads < H/2) or 2t+1 (heads >= H/2), slot g = h mod H/2
         n = 2 * T
         slots = H // 2
-        Q = torch.zeros(n, slots, hd); K = torch.zeros(n, slots, hd); Vd = torch.zeros(n, slots, hd)
+        Q, K, Vd = (torch.zeros(n, slots, hd, dtype=torch.float64) for _ in range(3))
         tok = [P // 2 for P in range(n)]
         for t in range(T):
             for h in range(H):
                 P, g = 2 * t + int(h >= slots), h % slots
                 Q[P, g], K[P, g], Vd[P, g] = qr[t, h], kr[t, h], v[t, h]
-        Yd = torch.zeros(n, slots, hd)
+        Yd = torch.zeros(n, slots, hd, dtype=torch.float64)
         for P in range(n):
             keys = [P2 for P2 in range(n) if P2 <= P and P - P2 <= window and doc_of(cu, tok[P2]) == doc_of(cu, tok[P])]
             for g in range(slots):
@@ -176,7 +221,7 @@ def attention_direct(model, layer, u, ve, cu, window, *, swap_slot=True):
             for h in range(H):
                 s = torch.stack([qr[t, h] @ kr[t2, h] for t2 in keys]) * model.attn_scale
                 y[t, h] = s.softmax(0) @ v[keys, h]
-    Ga = model.attn_gate_bank[slot].detach().float()
+    Ga = model.attn_gate_bank[slot].detach().double()
     for t in range(T):
         for h in range(H):
             y[t, h] *= torch.sigmoid(gate_in[t] @ Ga[h])
@@ -184,37 +229,47 @@ def attention_direct(model, layer, u, ve, cu, window, *, swap_slot=True):
 
 
 def hidden_direct(model, inputs, cu, ws_short, ws_long):
-    """The whole trunk in fp32, layer wiring read from the config; returns rms(final x) (T, D)."""
+    """RECIPE80 §3.4 in float64, layer roles read from the config; returns h = rms(final x) (T, D)."""
     cfg = model.cfg
-    L, bs = cfg.num_layers, cfg.block_size
-    sc = model.scalars.detach()
-    x0l = model.x0_lambdas.detach()
+    L, bs, V = cfg.num_layers, cfg.block_size, cfg.vocab_size
+    P = {name: p.detach().double() for name, p in model.named_parameters()}
+    sc = P["scalars"]
+    smear_l, backout_l, skip_l = sc[2 * L], sc[2 * L + 1], sc[2 * L + 2]
+    # bf16 copies of the lambdas each forward (F6)
+    rho, pi = as_model_dtype(model, P["resid_lambdas"]), as_model_dtype(model, P["post_lambdas"])
+    chi, beta = as_model_dtype(model, P["x0_lambdas"]), as_model_dtype(model, P["bigram_lambdas"])
     ids = inputs.long()
-    e = model.embed.detach().float()[ids]
+    e = P["embed"][ids]
+    Bg = P["bigram_embed"][torch.tensor(bigram_direct(inputs.tolist(), cfg.bigram_vocab_size))]
     T = e.shape[0]
-    w_smear = model.smear_gate.detach().float()[0]
+    w_smear = P["smear_gate"][0]
     e2 = e.clone()
     for t in range(1, T):
-        e2[t] = e[t] + sc[3 * L] * torch.sigmoid(e[t, :12] @ w_smear) * e[t - 1]
-    x = x0 = f32_rms(e2)
+        e2[t] = e[t] + smear_l * torch.sigmoid(e[t, :12] @ w_smear) * e[t - 1]
+    x0 = f32_rms(e2)
+    x = x0 + beta[0] * Bg
     saved = {}
     for i in range(L):
         if i == cfg.skip_dest_layer:
-            g = torch.sigmoid(sc[3 * L + 2]) * 2 * torch.sigmoid(x0[:, :12] @ model.skip_gate.detach().float()[0])
+            g = torch.sigmoid(skip_l) * 2 * torch.sigmoid(x0[:, :12] @ P["skip_gate"][0])
             x = x + g[:, None] * saved["skip"]
-        x = (sc[0] + x0l[0]) * x if i == 0 else sc[i] * x + x0l[i] * x0
         if cfg.attn_layout[i] != "-":
             window = (ws_long if i in cfg.long_window_layers else ws_short) * bs
             j = cfg.ve_layout[i]
-            ve = getattr(model, f"ve{j}").detach()[ids] if j >= 0 else None
-            x = x + attention_direct(model, i, f32_rms(x).bfloat16(), ve, cu, window)
-        c_fc, c_proj = model.mlp[i, 0].detach().float(), model.mlp[i, 1].detach().float()
-        x = x + F.relu(f32_rms(x) @ c_fc.T).square() @ c_proj
+            ve = P["value_embeds"][j * V + ids] if j >= 0 else None
+            u = f32_rms(saved["cached"] if i > cfg.cached_input_layer else x)
+            a = attention_direct(model, i, u, ve, cu, window)
+            inj = chi[i] * x0 + (beta[i] * Bg if i > 0 else 0)
+            x = rho[i, 0] * x + pi[i, 0] * a + inj
+        c_fc, c_proj = P["mlp"][i, 0], P["mlp"][i, 1]
+        x = rho[i, 1] * x + pi[i, 1] * (F.relu(f32_rms(x) @ c_fc.T).square() @ c_proj)
         if i == cfg.skip_source_layer:
             saved["skip"] = x
         if i == cfg.backout_layer:
             saved["backout"] = x
-    return f32_rms(x - sc[3 * L + 1] * saved["backout"])
+        if i == cfg.cached_input_layer:
+            saved["cached"] = x
+    return f32_rms(x - backout_l * saved["backout"])
 
 
 def softcap(logits):
@@ -235,69 +290,166 @@ def mtp_loss_direct(logits, targets, weights):
 
 
 def rel_err(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+# ---- bigram hash ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("inputs, want", [
+    ([50256, 464, 2068, 318, 257, 1332, 13, 50256, 0, 50303],
+     [251519, 204580, 28927, 34887, 135950, 4684, 201786, 204913, 8169, 121861]),
+    ([0, 0, 0], [251519, 193815, 0]),
+    ([1, 2, 3], [251519, 129737, 97765]),
+    ([50256, 50256, 50256], [251519, 5862, 35060]),
+])
+def test_bigram_ids_spec_vectors(inputs, want):
+    for dtype in (torch.int32, torch.int64):
+        got = tg.bigram_ids(torch.tensor(inputs, dtype=dtype), 251_520)
+        assert got.dtype == dtype and got.tolist() == want
+
+
+def test_bigram_ids_check_values_and_the_position_one_quirk():
+    # h(prev=464, cur=2068) = 28927; position 1 hashes with the sentinel, not x_0 (F1): 204580, not 19030
+    assert tg.bigram_ids(torch.tensor([7, 464, 2068]), 251_520).tolist()[2] == 28927
+    b = tg.bigram_ids(torch.tensor([50256, 464]), 251_520).tolist()
+    assert b[1] == 204580 and b[1] != 19030
+    assert all(tg.bigram_ids(torch.tensor([x0, 464]), 251_520).tolist()[1] == 204580 for x0 in (0, 1, 50303))
+    assert tg.bigram_ids(torch.tensor([5]), 251_520).tolist() == [251519]
+    assert tg.bigram_ids(torch.tensor([], dtype=torch.int32), 251_520).tolist() == []
+
+
+@pytest.mark.parametrize("table_size", [251_520, 97, 5 * 1024])
+def test_bigram_ids_match_an_integer_transcription_on_random_tokens(table_size):
+    g = torch.Generator().manual_seed(table_size)
+    for T in (2, 3, 17, 300):
+        ids = torch.randint(0, 50304, (T,), generator=g, dtype=torch.int32)
+        ids[:2] = torch.tensor([50303, 50303])[:T]                 # the largest products, at the wrapping t = 1
+        got = tg.bigram_ids(ids, table_size).tolist()
+        assert got == bigram_direct(ids.tolist(), table_size)
+        assert got[0] == table_size - 1 and all(0 <= b < table_size - 1 for b in got[1:])
 
 
 # ---- parameters ---------------------------------------------------------------------------------------------------
 
 def test_real_config_parameter_counts():
+    """RECIPE80 §10.1 at W = 8, less the 7 vestigial scalar pads this model drops."""
     model = tg.GPT(real_cfg(rotary_max_len=16), torch.device("meta"), CPU_OPS)
     counts = {k: p.numel() for k, p in dict(model.named_parameters()).items()}
-    assert list(counts) == ["attn", "mlp", "lm_head", "embed", "ve0", "ve1", "ve2", "attn_gate_bank", "ve_gate_bank",
-                            "smear_gate", "skip_gate", "x0_lambdas", "scalars"]
-    assert counts["attn"] == 23_592_960 and counts["mlp"] == 56_623_104
-    assert counts["lm_head"] == counts["embed"] == counts["ve0"] == 38_633_472
+    assert set(counts) == set(tg.DEFAULT_PARAM_TABLE) and len(counts) == 16
+    assert counts["qk"] == 12_582_912 and counts["vo"] == 14_155_776 and counts["mlp"] == 56_623_104
+    assert counts["lm_head"] == counts["embed"] == 38_633_472
+    assert counts["value_embeds"] == counts["bigram_embed"] == 193_167_360
     gates = ("attn_gate_bank", "ve_gate_bank", "smear_gate", "skip_gate")
     assert [counts[k] for k in gates] == [720, 360, 12, 12]
-    assert counts["x0_lambdas"] == 11 and counts["scalars"] == 36
-    # the record: 273,384,579 with its 4 vestigial scalar pads, which this model drops
-    assert sum(counts.values()) == 273_384_579 - 4
+    assert [counts[k] for k in ("scalars", "x0_lambdas", "bigram_lambdas", "resid_lambdas", "post_lambdas")] == \
+        [25, 11, 11, 22, 22]
+    assert sum(counts.values()) == 546_964_658 - 7
     assert sum(p.numel() for p in model.parameters()) == sum(counts.values())
-    assert model.attn.shape == (10, 3072, 768) and model.mlp.shape == (12, 2, 3072, 768)
+    assert model.qk.shape == (64, 256, 768) and model.vo.shape == (24, 768, 768)
     assert model.lm_head.shape == (768, 50304) and model.embed.shape == (50304, 768)
+    assert model.bank_matrix_shapes == {"qk": (256, 768), "vo": (768, 768), "mlp": (3072, 768)}
+    # used (not padding), without embed and the two big tables: 114,132,146 less the 7 pads
+    used = (60 * 256 * 768 + 20 * 768 * 768 + 11 * 2 * 3072 * 768 + counts["lm_head"] + sum(counts[k] for k in gates)
+            + 25 + 11 + 11 + 22 + 22)
+    assert used == 114_132_146 - 7
+
+
+def test_real_layer_plan_is_recipe80s_table():
+    """RECIPE80 §3.2: attention kind, slots, key offset, VE table and slot, attention input per layer."""
+    plan = tg.GPT(real_cfg(rotary_max_len=16), torch.device("meta"), CPU_OPS).plan
+    assert [p.attn for p in plan] == ["P", "N", "P", "N", "N", "P", "", "N", "N", "P", "N"]
+    assert [p.attn_slot for p in plan] == [0, 1, 2, 3, 4, 5, -1, 6, 7, 8, 9]
+    assert [i for i, p in enumerate(plan) if p.key_offset] == [3, 10]
+    assert [p.ve_table for p in plan] == [-1, 0, 1, -1, -1, -1, -1, -1, 2, 3, 4]
+    assert [p.ve_slot for p in plan] == [-1, 0, 1, -1, -1, -1, -1, -1, 2, 3, 4]
+    assert [i for i, p in enumerate(plan) if p.reads_cached] == [8, 9, 10]
+    assert [i for i, p in enumerate(plan) if p.skip_dest] == [6] and [p.index for p in plan if p.skip_source] == [3]
+    assert [p.index for p in plan if p.backout] == [7] and [p.index for p in plan if p.cached_input] == [7]
+
+
+def _uniform_ok(x, bound):
+    """max within bound (plus half a bf16 ulp), reaching near it, mean ~ 0 and std ~ bound/sqrt(3)."""
+    x = x.double()
+    n = x.numel()
+    return (x.abs().max() <= bound * (1 + 2 ** -8) and x.abs().max() > 0.95 * bound
+            and abs(x.mean()) < 4 * bound / math.sqrt(3 * n) and abs(x.std() / (bound / math.sqrt(3)) - 1) < 0.03)
 
 
 def test_tiny_parameter_shapes_dtypes_and_init():
     cfg = tiny_cfg(vocab_size=1024)
     torch.manual_seed(123)
     model = tg.GPT(cfg, torch.device("cpu"), CPU_OPS)
-    D, H, L, V = 64, 4, 6, 1024
+    D, H, L, V, hd = 64, 4, 6, 1024, 16
     P = dict(model.named_parameters())
-    assert {id(p) for p in P.values()} == {id(p) for p in model.parameters()} and len(P) == 13
+    assert {id(p) for p in P.values()} == {id(p) for p in model.parameters()} and len(P) == 16
     n_attn, n_ve = 5, 4
-    # the banks pad to a multiple of 8 matrices: 5 attention slices of 4 -> 6, 6 MLP slices of 2 -> 8
-    expect = {"attn": ((n_attn + 1, 4 * D, D), torch.bfloat16), "mlp": ((L + 2, 2, 128, D), torch.bfloat16),
-              "lm_head": ((D, V), torch.bfloat16), "embed": ((V, D), torch.bfloat16),
-              "ve0": ((V, D), torch.bfloat16), "ve1": ((V, D), torch.bfloat16), "ve2": ((V, D), torch.bfloat16),
-              "attn_gate_bank": ((n_attn, H, 12), torch.bfloat16), "ve_gate_bank": ((n_ve, H, 12), torch.bfloat16),
-              "smear_gate": ((1, 12), torch.bfloat16), "skip_gate": ((1, 12), torch.bfloat16),
-              "x0_lambdas": ((L,), torch.float32), "scalars": ((3 * L + 3,), torch.float32)}
+    # the banks pad to a multiple of 8 matrices: 20 qk groups -> 24, 10 V/O -> 16, 6 MLP slices of 2 -> 8
+    bf, f32 = torch.bfloat16, torch.float32
+    expect = {"qk": ((24, 2 * hd, D), bf), "vo": ((16, D, D), bf), "mlp": ((L + 2, 2, 128, D), bf),
+              "lm_head": ((D, V), bf), "embed": ((V, D), bf), "value_embeds": ((4 * V, D), bf),
+              "bigram_embed": ((97, D), bf),
+              "attn_gate_bank": ((n_attn, H, 12), bf), "ve_gate_bank": ((n_ve, H, 12), bf),
+              "smear_gate": ((1, 12), bf), "skip_gate": ((1, 12), bf),
+              "x0_lambdas": ((L,), f32), "bigram_lambdas": ((L,), f32), "resid_lambdas": ((L, 2), f32),
+              "post_lambdas": ((L, 2), f32), "scalars": ((2 * L + 3,), f32)}
+    assert set(expect) == set(P)
     for name, (shape, dtype) in expect.items():
         assert tuple(P[name].shape) == shape and P[name].dtype == dtype, name
-    b = math.sqrt(3) / math.sqrt(D)
-    qkv = P["attn"][:n_attn, : 3 * D].float()
-    assert (P["attn"][:, 3 * D:] == 0).all() and (P["attn"][n_attn:] == 0).all()      # O rows and the pad slice
-    ulp = 1 + 2 ** -8  # the bf16 cast may round the bound up by half an ulp
-    assert qkv.abs().max() <= b * ulp and qkv.abs().max() > 0.95 * b and abs(qkv.std() / (b / math.sqrt(3)) - 1) < 0.03
-    c_fc = P["mlp"][:, 0].float()
-    assert (P["mlp"][:, 1] == 0).all()
-    assert c_fc.abs().max() <= b / 2 * ulp and c_fc.abs().max() > 0.95 * b / 2
+    b = 0.5 * math.sqrt(3) / math.sqrt(D)                          # A6: Q, K, V, O and c_fc all U(+-b)
+    assert _uniform_ok(P["qk"][:20], b) and (P["qk"][20:] == 0).all()
+    assert _uniform_ok(P["vo"][:10], b) and (P["vo"][10:] == 0).all()
+    assert _uniform_ok(P["vo"][1:10:2], b), "W_o is random too"
+    assert _uniform_ok(P["mlp"][:, 0], b) and (P["mlp"][:, 1] == 0).all()
+    for bank in ("qk", "vo", "mlp"):                               # drawn in fp32, rounded to bf16
+        assert torch.equal(P[bank].float().bfloat16(), P[bank])
+    ve = P["value_embeds"].double()
+    assert abs(ve.std() / 0.01 - 1) < 0.03 and abs(ve.mean()) < 4 * 0.01 / math.sqrt(ve.numel())
     assert abs(P["lm_head"].float().std() / 0.005 - 1) < 0.03 and abs(P["lm_head"].float().mean()) < 2e-4
     assert torch.equal(P["embed"], P["lm_head"].T)
-    for name in ("ve0", "ve1", "ve2", "attn_gate_bank", "ve_gate_bank", "smear_gate", "skip_gate", "x0_lambdas"):
+    for name in ("bigram_embed", "attn_gate_bank", "ve_gate_bank", "smear_gate", "skip_gate", "x0_lambdas"):
         assert (P[name] == 0).all(), name
+    assert (P["bigram_lambdas"] == torch.tensor(0.05, dtype=f32)).all()
+    assert (P["resid_lambdas"] == torch.tensor(math.sqrt(1.1), dtype=f32)).all()
+    assert P["resid_lambdas"][0, 0].item() == pytest.approx(1.0488088, abs=1e-7)
+    assert (P["post_lambdas"] == 1).all()
     s = P["scalars"].tolist()
-    assert s[:L] == [pytest.approx(1.1)] * L
-    assert s[L: 3 * L] == [0.5, 1.0] * L
-    assert s[3 * L:] == [0.0, 0.5, -1.5]
+    assert s[: 2 * L] == [0.5, 1.0] * L
+    assert s[2 * L:] == [0.0, 0.5, -1.5]
+    # the record's draw order from a seed: value_embeds = bf16(0.01 n), n drawn in bf16, then qk, vo, c_fc, lm_head
+    torch.manual_seed(123)
+    n = torch.randn(4 * V, D, dtype=torch.bfloat16)
+    qk = torch.empty(20, 2 * hd, D).uniform_(-b, b)
+    vo = torch.empty(10, D, D).uniform_(-b, b)
+    c_fc = torch.empty(8, 128, D).uniform_(-b, b)
+    lm_head = torch.empty(D, V, dtype=torch.bfloat16).normal_(0.0, 0.005)
+    exact = (0.01 * n.double()).bfloat16()
+    assert (P["value_embeds"] != exact).float().mean() < 1e-3     # fp32 product, then bf16: rare double roundings
+    assert torch.equal(P["value_embeds"], (0.01 * n.float()).bfloat16())
+    assert torch.equal(P["qk"][:20], qk.bfloat16()) and torch.equal(P["vo"][:10], vo.bfloat16())
+    assert torch.equal(P["mlp"][:, 0], c_fc.bfloat16()) and torch.equal(P["lm_head"], lm_head)
     # seedable from outside
     torch.manual_seed(123)
     again = tg.GPT(cfg, torch.device("cpu"), CPU_OPS)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters()))
 
 
+def test_initial_weights_do_not_depend_on_the_bank_padding():
+    """Every world size pads to bank_multiple = lcm(8, batch_slices): the drawn weights are the same."""
+    torch.manual_seed(5)
+    a = tg.GPT(tiny_cfg(), torch.device("cpu"), CPU_OPS)
+    torch.manual_seed(5)
+    b = tg.GPT(tiny_cfg(bank_multiple=48), torch.device("cpu"), CPU_OPS)
+    assert b.qk.shape[0] == 48 and b.vo.shape[0] == 48 and a.qk.shape[0] == 24
+    for name, p in a.named_parameters():
+        q = getattr(b, name)
+        n = p.shape[0] if name not in ("qk", "vo", "mlp") else {"qk": 20, "vo": 10, "mlp": 6}[name]
+        assert torch.equal(p[:n], q[:n]), name
+        assert (q[n:] == 0).all() or name == "mlp", name
+
+
 @pytest.mark.parametrize("slices,per,multiple,pad", [(10, 4, 8, 0), (11, 4, 8, 1), (11, 2, 8, 1), (6, 2, 8, 2),
-                                                     (5, 4, 8, 1), (3, 2, 16, 5), (7, 4, 8, 1), (12, 2, 8, 0)])
+                                                     (5, 4, 8, 1), (3, 2, 16, 5), (7, 4, 8, 1), (12, 2, 8, 0),
+                                                     (60, 1, 8, 4), (20, 1, 8, 4), (60, 1, 16, 4)])
 def test_bank_padding_is_the_fewest_slices_that_make_a_multiple(slices, per, multiple, pad):
     assert tg.bank_padding(slices, per, multiple) == pad
     assert (slices + pad) * per % multiple == 0
@@ -307,42 +459,100 @@ def test_bank_padding_is_the_fewest_slices_that_make_a_multiple(slices, per, mul
 def test_an_added_attention_layer_shards_on_eight_ranks():
     hp = tg.parse_args(["--attn_layout=PNPNNPNNNPN"])                 # 11 attention layers instead of 10
     model = tg.build_model(hp, torch.device("meta"), "sdpa")
-    assert model.attn.shape[0] == 12 and model.mlp.shape[0] == 12      # 48 and 24 matrices
+    assert model.qk.shape[0] == 72 and model.vo.shape[0] == 24 and model.mlp.shape[0] == 12   # 66, 22 real
     for world_size in (1, 2, 4, 8):
         tg.build_optimizer(hp, model, world_size - 1, world_size)      # shards evenly: no error
+
+
+def test_param_table_rows_are_recipe80s():
+    """RECIPE80 §5.1 / Appendix B: the rows in scatter order, with their optimizer, comms, betas, lr_mul, wd_mul."""
+    rows = [  # label, optim, comms, betas, lr_mul, wd_mul
+        ("qk", "normuon", "sharded", None, 1.0, 1.0), ("vo", "normuon", "sharded", None, 1.0, 1.0),
+        ("mlp", "normuon", "sharded", None, 1.0, 1.0), ("scalars", "adam", "replicated", (0.9, 0.99), 5.0, 0.0),
+        ("smear_gate", "adam", "replicated", (0.9, 0.99), 0.01, 0.0),
+        ("skip_gate", "adam", "replicated", (0.9, 0.99), 0.05, 0.0),
+        ("attn_gate_bank", "adam", "replicated", (0.9, 0.99), 1.0, 1.0),
+        ("ve_gate_bank", "adam", "replicated", (0.9, 0.99), 1.0, 1.0),
+        ("lm_head", "adam", "sharded", (0.5, 0.95), 1.0, 150.0),
+        ("bigram_embed", "adam", "sharded", (0.75, 0.95), 75.0, 5.0),
+        ("post_lambdas", "adam", "replicated", (0.9, 0.95), 1.0, 0.0),
+        ("x0_lambdas", "adam", "replicated", (0.9, 0.95), 1.0, 0.0),
+        ("bigram_lambdas", "adam", "replicated", (0.9, 0.95), 1.0, 0.0),
+        ("resid_lambdas", "adam", "replicated", (0.9, 0.95), 5.0, 0.0),
+        ("value_embeds", "adam", "sharded", (0.75, 0.95), 75.0, 5.0),
+        ("embed", "adam", "sharded", (0.5, 0.95), 1.0, 150.0)]
+    table = tg.DEFAULT_PARAM_TABLE
+    assert list(table) == [r[0] for r in rows]
+    for label, optim, comms, betas, lr_mul, wd_mul in rows:
+        row = table[label]
+        assert (row["optim"], row["comms"], row.get("betas"), row["lr_mul"], row["wd_mul"]) == \
+            (optim, comms, betas, lr_mul, wd_mul), label
+    assert table["mlp"]["matrix_lr_muls"] == (1.0, 2.0)
+    assert all("matrix_lr_muls" not in table[k] for k in ("qk", "vo"))
+    order = tg.update_order(table)
+    replicated = [r[0] for r in rows if r[2] == "replicated"]
+    assert list(order[: len(replicated)]) == replicated                  # the small replicated rows first
+    assert order[-3:] == ("qk", "vo", "mlp")                              # the banks' Polar Express last
+
+
+def test_optimizer_sees_head_pair_groups_and_whole_vo_matrices():
+    """The tiny model's banks as NorMuonAndAdam views them: qk groups (2*hd, D) with per-column second moments
+    (n, 1, D), vo (D, D) with per-row ones (n, D, 1), on 1 and 8 ranks."""
+    hp = tg.parse_args(["--preset=tiny"])
+    model = tg.build_model(hp, torch.device("meta"), "sdpa")
+    D, hd = hp.model_dim, hp.head_dim
+    assert model.bank_matrix_shapes == {"qk": (2 * hd, D), "vo": (D, D), "mlp": (hp.mlp_hidden, D)}
+    n_qk, n_vo = model.qk.shape[0], model.vo.shape[0]
+    for world_size in (1, 8):
+        opt = tg.build_optimizer(hp, model, 0, world_size)
+        assert opt.buffers["qk"]["second_moment"].shape == (n_qk // world_size, 1, D)
+        assert opt.buffers["qk"]["momentum"].shape == (n_qk // world_size, 2 * hd, D)
+        assert opt.buffers["vo"]["second_moment"].shape == (n_vo // world_size, D, 1)
+        assert opt._lr_scales["qk"] == 1.0 and opt._lr_scales["vo"] == 1.0
 
 
 def test_config_validation_names_the_option():
     with pytest.raises(ValueError, match="attn_layout"):
         tg.GPT(tiny_cfg(attn_layout="PNN-N"), torch.device("cpu"), CPU_OPS)
     with pytest.raises(ValueError, match="ve_layout"):
-        tg.GPT(tiny_cfg(ve_layout=(1, 2, -1, 0, 0, 2)), torch.device("cpu"), CPU_OPS)  # VE on the attention-free layer
+        tg.GPT(tiny_cfg(ve_layout=(-1, 0, 1, 0, 2, 3)), torch.device("cpu"), CPU_OPS)  # VE on the attention-free layer
+    with pytest.raises(ValueError, match=r"table\(s\) \[4\].*--num_value_embeds=4"):
+        tg.GPT(tiny_cfg(ve_layout=(-1, 0, 1, -1, 2, 4)), torch.device("cpu"), CPU_OPS)
     with pytest.raises(ValueError, match="num_heads"):
         tg.GPT(tiny_cfg(num_heads=3), torch.device("cpu"), CPU_OPS)
+    with pytest.raises(ValueError, match="even --num_heads"):                       # no P layer, still head pairs
+        tg.GPT(tiny_cfg(num_heads=1, head_dim=64, attn_layout="NNN-NN"), torch.device("cpu"), CPU_OPS)
+    for bad in (6, -1):
+        with pytest.raises(ValueError, match="--cached_input_layer"):
+            tg.GPT(tiny_cfg(cached_input_layer=bad), torch.device("cpu"), CPU_OPS)
+    with pytest.raises(ValueError, match="--bigram_vocab_size"):
+        tg.GPT(tiny_cfg(bigram_vocab_size=1), torch.device("cpu"), CPU_OPS)
 
 
 # ---- attention paths ---------------------------------------------------------------------------------------------
 
 def _layer_inputs(model, layer, T, seed=5):
     g = torch.Generator().manual_seed(seed)
-    u = f32_rms(torch.randn(T, model.cfg.model_dim, generator=g)).bfloat16()
+    u = f32_rms(torch.randn(T, model.cfg.model_dim, generator=g)).to(model.embed.dtype)
     j = model.cfg.ve_layout[layer]
-    ve = (0.5 * torch.randn(T, model.cfg.model_dim, generator=g)).bfloat16() if j >= 0 else None
+    ve = (0.5 * torch.randn(T, model.cfg.model_dim, generator=g)).to(model.embed.dtype) if j >= 0 else None
     return u, ve
 
 
 def _model_attention(model, layer, u, ve, cu, window):
+    """model.attention with the layer's weights assembled as the test reads RECIPE80 §3.1."""
     p = model.plan[layer]
-    L = model.cfg.num_layers
-    sa = model.scalars[L:3 * L].view(L, 2)[layer]
+    Wq, Wk, Wv, Wo = (w.to(model.embed.dtype) for w in layer_weights(model, layer))
+    sa = model.scalars[: 2 * model.cfg.num_layers].view(-1, 2)[layer]
     with torch.no_grad():
-        return model.attention(p, model.attn[p.attn_slot], u, ve, sa, cu, 64, window)
+        return model.attention(p, torch.cat([Wq, Wk, Wv]), Wo, u, ve, sa, cu, 64, window)
 
 
-@pytest.mark.parametrize("layer, ve_layout", [(0, (1, 2, -1, -1, 0, 2)), (5, (1, 2, -1, -1, 0, -1))])
-def test_paired_attention_matches_direct(layer, ve_layout):  # with a value embedding (layer 0) and without (5)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float64"])
+@pytest.mark.parametrize("layer, ve_layout", [(0, (2, 0, 1, -1, -1, 3)), (5, (-1, 0, 1, -1, 2, -1))])
+def test_paired_attention_matches_direct(layer, ve_layout, dtype):  # with a value embedding (layer 0) and without (5)
     torch.manual_seed(0)
-    model = tg.GPT(tiny_cfg(ve_layout=ve_layout), torch.device("cpu"), CPU_OPS)
+    model = tg.GPT(tiny_cfg(ve_layout=ve_layout, dtype=dtype), torch.device("cpu"), CPU_OPS)
     randomize(model)
     model.attn_scale = 0.3
     T, window = 32, 12   # window in doubled positions (6 tokens)
@@ -350,16 +560,18 @@ def test_paired_attention_matches_direct(layer, ve_layout):  # with a value embe
     u, ve = _layer_inputs(model, layer, T)
     got = _model_attention(model, layer, u, ve, cu, window)
     want = attention_direct(model, layer, u, ve, cu, window)
-    assert got.dtype == torch.bfloat16 and got.shape == want.shape
-    assert rel_err(got, want) < 0.02
+    assert got.dtype == model.embed.dtype and got.shape == want.shape
+    tol = 0.02 if dtype == "bfloat16" else 1e-12
+    assert rel_err(got, want) < tol
     # the check is sensitive to the swapped slot-1 angle rule
     assert rel_err(got, attention_direct(model, layer, u, ve, cu, window, swap_slot=False)) > 0.05
 
 
-@pytest.mark.parametrize("layer", [1, 2, 4])  # 1: long window + key offset + VE; 2: plain; 4: long + offset + VE0
-def test_normal_attention_matches_direct(layer):
+@pytest.mark.parametrize("dtype", ["bfloat16", "float64"])
+@pytest.mark.parametrize("layer", [1, 2, 4])  # 1: long window + key offset + VE 0; 2: VE 1; 4: long + offset + VE 2
+def test_normal_attention_matches_direct(layer, dtype):
     torch.manual_seed(0)
-    model = tg.GPT(tiny_cfg(), torch.device("cpu"), CPU_OPS)
+    model = tg.GPT(tiny_cfg(dtype=dtype), torch.device("cpu"), CPU_OPS)
     randomize(model, seed=layer)
     model.attn_scale = 0.3
     T, window = 40, 10
@@ -367,25 +579,141 @@ def test_normal_attention_matches_direct(layer):
     u, ve = _layer_inputs(model, layer, T, seed=layer)
     got = _model_attention(model, layer, u, ve, cu, window)
     want = attention_direct(model, layer, u, ve, cu, window)
-    assert rel_err(got, want) < 0.02
+    assert rel_err(got, want) < (0.02 if dtype == "bfloat16" else 1e-12)
+    if dtype == "float64" and layer in (1, 4):
+        # T1: record 61's key offset (second and fourth quarters) is measurably another function
+        hd = model.cfg.head_dim
+        old = [d for d in range(hd) if (d // (hd // 4)) % 2 == 1]
+        assert rel_err(got, attention_direct(model, layer, u, ve, cu, window, key_offset_dims=old)) > 1e-4
 
 
-def test_key_offset_shift_is_one_position_on_the_second_quarters():
+def test_ve_gate_input_normal_layers_read_the_ve_row():
+    """F12 / E3: on a normal layer, changing ve's first six channels changes the gate (other channels of ve held);
+    the gate of a paired layer reads u alone. Checked through the float64 model against the transcription."""
+    torch.manual_seed(0)
+    model = tg.GPT(tiny_cfg(dtype="float64", ve_layout=(3, 0, 1, -1, 2, -1)), torch.device("cpu"), CPU_OPS)
+    randomize(model, seed=11)
+    T, window = 24, 10
+    _, _, cu = batch(T=T, docs=(0, 11))
+    for layer in (0, 1):
+        u, ve = _layer_inputs(model, layer, T, seed=3)
+        ve2 = ve.clone()
+        ve2[:, :6] += 1.0
+        d_model = _model_attention(model, layer, u, ve2, cu, window) - _model_attention(model, layer, u, ve, cu, window)
+        d_ref = attention_direct(model, layer, u, ve2, cu, window) - attention_direct(model, layer, u, ve, cu, window)
+        assert rel_err(d_model, d_ref) < 1e-10
+
+
+def test_key_offset_shifts_the_stationary_half_by_one_position():
     k = torch.randn(5, 2, 16)
     out = tk.shift_keys_by_one(k)
     assert torch.equal(out[0], k[0])
     for t in range(1, 5):
         for d in range(16):
-            src = t - 1 if (4 <= d < 8 or 12 <= d < 16) else t
+            src = t - 1 if d >= 8 else t
             assert torch.equal(out[t, :, d], k[src, :, d])
+
+
+# ---- the whole forward ---------------------------------------------------------------------------------------------
+
+FORWARD_CFGS = {
+    # the preset's layout: VE on normal (1, 2, 4) and paired (5) layers, layers 4 and 5 read rms(h3)
+    "preset": dict(),
+    # VE on paired layer 0 (before the bigram-free layer-0 injection), a cached input from layer 1 read by layers
+    # 2, 4, 5, skip and backout elsewhere
+    "other": dict(ve_layout=(2, -1, 0, -1, 1, -1), num_value_embeds=3, cached_input_layer=1, skip_source_layer=0,
+                  skip_dest_layer=3, backout_layer=2, bigram_vocab_size=31),
+}
+
+
+@pytest.mark.parametrize("name", list(FORWARD_CFGS))
+def test_float64_forward_matches_the_transcription(name):
+    torch.manual_seed(0)
+    model = tg.GPT(tiny_cfg(dtype="float64", **FORWARD_CFGS[name]), torch.device("cpu"), CPU_OPS)
+    randomize(model, seed=3)
+    inputs, _, cu = batch(T=40, docs=(0, 17, 33))
+    with torch.no_grad():
+        h = model.final_hidden(inputs, cu, 1, 2, 64)
+        want = hidden_direct(model, inputs, cu, ws_short=1, ws_long=2)
+    assert h.dtype == torch.float64
+    assert rel_err(h, want) < 1e-10
+    # every parameter the forward reads matters: perturbing any one of them moves h well beyond the tolerance
+    unused = {("resid_lambdas", (3, 0)), ("post_lambdas", (3, 0)), ("x0_lambdas", (3,)), ("bigram_lambdas", (3,)),
+              ("scalars", (6,)), ("scalars", (7,))}
+    with torch.no_grad():
+        for pname in ("resid_lambdas", "post_lambdas", "x0_lambdas", "bigram_lambdas", "bigram_embed",
+                      "value_embeds", "ve_gate_bank", "skip_gate", "smear_gate"):
+            p = getattr(model, pname)
+            idx = (1, 1) if p.dim() == 2 and pname.endswith("lambdas") else (1,) if p.dim() == 1 else None
+            delta = torch.zeros_like(p)
+            if idx is None:
+                delta.normal_(0, 0.1)
+            else:
+                delta[idx] = 0.1
+            saved = p.clone()
+            p.add_(delta)
+            moved = rel_err(model.final_hidden(inputs, cu, 1, 2, 64), h)
+            p.copy_(saved)
+            assert moved > 1e-6, pname
+    # the parameters of the attention position of the skip destination (F7) are never read
+    with torch.no_grad():
+        for pname, idx in unused:
+            getattr(model, pname)[idx] += 0.5
+        assert torch.equal(model.final_hidden(inputs, cu, 1, 2, 64), h)
+
+
+def test_bf16_forward_rounds_the_lambdas_and_each_update_once(monkeypatch):
+    """F6: the sublayer updates get bf16(lambda) scales; each update is one fp32 sum of bf16 operands, rounded once."""
+    torch.manual_seed(0)
+    model = tg.GPT(tiny_cfg(), torch.device("cpu"), CPU_OPS)
+    randomize(model, seed=4)
+    seen = []
+    real = tg.weighted_sum
+
+    def spy(*terms):
+        seen.append([s.detach().clone() for s, _ in terms])
+        out = real(*terms)
+        want = sum(s.double() * t.double() for s, t in terms)
+        assert out.dtype == torch.bfloat16 and rel_err(out, want) < 2 ** -8
+        return out
+    monkeypatch.setattr(tg, "weighted_sum", spy)
+    inputs, _, cu = batch(T=32, docs=(0, 17))
+    with torch.no_grad():
+        model.final_hidden(inputs, cu, 1, 2, 64)
+    bf = lambda t: t.detach().bfloat16()                                                    # noqa: E731
+    rho, pi, chi, beta = (bf(getattr(model, n)) for n in ("resid_lambdas", "post_lambdas", "x0_lambdas",
+                                                        "bigram_lambdas"))
+    want = [[torch.tensor(1.0, dtype=torch.bfloat16), beta[0]]]
+    for i, kind in enumerate(model.cfg.attn_layout):
+        if kind != "-":
+            want.append([rho[i, 0], pi[i, 0], chi[i]] + ([beta[i]] if i else []))
+        want.append([rho[i, 1], pi[i, 1]])
+    assert len(seen) == len(want)
+    for got, exp in zip(seen, want):
+        assert [s.dtype for s in got] == [torch.bfloat16] * len(exp) and [s.item() for s in got] == \
+            [s.item() for s in exp]
+    assert any(float(torch.tensor(v)) != bf(torch.tensor(v)).item() for v in (math.sqrt(1.1), 0.05))
+
+
+def test_weighted_sum_rounds_once():
+    g = torch.Generator().manual_seed(0)
+    x, a, b = (torch.randn(4096, generator=g).bfloat16() for _ in range(3))
+    s1, s2, s3 = (torch.tensor(v).bfloat16() for v in (1.046875, 0.9, 0.050048828125))
+    got = tg.weighted_sum((s1, x), (s2, a), (s3, b))
+    exact = (s1.double() * x.double() + s2.double() * a.double() + s3.double() * b.double())
+    assert got.dtype == torch.bfloat16
+    assert (got != exact.bfloat16()).float().mean() < 1e-3                         # fp32 sum, one bf16 rounding
+    eager = s1 * x + s2 * a + s3 * b                                                # rounds after every operation
+    assert (eager != exact.bfloat16()).float().mean() > 0.05
+    assert tg.weighted_sum((torch.tensor(2.0, dtype=torch.float64), x.double())).dtype == torch.float64
 
 
 # ---- rotary / YaRN -----------------------------------------------------------------------------------------------
 
 def test_yarn_schedule_values_and_frequencies():
-    cfg = tiny_cfg(model_dim=128, num_heads=1, head_dim=128, num_layers=2, attn_layout="NN", ve_layout=(-1, -1),
+    cfg = tiny_cfg(model_dim=256, num_heads=2, head_dim=128, num_layers=2, attn_layout="NN", ve_layout=(-1, -1),
                    num_value_embeds=0, long_window_layers=(1,), skip_source_layer=0, skip_dest_layer=1,
-                   backout_layer=1, block_size=128, vocab_size=32, rotary_max_len=64)
+                   backout_layer=1, cached_input_layer=1, block_size=128, vocab_size=32, rotary_max_len=64)
     model = tg.GPT(cfg, torch.device("cpu"), CPU_OPS)
     omega0 = model.rotary_omega.clone()
     f = omega_direct(128, 1024.0)
@@ -434,7 +762,7 @@ def test_full_forward_matches_direct_train_and_eval():
         own = mtp_loss_direct(h @ model.lm_head, targets, weights)
         assert train_loss.dtype == torch.float32 and train_loss.item() == pytest.approx(own, rel=1e-5)
         # ... and close to the fp32 reference of the whole model
-        ref_logits = h_ref @ model.lm_head.float()
+        ref_logits = h_ref @ model.lm_head.double()
         assert train_loss.item() == pytest.approx(mtp_loss_direct(ref_logits, targets, weights), rel=0.01)
         # zero weights and rows past the end are dropped, not renormalised
         w2 = torch.tensor([1.0, 0.0, 0.7])
@@ -462,8 +790,23 @@ def test_backward_gives_finite_grads_for_every_label(use_fp8):
     for name, p in dict(model.named_parameters()).items():
         assert p.grad is not None and p.grad.dtype == p.dtype, name
         assert torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, name
-    # the MLP pad slices are never read
+    # the pad slices are never read, nor the attention-position lambdas of the attention-free layer 3 (F7)
     assert (model.mlp.grad[model.cfg.num_layers:] == 0).all()
+    assert (model.qk.grad[20:] == 0).all() and (model.vo.grad[10:] == 0).all()
+    assert model.resid_lambdas.grad[3, 0] == 0 and model.post_lambdas.grad[3, 0] == 0
+    assert model.x0_lambdas.grad[3] == 0 and model.bigram_lambdas.grad[3] == 0
+    assert (model.scalars.grad[6:8] == 0).all()
+    # value-embedding rows of ids never looked up get no gradient; bigram rows likewise
+    ids = batch(T=48, docs=(0, 30))[0].long()
+    V = model.cfg.vocab_size
+    looked_up = torch.zeros(model.value_embeds.shape[0], dtype=torch.bool)
+    for j in range(model.cfg.num_value_embeds):
+        looked_up[j * V + ids] = True
+    assert (model.value_embeds.grad[~looked_up] == 0).all() and (model.value_embeds.grad[looked_up] != 0).any(-1).all()
+    rows = tg.bigram_ids(batch(T=48, docs=(0, 30))[0], model.cfg.bigram_vocab_size).long()
+    unused = torch.ones(model.bigram_embed.shape[0], dtype=torch.bool)
+    unused[rows] = False
+    assert (model.bigram_embed.grad[unused] == 0).all()
 
 
 def test_forward_traces_as_one_graph():

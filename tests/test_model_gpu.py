@@ -104,7 +104,7 @@ def test_real_model_compiled_train_step(compiled_model):
     loss.backward()
     torch.cuda.synchronize()
     print(f"\ncompile + first train step: {time.perf_counter() - t0:.1f}s, loss {loss.item():.1f}")
-    # At init the output projections are zero and the head is tiny, so every row's softcapped logits are nearly
+    # At init the head is tiny, so every row's softcapped logits are nearly
     # uniform: each MTP term is close to ln(V), and the summed loss to ln(V) * (T + 0.5 (T-1) + 0.25 (T-2)).
     uniform = math.log(50304) * (T + 0.5 * (T - 1) + 0.25 * (T - 2))
     assert loss.item() == pytest.approx(uniform, rel=1e-2)
@@ -113,9 +113,9 @@ def test_real_model_compiled_train_step(compiled_model):
     # Non-zero banks exercise the attention and MLP outputs; compiled and eager must agree.
     with torch.no_grad():
         g = torch.Generator(device="cuda").manual_seed(2)
-        for bank in (model.attn, model.mlp):
+        for bank in (model.qk, model.vo, model.mlp):
             bank.copy_(torch.randn(bank.shape, device="cuda", generator=g) * bank.shape[-1] ** -0.5)
-        for name in ("ve0", "ve1", "ve2", "attn_gate_bank", "ve_gate_bank", "smear_gate", "skip_gate"):
+        for name in ("value_embeds", "bigram_embed", "attn_gate_bank", "ve_gate_bank", "smear_gate", "skip_gate"):
             p = getattr(model, name)
             p.copy_(0.3 * torch.randn(p.shape, device="cuda", generator=g))
     model.zero_grad(set_to_none=True)
@@ -153,14 +153,15 @@ def test_real_model_compiled_eval_262144_tokens(compiled_model):
 
 def _small_real_model(kernels: str) -> tuple[tg.GPT, object]:
     """The record's widths and kinds of layer in 4 layers (a faster compile), compiled as the trainer compiles it;
-    banks and head randomised (at init the zero output projections and the tiny head would hide the MLP)."""
+    banks and head randomised (at init the zero c_proj and the tiny head would hide the MLP)."""
     cfg = real_cfg(num_layers=4, attn_layout="PN-N", long_window_layers=(1,), ve_layout=(0, -1, -1, 1),
-                   num_value_embeds=2, skip_source_layer=0, skip_dest_layer=2, backout_layer=2, rotary_max_len=4096)
+                   num_value_embeds=2, skip_source_layer=0, skip_dest_layer=2, backout_layer=2,
+                   cached_input_layer=2, rotary_max_len=4096)
     torch.manual_seed(0)
     model = tg.GPT(cfg, torch.device("cuda"), tg.kernel_ops(kernels, "cuda"))
     with torch.no_grad():
         g = torch.Generator(device="cuda").manual_seed(2)
-        for bank in (model.attn, model.mlp):
+        for bank in (model.qk, model.vo, model.mlp):
             bank.copy_(torch.randn(bank.shape, device="cuda", generator=g) * bank.shape[-1] ** -0.5)
         model.lm_head.copy_(0.05 * torch.randn(model.lm_head.shape, device="cuda", generator=g))
     return model, torch.compile(model, dynamic=False, fullgraph=True)
@@ -233,7 +234,7 @@ def test_optimizer_kernels_torch_on_cuda_is_the_fused_update():
             p.grad = grads[k].clone()
         opt.step(do_adam=True, lr_factor=1.0, momentum=0.95)
         results[kernels] = {k: p.detach() for k, p in copies.items()}
-        for k in ("attn", "mlp"):       # the fp32 masters: bf16 bits << 16 | mantissa (the mantissa started at 0)
+        for k in ("qk", "vo", "mlp"):   # the fp32 masters: bf16 bits << 16 | mantissa (the mantissa started at 0)
             mantissa = opt.buffers[k]["mantissa"]                       # (matrices, R, C)
             high = copies[k].detach().view(mantissa.shape).view(torch.int16).to(torch.int32) << 16
             low = mantissa.view(torch.int16).to(torch.int32) & 0xFFFF
@@ -241,7 +242,7 @@ def test_optimizer_kernels_torch_on_cuda_is_the_fused_update():
     fused = results["fused"]
     for k in fused:
         assert torch.equal(results["adam:torch,normuon:torch"][k], fused[k]), k
-        if k in ("attn", "mlp"):
+        if k in ("qk", "vo", "mlp"):
             old = params[k].detach().float().view(fused[k].shape)
             assert rel_err(results["torch"][k] - old, fused[k] - old) < 5e-2, k
         else:

@@ -37,7 +37,9 @@ def f32(x):
 # Tiny model parameters with the record's structure: D=32, H=128, V=96, 2 attention layers, 2 MLP slices.
 # ---------------------------------------------------------------------------------------------------------------------
 D, H, V = 32, 128, 96
-TINY_TABLE = dict(tg.DEFAULT_PARAM_TABLE, attn=dict(tg.DEFAULT_PARAM_TABLE["attn"], matrix_shape=(D, D)),
+QK_ROWS = 16   # a head pair of Q or K: 2 * head_dim rows, fewer than D (per-column second moment)
+TINY_TABLE = dict(tg.DEFAULT_PARAM_TABLE, qk=dict(tg.DEFAULT_PARAM_TABLE["qk"], matrix_shape=(QK_ROWS, D)),
+                  vo=dict(tg.DEFAULT_PARAM_TABLE["vo"], matrix_shape=(D, D)),
                   mlp=dict(tg.DEFAULT_PARAM_TABLE["mlp"], matrix_shape=(H, D)))
 HP = dict(adam_lr=0.008, adam_eps=1e-10, adam_wd=0.005, muon_lr=0.023, muon_beta2=0.95, muon_wd=1.2)
 CPU_OPS = tg.kernel_ops("fused", "cpu")   # off CUDA every op is its reference
@@ -49,10 +51,13 @@ def make_params(seed: int = 0) -> dict:
     def rnd(*shape, dtype=torch.bfloat16, scale=0.05):
         return nn.Parameter((torch.randn(*shape, generator=g) * scale).to(dtype))
 
-    params = dict(attn=rnd(2, 4 * D, D), mlp=rnd(2, 2, H, D), scalars=rnd(12, dtype=torch.float32, scale=0.5),
-                  ve0=rnd(V, D), ve1=rnd(V, D), ve2=rnd(V, D), smear_gate=rnd(1, 12), skip_gate=rnd(1, 12),
-                  attn_gate_bank=rnd(2, 4, 12), ve_gate_bank=rnd(1, 4, 12),
-                  x0_lambdas=rnd(3, dtype=torch.float32, scale=0.5), lm_head=rnd(D, V))
+    params = dict(qk=rnd(8, QK_ROWS, D), vo=rnd(4, D, D), mlp=rnd(2, 2, H, D),
+                  scalars=rnd(9, dtype=torch.float32, scale=0.5), smear_gate=rnd(1, 12), skip_gate=rnd(1, 12),
+                  attn_gate_bank=rnd(2, 4, 12), ve_gate_bank=rnd(1, 4, 12), lm_head=rnd(D, V),
+                  bigram_embed=rnd(V, D), post_lambdas=rnd(3, 2, dtype=torch.float32, scale=0.5),
+                  x0_lambdas=rnd(3, dtype=torch.float32, scale=0.5),
+                  bigram_lambdas=rnd(3, dtype=torch.float32, scale=0.5),
+                  resid_lambdas=rnd(3, 2, dtype=torch.float32, scale=0.5), value_embeds=rnd(2 * V, D))
     params["embed"] = nn.Parameter(params["lm_head"].detach().mT.contiguous())
     return params
 
@@ -384,14 +389,16 @@ def test_class_adam_every_other_step_on_summed_grads_and_tied_head():
     g0, g1 = make_grads(params, 10), make_grads(params, 11)
     accumulate(params, g0)
     opt.step(do_adam=False, lr_factor=1.0, momentum=0.85)
-    for k in ("scalars", "ve0", "lm_head", "embed"):                  # Adam untouched, gradients kept
+    for k in ("scalars", "value_embeds", "lm_head", "embed"):         # Adam untouched, gradients kept
         assert torch.equal(params[k].detach(), init[k]) and torch.equal(params[k].grad, g0[k])
-    assert params["attn"].grad is None and not torch.equal(params["attn"].detach(), init["attn"])
+    for k in ("qk", "vo"):
+        assert params[k].grad is None and not torch.equal(params[k].detach(), init[k])
     accumulate(params, g1)
     s = 1.3
     opt.step(do_adam=True, lr_factor=s, momentum=0.86)
     assert all(p.grad is None for p in params.values())
-    for k in ("scalars", "ve1", "smear_gate", "attn_gate_bank", "x0_lambdas", "lm_head"):
+    for k in ("scalars", "value_embeds", "bigram_embed", "smear_gate", "attn_gate_bank", "post_lambdas",
+              "x0_lambdas", "bigram_lambdas", "resid_lambdas", "lm_head"):
         row = TINY_TABLE[k]
         summed = g0[k] + g1[k]                                         # the bf16 sum of two steps
         if k == "lm_head":
@@ -433,7 +440,37 @@ def test_class_normuon_lr_multipliers_by_global_matrix_index():
                           split_final_product=False, ops=CPU_OPS)
         assert torch.equal(params["mlp"].detach().view(4, H, D)[i], p[0]), i
     assert opt.buffers["mlp"]["second_moment"].shape == (4, H, 1)
-    assert opt.buffers["attn"]["second_moment"].shape == (8, D, 1)
+    assert opt.buffers["vo"]["second_moment"].shape == (4, D, 1)
+
+
+def test_class_normuon_orthogonalises_each_qk_group_alone_with_per_column_moments():
+    # The qk bank (8 head-pair groups of 16x32, rows < cols) and the vo bank (4 of 32x32): the class's step equals
+    # normuon_update on each matrix alone, and the qk second moment is per column (n, 1, cols).
+    params = make_params(4)
+    init = {k: params[k].detach().clone() for k in ("qk", "vo")}
+    opt = make_opt(params)
+    assert opt.buffers["qk"]["second_moment"].shape == (8, 1, D)
+    assert opt.buffers["vo"]["second_moment"].shape == (4, D, 1)
+    grads = make_grads(params, 13)
+    accumulate(params, grads)
+    s = 0.9
+    opt.step(do_adam=False, lr_factor=s, momentum=0.9)
+    wd = f32(1.0 * 1.2 * (0.023 * s))
+    lr = f32(1.0 * (0.023 * s))                                     # shape multiplier 1: rows <= cols
+    for k, (R, C) in (("qk", (QK_ROWS, D)), ("vo", (D, D))):
+        moment = (1, 1, C) if R < C else (1, R, 1)
+        for i in range(init[k].shape[0]):
+            p = init[k][i:i + 1].clone()
+            tg.normuon_update(p, grads[k][i:i + 1], torch.zeros(1, R, C), torch.zeros(moment),
+                              torch.zeros(1, R, C, dtype=torch.uint16), momentum=0.9, beta2=0.95, lr=lr, wd=wd,
+                              split_final_product=False, ops=CPU_OPS)
+            assert torch.equal(params[k].detach()[i], p[0]), (k, i)
+    # a whole-bank orthogonalisation (one 128x32 matrix of the 8 groups) would give another update
+    whole = init["qk"].view(1, 8 * QK_ROWS, D).clone()
+    tg.normuon_update(whole, grads["qk"].view(1, 8 * QK_ROWS, D), torch.zeros(1, 8 * QK_ROWS, D),
+                      torch.zeros(1, 8 * QK_ROWS, 1), torch.zeros(1, 8 * QK_ROWS, D, dtype=torch.uint16),
+                      momentum=0.9, beta2=0.95, lr=lr, wd=wd, split_final_product=False, ops=CPU_OPS)
+    assert not torch.equal(whole.view(8, QK_ROWS, D), params["qk"].detach())
 
 
 def run_steps(params, opt, seeds_and_flags):
@@ -471,10 +508,10 @@ def test_state_dict_round_trip_is_exact():
 
 
 @pytest.mark.parametrize("case, match", [
-    ("missing", "'ve2' has no row"),
+    ("missing", "'bigram_lambdas' has no row"),
     ("unknown", "'ghost' names no model parameter"),
     ("bank", "mlp bank has 4 matrices, not divisible by world_size 3"),
-    ("adam_rows", "ve0 has 96 rows.*world_size 5"),
+    ("adam_rows", "bigram_embed has 96 rows.*world_size 5"),
     ("shape", "matrix_shape=\\(64, 32\\)"),
     ("optim", "optim='sgd'"),
 ])
@@ -484,14 +521,14 @@ def test_bad_tables_raise_naming_the_problem(case, match):
     kw = {}
     world_size = 1
     if case == "missing":
-        del table["ve2"]
+        del table["bigram_lambdas"]
     elif case == "unknown":
-        table["ghost"] = dict(table["ve0"])
+        table["ghost"] = dict(table["bigram_embed"])
     elif case == "bank":
-        table = dict(table, attn=dict(table["attn"], comms="replicated"))
+        table = dict(table, qk=dict(table["qk"], comms="replicated"), vo=dict(table["vo"], comms="replicated"))
         world_size = 3
     elif case == "adam_rows":
-        table = {k: dict(v, comms="replicated") if k not in ("ve0",) else v for k, v in table.items()}
+        table = {k: dict(v, comms="replicated") if k not in ("bigram_embed",) else v for k, v in table.items()}
         world_size = 5
     elif case == "shape":
         table["mlp"]["matrix_shape"] = (64, 32)
@@ -503,18 +540,22 @@ def test_bad_tables_raise_naming_the_problem(case, match):
 
 
 def test_comm_orders_derived_from_the_table_are_the_records():
-    # The record's two orders, written out: reductions launched big banks first, lm_head before embed; updates of the
-    # small replicated Adam rows first, then the sharded Adam rows, then the NorMuon banks.
-    record_scatter = ("attn", "mlp", "scalars", "ve0", "ve1", "ve2", "smear_gate", "skip_gate", "attn_gate_bank",
-                      "ve_gate_bank", "x0_lambdas", "lm_head", "embed")
-    record_work = ("scalars", "smear_gate", "skip_gate", "attn_gate_bank", "ve_gate_bank", "x0_lambdas", "ve0", "ve1",
-                   "ve2", "lm_head", "embed", "attn", "mlp")
+    # Record 80's two orders (RECIPE80 5.1), written out: reductions launched big banks first; updates of the small
+    # replicated Adam rows first, then the sharded Adam rows, then the NorMuon banks. Within the sharded Adam rows the
+    # record updates value_embeds, bigram_embed, lm_head, embed; ours keeps the table's order there (not math).
+    record_scatter = ("qk", "vo", "mlp", "scalars", "smear_gate", "skip_gate", "attn_gate_bank", "ve_gate_bank",
+                      "lm_head", "bigram_embed", "post_lambdas", "x0_lambdas", "bigram_lambdas", "resid_lambdas",
+                      "value_embeds", "embed")
+    record_work = ("scalars", "smear_gate", "skip_gate", "attn_gate_bank", "ve_gate_bank", "post_lambdas",
+                   "x0_lambdas", "bigram_lambdas", "resid_lambdas", "value_embeds", "bigram_embed", "lm_head", "embed",
+                   "qk", "vo", "mlp")
     opt = make_opt(make_params(0))
     assert opt.scatter_order == record_scatter
-    assert opt.work_order == record_work
+    assert opt.work_order[:9] == record_work[:9] and opt.work_order[13:] == record_work[13:]
+    assert set(opt.work_order[9:13]) == set(record_work[9:13])
     # a new replicated Adam row joins the first group, whatever its place in the table
     table = dict(TINY_TABLE, **{"new": dict(TINY_TABLE["scalars"])})
-    assert tg.update_order(table).index("new") == 6
+    assert tg.update_order(table).index("new") == 9
 
 
 def test_momentum_lerp_weights_are_formed_from_fp32_mu():

@@ -68,13 +68,13 @@ def trainer_qk(qkv, cos, sin, pos_mult, H, hd):
 
 
 def key_offset_by_loop(k):
-    """k (T, H, hd) with the key offset, one element at a time: dims [hd/4, hd/2) and [3hd/4, hd) of token t >= 1
+    """k (T, H, hd) with the key offset, one element at a time: dims [hd/2, hd) (the stationary half) of token t >= 1
     from token t - 1."""
     out = k.clone()
     hd = k.shape[-1]
     for t in range(1, k.shape[0]):
         for d in range(hd):
-            if (d // (hd // 4)) % 2 == 1:
+            if d >= hd // 2:
                 out[t, :, d] = k[t - 1, :, d]
     return out
 
