@@ -493,7 +493,8 @@ def fp8_scale_product(a: float, b: float) -> float:
     return float(torch.tensor(a, dtype=torch.float32) * torch.tensor(b, dtype=torch.float32))
 
 
-def fp8_head_emulated(h: Tensor, w: Tensor, s_x: float, s_w: float) -> tuple[Tensor, Tensor, Tensor]:
+def fp8_head_emulated(h: Tensor, w: Tensor, s_x: float,
+                      s_w: float) -> tuple[Tensor, Tensor, Tensor]:
     """Plain-PyTorch FP8 LM head, torch.ops.nanogpt.fp8_head's contract with dequantised fp32
     matmuls (CPU path and GPU test reference): h (T, D) bf16, w (D, V) bf16 -> logits (T, V) bf16
     = (s_x*s_w) e4m3(h/s_x) @ e4m3(w/s_w), X8^T (D, T) (a view here), W8 (D, V)."""
@@ -617,9 +618,9 @@ class FP8HeadMTPCE(torch.autograd.Function):
     the bf16 parameter). CONTRACT (the record's, F4): the gradient returned is that of
     grad_scale * sum(losses); the incoming gradient is not read, so the caller must back-propagate
     exactly grad_scale * losses.sum() (the trainer's (loss / grad_accum).backward() with
-    grad_scale = 1/grad_accum). Checked where free (CPU tensors outside a compile, check_loss_gradient);
-    on a GPU the check would cost a device sync per micro-step, and scaling G8 by an incoming
-    gradient would need it before quantising, i.e. a backward pass over the logits.
+    grad_scale = 1/grad_accum). Checked where that is free (check_loss_gradient: CPU tensors
+    outside a compile); on a GPU the check would cost a device sync per micro-step, and scaling G8
+    by an incoming gradient would need it before quantising, i.e. a backward pass over the logits.
     """
 
     @staticmethod
@@ -671,8 +672,8 @@ KERNEL_REFERENCES = {
     "mlp": ((tk.relu2_mlp_reference,), "8b6fad1b2f4093ba"),
     "ce": ((tk.softcap, tk.softcapped_mtp_ce_reference, tk.softcapped_mtp_ce_train_math,
             tk._SoftcappedMTPCETrainReference, tk.softcapped_mtp_ce_fp8_reference),
-           "443c53a9fd461568"),
-    "fp8": ((fp8_head_emulated, fp8_head_backward_emulated), "922029c44fb31b28"),
+           "a47bdc1405938e31"),
+    "fp8": ((fp8_head_emulated, fp8_head_backward_emulated), "c83cd459639d05d1"),
     "adam": ((tk.adam_update_reference,), "941fc473b01c2c49"),
     "normuon": ((tk.normuon_momentum_reference, tk.cautious_step,
                  tk.cautious_update_with_mantissa_reference), "2ddb60702546e03c"),
@@ -776,8 +777,8 @@ def kernel_ops(kernels: str, device_type: str, edited: Collection[str] = ()) -> 
 
     def pick(op: str, kernel: Callable, reference: Callable) -> Callable:
         return kernel if op in fused else reference
-    # A CPU computes the losses a block of rows at a time (the same numbers in bounded memory; rows=0:
-    # blocks of tk._CE_REFERENCE_BLOCK logits); CUDA compiles the references whole.
+    # A CPU computes the losses a block of rows at a time (the same numbers in bounded memory;
+    # rows=0: blocks of tk._CE_REFERENCE_BLOCK logits); CUDA compiles the references whole.
     rows = None if device_type == "cuda" else 0
     mtp_ce = pick("ce", tk.softcapped_mtp_ce_triton, tk.softcapped_mtp_ce_reference
                   if device_type == "cuda" else tk.softcapped_mtp_ce_chunked)

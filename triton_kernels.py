@@ -513,8 +513,8 @@ def relu2_mlp_reference(x: Tensor, c_fc: Tensor, c_proj: Tensor) -> Tensor:
 # special-function unit, much narrower than the FMA pipe, bounds the loop. Training on CUDA:
 # sigma = 0.5 + 0.5*tanh.approx(u/2), the record's own instruction (one special-function op,
 # relative error about 2^-11; sigma is rounded to 8 bits right after, which hides most of it), so
-# sigma is the record's bit for bit wherever the inputs are; elsewhere (the interpreter)
-# 1/(1 + e^-u), the same function. Both: e^(A s - c) = 2^(s A log2(e) - c log2(e)) one FMA into
+# sigma is the record's bit for bit wherever u is; elsewhere (the interpreter) 1/(1 + e^-u), the
+# same function. Both: e^(A s - c) = 2^(s A log2(e) - c log2(e)) one FMA into
 # tl.exp2, the bare flush-to-zero ex2.approx.ftz.f32 (tl.exp would add a compare and two multiplies
 # to produce subnormals, which cannot occur here: the exponent is at least -(A + log V) log2(e) >
 # -50), where the record computes exp(A s - c) with fast math; 1/C and 1/s_g are correctly rounded
@@ -528,8 +528,8 @@ SOFTCAP_A, SOFTCAP_B, SOFTCAP_C = 23.0, 5.0, 7.5
 
 
 def _f32(x: float) -> float:
-    """x rounded to the nearest fp32 (ties to even), as a Python float. The product of two fp32 values
-    is exact in a Python float, so _f32(a * b) is their correctly rounded fp32 product."""
+    """x rounded to the nearest fp32 (ties to even), as a Python float. The product of two fp32
+    values is exact in a Python float, so _f32(a * b) is their correctly rounded fp32 product."""
     return struct.unpack("f", struct.pack("f", x))[0]
 
 
@@ -920,8 +920,8 @@ def _softcapped_mtp_ce_fp8_op(logits: Tensor, targets: Tensor, mtp_weights: Tens
 
 
 def softcapped_mtp_ce_triton(logits: Tensor, targets: Tensor, mtp_weights: Tensor) -> Tensor:
-    """Eval: per-row softcapped multi-token CE of record 61 by the Triton kernel, forward only (CUDA;
-    a CPU only under the interpreter)."""
+    """Eval: per-row softcapped multi-token CE of record 61 by the Triton kernel, forward only
+    (CUDA; a CPU only under the interpreter)."""
     return torch.ops.nanogpt_kernels.softcapped_mtp_ce_fwd(logits, targets, mtp_weights)[0]
 
 
@@ -939,8 +939,8 @@ class _SoftcappedMTPCETrainFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_losses: Tensor):
         logits, targets, mtp_weights, lse = ctx.saved_tensors
-        dlogits = torch.ops.nanogpt_kernels.softcapped_mtp_ce_train_bwd(grad_losses, logits, targets,
-                                                                         mtp_weights, lse)
+        dlogits = torch.ops.nanogpt_kernels.softcapped_mtp_ce_train_bwd(
+            grad_losses, logits, targets, mtp_weights, lse)
         return dlogits, None, None
 
 
@@ -957,8 +957,8 @@ def softcap(logits: Tensor) -> Tensor:
 
 
 def softcapped_mtp_ce_reference(logits: Tensor, targets: Tensor, mtp_weights: Tensor) -> Tensor:
-    """Eval (record 61): per-row loss sum_k [row+k < m][w_k > 0] w_k (lse_row - z[row, targets[row+k]]),
-    z = A*sigmoid((l+B)/C).
+    """Eval (record 61): per-row loss
+    sum_k [row+k < m][w_k > 0] w_k (lse_row - z[row, targets[row+k]]), z = A*sigmoid((l+B)/C).
 
     logits (n, V) bf16, targets (m,) int64 with m >= n (targets past row n - 1 are look-ahead: a
     block of rows also sees the targets of the rows after it), mtp_weights (K,) fp32 -> losses (n,)
@@ -1017,10 +1017,11 @@ def softcapped_mtp_ce_train_math(logits: Tensor, targets: Tensor, mtp_weights: T
     mtp_weights (K,), row_factor (n, 1), 0-d or a float -> losses (n,) and
     g = (((row_factor delta) s) (1 - s)) (n, V) (None without row_factor), in fp32 (float64 for
     float64 logits). s = sigma(l (1/C) + B/C), rounded to bf16 for bf16 logits (the record's
-    rounding; fp32 and float64 logits keep it); lse = logsumexp(A s); loss_r = sum_k w_k (lse - A s_y)
-    over the offsets whose target row exists and lies in [0, V); delta = S_w p - T_c with S_w the
-    sum of all K weights (the tail rule, F3) and T_c the weights of the offsets whose target is c;
-    p = e^(A s - lse). The record's row factor is (g_row (1/C) A) (1/s_g) for the FP8 head.
+    rounding; fp32 and float64 logits keep it); lse = logsumexp(A s);
+    loss_r = sum_k w_k (lse - A s_y) over the offsets whose target row exists and lies in [0, V)
+    (no w_k > 0 test, F16); delta = S_w p - T_c with S_w the sum of all K weights (the tail rule,
+    F3) and T_c the weights of the offsets whose target is c; p = e^(A s - lse). The record's row
+    factor is (grad_scale (1/C) A) (1/s_g) for the FP8 head; without it, g_row (1/C) A.
     """
     acc = acc_dtype(logits.dtype)
     inv_c, b_div_c, _ = _softcap_constants(acc)

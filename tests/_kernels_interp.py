@@ -234,11 +234,12 @@ def test_eval_ce_forward_is_record_61s(n, V, weights):
     torch.testing.assert_close(tk.softcapped_mtp_ce_triton(logits, targets, w), losses)   # the eval op
 
 
-@pytest.mark.parametrize("n, V, weights", CE_CASES + [(9, 700, [1.0, 0.5, 0.25])])
+@pytest.mark.parametrize("n, V, weights", CE_CASES + [(9, 700, [1.0, 0.5, 0.25]), (5, 300, [1.0, -0.5, 0.25])])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_train_forward_matches_the_spec(n, V, weights, dtype):
-    """Record 80's training loss: bf16 sigma of fma(l, 1/C, B/C), lse over A*s, loss with A*s_y and no w_k > 0 test,
-    offsets past the buffer's end dropped. bf16 logits are read through their bits (exact here)."""
+    """Record 80's training loss: bf16 sigma of fma(l, 1/C, B/C), lse over A*s, loss with A*s_y and no w_k > 0 test
+    (a negative weight counts, F16), offsets past the buffer's end dropped. bf16 logits are read through their bits
+    (exact here)."""
     g = torch.Generator().manual_seed(n * 1000 + V + 7)
     logits = spec.logits_clear_of_bf16_ties(n, V, g, 8.0, dtype)
     targets = torch.randint(0, V, (n,), generator=g)
