@@ -545,8 +545,8 @@ _CE_WARPS = 4
 # row, warps): one layout streams a row per program like the forward; both layouts take tiles of
 # rows, so that each column's e5m2 values of BLOCK_R rows are one contiguous run of the transposed
 # output (see the header).
-_CE_BWD_TILES = {False: (1, _CE_BLOCK, None, _CE_WARPS), True: (32, 128, 1024, 4)}
-_CE_BWD_INTERPRETER_TILES = {False: _CE_BWD_TILES[False], True: (4, 32, 64, 1)}
+_CE_GRAD_TILES = {False: (1, _CE_BLOCK, None, _CE_WARPS), True: (32, 128, 1024, 4)}
+_CE_GRAD_INTERPRETER_TILES = {False: _CE_GRAD_TILES[False], True: (4, 32, 64, 1)}
 _LOG2E = 1.4426950408889634  # log2(e); section 8 scales the attention logits by it too
 _LOG2E_JIT = tl.constexpr(_LOG2E)  # the same, readable inside kernels
 _INV_C_JIT = tl.constexpr(SOFTCAP_INV_C)
@@ -839,7 +839,7 @@ def _launch_ce_grad(grad_rows: Tensor, logits: Tensor, targets: Tensor, mtp_weig
         return
     transposed = out_t is not None
     rows, block, span, warps = tiles or (
-        _CE_BWD_TILES if logits.is_cuda else _CE_BWD_INTERPRETER_TILES)[transposed]
+        _CE_GRAD_TILES if logits.is_cuda else _CE_GRAD_INTERPRETER_TILES)[transposed]
     span = triton.cdiv(span or n_cols, block) * block  # columns per program, whole blocks
     args = (grad_rows, grad_rows.stride(0), logits)
     common = (lse, out, out if out_t is None else out_t, n_rows, n_cols, logits.stride(0),

@@ -272,7 +272,7 @@ def _sm90_cases():
     # pairs them
     for quantize, out in ((False, "*bf16"), (True, "*fp8e5")):
         flags = {"A": tk.SOFTCAP_A, "QUANTIZE": quantize, "NATIVE": True, "TRANSPOSED": quantize}
-        rows, block, _, warps = tk._CE_BWD_TILES[quantize]
+        rows, block, _, warps = tk._CE_GRAD_TILES[quantize]
         sig = {**ce_grad_sig, "out_ptr": out, "out_t_ptr": out, "cols_per_program": "i32"}
         cases.append(("ce_grad", tk._ce_grad_kernel, sig, {**flags, "BLOCK_R": rows, "BLOCK_C": block},
                       {"num_warps": warps}, ("stride_grad",),
