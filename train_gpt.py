@@ -540,13 +540,12 @@ def rotary_tables(omega: Tensor, num_positions: int,
     return cos, sin
 
 
-# ---- FP8 LM head ---------------------------------------------------------------------------------
+# ---- FP8 LM head and the training loss -----------------------------------------------------------
 
 def fp8_quantize(x: Tensor, scale: float, dtype: torch.dtype) -> Tensor:
     """Saturating cast of x/scale to an FP8 dtype: overflow clamps to +-max, not NaN. The division
     is x * fp32(1/scale), which is what torch.compile on CUDA makes of a division by a constant;
-    written so, the eager, compiled and fused (the cross entropy's backward kernel) quantisers agree
-    bit for bit."""
+    written so, the eager and compiled quantisers agree bit for bit."""
     limit = torch.finfo(dtype).max  # 448 for e4m3fn, 57344 for e5m2
     return (x.float() * (1.0 / scale)).clamp(-limit, limit).to(dtype)
 
@@ -556,37 +555,31 @@ def fp8_scale_product(a: float, b: float) -> float:
     return float(torch.tensor(a, dtype=torch.float32) * torch.tensor(b, dtype=torch.float32))
 
 
-class FP8HeadEmulated(torch.autograd.Function):
-    """Plain-PyTorch FP8 LM head: the custom op's math with dequantised fp32 matmuls (CPU path and
-    GPU test reference).
+def fp8_head_emulated(h: Tensor, w: Tensor, s_x: float,
+                      s_w: float) -> tuple[Tensor, Tensor, Tensor]:
+    """Plain-PyTorch FP8 LM head, torch.ops.nanogpt.fp8_head's contract with dequantised fp32
+    matmuls (CPU path and GPU test reference): h (T, D) bf16, w (D, V) bf16 -> logits (T, V) bf16
+    = (s_x*s_w) e4m3(h/s_x) @ e4m3(w/s_w), X8^T (D, T) (a view here), W8 (D, V)."""
+    x8, w8 = (fp8_quantize(h, s_x, torch.float8_e4m3fn),
+              fp8_quantize(w, s_w, torch.float8_e4m3fn))
+    return (x8.float() @ w8.float() * fp8_scale_product(s_x, s_w)).bfloat16(), x8.t(), w8
 
-    h (T, D) bf16, w (D, V) bf16 -> logits (T, V) bf16; saves only the quantised X8, W8 like the op.
-    """
 
-    @staticmethod
-    def forward(ctx, h: Tensor, w: Tensor, s_x: float, s_w: float, s_g: float) -> Tensor:
-        x8, w8 = (fp8_quantize(h, s_x, torch.float8_e4m3fn),
-                  fp8_quantize(w, s_w, torch.float8_e4m3fn))
-        ctx.save_for_backward(x8, w8)
-        ctx.scales = (s_x, s_w, s_g)
-        return (x8.float() @ w8.float() * fp8_scale_product(s_x, s_w)).bfloat16()
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        x8, w8 = ctx.saved_tensors
-        s_x, s_w, s_g = ctx.scales
-        g8 = fp8_quantize(grad, s_g, torch.float8_e5m2).float()
-        dh = (g8 @ w8.float().T * fp8_scale_product(s_g, s_w)).bfloat16()
-        dw = x8.float().T @ g8 * fp8_scale_product(s_x, s_g)  # fp32; autograd casts it
-                                                              # to the bf16 parameter
-        return dh, dw, None, None, None
+def fp8_head_backward_emulated(g8: Tensor, g8_t: Tensor, x8_t: Tensor, w8: Tensor, s_x: float,
+                               s_w: float, s_g: float) -> tuple[Tensor, Tensor]:
+    """torch.ops.nanogpt.fp8_head_backward's contract with dequantised fp32 matmuls: dh (T, D) bf16
+    = (s_g*s_w) G8 @ W8^T, dW (D, V) fp32 = (s_x*s_g) X8^T @ G8 (g8_t unused: one layout is
+    enough here)."""
+    g = g8.float()
+    dh = (g @ w8.float().T * fp8_scale_product(s_g, s_w)).bfloat16()
+    return dh, x8_t.float() @ g * fp8_scale_product(s_x, s_g)
 
 
 # One compiled helper per role (distinct code objects, so each keeps its own small compile cache):
 # each quantiser reads its input once and writes the FP8 tensor in both layouts torch._scaled_mm
 # needs (K-major for both operands).
-# The gradient is quantised inside the cross entropy's backward kernel (FP8HeadMTPCE below), which
-# writes both layouts too.
+# The gradient is quantised inside the loss's kernel (tk.softcapped_mtp_ce_fp8), which writes both
+# layouts too.
 def _quantize_act(h: Tensor, s: float) -> tuple[Tensor, Tensor]:
     q = fp8_quantize(h, s, torch.float8_e4m3fn)
     return q, q.t().contiguous()
@@ -627,7 +620,7 @@ def _fp8_head_forward_impl(h: Tensor, w: Tensor, s_x: float,
 def _fp8_head_backward_impl(g8: Tensor, g8_t: Tensor, x8_t: Tensor, w8: Tensor, s_x: float,
                             s_w: float, s_g: float) -> tuple[Tensor, Tensor]:
     """dh (T, D) bf16 = (s_g*s_w) G8 @ W8^T; dW (D, V) fp32 = (s_x*s_g) X8^T @ G8, from
-    G8 = e5m2(G/s_g) (T, V) and its transpose G8^T (V, T); no fast accumulation."""
+    G8 (T, V) e5m2 and its transpose G8^T (V, T); no fast accumulation."""
     one = dict(dtype=torch.float32, device=g8.device)
     sx, sw, sg = (torch.full((), s, **one) for s in (s_x, s_w, s_g))
     dh = torch._scaled_mm(g8, w8.t(), scale_a=sg, scale_b=sw, out_dtype=torch.bfloat16,
@@ -659,75 +652,90 @@ def register_fp8_head_op() -> None:
                 w8.new_empty(w8.shape, dtype=torch.float32))
 
 
-class FP8HeadMTPCE(torch.autograd.Function):
-    """Per-row softcapped MTP losses of the FP8 head's logits (CUDA; register_fp8_head_op() first).
-    FP8 head: @YouJiacheng, upstream record 19; fused loss: @soren_dunn_ and Locus, record 60.
+def check_loss_gradient(grad_losses: Tensor, grad_scale: float) -> None:
+    """Raise unless every row's incoming gradient is grad_scale (the FP8 head's loss ignores it)."""
+    if not torch.equal(grad_losses, torch.full_like(grad_losses, grad_scale)):
+        raise RuntimeError(
+            f"the FP8 head's training loss computes its gradient in the forward for a backward of "
+            f"grad_scale * sum(losses) with grad_scale={grad_scale}, but the losses received "
+            f"gradients {grad_losses.unique()[:4].tolist()}: back-propagate "
+            f"(loss * {grad_scale}).backward() on the summed loss, or pass the model "
+            "grad_scale=<the factor your backward applies>")
 
-    Forward: the FP8 logits, then the cross entropy's forward kernel. Backward: one kernel reads the
-    logits once and writes the logit gradient already quantised to e5m2 (half the bytes of the bf16
-    gradient that an FP8 head behind a separate loss would receive, store and quantise in another
-    pass; the bf16 rounding is kept inside the kernel, so the numbers are the same), in both layouts:
-    (T, V) for the input gradient's FP8 matmul and (V, T) for the weight gradient's (both operands
-    K-major)."""
+
+class FP8HeadMTPCE(torch.autograd.Function):
+    """The training head and loss as one op (spec §3.8-3.9): h (T, D) bf16, w (D, V) bf16 -> per-row
+    MTP losses (T,) fp32. FP8 head: @YouJiacheng, upstream record 19; fused loss: @soren_dunn_ and
+    Locus, record 60; the gradient in the forward, record 79 (PR #251); s_g scaled by grad_scale,
+    record 65.
+
+    Forward: the FP8 logits (fused_head: torch.ops.nanogpt.fp8_head, else fp8_head_emulated), then
+    the loss and its logit gradient already quantised, G8 = e5m2(g) in both layouts the backward's
+    FP8 matmuls read (fused_ce: tk.softcapped_mtp_ce_fp8's kernels, else its reference;
+    rows: the reference's row blocks). The logits are not kept: the backward needs only G8, the
+    same bytes as the bf16 logits the unfused head would save. The e5m2 payload of g is the same for
+    every grad_scale (s_g = grad_scale * s_g_w8 carries the 1/grad_accum), so results do not
+    depend on the world size.
+    Backward: dh = (s_g*s_w) G8 @ W8^T bf16, dW = (s_x*s_g) X8^T @ G8 fp32 (autograd casts it to
+    the bf16 parameter). CONTRACT (the record's, F4): the gradient returned is that of
+    grad_scale * sum(losses); the incoming gradient is not read, so the caller must back-propagate
+    exactly grad_scale * losses.sum() (the trainer's (loss / grad_accum).backward() with
+    grad_scale = 1/grad_accum). Checked where that is free (check_loss_gradient: CPU tensors
+    outside a compile); on a GPU the check would cost a device sync per micro-step, and scaling G8
+    by an incoming gradient would need it before quantising, i.e. a backward pass over the logits.
+    """
 
     @staticmethod
-    def forward(ctx, h: Tensor, w: Tensor, targets: Tensor, mtp_weights: Tensor, s_x: float,
-                s_w: float, s_g: float) -> Tensor:
-        logits, x8_t, w8 = torch.ops.nanogpt.fp8_head(h, w, s_x, s_w)
-        losses, lse = torch.ops.nanogpt_kernels.softcapped_mtp_ce_fwd(logits, targets, mtp_weights)
-        ctx.save_for_backward(logits, targets, mtp_weights, lse, x8_t, w8)
-        ctx.scales = (s_x, s_w, s_g)
+    def forward(ctx, h: Tensor, w: Tensor, targets: Tensor, mtp_weights: Tensor, grad_scale: float,
+                s_x: float, s_w: float, s_g_w8: float, fused_head: bool, fused_ce: bool,
+                rows: int | None) -> Tensor:
+        s_g = grad_scale * s_g_w8
+        head = torch.ops.nanogpt.fp8_head if fused_head else fp8_head_emulated
+        logits, x8_t, w8 = head(h, w, s_x, s_w)
+        if fused_ce:
+            losses, g8, g8_t = torch.ops.nanogpt_kernels.softcapped_mtp_ce_fp8(
+                logits, targets, mtp_weights, grad_scale, s_g)
+        else:
+            losses, g8, g8_t = tk.softcapped_mtp_ce_fp8_reference(logits, targets, mtp_weights,
+                                                                  grad_scale, s_g, rows)
+        ctx.save_for_backward(g8, g8_t, x8_t, w8)
+        ctx.args = (grad_scale, s_x, s_w, s_g, fused_head)
         return losses
 
     @staticmethod
     def backward(ctx, grad_losses: Tensor):
-        logits, targets, mtp_weights, lse, x8_t, w8 = ctx.saved_tensors
-        s_x, s_w, s_g = ctx.scales
-        g8, g8_t = torch.ops.nanogpt_kernels.softcapped_mtp_ce_bwd_fp8(
-            grad_losses, logits, targets, mtp_weights, lse, s_g)
-        dh, dw = torch.ops.nanogpt.fp8_head_backward(g8, g8_t, x8_t, w8, s_x, s_w, s_g)
-        return dh, dw, None, None, None, None, None  # dw is fp32; autograd casts it
-                                                     # to the bf16 parameter's dtype
+        g8, g8_t, x8_t, w8 = ctx.saved_tensors
+        grad_scale, s_x, s_w, s_g, fused_head = ctx.args
+        if grad_losses.device.type == "cpu" and not torch.compiler.is_compiling():
+            check_loss_gradient(grad_losses, grad_scale)
+        head_backward = (torch.ops.nanogpt.fp8_head_backward if fused_head
+                         else fp8_head_backward_emulated)
+        dh, dw = head_backward(g8, g8_t, x8_t, w8, s_x, s_w, s_g)
+        return dh, dw, *(None,) * 9  # dw is fp32; autograd casts it to the bf16 parameter's dtype
 
 
-class FP8Head(torch.autograd.Function):
-    """The FP8 head's ops behind a separate loss (--kernels=ce:torch): logits (T, V) bf16; the
-    backward quantises the bf16 logit gradient itself, as FP8HeadMTPCE's kernel does in place."""
-
-    @staticmethod
-    def forward(ctx, h: Tensor, w: Tensor, s_x: float, s_w: float, s_g: float) -> Tensor:
-        logits, x8_t, w8 = torch.ops.nanogpt.fp8_head(h, w, s_x, s_w)
-        ctx.save_for_backward(x8_t, w8)
-        ctx.scales = (s_x, s_w, s_g)
-        return logits
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        x8_t, w8 = ctx.saved_tensors
-        s_x, s_w, s_g = ctx.scales
-        g8 = fp8_quantize(grad, s_g, torch.float8_e5m2)
-        dh, dw = torch.ops.nanogpt.fp8_head_backward(g8, g8.t().contiguous(), x8_t, w8, s_x, s_w,
-                                                     s_g)
-        return dh, dw, None, None, None
-
-
-def fp8_head_then_ce(head: Callable, mtp_ce: Callable, h: Tensor, w: Tensor, targets: Tensor,
-                     mtp_weights: Tensor, s_x: float, s_w: float, s_g: float) -> Tensor:
-    """Per-row MTP losses (T,) fp32 of the FP8 head h @ w: the logits by `head` (FP8Head.apply or
-    FP8HeadEmulated.apply), then the loss `mtp_ce` of them."""
-    return mtp_ce(head(h, w, s_x, s_w, s_g), targets, mtp_weights)
+def fp8_head_mtp_ce(h: Tensor, w: Tensor, targets: Tensor, mtp_weights: Tensor,
+                    grad_scale: float, s_x: float, s_w: float, s_g: float, *, fused_head: bool,
+                    fused_ce: bool, rows: int | None) -> Tensor:
+    """Per-row training losses (T,) fp32 of the FP8 head h @ w (FP8HeadMTPCE; s_g: the gradient
+    scale at grad_scale 1). kernel_ops binds the keywords."""
+    return FP8HeadMTPCE.apply(h, w, targets, mtp_weights, grad_scale, s_x, s_w, s_g, fused_head,
+                              fused_ce, rows)
 
 
 # --kernels: the plain-PyTorch definitions each fused op's kernels were last checked against (the GPU
 # tests, tests/test_kernels_gpu.py), with a digest of their code then: only the code the op's fused
 # path does not run, so that an edit of one runs exactly when the reference does (kernel_ops).
-# fp8_quantize is the ce op's: the FP8 head runs it on either path, but the fused cross entropy's
-# backward quantises the logit gradient itself. After checking the kernel again, update the digest.
+# fp8_quantize is in none: both paths of the FP8 head run it (the fused head's compiled
+# quantisers), and the loss's kernels and reference quantise the gradient themselves.
+# After checking the kernel again, update the digest.
 KERNEL_REFERENCES = {
     "qk": ((tk.qk_norm_rotary_reference, tk.shift_keys_by_one), "fae18133f82d6f5e"),
     "mlp": ((tk.relu2_mlp_reference,), "8b6fad1b2f4093ba"),
-    "ce": ((tk.softcap, tk.softcapped_mtp_ce_reference, fp8_quantize), "443c53a9fd461568"),
-    "fp8": ((FP8HeadEmulated,), "922029c44fb31b28"),
+    "ce": ((tk.softcap, tk.softcapped_mtp_ce_reference, tk.softcapped_mtp_ce_train_math,
+            tk._SoftcappedMTPCETrainReference, tk.softcapped_mtp_ce_fp8_reference),
+           "a47bdc1405938e31"),
+    "fp8": ((fp8_head_emulated, fp8_head_backward_emulated), "c83cd459639d05d1"),
     "adam": ((tk.adam_update_reference,), "941fc473b01c2c49"),
     "normuon": ((tk.normuon_momentum_reference, tk.cautious_step,
                  tk.cautious_update_with_mantissa_reference), "2ddb60702546e03c"),
@@ -814,8 +822,10 @@ class KernelOps:
     NorMuonAndAdam."""
     qk_norm_rotary: Callable        # qk: (qkv, cos, sin, pos_mult, key_offset) -> q, k, v
     relu2_mlp: Callable             # mlp: (x, c_fc, c_proj) -> (T, D)
-    mtp_ce: Callable                # ce: (logits, targets, mtp_weights) -> per-row losses
-    fp8_head_mtp_ce: Callable       # fp8 and ce: (h, w, targets, mtp_weights, s_x, s_w, s_g)
+    mtp_ce: Callable                # ce: eval (logits, targets, mtp_weights) -> per-row losses
+    mtp_ce_train: Callable          # ce: training without the FP8 head, same signature
+    fp8_head_mtp_ce: Callable       # fp8 and ce: (h, w, targets, mtp_weights, grad_scale, s_x,
+                                    # s_w, s_g) -> per-row training losses
     adam_update: Callable           # adam: in place, keyword scalars
     normuon_momentum: Callable      # normuon: (grad, momentum_buffer, momentum) -> U
     cautious_update: Callable       # normuon: (param, mantissa, O, lr=, wd=) in place
@@ -840,16 +850,18 @@ def kernel_ops(kernels: str, device_type: str, edited: Collection[str] = ()) -> 
 
     def pick(op: str, kernel: Callable, reference: Callable) -> Callable:
         return kernel if op in fused else reference
-    # A CPU computes the loss a block of rows at a time (the same numbers in bounded memory); CUDA
-    # compiles the reference whole.
+    # A CPU computes the losses a block of rows at a time (the same numbers in bounded memory;
+    # rows=0: blocks of tk._CE_REFERENCE_BLOCK logits); CUDA compiles the references whole.
+    rows = None if device_type == "cuda" else 0
     mtp_ce = pick("ce", tk.softcapped_mtp_ce_triton, tk.softcapped_mtp_ce_reference
                   if device_type == "cuda" else tk.softcapped_mtp_ce_chunked)
-    fp8_head = pick("fp8", FP8Head.apply, FP8HeadEmulated.apply)
     return KernelOps(
         qk_norm_rotary=pick("qk", tk.qk_norm_rotary_triton, tk.qk_norm_rotary_reference),
         relu2_mlp=pick("mlp", tk.relu2_mlp_triton, tk.relu2_mlp_reference), mtp_ce=mtp_ce,
-        fp8_head_mtp_ce=(FP8HeadMTPCE.apply if {"fp8", "ce"} <= fused
-                         else functools.partial(fp8_head_then_ce, fp8_head, mtp_ce)),
+        mtp_ce_train=pick("ce", tk.softcapped_mtp_ce_train_triton,
+                          functools.partial(tk.softcapped_mtp_ce_train_reference, rows=rows)),
+        fp8_head_mtp_ce=functools.partial(fp8_head_mtp_ce, fused_head="fp8" in fused,
+                                          fused_ce="ce" in fused, rows=rows),
         adam_update=pick("adam", tk.adam_update, tk.adam_update_reference),
         normuon_momentum=pick("normuon", tk.normuon_momentum, tk.normuon_momentum_reference),
         cautious_update=pick("normuon", tk.cautious_update_with_mantissa,
@@ -1039,15 +1051,17 @@ class GPT(nn.Module):
     # ---- forward ----
 
     def forward(self, inputs: Tensor, targets: Tensor, cu_seqlens: Tensor, ws_short: int,
-                ws_long: int, mtp_weights: Tensor, max_seqlen: int) -> Tensor:
-        """inputs (T,) int32, targets (T,) int64. Training: the summed MTP loss (fp32 scalar); eval:
-        mean CE."""
+                ws_long: int, mtp_weights: Tensor, max_seqlen: int,
+                grad_scale: float = 1.0) -> Tensor:
+        """inputs (T,) int32, targets (T,) int64. Training: the summed MTP loss (fp32 scalar), whose
+        backward the caller runs on grad_scale * loss (the FP8 head's gradient is formed for exactly
+        that, FP8HeadMTPCE); eval: mean CE."""
         h = self.final_hidden(inputs, cu_seqlens, ws_short, ws_long, max_seqlen)  # (T, D) bf16
         if self.training:
             if self.cfg.use_fp8:
-                return self.ops.fp8_head_mtp_ce(h, self.lm_head, targets, mtp_weights,
+                return self.ops.fp8_head_mtp_ce(h, self.lm_head, targets, mtp_weights, grad_scale,
                                                 *self.cfg.fp8_scales).sum()
-            return self.ops.mtp_ce(h @ self.lm_head, targets, mtp_weights).sum()
+            return self.ops.mtp_ce_train(h @ self.lm_head, targets, mtp_weights).sum()
         # Mean next-token CE of the softcapped bf16-head logits, through the fused kernel with the
         # single weight 1: it softcaps in fp32 (as the reference's compiled eval does) and never
         # materialises fp32 (T, V) tensors, which at 262,144 val tokens per rank would not fit next
@@ -2761,11 +2775,12 @@ class Trainer:
 
     def train_loss(self, batch: tuple[Tensor, Tensor, Tensor], sched: StepSchedule,
                    mtp: Tensor) -> Tensor:
-        """One training micro-batch's summed loss (the forward; the caller runs the backward). No
-        segment is longer than the stage's document cap: the attention's max_seqlen hint."""
+        """One training micro-batch's summed loss (the forward; the caller runs the backward, of
+        loss / grad_accum: the grad_scale passed to the model). No segment is longer than the stage's
+        document cap: the attention's max_seqlen hint."""
         inputs, targets, cu_seqlens = batch
         return self.compiled(inputs, targets, cu_seqlens, sched.ws_short, sched.ws_long, mtp,
-                             sched.max_doc_len)
+                             sched.max_doc_len, 1 / self.grad_accum)
 
     def val_loss(self, batch: tuple[Tensor, Tensor, Tensor], ws_short: int,
                  ws_long: int) -> Tensor:
@@ -2797,7 +2812,8 @@ class Trainer:
         batches = train_batches(self.train_files, sched.global_batch, self.grad_accum, self.rank,
                                 self.world_size, self.device, sched.max_doc_len,
                                 hp.tokens_per_doc_bound, hp.vocab_size, TrainPosition())
-        self.train_loss(next(batches), sched, self.mtp_weights(sched)).backward()
+        loss = self.train_loss(next(batches), sched, self.mtp_weights(sched))
+        (loss / self.grad_accum).backward()
         batches.close()
 
     def mtp_weights(self, sched: StepSchedule) -> Tensor:

@@ -21,6 +21,7 @@ outputs with the same rounding points (a bf16 rounding point becomes a no-op).
 from __future__ import annotations
 
 import functools
+import struct
 
 import torch
 import torch.nn.functional as F
@@ -480,45 +481,78 @@ def relu2_mlp_reference(x: Tensor, c_fc: Tensor, c_proj: Tensor) -> Tensor:
 
 # ==================================================================================================
 # 4. Fused softcapped multi-token cross entropy  (softcap upstream records 9, 18, 54; MTP record 53;
-#    fused loss @soren_dunn_ and Locus, record 60)
+#    fused loss @soren_dunn_ and Locus, record 60; training gradient in the forward with bf16 sigma,
+#    record 79, PR #251)
 # ==================================================================================================
-# Forward and bf16 backward: one program per row streams its logits in blocks of 1024 columns
-# (8 bf16 per thread with 4 warps). The FP8 head's backward writes its e5m2 gradient in both layouts
-# its matmuls read (torch._scaled_mm wants both operands K-major: (T, V) and (V, T)), in tiles of 32
-# rows x 128 columns, so each column's 32 bytes of the transposed store leave as one run.
-# Forward: every score z = A*sigmoid((l+B)/C) lies in [0, A], so exp(z - A) can neither overflow
-# nor vanish (it is at least e^-A): the sum needs no running maximum, and each lane keeps its own
-# partial sum until one reduction after the last block, lse = A + log(sum).
-# Backward: the streaming loop writes every column without the target term -T_c (the weights of
-# the offsets whose target is that column), so it compares no column with any target; a second
-# small kernel then rewrites the n_rows * K target elements in full. QUANTIZE applies the FP8
-# quantiser to the bf16-rounded gradient: bitwise the bf16 backward then train_gpt.fp8_quantize.
-# The special-function unit, much narrower than the FMA pipe, bounds the forward's loop, and
-# instruction issue the backward's. So each score costs that unit two exponentials and the FMA
-# pipe the rest: sigma = 1 / (1 + 2^t) with t = l k1 + k0 one FMA (k1 = -log2(e)/C,
-# k0 = -B log2(e)/C) and the reciprocal as FMAs (_rcp_fma, an integer guess and Newton steps;
-# FlashAttention-4 likewise moves part of its exponentials to the FMA pipe), then
-# 2^(sigma A log2(e) - c) one FMA into an exponential; the backward multiplies the row's factors
-# once. Rounding: these forms, the forward's per-lane sums without a running maximum and _rcp_fma
-# change fp32 roundings only (tests/_kernels_interp.py holds the outputs to a float64
-# transcription). tl.exp2 is the bare flush-to-zero ex2.approx.ftz.f32, where tl.exp would add a
-# compare and two multiplies to produce subnormals, which cannot occur here: the exponent of p is
-# at least -(A + log V) log2(e) > -50, and 2^t only enters as 1 + 2^t.
+# Two contracts share the kernels.
+# Eval (record 61, spec R61 §3.10): z = A*sigmoid((l+B)/C) in fp32, the loss only (TRAIN=False).
+# Training (record 80, spec §3.9): sigma of u = fma(l, fp32(1/C), fp32(B/C)), rounded to bf16
+# (s = bf16(sigma)) before everything else; lse over A*s; loss_r = sum_k w_k (lse - A*s_y) over the
+# offsets whose target row exists (no w_k > 0 test, F16). The logit gradient
+# g = (((k*delta)*s)*(1-s)), delta = S_w*p - T_c, p = exp(A*s - lse), S_w the sum of ALL K weights
+# (the record's tail rule, F3: on the last K-1 rows of a buffer the gradient keeps the weights of
+# the offsets that have no target there), k = (g_row * fp32(1/C)*A) * post in fp32, left to right.
+# The FP8 head's op runs it in the forward (g_row = grad_scale, post = 1/s_g) and writes
+# G8 = e5m2(g) straight from fp32 (nearest even, saturating to +-57344, NaN stays NaN) in both
+# layouts its matmuls read (torch._scaled_mm wants both operands K-major: (T, V) and (V, T)), in
+# tiles of 32 rows x 128 columns, so each column's 32 bytes of the transposed store leave as one
+# run; the plain training backward (no FP8 head) takes g_row = the incoming gradient, post = 1, and
+# writes g in the logits' dtype.
+# Passes: the forward kernel streams each row once in blocks of 1024 columns (8 bf16 per thread with
+# 4 warps); the gradient kernel streams the logits once more and writes every column without the
+# target term -T_c (it compares no column with any target); a second small kernel then rewrites the
+# n_rows * K target elements in full. The FP8 op runs all three in the forward, so its backward
+# reads only G8 and the logits are not kept.
+# Every score A*sigma lies in [0, A], so exp(A*sigma - A) can neither overflow nor vanish (it is at
+# least e^-A): the sum needs no running maximum, and each lane keeps its own partial sum until one
+# reduction after the last block, lse = A + log(sum). The record shifts by the row maximum of the
+# unrounded A*sigma instead (F13); lse is shift invariant, so that is a rounding-level difference.
+# Special functions. Eval: sigma = 1/(1 + 2^t), t = l*k1 + k0 one FMA (k1 = -log2(e)/C,
+# k0 = -B log2(e)/C), the reciprocal as FMAs (_rcp_fma: an integer guess and Newton steps;
+# FlashAttention-4 likewise moves part of its exponentials to the FMA pipe), since the
+# special-function unit, much narrower than the FMA pipe, bounds the loop. Training on CUDA:
+# sigma = 0.5 + 0.5*tanh.approx(u/2), the record's own instruction (one special-function op,
+# relative error about 2^-11; sigma is rounded to 8 bits right after, which hides most of it), so
+# sigma is the record's bit for bit wherever u is; elsewhere (the interpreter) 1/(1 + e^-u), the
+# same function. Both: e^(A s - c) = 2^(s A log2(e) - c log2(e)) one FMA into
+# tl.exp2, the bare flush-to-zero ex2.approx.ftz.f32 (tl.exp would add a compare and two multiplies
+# to produce subnormals, which cannot occur here: the exponent is at least -(A + log V) log2(e) >
+# -50), where the record computes exp(A s - c) with fast math; 1/C and 1/s_g are correctly rounded
+# fp32 where the record takes approximate reciprocals (F14). These change fp32 roundings only
+# (tests/_kernels_interp.py holds the outputs to a float64 transcription).
 # The softcap constants are tl.constexpr and every loop carry starts as an explicit fp32 tensor, so
 # no Python float can promote a carried value to fp64.
 # (measurements: notes/kernels.md#cross-entropy)
 
 SOFTCAP_A, SOFTCAP_B, SOFTCAP_C = 23.0, 5.0, 7.5
+
+
+def _f32(x: float) -> float:
+    """x rounded to the nearest fp32 (ties to even), as a Python float. The product of two fp32
+    values is exact in a Python float, so _f32(a * b) is their correctly rounded fp32 product."""
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+# The record's fp32 softcap constants (spec §3.9 step 1, correctly rounded, F14): 1/C = 0x3E088889,
+# B/C = fp32(B * (1/C)) = 0x3F2AAAAB, (1/C)*A = 0x40444445.
+SOFTCAP_INV_C = _f32(1 / SOFTCAP_C)
+SOFTCAP_B_DIV_C = _f32(SOFTCAP_B * SOFTCAP_INV_C)
+SOFTCAP_INV_C_A = _f32(SOFTCAP_INV_C * SOFTCAP_A)
+E5M2_MAX = 57344.0  # the largest finite e5m2 value: the gradient quantiser saturates there
 _CE_BLOCK = 1024
 _CE_WARPS = 4
-# The backward's launch (BLOCK_R rows, BLOCK_C columns, columns per program or None for the whole
+# The gradient's launch (BLOCK_R rows, BLOCK_C columns, columns per program or None for the whole
 # row, warps): one layout streams a row per program like the forward; both layouts take tiles of
 # rows, so that each column's e5m2 values of BLOCK_R rows are one contiguous run of the transposed
 # output (see the header).
-_CE_BWD_TILES = {False: (1, _CE_BLOCK, None, _CE_WARPS), True: (32, 128, 1024, 4)}
-_CE_BWD_INTERPRETER_TILES = {False: _CE_BWD_TILES[False], True: (4, 32, 64, 1)}
+_CE_GRAD_TILES = {False: (1, _CE_BLOCK, None, _CE_WARPS), True: (32, 128, 1024, 4)}
+_CE_GRAD_INTERPRETER_TILES = {False: _CE_GRAD_TILES[False], True: (4, 32, 64, 1)}
 _LOG2E = 1.4426950408889634  # log2(e); section 8 scales the attention logits by it too
 _LOG2E_JIT = tl.constexpr(_LOG2E)  # the same, readable inside kernels
+_INV_C_JIT = tl.constexpr(SOFTCAP_INV_C)
+_B_DIV_C_JIT = tl.constexpr(SOFTCAP_B_DIV_C)
+_INV_C_A_JIT = tl.constexpr(SOFTCAP_INV_C_A)
+_E5M2_MAX_JIT = tl.constexpr(E5M2_MAX)
 
 
 @triton.jit
@@ -537,10 +571,45 @@ def _rcp_fma(d):
 
 @triton.jit
 def _ce_sigmoid(logit, B: tl.constexpr, C: tl.constexpr):
-    """sigmoid((logit + B) / C) = 1 / (1 + 2^(logit * k1 + k0)) in fp32."""
+    """Eval: sigmoid((logit + B) / C) = 1 / (1 + 2^(logit * k1 + k0)) in fp32."""
     k1: tl.constexpr = -_LOG2E_JIT / C
     k0: tl.constexpr = -_LOG2E_JIT * B / C
     return _rcp_fma(1.0 + tl.exp2(tl.fma(logit, k1, k0)))
+
+
+@triton.jit
+def _round_bf16(x, NATIVE: tl.constexpr):
+    """fp32 x rounded to bf16 (nearest even), as fp32. NATIVE (CUDA): the hardware conversion, one
+    instruction where the rounding through the bits takes about eight; off: through the bits, exact
+    in the interpreter too. The two agree on every non-NaN value."""
+    if NATIVE:
+        return x.to(tl.bfloat16).to(tl.float32)
+    else:
+        return (_bf16_bits_rne(x) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _ce_sigma_bf16(logit, NATIVE: tl.constexpr):
+    """Training: s = bf16(sigma(u)), u = fma(logit, 1/C, B/C) (spec §3.9 step 2): on CUDA
+    sigma = 0.5 + 0.5 tanh.approx(u/2) as the record computes it, elsewhere 1/(1 + e^-u)."""
+    u = tl.fma(logit, _INV_C_JIT, _B_DIV_C_JIT)
+    if NATIVE:
+        t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [0.5 * u],
+                                      dtype=tl.float32, is_pure=True, pack=1)
+        sigma = tl.fma(t, 0.5, 0.5)
+    else:
+        sigma = 1.0 / (1.0 + tl.exp(-u))
+    return _round_bf16(sigma, NATIVE)
+
+
+@triton.jit
+def _ce_score_sigma(logit, TRAIN: tl.constexpr, NATIVE: tl.constexpr, B: tl.constexpr,
+                    C: tl.constexpr):
+    """The sigma each contract scores with: bf16-rounded (training) or fp32 (eval)."""
+    if TRAIN:
+        return _ce_sigma_bf16(logit, NATIVE)
+    else:
+        return _ce_sigmoid(logit, B, C)
 
 
 @triton.jit
@@ -553,7 +622,9 @@ def _ce_exp_score(sig, A: tl.constexpr, c_log2e):
 @triton.jit
 def _ce_fwd_kernel(logits_ptr, targets_ptr, weights_ptr, losses_ptr, lse_ptr, n_rows, n_cols,
                    stride_row, n_weights, A: tl.constexpr, B: tl.constexpr, C: tl.constexpr,
-                   BLOCK: tl.constexpr):
+                   TRAIN: tl.constexpr, NATIVE: tl.constexpr, BLOCK: tl.constexpr):
+    """One row's lse and loss. TRAIN: record 80's (bf16 sigma, no w_k > 0 test); else record 61's
+    eval loss (fp32 sigma; zero weights skipped)."""
     row = tl.program_id(0)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
     offs = tl.arange(0, BLOCK)
@@ -562,10 +633,10 @@ def _ce_fwd_kernel(logits_ptr, targets_ptr, weights_ptr, losses_ptr, lse_ptr, n_
     whole = n_cols - n_cols % BLOCK
     for start in range(0, whole, BLOCK):  # whole blocks: no masks
         logit = _load_as_fp32(row_ptr + start + offs, None)
-        lane_sum += _ce_exp_score(_ce_sigmoid(logit, B, C), A, a_log2e)
+        lane_sum += _ce_exp_score(_ce_score_sigma(logit, TRAIN, NATIVE, B, C), A, a_log2e)
     cols = whole + offs
     logit = _load_as_fp32(row_ptr + cols, cols < n_cols)
-    exp_score = _ce_exp_score(_ce_sigmoid(logit, B, C), A, a_log2e)
+    exp_score = _ce_exp_score(_ce_score_sigma(logit, TRAIN, NATIVE, B, C), A, a_log2e)
     lane_sum += tl.where(cols < n_cols, exp_score, 0.0)
     lse = A + tl.log(tl.sum(lane_sum, axis=0))
     tl.store(lse_ptr + row, lse)
@@ -574,88 +645,102 @@ def _ce_fwd_kernel(logits_ptr, targets_ptr, weights_ptr, losses_ptr, lse_ptr, n_
         has_target = row + k < n_rows
         target = tl.load(targets_ptr + row + k, mask=has_target, other=-1)
         w = tl.load(weights_ptr + k)
-        ok = has_target & (w > 0) & (target >= 0) & (target < n_cols)
+        ok = has_target & (target >= 0) & (target < n_cols)
+        if not TRAIN:
+            ok = ok & (w > 0)
         logit_t = _load_as_fp32(row_ptr + target, ok)
-        z_t = A * _ce_sigmoid(logit_t, B, C)
+        z_t = A * _ce_score_sigma(logit_t, TRAIN, NATIVE, B, C)
         loss += tl.where(ok, w * (lse - z_t), 0.0)
     tl.store(losses_ptr + row, loss)
 
 
 @triton.jit
-def _ce_dlogit(logit, g_row, sum_w, t_weight, lse, A: tl.constexpr, B: tl.constexpr,
-               C: tl.constexpr):
-    """dL/dlogit = g (S_w p - T_c) * z (1 - sigma) / C, p = exp(z - lse), z = A sigma, in fp32,
-    as (k S_w p - k T_c) (sigma - sigma^2) with k = g A / C: the row's factors are multiplied once,
-    not per element, since the backward's loop is bound by instruction issue."""
-    sig = _ce_sigmoid(logit, B, C)
-    p = _ce_exp_score(sig, A, lse * _LOG2E_JIT)
-    a_over_c: tl.constexpr = A / C
-    k = g_row * a_over_c
-    return tl.fma(k * sum_w, p, -(k * t_weight)) * tl.fma(-sig, sig, sig)
+def _e5m2_rne(x):
+    """fp32 x rounded to e5m2 straight from fp32 (nearest even, saturating to +-57344, NaN stays
+    NaN), as fp32 (exact): what sm_90's cvt.rn.satfinite.e5m2x2.f32 gives, through the bits, so
+    that the interpreter (whose own e5m2 cast mis-rounds subnormals) and fp32 test outputs get it
+    too."""
+    bits = x.to(tl.uint32, bitcast=True)
+    sign = bits & 0x80000000
+    mag = bits & 0x7FFFFFFF
+    # normal e5m2 (|x| >= 2^-14): keep 2 of fp32's 23 mantissa bits, nearest even
+    normal = ((mag + 0xFFFFF + ((mag >> 21) & 1)) & 0x7FE00000).to(tl.float32, bitcast=True)
+    # subnormal (|x| < 2^-14): multiples of 2^-16, fp32's spacing at 128, so 128 + |x| rounds to
+    # them (nearest even), and the subtraction is exact
+    a = mag.to(tl.float32, bitcast=True)
+    r = tl.where(a < 6.103515625e-05, (a + 128.0) - 128.0, normal)
+    r = tl.minimum(r, _E5M2_MAX_JIT)
+    r = (r.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+    return tl.where(x != x, x, r)
 
 
 @triton.jit
-def _ce_out(dlogit, out_ptr, inv_scale, limit, QUANTIZE: tl.constexpr,
-            NATIVE: tl.constexpr):
-    """What the backward stores, cast to out_ptr's dtype: the gradient rounded to bf16 (skipped for
-    an fp32 output of the plain backward), then (QUANTIZE) the quantiser. NATIVE (CUDA): the
-    hardware's round-to-nearest-even conversion, one instruction where the rounding through the bits
-    takes about eight (the backward is bound by instruction issue as much as by its exponentials);
-    off: through the bits, exact in the interpreter too. The two agree on every non-NaN value.
-    The quantiser's clamp to +-limit is written out only for an fp32 output (tests): the e5m2 cast
-    itself saturates (sm_90's cvt.rn.satfinite, checked by tests/test_kernels.py), which saves two
-    of the loop's instructions per element."""
+def _ce_grad_out(g, out_ptr, QUANTIZE: tl.constexpr, NATIVE: tl.constexpr):
+    """What the gradient kernels store, in out_ptr's dtype. QUANTIZE: e5m2(g) from fp32 (on CUDA
+    into an e5m2 tensor: the saturating hardware conversion, one instruction per two values, checked
+    by tests/test_kernels.py; otherwise _e5m2_rne, e.g. into fp32 for tests). Else g rounded to
+    the output's dtype (bf16: nearest even)."""
     out_ty: tl.constexpr = out_ptr.dtype.element_ty
-    g = dlogit
-    if QUANTIZE or out_ty == tl.bfloat16:
-        if NATIVE:
-            g = dlogit.to(tl.bfloat16).to(tl.float32)
-        else:
-            g = (_bf16_bits_rne(dlogit) << 16).to(tl.float32, bitcast=True)
     if QUANTIZE:
-        g = g * inv_scale
-        if out_ty == tl.float32:
-            g = tl.minimum(tl.maximum(g, -limit), limit)
-    return g.to(out_ty)
+        if NATIVE and out_ty == tl.float8e5:
+            return g.to(tl.float8e5)
+        else:
+            return _e5m2_rne(g).to(out_ty)
+    else:
+        if out_ty == tl.bfloat16:
+            return _round_bf16(g, NATIVE).to(tl.bfloat16)
+        else:
+            return g.to(out_ty)
 
 
 @triton.jit
-def _ce_sum_w(weights_ptr, rows, n_rows, n_weights):
-    """S_w per row: the sum of the weights whose target row exists (zero weights and the target
-    range not checked, as in the record)."""
-    sum_w = tl.zeros(rows.shape, dtype=tl.float32)
+def _ce_row_factor(g_row, post_scale):
+    """k = (g_row * fp32(1/C)*A) * post per row, in fp32 (spec §3.9 step 6's first factors)."""
+    return (g_row.to(tl.float32) * _INV_C_A_JIT) * tl.cast(post_scale, tl.float32)
+
+
+@triton.jit
+def _ce_sum_w(weights_ptr, n_weights):
+    """S_w: every weight, in k order (the tail rule: also where the offset has no target row)."""
+    sum_w = tl.zeros([], dtype=tl.float32)
     for k in range(0, n_weights):
-        sum_w += tl.where(rows + k < n_rows, tl.load(weights_ptr + k), 0.0)
+        sum_w += tl.load(weights_ptr + k)
     return sum_w
 
 
 @triton.jit
-def _ce_bwd_kernel(grad_ptr, stride_grad, logits_ptr, weights_ptr, lse_ptr, out_ptr, out_t_ptr,
-                   n_rows, n_cols, stride_row, n_weights, cols_per_program, inv_scale, limit,
-                   A: tl.constexpr, B: tl.constexpr, C: tl.constexpr, QUANTIZE: tl.constexpr,
-                   NATIVE: tl.constexpr, TRANSPOSED: tl.constexpr, BLOCK_R: tl.constexpr,
-                   BLOCK_C: tl.constexpr):
-    """The dlogits of BLOCK_R rows x cols_per_program columns (a multiple of BLOCK_C), without the
-    target term T_c (_ce_targets_kernel writes those elements afterwards). QUANTIZE=False: out =
-    dlogits in out's dtype. QUANTIZE=True: out = clamp(bf16(dlogits) * inv_scale, +-limit) in
-    out's dtype: the FP8 head's gradient quantiser applied to the bf16 gradient it would read.
-    TRANSPOSED: the same values also into out_t, (n_cols, n_rows) contiguous."""
+def _ce_grad(logit, k, sum_w, t_weight, lse, A: tl.constexpr, NATIVE: tl.constexpr):
+    """g = (((k delta) s) (1 - s)), delta = S_w p - T_c, p = e^(A s - lse), s = bf16(sigma), in
+    fp32 left to right as the record (the FMA of delta is a contraction it allows too)."""
+    s = _ce_sigma_bf16(logit, NATIVE)
+    p = _ce_exp_score(s, A, lse * _LOG2E_JIT)
+    delta = tl.fma(sum_w, p, -t_weight)
+    return ((k * delta) * s) * (1.0 - s)
+
+
+@triton.jit
+def _ce_grad_kernel(grad_ptr, stride_grad, logits_ptr, weights_ptr, lse_ptr, out_ptr, out_t_ptr,
+                    n_rows, n_cols, stride_row, n_weights, cols_per_program, post_scale,
+                    A: tl.constexpr, QUANTIZE: tl.constexpr, NATIVE: tl.constexpr,
+                    TRANSPOSED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """The training gradient of BLOCK_R rows x cols_per_program columns (a multiple of BLOCK_C),
+    without the target term T_c (_ce_targets_kernel writes those elements afterwards), stored by
+    _ce_grad_out. TRANSPOSED: the same values also into out_t, (n_cols, n_rows) contiguous."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < n_rows
     rows64 = rows.to(tl.int64)
-    g_row = tl.load(grad_ptr + rows * stride_grad, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    g_row = tl.load(grad_ptr + rows * stride_grad, mask=row_ok, other=0.0)
+    k = _ce_row_factor(g_row, post_scale)[:, None]
     lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)[:, None]
-    sum_w = _ce_sum_w(weights_ptr, rows, n_rows, n_weights)[:, None]
-    inv_scale = tl.cast(inv_scale, tl.float32)
-    limit = tl.cast(limit, tl.float32)
+    sum_w = _ce_sum_w(weights_ptr, n_weights)
     offs = tl.arange(0, BLOCK_C)
     first = tl.program_id(1) * cols_per_program
     for start in range(first, tl.minimum(first + cols_per_program, n_cols), BLOCK_C):
         cols = start + offs
         mask = row_ok[:, None] & (cols < n_cols)[None, :]
         logit = _load_as_fp32(logits_ptr + rows64[:, None] * stride_row + cols[None, :], mask)
-        dlogit = _ce_dlogit(logit, g_row, sum_w, 0.0, lse, A, B, C)
-        out = _ce_out(dlogit, out_ptr, inv_scale, limit, QUANTIZE, NATIVE)
+        out = _ce_grad_out(_ce_grad(logit, k, sum_w, 0.0, lse, A, NATIVE), out_ptr, QUANTIZE,
+                           NATIVE)
         tl.store(out_ptr + rows64[:, None] * n_cols + cols[None, :], out, mask=mask)
         if TRANSPOSED:
             tl.store(out_t_ptr + cols.to(tl.int64)[:, None] * n_rows + rows[None, :], tl.trans(out),
@@ -664,32 +749,30 @@ def _ce_bwd_kernel(grad_ptr, stride_grad, logits_ptr, weights_ptr, lse_ptr, out_
 
 @triton.jit
 def _ce_targets_kernel(grad_ptr, stride_grad, logits_ptr, targets_ptr, weights_ptr, lse_ptr,
-                       out_ptr, out_t_ptr, n_rows, n_cols, stride_row, n_weights, inv_scale, limit,
-                       A: tl.constexpr, B: tl.constexpr, C: tl.constexpr,
-                       QUANTIZE: tl.constexpr, NATIVE: tl.constexpr,
+                       out_ptr, out_t_ptr, n_rows, n_cols, stride_row, n_weights, post_scale,
+                       A: tl.constexpr, QUANTIZE: tl.constexpr, NATIVE: tl.constexpr,
                        TRANSPOSED: tl.constexpr):
-    """One row's target columns in full: T_c = the weights of every offset whose target is c. A
-    column that is the target of several offsets is written once per offset, the same value."""
+    """One row's target columns in full: T_c = the weights of every offset whose target row exists
+    and is c. A column that is the target of several offsets is written once per offset, the same
+    value."""
     row = tl.program_id(0)
     row64 = row.to(tl.int64)
-    g_row = tl.load(grad_ptr + row * stride_grad).to(tl.float32)
+    k = _ce_row_factor(tl.load(grad_ptr + row * stride_grad), post_scale)
     lse = tl.load(lse_ptr + row)
-    sum_w = _ce_sum_w(weights_ptr, row, n_rows, n_weights)
-    inv_scale = tl.cast(inv_scale, tl.float32)
-    limit = tl.cast(limit, tl.float32)
-    for k in range(0, n_weights):
-        has_target = row + k < n_rows
-        target = tl.load(targets_ptr + row + k, mask=has_target, other=-1)
+    sum_w = _ce_sum_w(weights_ptr, n_weights)
+    for j in range(0, n_weights):
+        has_target = row + j < n_rows
+        target = tl.load(targets_ptr + row + j, mask=has_target, other=-1)
         ok = has_target & (target >= 0) & (target < n_cols)
         t_weight = tl.zeros([], dtype=tl.float32)
-        for j in range(0, n_weights):
-            has_j = row + j < n_rows
-            target_j = tl.load(targets_ptr + row + j, mask=has_j, other=-1)
-            t_weight += tl.where(has_j & (target_j == target), tl.load(weights_ptr + j), 0.0)
+        for i in range(0, n_weights):
+            has_i = row + i < n_rows
+            target_i = tl.load(targets_ptr + row + i, mask=has_i, other=-1)
+            t_weight += tl.where(has_i & (target_i == target), tl.load(weights_ptr + i), 0.0)
         col = tl.where(ok, target, 0).to(tl.int64)
         logit = _load_as_fp32(logits_ptr + row64 * stride_row + col, ok)
-        dlogit = _ce_dlogit(logit, g_row, sum_w, t_weight, lse, A, B, C)
-        out = _ce_out(dlogit, out_ptr, inv_scale, limit, QUANTIZE, NATIVE)
+        out = _ce_grad_out(_ce_grad(logit, k, sum_w, t_weight, lse, A, NATIVE), out_ptr, QUANTIZE,
+                           NATIVE)
         tl.store(out_ptr + row64 * n_cols + col, out, mask=ok)
         if TRANSPOSED:
             tl.store(out_t_ptr + col * n_rows + row64, out, mask=ok)
@@ -715,10 +798,8 @@ def _check_ce_inputs(logits: Tensor, targets: Tensor, mtp_weights: Tensor) -> No
            "move mtp_weights to the logits' device")
 
 
-def softcapped_mtp_ce_fwd_triton(logits: Tensor, targets: Tensor,
-                                 mtp_weights: Tensor) -> tuple[Tensor, Tensor]:
-    """logits (n, V) bf16 (fp32 for tests), targets (n,) int64, mtp_weights (K,) fp32 ->
-    (losses (n,), lse (n,)) fp32."""
+def _launch_ce_fwd(logits: Tensor, targets: Tensor, mtp_weights: Tensor,
+                   train: bool) -> tuple[Tensor, Tensor]:
     _check_ce_inputs(logits, targets, mtp_weights)
     n_rows, n_cols = logits.shape
     losses = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
@@ -726,72 +807,92 @@ def softcapped_mtp_ce_fwd_triton(logits: Tensor, targets: Tensor,
     if n_rows > 0:
         wrap_triton(_ce_fwd_kernel)[(n_rows,)](
             logits, targets, mtp_weights, losses, lse, n_rows, n_cols, logits.stride(0),
-            mtp_weights.shape[0], A=SOFTCAP_A, B=SOFTCAP_B, C=SOFTCAP_C, BLOCK=_CE_BLOCK,
-            num_warps=_CE_WARPS)
+            mtp_weights.shape[0], A=SOFTCAP_A, B=SOFTCAP_B, C=SOFTCAP_C, TRAIN=train,
+            NATIVE=logits.is_cuda, BLOCK=_CE_BLOCK, num_warps=_CE_WARPS)
     return losses, lse
 
 
-def _launch_ce_bwd(grad_losses: Tensor, logits: Tensor, targets: Tensor, mtp_weights: Tensor,
-                   lse: Tensor, out: Tensor, out_t: Tensor | None, quantize: bool,
-                   inv_scale: float, limit: float, tiles: tuple | None) -> None:
+def softcapped_mtp_ce_fwd_triton(logits: Tensor, targets: Tensor,
+                                 mtp_weights: Tensor) -> tuple[Tensor, Tensor]:
+    """Eval (record 61): logits (n, V) bf16 (fp32 for tests), targets (n,) int64, mtp_weights (K,)
+    fp32 -> (losses (n,), lse (n,)) fp32."""
+    return _launch_ce_fwd(logits, targets, mtp_weights, train=False)
+
+
+def softcapped_mtp_ce_train_fwd_triton(logits: Tensor, targets: Tensor,
+                                       mtp_weights: Tensor) -> tuple[Tensor, Tensor]:
+    """Training (record 80, bf16 sigma also for fp32 test logits): the same contract."""
+    return _launch_ce_fwd(logits, targets, mtp_weights, train=True)
+
+
+def _launch_ce_grad(grad_rows: Tensor, logits: Tensor, targets: Tensor, mtp_weights: Tensor,
+                    lse: Tensor, out: Tensor, out_t: Tensor | None, post_scale: float,
+                    quantize: bool, tiles: tuple | None) -> None:
     """Every column, then the target columns (in this order on the stream: the second kernel
     overwrites what the first wrote there). out_t: the transposed layout as well, or None."""
     _check_ce_inputs(logits, targets, mtp_weights)
     n_rows, n_cols = logits.shape
-    _check(grad_losses.shape == (n_rows,) and lse.shape == (n_rows,) and lse.dtype == torch.float32
+    _check(grad_rows.shape == (n_rows,) and lse.shape == (n_rows,) and lse.dtype == torch.float32
            and lse.is_contiguous(),
-           "grad_losses and lse must be (n_rows,), lse fp32 contiguous from the forward")
+           "grad_rows and lse must be (n_rows,), lse fp32 contiguous from the forward")
     if n_rows == 0:
         return
     transposed = out_t is not None
     rows, block, span, warps = tiles or (
-        _CE_BWD_TILES if logits.is_cuda else _CE_BWD_INTERPRETER_TILES)[transposed]
+        _CE_GRAD_TILES if logits.is_cuda else _CE_GRAD_INTERPRETER_TILES)[transposed]
     span = triton.cdiv(span or n_cols, block) * block  # columns per program, whole blocks
-    args = (grad_losses, grad_losses.stride(0), logits)
+    args = (grad_rows, grad_rows.stride(0), logits)
     common = (lse, out, out if out_t is None else out_t, n_rows, n_cols, logits.stride(0),
               mtp_weights.shape[0])
-    flags = dict(A=SOFTCAP_A, B=SOFTCAP_B, C=SOFTCAP_C, QUANTIZE=quantize,
-                 NATIVE=logits.is_cuda, TRANSPOSED=transposed)
-    wrap_triton(_ce_bwd_kernel)[(triton.cdiv(n_rows, rows), triton.cdiv(n_cols, span))](
-        *args, mtp_weights, *common, span, inv_scale, limit, BLOCK_R=rows, BLOCK_C=block,
+    flags = dict(A=SOFTCAP_A, QUANTIZE=quantize, NATIVE=logits.is_cuda, TRANSPOSED=transposed)
+    wrap_triton(_ce_grad_kernel)[(triton.cdiv(n_rows, rows), triton.cdiv(n_cols, span))](
+        *args, mtp_weights, *common, span, post_scale, BLOCK_R=rows, BLOCK_C=block,
         num_warps=warps, **flags)
-    wrap_triton(_ce_targets_kernel)[(n_rows,)](*args, targets, mtp_weights, *common, inv_scale,
-                                               limit, num_warps=1, **flags)
+    wrap_triton(_ce_targets_kernel)[(n_rows,)](*args, targets, mtp_weights, *common, post_scale,
+                                               num_warps=1, **flags)
 
 
-def softcapped_mtp_ce_bwd_triton(grad_losses: Tensor, logits: Tensor, targets: Tensor,
-                                 mtp_weights: Tensor, lse: Tensor) -> Tensor:
-    """grad_losses (n,) (any stride, e.g. an expanded 1/A), the forward's inputs and lse -> dlogits
-    (n, V) in logits' dtype (bf16)."""
+def softcapped_mtp_ce_train_bwd_triton(grad_losses: Tensor, logits: Tensor, targets: Tensor,
+                                       mtp_weights: Tensor, lse: Tensor) -> Tensor:
+    """The training loss's backward without the FP8 head: grad_losses (n,) (any stride, e.g. an
+    expanded 1/A), the forward's inputs and lse -> dlogits (n, V) in logits' dtype, g_row = the
+    incoming gradient."""
     dlogits = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-    _launch_ce_bwd(grad_losses, logits, targets, mtp_weights, lse, dlogits, None, False, 1.0, 0.0,
-                   None)
+    _launch_ce_grad(grad_losses, logits, targets, mtp_weights, lse, dlogits, None, 1.0, False,
+                    None)
     return dlogits
 
 
-def softcapped_mtp_ce_bwd_fp8_triton(grad_losses: Tensor, logits: Tensor, targets: Tensor,
-                                     mtp_weights: Tensor, lse: Tensor, scale: float,
-                                     out_dtype: torch.dtype = torch.float8_e5m2,
-                                     tiles: tuple | None = None) -> tuple[Tensor, Tensor]:
-    """The backward above, quantised for the FP8 head: G8 = out_dtype(clamp(bf16(dlogits) *
-    fp32(1/scale), +-57344)) in both layouts the head's matmuls read, (G8 (n, V), G8^T (V, n)),
-    each contiguous. out_dtype=float32 skips the final cast (tests). tiles = (BLOCK_R, BLOCK_C,
+def fp8_grad_inverse_scale(s_g: float) -> float:
+    """1/s_g as the gradient factor takes it: the correctly rounded fp32 reciprocal of fp32(s_g)."""
+    return _f32(1 / _f32(s_g))
+
+
+def softcapped_mtp_ce_fp8_grad_triton(logits: Tensor, targets: Tensor, mtp_weights: Tensor,
+                                      lse: Tensor, grad_scale: float, s_g: float,
+                                      out_dtype: torch.dtype = torch.float8_e5m2,
+                                      tiles: tuple | None = None) -> tuple[Tensor, Tensor]:
+    """The FP8 head's logit gradient of grad_scale * sum(losses), quantised: G8 = e5m2(g) with
+    g_row = grad_scale, post = 1/s_g, in both layouts (G8 (n, V), G8^T (V, n)), each contiguous.
+    out_dtype=float32 holds the same e5m2 values in fp32 (tests). tiles = (BLOCK_R, BLOCK_C,
     columns per program or None for all, warps) overrides the launch (tests, bench/ce.py)."""
     out = torch.empty(logits.shape, dtype=out_dtype, device=logits.device)
     out_t = torch.empty(logits.shape[::-1], dtype=out_dtype, device=logits.device)
-    limit = torch.finfo(torch.float8_e5m2).max
-    _launch_ce_bwd(grad_losses, logits, targets, mtp_weights, lse, out, out_t, True, 1.0 / scale,
-                   limit, tiles)
+    grad_rows = torch.full((1,), grad_scale, dtype=torch.float32,
+                           device=logits.device).expand(logits.shape[0])
+    _launch_ce_grad(grad_rows, logits, targets, mtp_weights, lse, out, out_t,
+                    fp8_grad_inverse_scale(s_g), True, tiles)
     return out, out_t
 
 
-def softcapped_mtp_ce_bwd_fp8_reference(dlogits: Tensor, scale: float) -> Tensor:
-    """What the kernel's QUANTIZE epilogue computes from the bf16 gradient: e5m2 of dlogits *
-    fp32(1/scale), clamped to +-57344 (a compiled x / scale with a constant scale becomes this
-    multiplication)."""
-    limit = torch.finfo(torch.float8_e5m2).max
-    inv = torch.tensor(1.0 / scale, dtype=torch.float32, device=dlogits.device)
-    return (dlogits.bfloat16().float() * inv).clamp(-limit, limit).to(torch.float8_e5m2)
+def softcapped_mtp_ce_fp8_triton(logits: Tensor, targets: Tensor, mtp_weights: Tensor,
+                                 grad_scale: float, s_g: float
+                                 ) -> tuple[Tensor, Tensor, Tensor]:
+    """The FP8 head's training loss, all in the forward: (losses (n,) fp32, G8 (n, V), G8^T (V, n)
+    e5m2) from the bf16 logits, which are not needed afterwards."""
+    losses, lse = softcapped_mtp_ce_train_fwd_triton(logits, targets, mtp_weights)
+    g8, g8_t = softcapped_mtp_ce_fp8_grad_triton(logits, targets, mtp_weights, lse, grad_scale, s_g)
+    return losses, g8, g8_t
 
 
 @triton_op(f"{_LIB}::softcapped_mtp_ce_fwd", mutates_args=())
@@ -800,58 +901,68 @@ def _softcapped_mtp_ce_fwd_op(logits: Tensor, targets: Tensor,
     return softcapped_mtp_ce_fwd_triton(logits, targets, mtp_weights)
 
 
-@triton_op(f"{_LIB}::softcapped_mtp_ce_bwd", mutates_args=())
-def _softcapped_mtp_ce_bwd_op(grad_losses: Tensor, logits: Tensor, targets: Tensor,
-                              mtp_weights: Tensor, lse: Tensor) -> Tensor:
-    return softcapped_mtp_ce_bwd_triton(grad_losses, logits, targets, mtp_weights, lse)
+@triton_op(f"{_LIB}::softcapped_mtp_ce_train_fwd", mutates_args=())
+def _softcapped_mtp_ce_train_fwd_op(logits: Tensor, targets: Tensor,
+                                    mtp_weights: Tensor) -> tuple[Tensor, Tensor]:
+    return softcapped_mtp_ce_train_fwd_triton(logits, targets, mtp_weights)
 
 
-@triton_op(f"{_LIB}::softcapped_mtp_ce_bwd_fp8", mutates_args=())
-def _softcapped_mtp_ce_bwd_fp8_op(grad_losses: Tensor, logits: Tensor, targets: Tensor,
-                                  mtp_weights: Tensor, lse: Tensor, scale: float
-                                  ) -> tuple[Tensor, Tensor]:
-    return softcapped_mtp_ce_bwd_fp8_triton(grad_losses, logits, targets, mtp_weights, lse, scale)
+@triton_op(f"{_LIB}::softcapped_mtp_ce_train_bwd", mutates_args=())
+def _softcapped_mtp_ce_train_bwd_op(grad_losses: Tensor, logits: Tensor, targets: Tensor,
+                                    mtp_weights: Tensor, lse: Tensor) -> Tensor:
+    return softcapped_mtp_ce_train_bwd_triton(grad_losses, logits, targets, mtp_weights, lse)
 
 
-class _SoftcappedMTPCEFunction(torch.autograd.Function):
-    """Autograd of the fused cross entropy: saves lse, logits, targets and weights; returns bf16
-    dlogits."""
+@triton_op(f"{_LIB}::softcapped_mtp_ce_fp8", mutates_args=())
+def _softcapped_mtp_ce_fp8_op(logits: Tensor, targets: Tensor, mtp_weights: Tensor,
+                              grad_scale: float, s_g: float) -> tuple[Tensor, Tensor, Tensor]:
+    return softcapped_mtp_ce_fp8_triton(logits, targets, mtp_weights, grad_scale, s_g)
+
+
+def softcapped_mtp_ce_triton(logits: Tensor, targets: Tensor, mtp_weights: Tensor) -> Tensor:
+    """Eval: per-row softcapped multi-token CE of record 61 by the Triton kernel, forward only
+    (CUDA; a CPU only under the interpreter)."""
+    return torch.ops.nanogpt_kernels.softcapped_mtp_ce_fwd(logits, targets, mtp_weights)[0]
+
+
+class _SoftcappedMTPCETrainFunction(torch.autograd.Function):
+    """Autograd of the fused training loss without the FP8 head: saves lse, logits, targets and
+    weights; returns dlogits in the logits' dtype."""
 
     @staticmethod
     def forward(ctx, logits: Tensor, targets: Tensor, mtp_weights: Tensor) -> Tensor:
-        losses, lse = torch.ops.nanogpt_kernels.softcapped_mtp_ce_fwd(logits, targets, mtp_weights)
+        losses, lse = torch.ops.nanogpt_kernels.softcapped_mtp_ce_train_fwd(logits, targets,
+                                                                          mtp_weights)
         ctx.save_for_backward(logits, targets, mtp_weights, lse)
         return losses
 
     @staticmethod
     def backward(ctx, grad_losses: Tensor):
         logits, targets, mtp_weights, lse = ctx.saved_tensors
-        dlogits = torch.ops.nanogpt_kernels.softcapped_mtp_ce_bwd(grad_losses, logits, targets,
-                                                                   mtp_weights, lse)
+        dlogits = torch.ops.nanogpt_kernels.softcapped_mtp_ce_train_bwd(
+            grad_losses, logits, targets, mtp_weights, lse)
         return dlogits, None, None
 
 
-def softcapped_mtp_ce_triton(logits: Tensor, targets: Tensor, mtp_weights: Tensor) -> Tensor:
-    """Per-row softcapped multi-token CE, differentiable, by the Triton kernels (CUDA; a CPU only
-    under the interpreter)."""
-    return _SoftcappedMTPCEFunction.apply(logits, targets, mtp_weights)
+def softcapped_mtp_ce_train_triton(logits: Tensor, targets: Tensor, mtp_weights: Tensor) -> Tensor:
+    """Per-row training loss (record 80) of logits without the FP8 head, differentiable, by the
+    Triton kernels."""
+    return _SoftcappedMTPCETrainFunction.apply(logits, targets, mtp_weights)
 
 
 def softcap(logits: Tensor) -> Tensor:
-    """z = A * sigmoid((logit + B) / C), in fp32 (float64 for float64 logits): the scores the loss
-    sees."""
+    """z = A * sigmoid((logit + B) / C), in fp32 (float64 for float64 logits): the scores the eval
+    loss sees."""
     return SOFTCAP_A * torch.sigmoid((logits.to(acc_dtype(logits.dtype)) + SOFTCAP_B) / SOFTCAP_C)
 
 
 def softcapped_mtp_ce_reference(logits: Tensor, targets: Tensor, mtp_weights: Tensor) -> Tensor:
-    """Per-row loss sum_k [row+k < m][w_k > 0] w_k (lse_row - z[row, targets[row+k]]),
-    z = A*sigmoid((l+B)/C).
+    """Eval (record 61): per-row loss
+    sum_k [row+k < m][w_k > 0] w_k (lse_row - z[row, targets[row+k]]), z = A*sigmoid((l+B)/C).
 
     logits (n, V) bf16, targets (m,) int64 with m >= n (targets past row n - 1 are look-ahead: a
     block of rows also sees the targets of the rows after it), mtp_weights (K,) fp32 -> losses (n,)
     fp32 (float64 for float64 logits).
-    Autograd gives the kernels' backward for non-negative weights (a zero weight contributes nothing
-    either way); the gradient reaches the logits in their dtype (bf16).
     """
     n, m = logits.shape[0], targets.shape[0]
     acc = acc_dtype(logits.dtype)
@@ -869,7 +980,7 @@ def softcapped_mtp_ce_reference(logits: Tensor, targets: Tensor, mtp_weights: Te
     return losses
 
 
-_CE_REFERENCE_BLOCK = 1 << 27   # logits per block of the chunked reference: its fp32
+_CE_REFERENCE_BLOCK = 1 << 27   # logits per block of the chunked references: their fp32
                                 # temporaries stay near 512 MiB each
 
 
@@ -886,6 +997,125 @@ def softcapped_mtp_ce_chunked(logits: Tensor, targets: Tensor, mtp_weights: Tens
     return torch.cat([checkpoint(softcapped_mtp_ce_reference, logits[r:r + rows],
                                  targets[r:r + rows + K - 1], mtp_weights, use_reentrant=False)
                       for r in range(0, logits.shape[0], rows)])
+
+
+def _softcap_constants(dtype: torch.dtype) -> tuple[float, float, float]:
+    """(1/C, B/C, (1/C)*A) of the training softcap: the record's fp32 values, or the exact quotients
+    in float64 (the trainer's --dtype=float64 mode, where no step rounds to fp32)."""
+    if dtype == torch.float64:
+        return 1 / SOFTCAP_C, SOFTCAP_B / SOFTCAP_C, SOFTCAP_A / SOFTCAP_C
+    return SOFTCAP_INV_C, SOFTCAP_B_DIV_C, SOFTCAP_INV_C_A
+
+
+def softcapped_mtp_ce_train_math(logits: Tensor, targets: Tensor, mtp_weights: Tensor,
+                                 row_factor: Tensor | float | None = None
+                                 ) -> tuple[Tensor, Tensor | None]:
+    """Record 80's training loss per row and, given row_factor, its logit gradient (spec §3.9),
+    in plain PyTorch with the kernels' rounding points.
+
+    logits (n, V), targets (m,) int64 with m >= n (look-ahead, as softcapped_mtp_ce_reference),
+    mtp_weights (K,), row_factor (n, 1), 0-d or a float -> losses (n,) and
+    g = (((row_factor delta) s) (1 - s)) (n, V) (None without row_factor), in fp32 (float64 for
+    float64 logits). s = sigma(l (1/C) + B/C), rounded to bf16 for bf16 logits (the record's
+    rounding; fp32 and float64 logits keep it); lse = logsumexp(A s);
+    loss_r = sum_k w_k (lse - A s_y) over the offsets whose target row exists and lies in [0, V)
+    (no w_k > 0 test, F16); delta = S_w p - T_c with S_w the sum of all K weights (the tail rule,
+    F3) and T_c the weights of the offsets whose target is c; p = e^(A s - lse). The record's row
+    factor is (grad_scale (1/C) A) (1/s_g) for the FP8 head; without it, g_row (1/C) A.
+    """
+    acc = acc_dtype(logits.dtype)
+    inv_c, b_div_c, _ = _softcap_constants(acc)
+    sigma = torch.sigmoid(logits.to(acc) * inv_c + b_div_c)
+    s = sigma.bfloat16().to(acc) if logits.dtype == torch.bfloat16 else sigma
+    z = SOFTCAP_A * s
+    lse = torch.logsumexp(z, dim=-1)
+    n, m, V = logits.shape[0], targets.shape[0], logits.shape[1]
+    w = mtp_weights.to(acc)
+    losses = torch.zeros(n, dtype=acc, device=logits.device)
+    t_c = None if row_factor is None else torch.zeros_like(z)
+    for k in range(w.shape[0]):
+        rows = min(n, m - k)
+        if rows <= 0:
+            break
+        y = targets[k:k + rows]
+        valid = (y >= 0) & (y < V)
+        y = y.clamp(0, V - 1)[:, None]
+        z_y = z[:rows].gather(1, y).squeeze(1)
+        losses = losses + F.pad(torch.where(valid, w[k] * (lse[:rows] - z_y), 0.0), (0, n - rows))
+        if t_c is not None:
+            t_c[:rows].scatter_add_(1, y, torch.where(valid, w[k], 0.0)[:, None])
+    if row_factor is None:
+        return losses, None
+    sum_w = w[0]
+    for k in range(1, w.shape[0]):
+        sum_w = sum_w + w[k]
+    delta = sum_w * torch.exp(z - lse[:, None]) - t_c
+    return losses, ((row_factor * delta) * s) * (1 - s)
+
+
+def _row_blocks(logits: Tensor, targets: Tensor, K: int, rows: int | None):
+    """(first row, logits block, its targets with the K - 1 look-ahead) per block of `rows` rows
+    (None: all at once; 0: _CE_REFERENCE_BLOCK logits a block, to bound the fp32 temporaries)."""
+    n = logits.shape[0]
+    if rows == 0:
+        rows = max(1, _CE_REFERENCE_BLOCK // max(1, logits.shape[-1]))
+    rows = rows or max(1, n)
+    for r in range(0, n, rows):
+        yield r, logits[r:r + rows], targets[r:r + rows + K - 1]
+
+
+class _SoftcappedMTPCETrainReference(torch.autograd.Function):
+    """softcapped_mtp_ce_train_math's losses, whose backward is its gradient with
+    row_factor = g_row (1/C) A (the incoming gradient passes through), in the logits' dtype."""
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, targets: Tensor, mtp_weights: Tensor,
+                rows: int | None) -> Tensor:
+        ctx.save_for_backward(logits, targets, mtp_weights)
+        ctx.rows = rows
+        K = mtp_weights.shape[0]
+        return torch.cat([softcapped_mtp_ce_train_math(lb, tb, mtp_weights)[0]
+                          for _, lb, tb in _row_blocks(logits, targets, K, rows)])
+
+    @staticmethod
+    def backward(ctx, grad_losses: Tensor):
+        logits, targets, mtp_weights = ctx.saved_tensors
+        acc = acc_dtype(logits.dtype)
+        factor = grad_losses.to(acc)[:, None] * _softcap_constants(acc)[2]
+        K = mtp_weights.shape[0]
+        dlogits = torch.cat([
+            softcapped_mtp_ce_train_math(lb, tb, mtp_weights, factor[r:r + lb.shape[0]])[1]
+            for r, lb, tb in _row_blocks(logits, targets, K, ctx.rows)])
+        return dlogits.to(logits.dtype), None, None, None
+
+
+def softcapped_mtp_ce_train_reference(logits: Tensor, targets: Tensor, mtp_weights: Tensor,
+                                      rows: int | None = None) -> Tensor:
+    """softcapped_mtp_ce_train_triton's contract in plain PyTorch (rows: see _row_blocks)."""
+    return _SoftcappedMTPCETrainReference.apply(logits, targets, mtp_weights, rows)
+
+
+def fp8_grad_row_factor(grad_scale: float, s_g: float) -> float:
+    """The FP8 head's gradient factor (grad_scale (1/C) A) (1/s_g), rounded to fp32 after each
+    product as the kernels form it. With s_g = grad_scale * s_g(W = 8) and grad_scale a power of
+    two, it is the same number for every grad_scale: G8's payload does not depend on grad_accum."""
+    return _f32(_f32(_f32(grad_scale) * SOFTCAP_INV_C_A) * fp8_grad_inverse_scale(s_g))
+
+
+def softcapped_mtp_ce_fp8_reference(logits: Tensor, targets: Tensor, mtp_weights: Tensor,
+                                    grad_scale: float, s_g: float, rows: int | None = None
+                                    ) -> tuple[Tensor, Tensor, Tensor]:
+    """softcapped_mtp_ce_fp8_triton's contract in plain PyTorch (rows: see _row_blocks): the
+    losses, and G8 = e5m2(g) from fp32 (nearest even, clamped to +-57344 first so that overflow
+    saturates; NaN stays NaN) in both layouts."""
+    factor = fp8_grad_row_factor(grad_scale, s_g)
+    losses, g8 = [], []
+    for _, lb, tb in _row_blocks(logits, targets, mtp_weights.shape[0], rows):
+        loss, g = softcapped_mtp_ce_train_math(lb, tb, mtp_weights, factor)
+        losses.append(loss)
+        g8.append(g.float().clamp(-E5M2_MAX, E5M2_MAX).to(torch.float8_e5m2))
+    g8 = torch.cat(g8)
+    return torch.cat(losses).float(), g8, g8.t().contiguous()
 
 
 # ==================================================================================================

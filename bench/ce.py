@@ -1,5 +1,6 @@
-"""Time the FP8 head's cross entropy kernels at the training shapes: forward, and the backward that writes the e5m2
-gradient in both layouts the head's FP8 matmuls need.
+"""Time the FP8 head's cross entropy kernels at the training shapes: the loss's forward, and the gradient kernels that
+write the e5m2 gradient in both layouts the head's FP8 matmuls need (since record 80's loss both run in the training
+forward; a checkout from before runs them as forward and backward).
 
     python3 bench/ce.py [--root=DIR] [--tiles=R:C:COLS:WARPS,...] [--digest]
 
@@ -75,8 +76,14 @@ def main(argv: list[str] | None = None) -> int:
     # the second layout as the trainer of that checkout makes it
     second_layout = getattr(tk, "transpose_bytes", transpose)
 
-    def backward(grad, logits, targets, w, lse):
-        out = tk.softcapped_mtp_ce_bwd_fp8_triton(grad, logits, targets, w, lse, S_G)
+    new_loss = hasattr(tk, "softcapped_mtp_ce_fp8_grad_triton")   # record 80's loss (this checkout on)
+    forward = tk.softcapped_mtp_ce_train_fwd_triton if new_loss else tk.softcapped_mtp_ce_fwd_triton
+
+    def backward(grad, logits, targets, w, lse, tiles=None):
+        if new_loss:
+            return tk.softcapped_mtp_ce_fp8_grad_triton(logits, targets, w, lse, 1 / 8, S_G / 8, tiles=tiles)
+        out = tk.softcapped_mtp_ce_bwd_fp8_triton(grad, logits, targets, w, lse, S_G, **(
+            {"tiles": tiles} if tiles else {}))
         return out if isinstance(out, tuple) else (out, second_layout(out))
 
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, kernels from {args.root}")
@@ -87,15 +94,15 @@ def main(argv: list[str] | None = None) -> int:
         logits = (torch.randn(n, VOCAB, device="cuda", generator=g) * 10).bfloat16()
         targets = torch.randint(0, VOCAB, (n,), device="cuda", generator=g)
         grad = torch.full((1,), 1 / 8, device="cuda").expand(n)
-        _, lse = tk.softcapped_mtp_ce_fwd_triton(logits, targets, w)
-        fwd = ms(lambda: tk.softcapped_mtp_ce_fwd_triton(logits, targets, w))
+        _, lse = forward(logits, targets, w)
+        fwd = ms(lambda: forward(logits, targets, w))
         bwd = ms(lambda: backward(grad, logits, targets, w, lse))
         print(f"{n:>7} {fwd:8.3f} {bwd:20.3f} {fwd + bwd:8.3f}", flush=True)
         if args.digest:
-            outputs = (*tk.softcapped_mtp_ce_fwd_triton(logits, targets, w), *backward(grad, logits, targets, w, lse))
+            outputs = (*forward(logits, targets, w), *backward(grad, logits, targets, w, lse))
             print(f"{'':>7} sha256 of losses, lse, both gradient layouts: {digest(*outputs)}", flush=True)
         for tiles in candidates:
-            t = ms(lambda: tk.softcapped_mtp_ce_bwd_fp8_triton(grad, logits, targets, w, lse, S_G, tiles=tiles))
+            t = ms(lambda: backward(grad, logits, targets, w, lse, tiles))
             print(f"{'':>7} two-layout backward {tiles}: {t:.3f} ms", flush=True)
         del logits
         torch.cuda.empty_cache()

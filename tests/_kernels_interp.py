@@ -20,6 +20,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 import triton_kernels as tk  # noqa: E402
+import _ce_spec as spec  # noqa: E402
 from _fp32_exact import rcp_fma_ulp_errors  # noqa: E402
 
 U32 = 2.0 ** -24
@@ -162,8 +163,8 @@ A_, B_, C_ = 23.0, 5.0, 7.5
 
 
 def ce_float64(logits, targets, weights):
-    """The softcapped MTP cross entropy in float64, written as loops: (losses, lse, dz-free parts) for checking both
-    kernels."""
+    """Record 61's eval loss in float64, written as loops: (losses, lse, z), fp32 sigma unrounded, zero weights
+    skipped."""
     n, V = logits.shape
     z = A_ * torch.sigmoid((logits.double() + B_) / C_)
     lse = torch.logsumexp(z, dim=1)
@@ -173,24 +174,6 @@ def ce_float64(logits, targets, weights):
             if i + k < n and w > 0 and 0 <= int(targets[i + k]) < V:
                 losses[i] += w * (lse[i] - z[i, int(targets[i + k])])
     return losses, lse, z
-
-
-def ce_grad_float64(grad_rows, logits, targets, weights):
-    n, V = logits.shape
-    _, lse, z = ce_float64(logits, targets, weights)
-    sig = z / A_
-    p = torch.exp(z - lse[:, None])
-    dlogits = torch.zeros(n, V, dtype=torch.float64)
-    for i in range(n):
-        s_w, t = 0.0, torch.zeros(V, dtype=torch.float64)
-        for k, w in enumerate(weights.tolist()):
-            if i + k < n:
-                s_w += w
-                if 0 <= int(targets[i + k]) < V:
-                    t[int(targets[i + k])] += w
-        dz = float(grad_rows[i]) * (s_w * p[i] - t)
-        dlogits[i] = dz * z[i] * (1 - sig[i]) / C_
-    return dlogits
 
 
 CE_CASES = [  # (n_rows, n_cols, weights): n_cols not multiples of 1024; zero weight; fewer rows than weights
@@ -235,7 +218,8 @@ def test_rcp_fma_is_within_half_an_ulp_and_clamps_above_2_126():
 
 
 @pytest.mark.parametrize("n, V, weights", CE_CASES)
-def test_softcapped_mtp_ce_forward_and_backward(n, V, weights):
+def test_eval_ce_forward_is_record_61s(n, V, weights):
+    """The eval contract (unrounded fp32 sigma, zero weights skipped) against float64."""
     g = torch.Generator().manual_seed(n * 10000 + V)
     logits = torch.randn(n, V, generator=g) * 8
     targets = torch.randint(0, V, (n,), generator=g)
@@ -243,117 +227,194 @@ def test_softcapped_mtp_ce_forward_and_backward(n, V, weights):
     w = torch.tensor(weights)
     losses, lse = tk.softcapped_mtp_ce_fwd_triton(logits, targets, w)
     losses64, lse64, _ = ce_float64(logits, targets, w)
-    # fp32 exp/log over V <= 2500 terms of size <= e^23: relative error a few 1e-7; 1e-5 leaves slack for the
-    # online rescaling while any missing/extra term (>= 0.25 * O(1) nats) would fail.
+    # fp32 exp/log over V <= 2500 terms of size <= e^23: relative error a few 1e-7; 1e-5 leaves slack while any
+    # missing/extra term (>= 0.25 * O(1) nats) or a bf16-rounded sigma (~1e-3 per score) would fail.
     torch.testing.assert_close(lse.double(), lse64, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(losses.double(), losses64, rtol=1e-5, atol=1e-4)
-
-    grad_rows = torch.rand(n, generator=g) + 0.5
-    dlogits = tk.softcapped_mtp_ce_bwd_triton(grad_rows, logits, targets, w, lse)
-    exact = ce_grad_float64(grad_rows, logits, targets, w)
-    assert dlogits.shape == (n, V) and dlogits.dtype == logits.dtype
-    # Per-element fp32 error is relative (~1e-6) except where S_w*p and T_c cancel (the target column); an absolute
-    # floor of 1e-6 of the largest gradient covers that.
-    torch.testing.assert_close(dlogits.double(), exact, rtol=1e-4, atol=1e-6 * exact.abs().max().item())
+    torch.testing.assert_close(tk.softcapped_mtp_ce_triton(logits, targets, w), losses)   # the eval op
 
 
-def test_softcapped_mtp_ce_backward_sums_the_weights_of_repeated_targets():
-    """The backward's second kernel writes the target columns: a column that is the target of several offsets of one
-    row gets all their weights (rows 1-3 share one target, so row 1 has it at offsets 0, 1 and 2), and a target in
-    the last, partial block of columns is written too."""
-    n, V = 8, 1500
-    g = torch.Generator().manual_seed(5)
-    logits = torch.randn(n, V, generator=g) * 8
+@pytest.mark.parametrize("n, V, weights", CE_CASES + [(9, 700, [1.0, 0.5, 0.25]), (5, 300, [1.0, -0.5, 0.25])])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_train_forward_matches_the_spec(n, V, weights, dtype):
+    """Record 80's training loss: bf16 sigma of fma(l, 1/C, B/C), lse over A*s, loss with A*s_y and no w_k > 0 test
+    (a negative weight counts, F16), offsets past the buffer's end dropped. bf16 logits are read through their bits
+    (exact here)."""
+    g = torch.Generator().manual_seed(n * 1000 + V + 7)
+    logits = spec.logits_clear_of_bf16_ties(n, V, g, 8.0, dtype)
     targets = torch.randint(0, V, (n,), generator=g)
-    targets[1:4] = 17
-    targets[5] = V - 2
-    w = torch.tensor([1.0, 0.5, 0.25])
-    _, lse = tk.softcapped_mtp_ce_fwd_triton(logits, targets, w)
-    grad_rows = torch.rand(n, generator=g) + 0.5
-    dlogits = tk.softcapped_mtp_ce_bwd_triton(grad_rows, logits, targets, w, lse)
-    exact = ce_grad_float64(grad_rows, logits, targets, w)
-    torch.testing.assert_close(dlogits.double(), exact, rtol=1e-4, atol=1e-6 * exact.abs().max().item())
-    tw = lambda row: sum(  # the weight at column 17: the case is the one described
-        wk for k, wk in enumerate(w.tolist()) if row + k < n and targets[row + k] == 17)
-    assert tw(1) == 1.75 and tw(3) == 1.0
+    targets[0] = V - 1
+    losses, lse = tk.softcapped_mtp_ce_train_fwd_triton(logits, targets, torch.tensor(weights))
+    want = spec.ce_train_spec(logits, targets, weights)
+    torch.testing.assert_close(lse.double(), want["lse"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(losses.double(), want["losses"], rtol=1e-5, atol=1e-4)
+    unrounded = spec.ce_train_spec(logits, targets, weights, rounded=False)
+    assert (lse.double() - unrounded["lse"]).abs().max() > 1e-4, "the case cannot tell the bf16 sigma from fp32's"
 
 
-def test_softcapped_mtp_ce_skips_out_of_range_targets_and_takes_strided_grad():
+FP8_GRAD_CASES = [  # (n, V, weights, tiles): tail rows T-2, T-1 at K=3 and T-1 at K=2; partial row tiles and column
+    (9, 1100, [1.0, 0.5, 0.25], None),                  # blocks at the interpreter's tiles; whole rows per program
+    (6, 300, [1.0, 0.5], None),
+    (4, 300, [1.0, 0.0, 0.3], (8, 64, None, 2)),
+    (2, 520, [1.0, 0.5, 0.25], (8, 64, None, 2)),
+    (5, 700, [1.0], None),
+]
+
+
+def _fp8_case(n, V, weights, seed):
+    g = torch.Generator().manual_seed(seed)
+    logits = spec.logits_clear_of_bf16_ties(n, V, g, 8.0, torch.bfloat16)
+    targets = torch.randint(0, V, (n,), generator=g)
+    if n > 3:
+        targets[n - 2] = targets[n - 3]          # two offsets of one row on one column: T_c sums both
+    return logits, targets, torch.tensor(weights)
+
+
+@pytest.mark.parametrize("n, V, weights, tiles", FP8_GRAD_CASES)
+def test_fp8_grad_is_the_spec_gradient_quantised_from_fp32(n, V, weights, tiles):
+    """G8 = e5m2(g), g = (((grad_scale (1/C) A) (1/s_g)) delta) s (1 - s) in fp32, S_w over all K weights (tail
+    rule), straight from fp32 (no bf16 step), in both layouts; fp32 output (the e5m2 values) and e5m2 output agree."""
+    logits, targets, w = _fp8_case(n, V, weights, n * 31 + V)
+    grad_scale = 0.25
+    s_g = grad_scale * 0.75 / 448
+    _, lse = tk.softcapped_mtp_ce_train_fwd_triton(logits, targets, w)
+    q, q_t = tk.softcapped_mtp_ce_fp8_grad_triton(logits, targets, w, lse, grad_scale, s_g,
+                                                  out_dtype=torch.float32, tiles=tiles)
+    want = spec.ce_train_spec(logits, targets, weights)
+    g32 = spec.g_fp32(want, spec.fp8_grad_factor(grad_scale, s_g))
+    spec.assert_e5m2_matches(q, g32, "G8")
+    assert q_t.shape == (V, n) and q_t.is_contiguous() and torch.equal(q_t, q.t())
+    q8, q8_t = tk.softcapped_mtp_ce_fp8_grad_triton(logits, targets, w, lse, grad_scale, s_g, tiles=tiles)
+    assert q8.dtype == q8_t.dtype == torch.float8_e5m2
+    assert torch.equal(q8.float(), q) and torch.equal(q8_t.float(), q_t)
+    # the tail rule matters here: the in-range-only S_w of record 61 gives other values on the last K-1 rows
+    if len(weights) > 1 and n >= len(weights):
+        tail = want["delta"].clone()
+        for r in range(n - len(weights) + 1, n):
+            tail[r] -= sum(weights[n - r:]) * torch.exp(A_ * want["s"][r] - want["lse"][r])
+        other = spec.round_e5m2(spec.g_fp32(dict(want, delta=tail), spec.fp8_grad_factor(grad_scale, s_g)))
+        assert (other[n - len(weights) + 1:] != q[n - len(weights) + 1:].double()).any()
+
+
+def test_fp8_grad_payload_does_not_depend_on_grad_scale():
+    """s_g = grad_scale * 0.75/448 and the factor grad_scale (1/C A) (1/s_g): the e5m2 bits are the same for
+    grad_scale = 1, 1/2, 1/4, 1/8 (the world size only moves s_g)."""
+    logits, targets, w = _fp8_case(6, 900, [1.0, 0.5, 0.25], 77)
+    _, lse = tk.softcapped_mtp_ce_train_fwd_triton(logits, targets, w)
+    outs = [tk.softcapped_mtp_ce_fp8_grad_triton(logits, targets, w, lse, 1 / a, 0.75 / 448 / a)[0]
+            for a in (1, 2, 4, 8)]
+    assert all(torch.equal(o.view(torch.uint8), outs[0].view(torch.uint8)) for o in outs)
+    assert (outs[0].float() != 0).float().mean() > 0.5
+
+
+def test_fp8_grad_saturates_at_57344():
+    """A tiny s_g (1e-7) pushes gradients past e5m2's largest: they saturate to +-57344 (never inf)."""
+    logits, targets, w = _fp8_case(5, 400, [1.0, 0.5, 0.25], 5)
+    _, lse = tk.softcapped_mtp_ce_train_fwd_triton(logits, targets, w)
+    q, _ = tk.softcapped_mtp_ce_fp8_grad_triton(logits, targets, w, lse, 1.0, 1e-7, out_dtype=torch.float32)
+    want = spec.ce_train_spec(logits, targets, w.tolist())
+    g32 = spec.g_fp32(want, spec.fp8_grad_factor(1.0, 1e-7))
+    assert (g32.abs() > 61440).sum() > 10 and (g32.abs() < 57344).sum() > 10
+    spec.assert_e5m2_matches(q, g32, "saturated G8")
+    big = g32.abs() > 61440                               # past the rounding boundary to e5m2's infinity
+    assert torch.equal(q[big].double(), 57344 * g32[big].sign())
+
+
+@triton.jit
+def _e5m2_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n)
+    tl.store(out_ptr + offs, tk._e5m2_rne(x), mask=offs < n)
+
+
+def test_e5m2_rounding_from_fp32_is_nearest_even_and_saturating():
+    """_e5m2_rne against the float64 transcription: ties to even in the normal and subnormal ranges, underflow to
+    +-0, saturation at +-57344 (also for inf), NaN stays NaN; and fp32 values a bf16 step would round differently."""
+    g = torch.Generator().manual_seed(0)
+    ties = torch.tensor([1.125, 1.375, 1.625, 1.875, 2 ** -16 * 0.5, 2 ** -16 * 1.5, 2 ** -16 * 2.5, 2 ** -16 * 3.5])
+    edges = torch.tensor([0.0, 2 ** -14, 2 ** -14 * 0.99, 57344.0, 57345.0, 61439.0, 61440.0, 1e30,
+                          float("inf"), 2 ** -17, 2 ** -17 * 1.01, 2 ** -126, 1.1249999])
+    # 1 + 2^-3 + 2^-9: bf16 rounds it to 1.125 (a tie that e5m2 rounds down), fp32 to e5m2 rounds up
+    double_rounding = torch.tensor([1.0 + 2 ** -3 + 2 ** -9, 1.0 + 2 ** -3 + 2 ** -12])
+    rand = torch.exp2(torch.rand(50_000, generator=g, dtype=torch.float64) * 40 - 24).float()
+    x = torch.cat([ties, edges, double_rounding, rand])
+    x = torch.cat([x, -x, torch.tensor([float("nan")])])
+    out = torch.empty_like(x)
+    _e5m2_kernel[(triton.cdiv(x.numel(), 1024),)](x, out, x.numel(), BLOCK=1024)
+    want = spec.round_e5m2(x.double())
+    same = (out.double() == want) | (out.isnan() & want.isnan())
+    assert same.all(), (x[~same][:6].tolist(), out[~same][:6].tolist(), want[~same][:6].tolist())
+    assert out[:4].tolist() == [1.0, 1.5, 1.5, 2.0]
+    assert out[len(ties) + len(edges)].item() == 1.25
+
+
+def test_train_backward_without_fp8_is_the_spec_formula():
+    """The plain training backward: dlogits = (((g_row (1/C) A) delta) s) (1 - s), the incoming gradient per row
+    (strided, as the gradient of a sum arrives), tail rule on the last rows, repeated targets; fp32 output."""
+    logits, targets, w = _fp8_case(8, 1100, [1.0, 0.5, 0.25], 12)
+    logits = logits.float()
+    losses, lse = tk.softcapped_mtp_ce_train_fwd_triton(logits, targets, w)
+    grad_rows = torch.full((1,), 0.125).expand(8)
+    d = tk.softcapped_mtp_ce_train_bwd_triton(grad_rows, logits, targets, w, lse)
+    want = spec.ce_train_spec(logits, targets, w.tolist())
+    exact = (0.125 * spec.INV_C_A) * want["delta"] * want["s"] * (1 - want["s"])
+    assert d.shape == (8, 1100) and d.dtype == torch.float32
+    # fp32 products of the float64 quantities: a few ulps, except where S_w p and T_c cancel (the target column);
+    # an absolute floor of 1e-6 of the largest gradient covers that.
+    torch.testing.assert_close(d.double(), exact, rtol=1e-5, atol=1e-6 * exact.abs().max().item())
+    (d_op,) = torch.autograd.grad(tk.softcapped_mtp_ce_train_triton(logits.requires_grad_(), targets, w), logits,
+                                  grad_rows)
+    assert torch.equal(d_op, d)
+
+
+def test_train_kernels_and_reference_agree_on_bf16_logits():
+    """tk.softcapped_mtp_ce_fp8_triton and its plain-PyTorch reference (what a CPU and --kernels=ce:torch run):
+    the same losses and G8, the latter up to an e5m2 step next to rounding boundaries; the reference in row blocks
+    gives its own numbers again."""
+    logits, targets, w = _fp8_case(9, 700, [1.0, 0.5, 0.25], 21)
+    losses, g8, g8_t = tk.softcapped_mtp_ce_fp8_triton(logits, targets, w, 0.5, 0.5 * 0.75 / 448)
+    ref_losses, ref_g8, ref_g8_t = tk.softcapped_mtp_ce_fp8_reference(logits, targets, w, 0.5, 0.5 * 0.75 / 448)
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-4)
+    assert (g8.float() != ref_g8.float()).float().mean() < 1e-3
+    assert torch.equal(g8_t.float(), g8.float().T) and torch.equal(ref_g8_t.float(), ref_g8.float().T)
+    blocks = tk.softcapped_mtp_ce_fp8_reference(logits, targets, w, 0.5, 0.5 * 0.75 / 448, rows=4)
+    assert torch.equal(blocks[0], ref_losses) and torch.equal(blocks[1].float(), ref_g8.float())
+
+
+def test_ce_kernels_skip_out_of_range_targets():
     n, V = 6, 700
     g = torch.Generator().manual_seed(3)
-    logits = torch.randn(n, V, generator=g) * 5
+    logits = spec.logits_clear_of_bf16_ties(n, V, g, 5.0)
     targets = torch.randint(0, V, (n,), generator=g)
-    targets[2] = -100  # an ignore-style id: forward skips it, backward finds no column for it
+    targets[2] = -100  # an ignore-style id: the forwards skip it, the gradient finds no column for it
     targets[3] = V  # one past the last column: skipped the same way
     w = torch.tensor([1.0, 0.5, 0.25])
-    losses, lse = tk.softcapped_mtp_ce_fwd_triton(logits, targets, w)
+    losses, _ = tk.softcapped_mtp_ce_fwd_triton(logits, targets, w)
     torch.testing.assert_close(losses.double(), ce_float64(logits, targets, w)[0], rtol=1e-5, atol=1e-4)
-    grad_rows = torch.full((1,), 0.125).expand(n)  # stride 0, like the gradient of a sum scaled by 1/A
-    dlogits = tk.softcapped_mtp_ce_bwd_triton(grad_rows, logits, targets, w, lse)
-    exact = ce_grad_float64(grad_rows, logits, targets, w)
-    torch.testing.assert_close(dlogits.double(), exact, rtol=1e-4, atol=1e-6 * exact.abs().max().item())
+    losses, lse = tk.softcapped_mtp_ce_train_fwd_triton(logits, targets, w)
+    want = spec.ce_train_spec(logits, targets, w.tolist())
+    torch.testing.assert_close(losses.double(), want["losses"], rtol=1e-5, atol=1e-4)
+    q, _ = tk.softcapped_mtp_ce_fp8_grad_triton(logits, targets, w, lse, 1.0, 0.75 / 448, out_dtype=torch.float32)
+    spec.assert_e5m2_matches(q, spec.g_fp32(want, spec.fp8_grad_factor(1.0, 0.75 / 448)), "G8")
 
 
-def test_softcapped_mtp_ce_autograd_matches_reference():
-    n, V = 6, 1200
-    g = torch.Generator().manual_seed(11)
-    logits = (torch.randn(n, V, generator=g) * 6).requires_grad_()
-    targets = torch.randint(0, V, (n,), generator=g)
-    w = torch.tensor([1.0, 0.5, 0.125])
-    losses = tk.softcapped_mtp_ce_triton(logits, targets, w)
-    ref = tk.softcapped_mtp_ce_reference(logits, targets, w)
-    torch.testing.assert_close(losses, ref, rtol=1e-5, atol=1e-4)
-    grad_rows = torch.rand(n, generator=g)
-    (d,) = torch.autograd.grad(losses, logits, grad_rows)
-    (d_ref,) = torch.autograd.grad(ref, logits, grad_rows)
-    torch.testing.assert_close(d, d_ref, rtol=1e-4, atol=1e-6 * d_ref.abs().max().item())
-
-
-@pytest.mark.parametrize("n, V, weights", [(9, 1100, [1.0, 0.5, 0.25]), (4, 300, [1.0, 0.0, 0.3]), (2, 520, [1.0])])
-def test_ce_backward_fp8_epilogue_is_the_bf16_gradient_scaled_and_clamped(n, V, weights):
-    """The QUANTIZE epilogue (final FP8 cast skipped: out_dtype=float32) is bitwise clamp(bf16(dlogits) * fp32(1/s))
-    of the plain backward's bf16 output, from bf16 logits (read and rounded through their bits, so
-    exact here). The scale is tiny enough that some gradients saturate at +-57344."""
-    g = torch.Generator().manual_seed(n * 7 + V)
-    logits = (torch.randn(n, V, generator=g) * 8).bfloat16()
-    targets = torch.randint(0, V, (n,), generator=g)
-    w = torch.tensor(weights)
-    _, lse = tk.softcapped_mtp_ce_fwd_triton(logits, targets, w)
-    grad_rows = torch.rand(n, generator=g) + 0.5
-    d = tk.softcapped_mtp_ce_bwd_triton(grad_rows, logits, targets, w, lse)
-    assert d.dtype == torch.bfloat16
-    exact = ce_grad_float64(grad_rows, logits, targets, w)
-    torch.testing.assert_close(d.double(), exact, rtol=1e-2, atol=1e-6 * exact.abs().max().item())
-    scale = 2e-6
-    want = (d.float() * torch.tensor(1 / scale)).clamp(-57344.0, 57344.0)
-    assert (want.abs() == 57344.0).any() and (want.abs() < 57344.0).any()
-    # the interpreter's tiles (partial row tiles, column ranges and column blocks at these sizes), then whole rows
-    # per program in 64-column blocks
-    for tiles in (None, (8, 64, None, 2)):
-        q, q_t = tk.softcapped_mtp_ce_bwd_fp8_triton(grad_rows, logits, targets, w, lse, scale,
-                                                     out_dtype=torch.float32, tiles=tiles)
-        assert torch.equal(q, want)
-        assert q_t.shape == (V, n) and q_t.is_contiguous() and torch.equal(q_t, want.t())
-
-
-def test_fp8_head_mtp_ce_matches_the_emulated_head_and_plain_loss():
-    """train_gpt.FP8HeadMTPCE (the CUDA path: FP8 ops around the CE kernels, the gradient quantised inside the
-    backward kernel) against the CPU path of the same math (emulated FP8 head, then the chunked loss). Tolerances are
-    the FP8 operands' (the interpreter's e5m2 cast also mis-rounds e5m2 subnormals, a few tiny gradients); a wrong
-    layout, scale or transpose gives errors of order 1."""
+def test_fp8_head_training_op_matches_the_cpu_path():
+    """train_gpt's training op with both fused halves (the FP8 custom ops around the loss's kernels) against the CPU
+    path of the same math (emulated head, reference loss). The logits differ by the accumulation order of the two
+    heads, so tolerances are the FP8 operands'; a wrong layout, scale or transpose gives errors of order 1."""
     import train_gpt as tg
     tg.register_fp8_head_op()
     scales = (100 / 448, 1.6 / 448, 0.75 / 448)
     g = torch.Generator().manual_seed(8)
     h = tg.rms(torch.randn(24, 64, generator=g)).bfloat16().requires_grad_(True)
-    w = (0.05 * torch.randn(64, 96, generator=g)).bfloat16().requires_grad_(True)
+    w = (0.3 * torch.randn(64, 96, generator=g)).bfloat16().requires_grad_(True)
     targets = torch.randint(0, 96, (24,), generator=g)
     mtp = torch.tensor([1.0, 0.5, 0.25])
-    losses = tg.FP8HeadMTPCE.apply(h, w, targets, mtp, *scales)
-    dh, dw = torch.autograd.grad(losses.sum() / 2, (h, w))
-    ref = tk.softcapped_mtp_ce_chunked(tg.FP8HeadEmulated.apply(h, w, *scales), targets, mtp)
-    ref_dh, ref_dw = torch.autograd.grad(ref.sum() / 2, (h, w))
-    torch.testing.assert_close(losses, ref, rtol=1e-3, atol=1e-3)
+    fused = tg.fp8_head_mtp_ce(h, w, targets, mtp, 0.5, *scales, fused_head=True, fused_ce=True, rows=None)
+    dh, dw = torch.autograd.grad(fused.sum() * 0.5, (h, w))
+    ref = tg.fp8_head_mtp_ce(h, w, targets, mtp, 0.5, *scales, fused_head=False, fused_ce=False, rows=0)
+    ref_dh, ref_dw = torch.autograd.grad(ref.sum() * 0.5, (h, w))
+    torch.testing.assert_close(fused, ref, rtol=1e-3, atol=1e-3)
     for got, want in ((dh, ref_dh), (dw, ref_dw)):
         assert got.dtype == torch.bfloat16 and got.shape == want.shape
         assert (got.float() - want.float()).abs().max() <= 2e-2 * want.float().abs().max()
@@ -364,7 +425,8 @@ def test_ce_launcher_rejects_bad_input():
     with pytest.raises(ValueError, match="int64"):
         tk.softcapped_mtp_ce_fwd_triton(logits, torch.zeros(4, dtype=torch.int32), torch.ones(1))
     with pytest.raises(ValueError, match="fp32"):
-        tk.softcapped_mtp_ce_fwd_triton(logits, torch.zeros(4, dtype=torch.int64), torch.ones(1, dtype=torch.float64))
+        tk.softcapped_mtp_ce_train_fwd_triton(logits, torch.zeros(4, dtype=torch.int64),
+                                              torch.ones(1, dtype=torch.float64))
     with pytest.raises(ValueError, match="contiguous"):
         tk.softcapped_mtp_ce_fwd_triton(torch.randn(64, 4).T, torch.zeros(4, dtype=torch.int64), torch.ones(1))
 

@@ -115,13 +115,13 @@ class Recorder:
     def __init__(self, model):
         self.model, self.calls = model, []
 
-    def __call__(self, inputs, targets, cu_seqlens, ws_short, ws_long, mtp, max_seqlen):
+    def __call__(self, inputs, targets, cu_seqlens, ws_short, ws_long, mtp, max_seqlen, *grad_scale):
         m = self.model
         self.calls.append((_meta(inputs), _meta(targets), _meta(cu_seqlens), ws_short, ws_long,
-                           _meta(mtp), tuple(mtp.tolist()), max_seqlen, m.training,
+                           _meta(mtp), tuple(mtp.tolist()), max_seqlen, grad_scale, m.training,
                            torch.is_grad_enabled(), m.attn_scale, tuple(m.rotary_omega.tolist()),
                            m.rotary_cos.double().sum().item()))
-        return m(inputs, targets, cu_seqlens, ws_short, ws_long, mtp, max_seqlen)
+        return m(inputs, targets, cu_seqlens, ws_short, ws_long, mtp, max_seqlen, *grad_scale)
 
 
 @pytest.fixture(scope="module")

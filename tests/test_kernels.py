@@ -98,30 +98,90 @@ def test_ce_reference_with_fewer_rows_than_weights():
     torch.testing.assert_close(got.double(), ce_loop_float64(logits, targets, [1.0, 0.5, 0.25]), rtol=1e-5, atol=1e-5)
 
 
-def test_ce_reference_gradient_matches_spec_closed_form():
-    """dl_c = g_row (S_w p_c - T_c) z_c (1 - sigma_c) / C, through the reference's autograd."""
-    g = torch.Generator().manual_seed(5)
-    n, V = 6, 13
-    weights = [1.0, 0.5, 0.25]
-    logits = (torch.randn(n, V, generator=g) * 6).requires_grad_()
-    targets = torch.randint(0, V, (n,), generator=g)
-    targets[4] = targets[3]  # two offsets of one row hitting the same column: T_c sums both weights
-    grad_rows = torch.rand(n, generator=g) + 0.5
-    (got,) = torch.autograd.grad(tk.softcapped_mtp_ce_reference(logits, targets, torch.tensor(weights)), logits,
-                                 grad_rows)
-    l64 = logits.detach().double()
-    sig = torch.sigmoid((l64 + B_) / C_)
+def train_grad_float64(logits, targets, weights, grad_rows):
+    """The spec's gradient of sum_r g_r loss_r in float64, written from §3.9 with loops: S_w over all K weights (tail
+    rule), T_c over the in-range offsets, sigma unrounded (float64 logits)."""
+    n, V = logits.shape
+    sig = torch.sigmoid(logits.double() / C_ + B_ / C_)
     z = A_ * sig
     p = torch.softmax(z, dim=1)
     want = torch.zeros(n, V, dtype=torch.float64)
     for i in range(n):
-        s_w = sum(w for k, w in enumerate(weights) if i + k < n)
         t = torch.zeros(V, dtype=torch.float64)
         for k, w in enumerate(weights):
             if i + k < n:
                 t[targets[i + k]] += w
-        want[i] = grad_rows[i].item() * (s_w * p[i] - t) * z[i] * (1 - sig[i]) / C_
-    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-6)
+        want[i] = float(grad_rows[i]) * (A_ / C_) * (sum(weights) * p[i] - t) * sig[i] * (1 - sig[i])
+    return want
+
+
+@pytest.mark.parametrize("weights", [[1.0, 0.5, 0.25], [1.0, 0.5], [1.0]])
+def test_train_reference_gradient_is_the_spec_formula_in_float64(weights):
+    """The training loss without the FP8 head (use_fp8=False; --dtype=float64 on a CPU): its backward is the spec's
+    formula with the tail rule, not autograd's derivative of the loss (they differ on the last K-1 rows), and the
+    incoming gradient passes through per row. In row blocks too."""
+    g = torch.Generator().manual_seed(len(weights))
+    n, V = 7, 13
+    logits = (torch.randn(n, V, generator=g, dtype=torch.float64) * 6).requires_grad_()
+    targets = torch.randint(0, V, (n,), generator=g)
+    targets[4] = targets[3]  # two offsets of one row hitting the same column: T_c sums both weights
+    grad_rows = torch.rand(n, generator=g, dtype=torch.float64) + 0.5
+    want = train_grad_float64(logits.detach(), targets, weights, grad_rows)
+    w = torch.tensor(weights, dtype=torch.float64)
+    for rows in (None, 3):
+        losses = tk.softcapped_mtp_ce_train_reference(logits, targets, w, rows=rows)
+        (got,) = torch.autograd.grad(losses, logits, grad_rows)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-15)
+    # the loss is record 61's (unrounded sigma in float64) and its own derivative differs on the tail rows only
+    torch.testing.assert_close(losses, tk.softcapped_mtp_ce_reference(logits, targets, w), rtol=1e-12, atol=1e-12)
+    (autograd,) = torch.autograd.grad(tk.softcapped_mtp_ce_reference(logits, targets, w), logits, grad_rows)
+    tail = n - len(weights) + 1
+    torch.testing.assert_close(got[:tail], autograd[:tail], rtol=1e-10, atol=1e-14)
+    assert len(weights) == 1 or (got[tail:] - autograd[tail:]).abs().max() > 1e-3
+
+
+def test_train_reference_rounds_sigma_to_bf16_only_for_bf16_logits():
+    import _ce_spec as spec
+    g = torch.Generator().manual_seed(2)
+    logits = spec.logits_clear_of_bf16_ties(5, 40, g, 6.0, torch.bfloat16)
+    targets = torch.randint(0, 40, (5,), generator=g)
+    weights = [1.0, 0.5, 0.25]
+    for dtype, rounded in ((torch.bfloat16, True), (torch.float32, False)):
+        losses, _ = tk.softcapped_mtp_ce_train_math(logits.to(dtype), targets, torch.tensor(weights))
+        want = spec.ce_train_spec(logits, targets, weights, rounded=rounded)["losses"]
+        torch.testing.assert_close(losses.double(), want, rtol=1e-6, atol=1e-5)
+        other = spec.ce_train_spec(logits, targets, weights, rounded=not rounded)["losses"]
+        assert (losses.double() - other).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("grad_scale", [1.0, 0.5, 0.125])
+def test_fp8_reference_gradient_is_the_spec_quantised(grad_scale):
+    """The FP8 op's reference: losses of the bf16 logits and G8 = e5m2 of the spec's fp32 gradient of
+    grad_scale * sum(losses), both layouts, with the same payload for every grad_scale; in row blocks too."""
+    import _ce_spec as spec
+    g = torch.Generator().manual_seed(11)
+    n, V, weights = 9, 300, [1.0, 0.5, 0.25]
+    logits = spec.logits_clear_of_bf16_ties(n, V, g, 8.0, torch.bfloat16)
+    targets = torch.randint(0, V, (n,), generator=g)
+    s_g = grad_scale * 0.75 / 448
+    losses, g8, g8_t = tk.softcapped_mtp_ce_fp8_reference(logits, targets, torch.tensor(weights), grad_scale, s_g)
+    want = spec.ce_train_spec(logits, targets, weights)
+    torch.testing.assert_close(losses.double(), want["losses"], rtol=1e-6, atol=1e-5)
+    assert g8.dtype == g8_t.dtype == torch.float8_e5m2 and torch.equal(g8_t.float(), g8.float().T)
+    spec.assert_e5m2_matches(g8.float(), spec.g_fp32(want, spec.fp8_grad_factor(grad_scale, s_g)), "reference G8")
+    _, g8_one, _ = tk.softcapped_mtp_ce_fp8_reference(logits, targets, torch.tensor(weights), 1.0, 0.75 / 448)
+    assert torch.equal(g8.view(torch.uint8), g8_one.view(torch.uint8))
+    blocks = tk.softcapped_mtp_ce_fp8_reference(logits, targets, torch.tensor(weights), grad_scale, s_g, rows=4)
+    assert torch.equal(blocks[0], losses) and torch.equal(blocks[1].view(torch.uint8), g8.view(torch.uint8))
+
+
+def test_fp8_gradient_factor_is_the_specs_constants():
+    """spec §3.9 step 6 at W = 8: (1/C) A = 0x40444445, s_g = 0x3ADB6DB7, 1/s_g = 0x44155555; 1/C and B/C."""
+    import struct
+    bits = lambda x: struct.unpack("I", struct.pack("f", x))[0]
+    assert bits(tk.SOFTCAP_INV_C) == 0x3E088889 and bits(tk.SOFTCAP_B_DIV_C) == 0x3F2AAAAB
+    assert bits(tk.SOFTCAP_INV_C_A) == 0x40444445 and bits(tk._f32(0.75 / 448)) == 0x3ADB6DB7
+    assert bits(tk.fp8_grad_inverse_scale(0.75 / 448)) == 0x44155555
 
 
 def test_the_trainer_runs_every_reference_on_cpu():
@@ -133,12 +193,14 @@ def test_the_trainer_runs_every_reference_on_cpu():
         assert (ops.xxt, ops.ba_plus_cAA, ops.relu2_mlp) == (tk.xxt_reference, tk.ba_plus_cAA_reference,
                                                              tk.relu2_mlp_reference), kernels
         assert ops.mtp_ce is tk.softcapped_mtp_ce_chunked, kernels
+        assert ops.mtp_ce_train.func is tk.softcapped_mtp_ce_train_reference, kernels
+        assert ops.fp8_head_mtp_ce.keywords == dict(fused_head=False, fused_ce=False, rows=0), kernels
 
 
 @pytest.mark.parametrize("n, weights", [(100, [1.0, 0.5, 0.25]), (70, [1.0, 0.0, 0.5]), (2, [1.0, 0.5, 0.25]),
                                         (33, [1.0]), (64, [0.0, -1.0])])
 def test_ce_cpu_path_matches_reference_forward_and_backward(n, weights):
-    """The CE op on CPU is the chunked path (rows in blocks of 32, so n=33/70/100 cross block edges and the
+    """The eval CE op on CPU is the chunked path (rows in blocks of 32, so n=33/70/100 cross block edges and the
     MTP targets of a block's last rows live in the next block): same losses and bf16 gradient as the reference."""
     g = torch.Generator().manual_seed(n)
     V = 777
@@ -197,26 +259,27 @@ def _sm90_cases():
         tiles = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m, "WARP_SPECIALIZE": True}
         cases.append(("mlp", tk._relu2_linear_kernel, mlp_sig, {"BACKWARD": backward, **tiles},
                       {"num_warps": warps, "num_stages": stages}, (), tuple(mlp_sig)))
-    cases.append(("ce_fwd", tk._ce_fwd_kernel,
-                  {"logits_ptr": "*bf16", "targets_ptr": "*i64", "weights_ptr": "*fp32", "losses_ptr": "*fp32",
-                   "lse_ptr": "*fp32", "n_rows": "i32", "n_cols": "i32", "stride_row": "i32", "n_weights": "i32"},
-                  {**softcap, "BLOCK": tk._CE_BLOCK}, {"num_warps": tk._CE_WARPS}, (),
-                  ("logits_ptr", "n_cols", "stride_row")))
-    ce_bwd_sig = {"grad_ptr": "*fp32", "stride_grad": "i32", "logits_ptr": "*bf16", "weights_ptr": "*fp32",
-                  "lse_ptr": "*fp32", "n_rows": "i32", "n_cols": "i32", "stride_row": "i32", "n_weights": "i32",
-                  "inv_scale": "fp32", "limit": "fp32"}
-    # the plain bf16 backward (one layout) and the FP8 head's (both layouts), as the launcher pairs them
+    ce_fwd_sig = {"logits_ptr": "*bf16", "targets_ptr": "*i64", "weights_ptr": "*fp32", "losses_ptr": "*fp32",
+                  "lse_ptr": "*fp32", "n_rows": "i32", "n_cols": "i32", "stride_row": "i32", "n_weights": "i32"}
+    for train in (False, True):   # record 61's eval loss, record 80's training loss
+        cases.append(("ce_fwd", tk._ce_fwd_kernel, ce_fwd_sig,
+                      {**softcap, "TRAIN": train, "NATIVE": True, "BLOCK": tk._CE_BLOCK}, {"num_warps": tk._CE_WARPS},
+                      (), ("logits_ptr", "n_cols", "stride_row")))
+    ce_grad_sig = {"grad_ptr": "*fp32", "stride_grad": "i32", "logits_ptr": "*bf16", "weights_ptr": "*fp32",
+                   "lse_ptr": "*fp32", "n_rows": "i32", "n_cols": "i32", "stride_row": "i32", "n_weights": "i32",
+                   "post_scale": "fp32"}
+    # the plain bf16 training backward (one layout) and the FP8 head's gradient (both layouts), as the launcher
+    # pairs them
     for quantize, out in ((False, "*bf16"), (True, "*fp8e5")):
-        flags = {"QUANTIZE": quantize, "NATIVE": True, "TRANSPOSED": quantize}
-        rows, block, _, warps = tk._CE_BWD_TILES[quantize]
-        sig = {**ce_bwd_sig, "out_ptr": out, "out_t_ptr": out, "cols_per_program": "i32"}
-        cases.append(("ce_bwd", tk._ce_bwd_kernel, sig, {**softcap, **flags, "BLOCK_R": rows, "BLOCK_C": block},
+        flags = {"A": tk.SOFTCAP_A, "QUANTIZE": quantize, "NATIVE": True, "TRANSPOSED": quantize}
+        rows, block, _, warps = tk._CE_GRAD_TILES[quantize]
+        sig = {**ce_grad_sig, "out_ptr": out, "out_t_ptr": out, "cols_per_program": "i32"}
+        cases.append(("ce_grad", tk._ce_grad_kernel, sig, {**flags, "BLOCK_R": rows, "BLOCK_C": block},
                       {"num_warps": warps}, ("stride_grad",),
                       ("logits_ptr", "out_ptr", "out_t_ptr", "n_rows", "n_cols", "cols_per_program")))
         cases.append(("ce_targets", tk._ce_targets_kernel,
-                      {**ce_bwd_sig, "out_ptr": out, "out_t_ptr": out, "targets_ptr": "*i64"},
-                      {**softcap, **flags}, {"num_warps": 1}, ("stride_grad",),
-                      ("logits_ptr", "out_ptr", "n_cols")))
+                      {**ce_grad_sig, "out_ptr": out, "out_t_ptr": out, "targets_ptr": "*i64"},
+                      flags, {"num_warps": 1}, ("stride_grad",), ("logits_ptr", "out_ptr", "n_cols")))
     strides = ("stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh")
     attn = {"fwd": (tk._attn_fwd_kernel, {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "o_ptr": "*bf16",
                                           "lse_ptr": "*fp32", "start_ptr": "*i32", "stride_ot": "i32",
@@ -238,28 +301,31 @@ def _sm90_cases():
     return cases
 
 
-def test_ce_bwd_fp8_output_saturates_in_the_cast():
-    """The e5m2 gradient relies on sm_90's saturating conversion (cvt.rn.satfinite) for the quantiser's clamp to
-    +-57344, so its loop has no min/max; the fp32 output of the interpreter tests keeps the explicit clamp."""
+def test_ce_fp8_gradient_saturates_in_the_cast():
+    """The e5m2 gradient relies on sm_90's saturating conversion straight from fp32 (cvt.rn.satfinite, RNE) for its
+    rounding and the clamp to +-57344, so its loop has no min/max; the fp32 output of the tests rounds through the
+    bits (_e5m2_rne), whose saturation is a min."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("the interpreter replaces triton.jit; run without TRITON_INTERPRET")
     _, kernel, sig, consts, opts, contiguous, aligned = next(
-        c for c in _sm90_cases() if c[0] == "ce_bwd" and c[3]["QUANTIZE"])
+        c for c in _sm90_cases() if c[0] == "ce_grad" and c[3]["QUANTIZE"])
     ptx = {}
     for out in ("*fp8e5", "*fp32"):
         try:
-            ptx[out] = compile_for_h100(kernel, {**sig, "out_ptr": out}, consts, opts, contiguous, aligned).asm["ptx"]
+            ptx[out] = compile_for_h100(kernel, {**sig, "out_ptr": out, "out_t_ptr": out}, consts, opts, contiguous,
+                                        aligned).asm["ptx"]
         except (ImportError, FileNotFoundError) as e:
             pytest.skip(f"cannot compile for sm_90 here: {e}")
-    assert "cvt.rn.satfinite.e5m2x2.f32" in ptx["*fp8e5"]
+    assert "cvt.rn.satfinite.e5m2x2.f32" in ptx["*fp8e5"] and "bf16" not in ptx["*fp8e5"].split("cvt.rn.satfinite")[1]
     assert "min.f32" not in ptx["*fp8e5"] and "max.f32" not in ptx["*fp8e5"]
-    assert "min.f32" in ptx["*fp32"] and "max.f32" in ptx["*fp32"]
+    assert "min.f32" in ptx["*fp32"]
 
 
-def test_ce_kernels_take_two_bare_exponentials_and_the_reciprocal_as_fmas():
-    """The cross entropy's exponentials are the bare ex2.approx.ftz (tl.exp would bring ex2.approx.f32 with a compare
-    and two multiplies per element around it) and its reciprocal is _rcp_fma's FMAs: no rcp and no division on the
-    special-function unit, which bounds the forward."""
+def test_ce_kernels_special_functions():
+    """Eval: two bare exponentials per score (ex2.approx.ftz; tl.exp would bring ex2.approx.f32 with a compare and
+    two multiplies per element) and _rcp_fma's FMAs for the reciprocal, no rcp and no division on the
+    special-function unit, which bounds the forward. Training: the record's tanh.approx.f32 for sigma, its
+    bf16 rounding as one cvt.rn.bf16.f32, one bare exponential, and no rcp or division either."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("the interpreter replaces triton.jit; run without TRITON_INTERPRET")
     for name, kernel, sig, consts, opts, contiguous, aligned in _sm90_cases():
@@ -269,9 +335,14 @@ def test_ce_kernels_take_two_bare_exponentials_and_the_reciprocal_as_fmas():
             ptx = compile_for_h100(kernel, sig, consts, opts, contiguous, aligned).asm["ptx"]
         except (ImportError, FileNotFoundError) as e:
             pytest.skip(f"cannot compile for sm_90 here: {e}")
+        train = consts.get("TRAIN", name != "ce_fwd")
         assert "ex2.approx.ftz.f32" in ptx and "ex2.approx.f32" not in ptx, name
         assert "rcp." not in ptx and "div." not in ptx, name
-        assert "fma.rn.f32" in ptx and "min.NaN.f32" in ptx, name
+        assert "fma.rn.f32" in ptx, name
+        if train:
+            assert "tanh.approx.f32" in ptx and "cvt.rn.bf16.f32" in ptx and "min.NaN.f32" not in ptx, name
+        else:
+            assert "tanh.approx" not in ptx and "min.NaN.f32" in ptx, name
 
 
 def test_attention_kernels_compile_with_fp64_scales():

@@ -289,6 +289,24 @@ def mtp_loss_direct(logits, targets, weights):
     return total
 
 
+def sigma_bf16(logits):
+    """Record 80's training softcap sigma: sigmoid(l * fp32(1/C) + fp32(B/C)) rounded to bf16 (bf16 logits)."""
+    return torch.sigmoid(logits.double() * tk.SOFTCAP_INV_C + tk.SOFTCAP_B_DIV_C).float().bfloat16().double()
+
+
+def mtp_train_loss_direct(logits, targets, weights):
+    """Record 80's training loss: sum_i sum_k [i+k < T] w_k (lse_i - 23 s[i, targets[i+k]]) with s = sigma_bf16 (no
+    w_k > 0 test), float64 with explicit loops."""
+    z = 23.0 * sigma_bf16(logits)
+    lse = torch.logsumexp(z, -1)
+    total = 0.0
+    for i in range(z.shape[0]):
+        for k, w in enumerate(weights.tolist()):
+            if i + k < z.shape[0]:
+                total += w * (lse[i] - z[i, targets[i + k]]).item()
+    return total
+
+
 def rel_err(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
@@ -758,16 +776,19 @@ def test_full_forward_matches_direct_train_and_eval():
         h = model.final_hidden(inputs, cu, 1, 2, 64)
         assert rel_err(h, h_ref) < 0.03
         train_loss = model(inputs, targets, cu, 1, 2, weights, 64)
-        # the loss is exactly the sum of MTP rows of the model's own logits ...
-        own = mtp_loss_direct(h @ model.lm_head, targets, weights)
+        # the loss is exactly the sum of MTP rows of the model's own logits (record 80's bf16 sigma) ...
+        own = mtp_train_loss_direct(h @ model.lm_head, targets, weights)
         assert train_loss.dtype == torch.float32 and train_loss.item() == pytest.approx(own, rel=1e-5)
+        # ... which is not the loss of the unrounded sigma (the rounding moves it by ~1e-4 here) ...
+        assert abs(train_loss.item() - mtp_loss_direct(h @ model.lm_head, targets, weights)) > 1e-5 * own
         # ... and close to the fp32 reference of the whole model
         ref_logits = h_ref @ model.lm_head.double()
-        assert train_loss.item() == pytest.approx(mtp_loss_direct(ref_logits, targets, weights), rel=0.01)
+        assert train_loss.item() == pytest.approx(mtp_train_loss_direct(ref_logits.bfloat16(), targets, weights),
+                                                  rel=0.01)
         # zero weights and rows past the end are dropped, not renormalised
         w2 = torch.tensor([1.0, 0.0, 0.7])
         assert model(inputs, targets, cu, 1, 2, w2, 64).item() == pytest.approx(
-            mtp_loss_direct(h @ model.lm_head, targets, w2), rel=1e-5)
+            mtp_train_loss_direct(h @ model.lm_head, targets, w2), rel=1e-5)
         model.eval()
         eval_loss = model(inputs, targets, cu, 1, 2, weights, 64)
         z = softcap(h @ model.lm_head)
@@ -866,57 +887,135 @@ def test_fp8_emulation_forward_backward_vs_manual():
     h = torch.randn(32, 64, generator=g).bfloat16()
     w = (0.005 * torch.randn(64, 48, generator=g)).bfloat16()
     h[0, 0], w[1, 2] = 1000.0, -10.0                       # both overflow e4m3 after scaling
-    h.requires_grad_(True); w.requires_grad_(True)
-    logits = tg.FP8HeadEmulated.apply(h, w, s_x, s_w, s_g)
-    x8, w8 = _manual_q(h, s_x, torch.float8_e4m3fn, 448), _manual_q(w, s_w, torch.float8_e4m3fn, 448)
-    assert x8[0, 0] == 448 and w8[1, 2] == -448
+    logits, x8_t, w8 = tg.fp8_head_emulated(h, w, s_x, s_w)
+    x8, w8_manual = _manual_q(h, s_x, torch.float8_e4m3fn, 448), _manual_q(w, s_w, torch.float8_e4m3fn, 448)
+    assert x8[0, 0] == 448 and w8_manual[1, 2] == -448
+    assert torch.equal(x8_t.float(), x8.T) and torch.equal(w8.float(), w8_manual)
     sxw = torch.tensor(s_x) * torch.tensor(s_w)
-    want = (x8.double() @ w8.double() * sxw.double())
+    want = (x8.double() @ w8_manual.double() * sxw.double())
     assert logits.dtype == torch.bfloat16 and torch.isfinite(logits).all()
     assert torch.allclose(logits.double(), want, rtol=8e-3, atol=1e-6)
-    G = (1e-3 * torch.randn(32, 48, generator=g)).bfloat16()
-    G[3, 4] = 1000.0                                       # overflows e5m2 after scaling
-    logits.backward(G)
-    g8 = _manual_q(G, s_g, torch.float8_e5m2, 57344)
-    assert g8[3, 4] == 57344
-    dh = g8.double() @ w8.double().T * (s_g * s_w)
-    dw = x8.double().T @ g8.double() * (s_x * s_g)
-    assert h.grad.dtype == torch.bfloat16 and w.grad.dtype == torch.bfloat16
-    assert torch.allclose(h.grad.double(), dh, rtol=8e-3, atol=1e-9)
-    assert torch.allclose(w.grad.double(), dw, rtol=8e-3, atol=1e-9)
+    g8 = (1e3 * torch.randn(32, 48, generator=g)).clamp(-57344, 57344).to(torch.float8_e5m2)
+    dh, dw = tg.fp8_head_backward_emulated(g8, g8.t().contiguous(), x8_t, w8, s_x, s_w, s_g)
+    want_dh = g8.double() @ w8_manual.double().T * (s_g * s_w)
+    want_dw = x8.double().T @ g8.double() * (s_x * s_g)
+    assert dh.dtype == torch.bfloat16 and dw.dtype == torch.float32
+    assert torch.allclose(dh.double(), want_dh, rtol=8e-3, atol=1e-9)
+    assert torch.allclose(dw.double(), want_dw, rtol=1e-5, atol=1e-9)
 
 
 def test_fp8_custom_ops_match_the_emulation_on_cpu():
     """The two custom ops (eager quantisers off CUDA) against the emulation's forward and backward, and their fake
-    kernels. Skipped where torch._scaled_mm has no CPU kernel. FP8HeadMTPCE, which chains them around the cross
-    entropy kernels, runs under the Triton interpreter in tests/_kernels_interp.py."""
+    kernels. Skipped where torch._scaled_mm has no CPU kernel."""
     tg.register_fp8_head_op()
     tg.register_fp8_head_op()  # idempotent
     s_x, s_w, s_g = 100 / 448, 1.6 / 448, 0.75 / 448
     g = torch.Generator().manual_seed(1)
-    h = torch.randn(32, 64, generator=g).bfloat16().requires_grad_(True)
-    w = (0.005 * torch.randn(64, 48, generator=g)).bfloat16().requires_grad_(True)
-    G = (1e-3 * torch.randn(32, 48, generator=g)).bfloat16()
+    h = torch.randn(32, 64, generator=g).bfloat16()
+    w = (0.005 * torch.randn(64, 48, generator=g)).bfloat16()
+    g8 = (1e3 * torch.randn(32, 48, generator=g)).clamp(-57344, 57344).to(torch.float8_e5m2)
+    g8_t = g8.t().contiguous()
     try:
         out, x8_t, w8 = torch.ops.nanogpt.fp8_head(h, w, s_x, s_w)
     except (RuntimeError, NotImplementedError) as err:
         pytest.skip(f"torch._scaled_mm unavailable on CPU here: {err}")
     assert out.dtype == torch.bfloat16 and x8_t.shape == (64, 32) and w8.shape == (64, 48)
     assert torch.equal(x8_t.float(), tg.fp8_quantize(h, s_x, torch.float8_e4m3fn).float().T)
-    g8 = tg.fp8_quantize(G, s_g, torch.float8_e5m2)
-    g8_t = g8.t().contiguous()
     dh, dw = torch.ops.nanogpt.fp8_head_backward(g8, g8_t, x8_t, w8, s_x, s_w, s_g)
     assert dh.dtype == torch.bfloat16 and dw.dtype == torch.float32
-    for op, args in ((torch.ops.nanogpt.fp8_head.default, (h.detach(), w.detach(), s_x, s_w)),
+    for op, args in ((torch.ops.nanogpt.fp8_head.default, (h, w, s_x, s_w)),
                      (torch.ops.nanogpt.fp8_head_backward.default, (g8, g8_t, x8_t, w8, s_x, s_w, s_g))):
         assert torch.library.opcheck(op, args, test_utils=("test_faketensor",))["test_faketensor"] == "SUCCESS"
 
-    ref = tg.FP8HeadEmulated.apply(h, w, s_x, s_w, s_g)
-    ref_dh, ref_dw = torch.autograd.grad(ref, (h, w), G)
+    ref, ref_x8_t, ref_w8 = tg.fp8_head_emulated(h, w, s_x, s_w)
+    assert torch.equal(ref_x8_t.float(), x8_t.float()) and torch.equal(ref_w8.float(), w8.float())
+    ref_dh, ref_dw = tg.fp8_head_backward_emulated(g8, g8_t, ref_x8_t, ref_w8, s_x, s_w, s_g)
     # same quantised operands, fp32 accumulation both ways: only the accumulation order and output rounding differ
     assert torch.allclose(out.float(), ref.float(), rtol=1e-2, atol=1e-6)
     assert torch.allclose(dh.float(), ref_dh.float(), rtol=1e-2, atol=1e-9)
-    assert torch.allclose(dw, ref_dw.float(), rtol=1e-2, atol=1e-9)
+    assert torch.allclose(dw, ref_dw, rtol=1e-2, atol=1e-9)
+
+
+# ---- the training head: FP8 head + record 80's loss, gradient formed in the forward -------------------------------
+
+FP8_SCALES = (100 / 448, 1.6 / 448, 0.75 / 448)
+
+
+def _head_case(seed=4, T=40, D=64, V=96):
+    g = torch.Generator().manual_seed(seed)
+    h = tg.rms(torch.randn(T, D, generator=g)).bfloat16().requires_grad_(True)
+    w = (0.3 * torch.randn(D, V, generator=g)).bfloat16().requires_grad_(True)
+    return h, w, torch.randint(0, V, (T,), generator=g)
+
+
+@pytest.mark.parametrize("weights", [[1.0, 0.5, 0.25], [1.0, 0.5], [1.0]])
+@pytest.mark.parametrize("grad_scale", [1.0, 0.25])
+def test_fp8_training_head_backward_is_the_spec_gradient(weights, grad_scale):
+    """The CPU training op (emulated head, reference loss): losses = the float64 transcription of the bf16 logits;
+    dh and dW = the FP8 backward of G8 = e5m2(g) with g the spec's fp32 gradient of grad_scale * sum(losses)
+    (tail rule on the last K-1 rows), s_g = grad_scale * 0.75/448."""
+    import _ce_spec as spec
+    h, w, targets = _head_case()
+    mtp = torch.tensor(weights)
+    s_x, s_w, s_g8 = FP8_SCALES
+    losses = CPU_OPS.fp8_head_mtp_ce(h, w, targets, mtp, grad_scale, *FP8_SCALES)
+    dh, dw = torch.autograd.grad(losses.sum() * grad_scale, (h, w))
+    logits, x8_t, w8 = tg.fp8_head_emulated(h.detach(), w.detach(), s_x, s_w)
+    want = spec.ce_train_spec(logits, targets, weights)
+    torch.testing.assert_close(losses.double(), want["losses"], rtol=1e-5, atol=1e-5)
+    s_g = grad_scale * s_g8
+    g32 = spec.g_fp32(want, spec.fp8_grad_factor(grad_scale, s_g))
+    g8 = spec.round_e5m2(g32)
+    want_dh, want_dw = tg.fp8_head_backward_emulated(g8.float().to(torch.float8_e5m2), None, x8_t, w8, s_x, s_w,
+                                                     s_g)
+    loose = spec.ambiguous(g32, spec.round_e5m2, 3e-5).any(1)       # rows that may legally differ by an e5m2 step
+    assert loose.float().mean() < 0.2
+    assert torch.equal(dh[~loose], want_dh[~loose])
+    torch.testing.assert_close(dw.float(), want_dw, rtol=2e-2, atol=1e-3 * want_dw.abs().max().item())
+    assert dh.dtype == dw.dtype == torch.bfloat16
+
+
+def test_fp8_training_head_checks_the_incoming_gradient_on_cpu():
+    """The op forms the gradient of grad_scale * sum(losses) in the forward and ignores the incoming one (F4); on a
+    CPU a backward of anything else is an error naming the fix, and the right one passes. grad_scale changes only
+    s_g: G8 is the same, so the gradients scale by it exactly."""
+    h, w, targets = _head_case(seed=5)
+    mtp = torch.tensor([1.0, 0.5, 0.25])
+    losses = CPU_OPS.fp8_head_mtp_ce(h, w, targets, mtp, 0.5, *FP8_SCALES)
+    with pytest.raises(RuntimeError, match=r"grad_scale=0.5.*\(loss \* 0.5\).backward\(\)"):
+        losses.sum().backward(retain_graph=True)
+    half = torch.autograd.grad(losses.sum() * 0.5, (h, w))
+    one = torch.autograd.grad(CPU_OPS.fp8_head_mtp_ce(h, w, targets, mtp, 1.0, *FP8_SCALES).sum(), (h, w))
+    for a, b in zip(half, one):
+        assert torch.equal(2 * a, b)
+
+
+def test_fp8_training_head_forms_the_gradient_in_the_forward():
+    """What the backward needs is G8 (e5m2) in both layouts, X8^T and W8: not the logits."""
+    h, w, targets = _head_case(seed=6)
+    losses = CPU_OPS.fp8_head_mtp_ce(h, w, targets, torch.tensor([1.0, 0.5]), 1.0, *FP8_SCALES)
+    saved = losses.grad_fn.saved_tensors
+    assert [t.dtype for t in saved] == [torch.float8_e5m2] * 2 + [torch.float8_e4m3fn] * 2
+    assert saved[0].shape == (40, 96) and saved[1].shape == (96, 40) and torch.equal(saved[1].float(),
+                                                                                    saved[0].float().T)
+
+
+def test_training_loss_without_fp8_passes_the_gradient_through():
+    """use_fp8=False: the loss of record 80 (bf16 sigma for bf16 logits) with its gradient formula, scaled by the
+    incoming gradient per row (no F4 contract on this path)."""
+    import _ce_spec as spec
+    g = torch.Generator().manual_seed(9)
+    logits = (4 * torch.randn(12, 50, generator=g)).bfloat16().requires_grad_(True)
+    targets = torch.randint(0, 50, (12,), generator=g)
+    weights = [1.0, 0.5, 0.25]
+    losses = CPU_OPS.mtp_ce_train(logits, targets, torch.tensor(weights))
+    want = spec.ce_train_spec(logits.detach(), targets, weights)
+    torch.testing.assert_close(losses.double(), want["losses"], rtol=1e-5, atol=1e-5)
+    grad_rows = torch.rand(12, generator=g) + 0.5
+    (d,) = torch.autograd.grad(losses, logits, grad_rows)
+    want_d = (grad_rows.double()[:, None] * spec.INV_C_A) * want["delta"] * want["s"] * (1 - want["s"])
+    assert d.dtype == torch.bfloat16
+    torch.testing.assert_close(d.double(), want_d, rtol=2 ** -7, atol=1e-6 * want_d.abs().max().item())
 
 
 # ---- --kernels=torch ----------------------------------------------------------------------------------------------
@@ -955,7 +1054,11 @@ def test_kernels_torch_runs_the_edited_definitions(monkeypatch):
     monkeypatch.setattr(tg.tk, "relu2_mlp_reference", relu_mlp)
     _, edited = _kernels_loss("torch")
     assert len(calls) == 6 and abs(edited.item() - plain.item()) > 1e-3 * abs(plain.item())
-    reference_loss = tg.tk.softcapped_mtp_ce_reference
-    monkeypatch.setattr(tg.tk, "softcapped_mtp_ce_reference", lambda *args: 2 * reference_loss(*args))
+    reference_loss = tg.tk.softcapped_mtp_ce_fp8_reference
+
+    def doubled_loss(*args):                # an edited training loss: twice the losses
+        losses, g8, g8_t = reference_loss(*args)
+        return 2 * losses, g8, g8_t
+    monkeypatch.setattr(tg.tk, "softcapped_mtp_ce_fp8_reference", doubled_loss)
     _, doubled = _kernels_loss("torch")
     assert doubled.item() == pytest.approx(2 * edited.item(), rel=1e-6)

@@ -85,8 +85,8 @@ def test_a_cpu_run_with_default_flags_uses_edited_activation_and_loss(monkeypatc
     monkeypatch.setattr(tk, "relu2_mlp_reference", lambda x, a, b: reference(x, a, b) * 2)   # an edited activation
     edited_mlp = loss_of(tiny_model()).item()
     assert abs(edited_mlp - plain) > 1e-3 * abs(plain)
-    loss_reference = tk.softcapped_mtp_ce_reference
-    monkeypatch.setattr(tk, "softcapped_mtp_ce_reference", lambda *args: 2 * loss_reference(*args))  # an edited loss
+    loss_reference = tk.softcapped_mtp_ce_train_reference                                     # an edited loss
+    monkeypatch.setattr(tk, "softcapped_mtp_ce_train_reference", lambda *args, **kw: 2 * loss_reference(*args, **kw))
     doubled = loss_of(tiny_model()).item()
     assert doubled == pytest.approx(2 * edited_mlp, rel=1e-6)
     qk_reference = tk.qk_norm_rotary_reference
@@ -127,18 +127,17 @@ def test_a_cpu_run_with_default_flags_uses_edited_optimizer_steps(monkeypatch):
 
 
 def test_a_cpu_run_runs_an_edited_fp8_head_and_every_edit_whatever_kernels_asks(monkeypatch):
-    """The FP8 head's reference is a class of train_gpt: an edited one changes a CPU run's loss, as an edited
+    """The FP8 head's reference is functions of train_gpt: an edited one changes a CPU run's loss, as an edited
     activation does, also where --kernels forces the fused kernels (off CUDA there are none)."""
     def fp8_loss(kernels: str = "fused") -> float:
         return loss_of(tiny_model(kernels, use_fp8=True)).item()
     plain = fp8_loss()
-    emulated = tg.FP8HeadEmulated
+    emulated = tg.fp8_head_emulated
 
-    class DoubledLogits(emulated):      # an edited FP8 head: twice the logits
-        @staticmethod
-        def forward(ctx, h, w, s_x, s_w, s_g):
-            return 2 * emulated.forward(ctx, h, w, s_x, s_w, s_g)
-    monkeypatch.setattr(tg, "FP8HeadEmulated", DoubledLogits)
+    def doubled_logits(h, w, s_x, s_w):      # an edited FP8 head: twice the logits
+        logits, x8_t, w8 = emulated(h, w, s_x, s_w)
+        return 2 * logits, x8_t, w8
+    monkeypatch.setattr(tg, "fp8_head_emulated", doubled_logits)
     edited = fp8_loss()
     assert abs(edited - plain) > 1e-3 * abs(plain)
     assert fp8_loss("fp8:fused,ce:fused") == edited
@@ -153,7 +152,8 @@ def test_a_cpu_run_runs_an_edited_fp8_head_and_every_edit_whatever_kernels_asks(
 OP_FIELDS = {
     "qk": {"qk_norm_rotary": (tk.qk_norm_rotary_triton, tk.qk_norm_rotary_reference)},
     "mlp": {"relu2_mlp": (tk.relu2_mlp_triton, tk.relu2_mlp_reference)},
-    "ce": {"mtp_ce": (tk.softcapped_mtp_ce_triton, tk.softcapped_mtp_ce_reference, tk.softcapped_mtp_ce_chunked)},
+    "ce": {"mtp_ce": (tk.softcapped_mtp_ce_triton, tk.softcapped_mtp_ce_reference, tk.softcapped_mtp_ce_chunked),
+           "mtp_ce_train": (tk.softcapped_mtp_ce_train_triton, tk.softcapped_mtp_ce_train_reference)},
     "adam": {"adam_update": (tk.adam_update, tk.adam_update_reference)},
     "normuon": {"normuon_momentum": (tk.normuon_momentum, tk.normuon_momentum_reference),
                 "cautious_update": (tk.cautious_update_with_mantissa, tk.cautious_update_with_mantissa_reference)},
@@ -166,15 +166,14 @@ def fused_in(ops: tg.KernelOps) -> set[str]:
     """The ops whose fields in the table hold their kernels (asserting that no op is half one, half the other)."""
     fused = set()
     for op, fields in OP_FIELDS.items():
-        kinds = {0 if getattr(ops, name) is kernel else 1 if any(getattr(ops, name) is r for r in references)
+        kinds = {0 if getattr(ops, name) is kernel else 1 if any(getattr(getattr(ops, name), "func", None) is r
+                                                                 or getattr(ops, name) is r for r in references)
                  else None for name, (kernel, *references) in fields.items()}
         assert kinds in ({0}, {1}), (op, kinds)
         fused |= {op} if kinds == {0} else set()
     head = ops.fp8_head_mtp_ce
-    if head == tg.FP8HeadMTPCE.apply:
-        return fused | {"fp8"}
-    assert head.func is tg.fp8_head_then_ce and head.args[1] is ops.mtp_ce
-    return fused | ({"fp8"} if head.args[0] == tg.FP8Head.apply else set())
+    assert head.func is tg.fp8_head_mtp_ce and head.keywords["fused_ce"] == ("ce" in fused)
+    return fused | ({"fp8"} if head.keywords["fused_head"] else set())
 
 
 @pytest.mark.parametrize("kernels, on_cuda", [
@@ -237,13 +236,14 @@ def test_an_edited_reference_runs_on_a_gpu_and_says_so_unless_its_kernel_is_forc
 
 
 def test_the_fp8_digest_holds_only_what_the_fused_head_does_not_run():
-    """fp8_quantize runs on the fused FP8 head's path too (its forward quantisers and FP8Head's backward): it is
-    the ce op's, whose fused backward quantises the gradient itself; fp8's reference is the emulated head alone."""
-    fused_path = [tg._quantize_act, tg._quantize_weight, tg.FP8Head, tg.FP8HeadMTPCE]
+    """fp8_quantize runs on the fused FP8 head's path too (its compiled forward quantisers), and the loss's kernels
+    and references quantise the gradient themselves: it is in no digest; fp8's reference is the emulated head's
+    forward and backward, which the fused head's ops never call."""
+    fused_path = [tg._quantize_act, tg._quantize_weight, tg._fp8_head_forward_impl, tg._fp8_head_backward_impl]
     shared = {d for d in tg.KERNEL_REFERENCES["fp8"][0] if any(d.__name__ in
                                                             __import__("inspect").getsource(f) for f in fused_path)}
-    assert tg.KERNEL_REFERENCES["fp8"][0] == (tg.FP8HeadEmulated,) and not shared
-    assert tg.fp8_quantize in tg.KERNEL_REFERENCES["ce"][0]
+    assert tg.KERNEL_REFERENCES["fp8"][0] == (tg.fp8_head_emulated, tg.fp8_head_backward_emulated) and not shared
+    assert all(tg.fp8_quantize not in refs for refs, _ in tg.KERNEL_REFERENCES.values())
 
 
 def test_editing_the_one_epsilon_changes_qk_norm_and_every_rms(monkeypatch):
@@ -312,7 +312,8 @@ def test_an_edited_loss_changes_a_default_cpu_run_and_is_named_at_start(tmp_path
                  for label, log in logs.items()}
     assert first_val["edited"] == pytest.approx(2 * first_val["plain"], abs=2e-4)
     # the log holds the code too, so a line of the run is one that starts with the text
-    assert re.search(r"^warning: softcap, softcapped_mtp_ce_reference, fp8_quantize \(op ce\) changed .* this run "
+    assert re.search(r"^warning: softcap, softcapped_mtp_ce_reference, softcapped_mtp_ce_train_math, "
+                     r"_SoftcappedMTPCETrainReference, softcapped_mtp_ce_fp8_reference \(op ce\) changed .* this run "
                      r"uses the edit \(off CUDA every op runs its reference\)", logs["edited"], re.M)
     assert not re.search(r"^warning: ", logs["plain"], re.M)
 
