@@ -1093,9 +1093,13 @@ class GPT(nn.Module):
         resid, post = self.resid_lambdas.to(wdt), self.post_lambdas.to(wdt)      # (L, 2)
         x0_lambdas, bigram_lambdas = self.x0_lambdas.to(wdt), self.bigram_lambdas.to(wdt)
         # value embeddings (@KoszarskyB, upstream record 14): table j at rows [j*V, (j+1)*V),
-        # (T, D) bf16 each
-        ve = {p.ve_table: F.embedding(inputs + p.ve_table * V, self.value_embeds)
-              for p in self.plan if p.ve_table >= 0}
+        # (T, D) bf16 each. One lookup of every table's row: its backward writes one dense
+        # gradient of the whole parameter, where a lookup per table would write one each and sum
+        # them (bench/tables.py).
+        tables = sorted({p.ve_table for p in self.plan if p.ve_table >= 0})
+        rows = inputs[:, None] + torch.tensor(tables, device=inputs.device, dtype=inputs.dtype) * V
+        ve_rows = F.embedding(rows, self.value_embeds)                           # (T, n, D)
+        ve = {table: ve_rows[:, k] for k, table in enumerate(tables)}
         bigram = F.embedding(bigram_ids(inputs, cfg.bigram_vocab_size), self.bigram_embed)
 
         # Token smear (@classiclarryd, upstream record 34): e'_t = e_t + smear_lambda * sigmoid(e_t[:12] . w) * e_{t-1}, across
