@@ -180,8 +180,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     # on a CPU.
     "tiny": dict(
         model_dim=128, num_heads=4, head_dim=32, mlp_hidden=512, num_layers=6,
-        attn_layout="PNN-NP", long_window_layers=(1, 4), ve_layout=(-1, 0, 1, -1, 2, 3),
-        num_value_embeds=4, bigram_vocab_size=5 * 1024, skip_source_layer=1, skip_dest_layer=3,
+        attn_layout="PNN-NP", long_window_layers=(1, 4), ve_layout=(-1, -1, -1, -1, 0, 1),
+        num_value_embeds=2, bigram_vocab_size=5 * 1024, skip_source_layer=1, skip_dest_layer=3,
         backout_layer=4, cached_input_layer=3,
         batch_slices=2, block_size=16,
         stages=(Stage(512, 1.0, 3, (1.0, 0.5, 0.25), (1.0, 0.5, 0.0), 128),
