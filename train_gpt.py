@@ -1,8 +1,9 @@
 """NanoGPT speedrun trainer: a GPT-2-small-class model trained on FineWeb to 3.28 validation loss.
 
 Run on one node with `./run.sh` (torchrun over the GPUs found); `python train_gpt.py --preset=tiny
-...` runs on a CPU. The training math is that of record 61 of the modded-nanogpt speedrun (README:
-the name map from the record's names to ours, and who introduced each idea).
+...` runs on a CPU. The training math is that of record 80 of the modded-nanogpt speedrun (README:
+the name map from the record's names to ours, and who introduced each idea; record 61, which this
+file trained before, is pinned in records/2026-11-27_record61/).
 This file is the math and the loop, in reading order:
     1. knobs   2. attention   3. model and FP8 head   4. optimizer   5. data   6. schedules
     7. compiler settings   8. building and checking a run   9. training: the step, validation,
@@ -478,7 +479,7 @@ def weighted_sum(*terms: tuple[Tensor, Tensor]) -> Tensor:
     """sum of scale * tensor over (0-d scale, tensor) pairs, in the accumulation dtype of the
     tensors' dtype, rounded once to it. The reference's whole-graph compile evaluates each residual
     update (rho*x + pi*a + chi*x0 + beta*Bg) in fp32 and rounds once when it stores x; eager bf16
-    would round after every product and sum (RECIPE80 §3.4 recommends the single rounding)."""
+    would round after every product and sum."""
     dtype = terms[0][1].dtype
     acc = tk.acc_dtype(dtype)
     total = None
@@ -494,10 +495,10 @@ BIGRAM_HASH_CUR, BIGRAM_HASH_PREV = 36313, 27191   # multipliers of the current 
 def bigram_ids(inputs: Tensor, table_size: int) -> Tensor:
     """(T,) bigram-hash rows of the tokens `inputs` (T,) (upstream record 62, PR #201):
     b_t = floormod(int32(36313 x_t) XOR int32(27191 p_{t-1}), M), M = table_size - 1, with
-    the sentinel M as b_0 and as p_0 (p_t = x_t for t >= 1), as in RECIPE80 §2.4. The sentinel
-    replacing x_0 as position 1's previous token is upstream's (RECIPE80 F1: b_1 depends on x_1
-    only, through a product that wraps); a BOS hashes with the previous document's last token
-    (F2). int64 arithmetic emulates the int32 wrap on any device. Same dtype as inputs."""
+    the sentinel M as b_0 and as p_0 (p_t = x_t for t >= 1), as record 80 computes them. The
+    sentinel replacing x_0 as position 1's previous token looks accidental upstream but changes
+    the numbers, so it is kept: b_1 depends on x_1 only, through a product that wraps. A BOS
+    hashes with the previous document's last token, as upstream intends. int64 arithmetic emulates the int32 wrap on any device. Same dtype as inputs."""
     M = table_size - 1
     x = inputs.long()
     T = x.shape[0]
@@ -664,7 +665,7 @@ def check_loss_gradient(grad_losses: Tensor, grad_scale: float) -> None:
 
 
 class FP8HeadMTPCE(torch.autograd.Function):
-    """The training head and loss as one op (spec §3.8-3.9): h (T, D) bf16, w (D, V) bf16 -> per-row
+    """The training head and loss as one op: h (T, D) bf16, w (D, V) bf16 -> per-row
     MTP losses (T,) fp32. FP8 head: @YouJiacheng, upstream record 19; fused loss: @soren_dunn_ and
     Locus, record 60; the gradient in the forward, record 79 (PR #251); s_g scaled by grad_scale,
     record 65.
@@ -677,7 +678,7 @@ class FP8HeadMTPCE(torch.autograd.Function):
     every grad_scale (s_g = grad_scale * s_g_w8 carries the 1/grad_accum), so results do not
     depend on the world size.
     Backward: dh = (s_g*s_w) G8 @ W8^T bf16, dW = (s_x*s_g) X8^T @ G8 fp32 (autograd casts it to
-    the bf16 parameter). CONTRACT (the record's, F4): the gradient returned is that of
+    the bf16 parameter). CONTRACT (the record's): the gradient returned is that of
     grad_scale * sum(losses); the incoming gradient is not read, so the caller must back-propagate
     exactly grad_scale * losses.sum() (the trainer's (loss / grad_accum).backward() with
     grad_scale = 1/grad_accum). Checked where that is free (check_loss_gradient: CPU tensors
@@ -927,7 +928,7 @@ class GPT(nn.Module):
         # matrices at the end make each bank shard evenly (cfg.bank_multiple) and stay zero; the
         # random draws fill only the real matrices (the mlp pad's c_fc as far as the record's
         # 8-GPU padding, which it draws), so every initial weight is the same on any world size.
-        # Draw order as the record's (RECIPE80 §3.1; it matters only when seeded): value_embeds,
+        # Draw order as the record's (it matters only when seeded): value_embeds,
         # qk, vo, mlp, lm_head.
         # Built in fp32 on `device`, then cast to bf16. With --dtype=float32/float64 the bf16
         # tensors are that dtype instead and the fp32 ones at least fp32.
@@ -1079,7 +1080,7 @@ class GPT(nn.Module):
 
     def final_hidden(self, inputs: Tensor, cu_seqlens: Tensor, ws_short: int, ws_long: int,
                      max_seqlen: int) -> Tensor:
-        """The normed final residual h (T, D) bf16 that the LM head reads (RECIPE80 §3.4)."""
+        """The normed final residual h (T, D) bf16 that the LM head reads."""
         cfg, T = self.cfg, inputs.shape[0]
         if T > cfg.rotary_max_len:
             raise ValueError(f"micro-batch of {T} tokens exceeds "
@@ -1089,7 +1090,7 @@ class GPT(nn.Module):
         sa_lambdas = self.scalars[: 2 * L].view(L, 2)
         smear_lambda, backout_lambda, skip_lambda = self.scalars[2 * L: 2 * L + 3].unbind()
         # The per-sublayer weights are rounded to the weights' dtype (bf16) each forward, as the
-        # record's are (RECIPE80 F6): rho = 1.046875 at the start, not sqrt(1.1).
+        # record's are: rho = 1.046875 at the start, not sqrt(1.1).
         resid, post = self.resid_lambdas.to(wdt), self.post_lambdas.to(wdt)      # (L, 2)
         x0_lambdas, bigram_lambdas = self.x0_lambdas.to(wdt), self.bigram_lambdas.to(wdt)
         # value embeddings (@KoszarskyB, upstream record 14): table j at rows [j*V, (j+1)*V),
@@ -1167,7 +1168,7 @@ class GPT(nn.Module):
         gate_in = u[:, :GATE_INPUT_DIM]
         if ve is not None:
             # Normal layers gate the VE by half u, half the VE row (upstream record 70, PR #218);
-            # paired layers keep u alone (RECIPE80 F12). Elementwise per (token, head), so adding
+            # paired layers keep u alone, as upstream's paired branch does. Elementwise per (token, head), so adding
             # it before the paired interleave equals adding it after.
             half = GATE_INPUT_DIM // 2
             ve_gate_in = gate_in if p.attn == "P" else torch.cat([u[:, :half], ve[:, :half]], -1)
@@ -1881,7 +1882,7 @@ class _TrainShards:
     (upstream record 65); the quick document list is a prefix of the full one, and a batch the
     quick list cannot supply waits for the full one, so which index built a batch does not change
     the batch (upstream instead skips the rest of the shard there: a race it does not expect to
-    hit, spec D3)."""
+    hit)."""
 
     def __init__(self, files: list[str], vocab_size: int | None, first: int = 0):
         self.files, self.shard, self.vocab_size = files, first, vocab_size
@@ -3042,7 +3043,7 @@ def timed_loop(run: harness.Run, trainer: Trainer, checkpointer: harness.Checkpo
         rooms = ", ".join(f"{room - 1} at {n}" for n, room in UPSTREAM_DOC_CAPACITY.items())
         run.log(f"note: {over} training micro-batches held more documents than record 80's "
                 f"cu_seqlens has room for ({rooms} tokens per micro-batch): upstream would have "
-                "stopped there (spec D2)")
+                "stopped there")
     return run.finish(val_loss, clock.ms)
 
 

@@ -485,12 +485,12 @@ def relu2_mlp_reference(x: Tensor, c_fc: Tensor, c_proj: Tensor) -> Tensor:
 #    record 79, PR #251)
 # ==================================================================================================
 # Two contracts share the kernels.
-# Eval (record 61, spec R61 §3.10): z = A*sigmoid((l+B)/C) in fp32, the loss only (TRAIN=False).
-# Training (record 80, spec §3.9): sigma of u = fma(l, fp32(1/C), fp32(B/C)), rounded to bf16
+# Eval (record 61's, unchanged since): z = A*sigmoid((l+B)/C) in fp32, the loss only (TRAIN=False).
+# Training (record 80's): sigma of u = fma(l, fp32(1/C), fp32(B/C)), rounded to bf16
 # (s = bf16(sigma)) before everything else; lse over A*s; loss_r = sum_k w_k (lse - A*s_y) over the
-# offsets whose target row exists (no w_k > 0 test, F16). The logit gradient
+# offsets whose target row exists (no w_k > 0 test). The logit gradient
 # g = (((k*delta)*s)*(1-s)), delta = S_w*p - T_c, p = exp(A*s - lse), S_w the sum of ALL K weights
-# (the record's tail rule, F3: on the last K-1 rows of a buffer the gradient keeps the weights of
+# (the record's tail rule: on the last K-1 rows of a buffer the gradient keeps the weights of
 # the offsets that have no target there), k = (g_row * fp32(1/C)*A) * post in fp32, left to right.
 # The FP8 head's op runs it in the forward (g_row = grad_scale, post = 1/s_g) and writes
 # G8 = e5m2(g) straight from fp32 (nearest even, saturating to +-57344, NaN stays NaN) in both
@@ -506,7 +506,7 @@ def relu2_mlp_reference(x: Tensor, c_fc: Tensor, c_proj: Tensor) -> Tensor:
 # Every score A*sigma lies in [0, A], so exp(A*sigma - A) can neither overflow nor vanish (it is at
 # least e^-A): the sum needs no running maximum, and each lane keeps its own partial sum until one
 # reduction after the last block, lse = A + log(sum). The record shifts by the row maximum of the
-# unrounded A*sigma instead (F13); lse is shift invariant, so that is a rounding-level difference.
+# unrounded A*sigma instead; lse is shift invariant, so that is a rounding-level difference.
 # Special functions. Eval: sigma = 1/(1 + 2^t), t = l*k1 + k0 one FMA (k1 = -log2(e)/C,
 # k0 = -B log2(e)/C), the reciprocal as FMAs (_rcp_fma: an integer guess and Newton steps;
 # FlashAttention-4 likewise moves part of its exponentials to the FMA pipe), since the
@@ -518,7 +518,7 @@ def relu2_mlp_reference(x: Tensor, c_fc: Tensor, c_proj: Tensor) -> Tensor:
 # tl.exp2, the bare flush-to-zero ex2.approx.ftz.f32 (tl.exp would add a compare and two multiplies
 # to produce subnormals, which cannot occur here: the exponent is at least -(A + log V) log2(e) >
 # -50), where the record computes exp(A s - c) with fast math; 1/C and 1/s_g are correctly rounded
-# fp32 where the record takes approximate reciprocals (F14). These change fp32 roundings only
+# fp32 where the record takes approximate reciprocals. These change fp32 roundings only
 # (tests/_kernels_interp.py holds the outputs to a float64 transcription).
 # The softcap constants are tl.constexpr and every loop carry starts as an explicit fp32 tensor, so
 # no Python float can promote a carried value to fp64.
@@ -533,7 +533,7 @@ def _f32(x: float) -> float:
     return struct.unpack("f", struct.pack("f", x))[0]
 
 
-# The record's fp32 softcap constants (spec §3.9 step 1, correctly rounded, F14): 1/C = 0x3E088889,
+# The record's fp32 softcap constants (correctly rounded; the record's fast-math reciprocals are within 1 ulp): 1/C = 0x3E088889,
 # B/C = fp32(B * (1/C)) = 0x3F2AAAAB, (1/C)*A = 0x40444445.
 SOFTCAP_INV_C = _f32(1 / SOFTCAP_C)
 SOFTCAP_B_DIV_C = _f32(SOFTCAP_B * SOFTCAP_INV_C)
@@ -590,7 +590,7 @@ def _round_bf16(x, NATIVE: tl.constexpr):
 
 @triton.jit
 def _ce_sigma_bf16(logit, NATIVE: tl.constexpr):
-    """Training: s = bf16(sigma(u)), u = fma(logit, 1/C, B/C) (spec §3.9 step 2): on CUDA
+    """Training: s = bf16(sigma(u)), u = fma(logit, 1/C, B/C): on CUDA
     sigma = 0.5 + 0.5 tanh.approx(u/2) as the record computes it, elsewhere 1/(1 + e^-u)."""
     u = tl.fma(logit, _INV_C_JIT, _B_DIV_C_JIT)
     if NATIVE:
@@ -695,7 +695,8 @@ def _ce_grad_out(g, out_ptr, QUANTIZE: tl.constexpr, NATIVE: tl.constexpr):
 
 @triton.jit
 def _ce_row_factor(g_row, post_scale):
-    """k = (g_row * fp32(1/C)*A) * post per row, in fp32 (spec §3.9 step 6's first factors)."""
+    """k = (g_row * fp32(1/C)*A) * post per row, in fp32, the gradient's first factors in the
+    record's order."""
     return (g_row.to(tl.float32) * _INV_C_A_JIT) * tl.cast(post_scale, tl.float32)
 
 
@@ -1010,7 +1011,7 @@ def _softcap_constants(dtype: torch.dtype) -> tuple[float, float, float]:
 def softcapped_mtp_ce_train_math(logits: Tensor, targets: Tensor, mtp_weights: Tensor,
                                  row_factor: Tensor | float | None = None
                                  ) -> tuple[Tensor, Tensor | None]:
-    """Record 80's training loss per row and, given row_factor, its logit gradient (spec §3.9),
+    """Record 80's training loss per row and, given row_factor, its logit gradient,
     in plain PyTorch with the kernels' rounding points.
 
     logits (n, V), targets (m,) int64 with m >= n (look-ahead, as softcapped_mtp_ce_reference),
@@ -1019,8 +1020,8 @@ def softcapped_mtp_ce_train_math(logits: Tensor, targets: Tensor, mtp_weights: T
     float64 logits). s = sigma(l (1/C) + B/C), rounded to bf16 for bf16 logits (the record's
     rounding; fp32 and float64 logits keep it); lse = logsumexp(A s);
     loss_r = sum_k w_k (lse - A s_y) over the offsets whose target row exists and lies in [0, V)
-    (no w_k > 0 test, F16); delta = S_w p - T_c with S_w the sum of all K weights (the tail rule,
-    F3) and T_c the weights of the offsets whose target is c; p = e^(A s - lse). The record's row
+    (no w_k > 0 test); delta = S_w p - T_c with S_w the sum of all K weights (the tail rule: on a
+    buffer's last K-1 rows the gradient has terms their loss lacks, as upstream's) and T_c the weights of the offsets whose target is c; p = e^(A s - lse). The record's row
     factor is (grad_scale (1/C) A) (1/s_g) for the FP8 head; without it, g_row (1/C) A.
     """
     acc = acc_dtype(logits.dtype)

@@ -16,7 +16,7 @@ def summarise(text: str) -> dict:
     steps = {int(m[0]): float(m[1]) for m in re.findall(r"^step:(\d+)/\d+ train_time:(\d+)ms", text, re.M)}
     vals = [(int(s), loss, int(ms) / 1000)
             for s, loss, ms in re.findall(r"^step:(\d+)/\d+ val_loss:([\d.na]+) train_time:(\d+)ms", text, re.M)]
-    ns = int(hp.get("num_scheduled_iterations", 1725))
+    ns = int(hp.get("num_scheduled_iterations", 1440))
     # the stage rows as the log prints them, Stage(batch=131072, ...); logs of older code: train_bs_schedule
     bs = [int(x) for x in re.findall(r"batch=(\d+)", hp.get("stages", ""))] or \
         [int(x) for x in re.findall(r"\d+", hp.get("train_bs_schedule", "(131072, 262144, 393216)"))]

@@ -1,6 +1,6 @@
 """Text from a trained model: what did the run learn?
 
-    python3 tools/sample.py --checkpoint=logs/<run_id>/state_step001765.pt --prompt="The meaning of life is"
+    python3 tools/sample.py --checkpoint=logs/<run_id>/state_step001480.pt --prompt="The meaning of life is"
 
 Reads any state the trainer saved (--save_checkpoint, --checkpoint_every; with several GPUs any rank's file: the
 weights are on every rank) and builds the model with train_gpt.py's own code, its rotary (YaRN) state brought to where
