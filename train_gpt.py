@@ -1,9 +1,9 @@
 """NanoGPT speedrun trainer: a GPT-2-small-class model trained on FineWeb to 3.28 validation loss.
 
 Run on one node with `./run.sh` (torchrun over the GPUs found); `python train_gpt.py --preset=tiny
-...` runs on a CPU. The training math is that of record 80 of the modded-nanogpt speedrun (README:
-the name map from the record's names to ours, and who introduced each idea; record 61, which this
-file trained before, is pinned in records/2026-11-27_record61/).
+...` runs on a CPU. The training math is that of record 80 of the modded-nanogpt speedrun
+(docs/names.md maps the record's names to ours; the README credits who introduced each idea;
+record 61, which this file trained before, is pinned in records/2026-11-27_record61/).
 This file is the math and the loop, in reading order:
     1. knobs   2. attention   3. model and FP8 head   4. optimizer   5. data   6. schedules
     7. compiler settings   8. building and checking a run   9. training: the step, validation,

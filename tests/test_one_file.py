@@ -84,7 +84,7 @@ def test_a_cpu_run_with_default_flags_uses_edited_activation_and_loss(monkeypatc
     reference = tk.relu2_mlp_reference
     monkeypatch.setattr(tk, "relu2_mlp_reference", lambda x, a, b: reference(x, a, b) * 2)   # an edited activation
     edited_mlp = loss_of(tiny_model()).item()
-    assert abs(edited_mlp - plain) > 1e-3 * abs(plain)
+    assert abs(edited_mlp - plain) > 1e-5 * abs(plain)                       # measured 7e-4; unedited: 0
     loss_reference = tk.softcapped_mtp_ce_train_reference                                     # an edited loss
     monkeypatch.setattr(tk, "softcapped_mtp_ce_train_reference", lambda *args, **kw: 2 * loss_reference(*args, **kw))
     doubled = loss_of(tiny_model()).item()
