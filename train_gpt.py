@@ -981,6 +981,12 @@ class GPT(nn.Module):
         self.embed = param(lm_head.T.contiguous())                   # tied copy until the
                                                                      # optimizer splits them
 
+        # the first row of each value-embedding table a layer reads, in table order (the forward's
+        # one lookup of all of them)
+        self.ve_tables = tuple(sorted({p.ve_table for p in self.plan if p.ve_table >= 0}))
+        self.register_buffer("ve_row_offsets", torch.tensor([j * V for j in self.ve_tables],
+                                                            dtype=torch.int32, device=device),
+                             persistent=False)
         self.register_buffer("rotary_omega", torch.zeros(hd, device=device), persistent=False)
         self.register_buffer("rotary_cos", torch.empty(2 * cfg.rotary_max_len, hd // 2, **gate),
                              persistent=False)
@@ -1086,7 +1092,7 @@ class GPT(nn.Module):
             raise ValueError(f"micro-batch of {T} tokens exceeds "
                              f"rotary_max_len={cfg.rotary_max_len}; build the model with "
                              "rotary_max_len = the largest train/val micro-batch")
-        L, V, wdt = cfg.num_layers, cfg.vocab_size, self.embed.dtype
+        L, wdt = cfg.num_layers, self.embed.dtype
         sa_lambdas = self.scalars[: 2 * L].view(L, 2)
         smear_lambda, backout_lambda, skip_lambda = self.scalars[2 * L: 2 * L + 3].unbind()
         # The per-sublayer weights are rounded to the weights' dtype (bf16) each forward, as the
@@ -1097,10 +1103,8 @@ class GPT(nn.Module):
         # (T, D) bf16 each. One lookup of every table's row: its backward writes one dense
         # gradient of the whole parameter, where a lookup per table would write one each and sum
         # them (bench/tables.py).
-        tables = sorted({p.ve_table for p in self.plan if p.ve_table >= 0})
-        rows = inputs[:, None] + torch.tensor(tables, device=inputs.device, dtype=inputs.dtype) * V
-        ve_rows = F.embedding(rows, self.value_embeds)                           # (T, n, D)
-        ve = {table: ve_rows[:, k] for k, table in enumerate(tables)}
+        ve_rows = F.embedding(inputs[:, None] + self.ve_row_offsets, self.value_embeds)  # (T, n, D)
+        ve = {table: ve_rows[:, k] for k, table in enumerate(self.ve_tables)}
         bigram = F.embedding(bigram_ids(inputs, cfg.bigram_vocab_size), self.bigram_embed)
 
         # Token smear (@classiclarryd, upstream record 34): e'_t = e_t + smear_lambda * sigmoid(e_t[:12] . w) * e_{t-1}, across
