@@ -498,7 +498,8 @@ def bigram_ids(inputs: Tensor, table_size: int) -> Tensor:
     the sentinel M as b_0 and as p_0 (p_t = x_t for t >= 1), as record 80 computes them. The
     sentinel replacing x_0 as position 1's previous token looks accidental upstream but changes
     the numbers, so it is kept: b_1 depends on x_1 only, through a product that wraps. A BOS
-    hashes with the previous document's last token, as upstream intends. int64 arithmetic emulates the int32 wrap on any device. Same dtype as inputs."""
+    hashes with the previous document's last token, as upstream intends. int64 arithmetic
+    emulates the int32 wrap on any device. Same dtype as inputs."""
     M = table_size - 1
     x = inputs.long()
     T = x.shape[0]
@@ -1172,8 +1173,8 @@ class GPT(nn.Module):
         gate_in = u[:, :GATE_INPUT_DIM]
         if ve is not None:
             # Normal layers gate the VE by half u, half the VE row (upstream record 70, PR #218);
-            # paired layers keep u alone, as upstream's paired branch does. Elementwise per (token, head), so adding
-            # it before the paired interleave equals adding it after.
+            # paired layers keep u alone, as upstream's paired branch does. Elementwise per
+            # (token, head), so adding it before the paired interleave equals adding it after.
             half = GATE_INPUT_DIM // 2
             ve_gate_in = gate_in if p.attn == "P" else torch.cat([u[:, :half], ve[:, :half]], -1)
             ve_gate = 2 * torch.sigmoid(ve_gate_in @ self.ve_gate_bank[p.ve_slot].T)  # (T, H)

@@ -533,8 +533,8 @@ def _f32(x: float) -> float:
     return struct.unpack("f", struct.pack("f", x))[0]
 
 
-# The record's fp32 softcap constants (correctly rounded; the record's fast-math reciprocals are within 1 ulp): 1/C = 0x3E088889,
-# B/C = fp32(B * (1/C)) = 0x3F2AAAAB, (1/C)*A = 0x40444445.
+# The record's fp32 softcap constants, correctly rounded (the record's fast-math reciprocals are
+# within 1 ulp): 1/C = 0x3E088889, B/C = fp32(B * (1/C)) = 0x3F2AAAAB, (1/C)*A = 0x40444445.
 SOFTCAP_INV_C = _f32(1 / SOFTCAP_C)
 SOFTCAP_B_DIV_C = _f32(SOFTCAP_B * SOFTCAP_INV_C)
 SOFTCAP_INV_C_A = _f32(SOFTCAP_INV_C * SOFTCAP_A)
@@ -1021,7 +1021,8 @@ def softcapped_mtp_ce_train_math(logits: Tensor, targets: Tensor, mtp_weights: T
     rounding; fp32 and float64 logits keep it); lse = logsumexp(A s);
     loss_r = sum_k w_k (lse - A s_y) over the offsets whose target row exists and lies in [0, V)
     (no w_k > 0 test); delta = S_w p - T_c with S_w the sum of all K weights (the tail rule: on a
-    buffer's last K-1 rows the gradient has terms their loss lacks, as upstream's) and T_c the weights of the offsets whose target is c; p = e^(A s - lse). The record's row
+    buffer's last K-1 rows the gradient has terms their loss lacks, as upstream's) and T_c the
+    weights of the offsets whose target is c; p = e^(A s - lse). The record's row
     factor is (grad_scale (1/C) A) (1/s_g) for the FP8 head; without it, g_row (1/C) A.
     """
     acc = acc_dtype(logits.dtype)
