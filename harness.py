@@ -495,11 +495,12 @@ def progress_note(done: int, total: int, train_ms: float, tokens_done: int,
 
 def result_line(val_loss: float, target: float, train_ms: float, steps: int, peak_mib: int | None,
                 log_path: Path | None) -> str:
-    """The run's last line: what a speedrunner reads first."""
+    """The run's last line: what a speedrunner reads first. The time is the last step line's whole
+    milliseconds, so that the two lines never round one time two ways."""
     memory = f"{peak_mib}MiB" if peak_mib is not None else "n/a"
     return (f"result: val_loss:{val_loss:.4f} target:{target} "
             f"reached:{'yes' if val_loss <= target else 'no'} "
-            f"train_time:{train_ms / 1000:.1f}s steps:{steps} peak_memory:{memory} log:{log_path}")
+            f"train_time:{round(train_ms) / 1000:.1f}s steps:{steps} peak_memory:{memory} log:{log_path}")
 
 
 def to_console(msg: str, stream: Any = None) -> None:

@@ -156,6 +156,11 @@ def test_progress_note_counts_tokens_not_steps():
     line = harness.result_line(3.2791, 3.28, 88_123, 1765, 31010, None)
     assert line == ("result: val_loss:3.2791 target:3.28 reached:yes train_time:88.1s steps:1765 "
                     "peak_memory:31010MiB log:None")
+    # the result line shows the time the last step line gave in whole ms: 4050.4 ms is "4050ms" there, which a log
+    # reader takes as 4.05 s and shows as 4.0 s (4.05 is 4.0499... in binary), never as 4.1 s
+    for ms in (4049.6, 4050.4, 4149.5, 88_123.0, 0.4):
+        step_ms = float(f"{ms:.0f}")
+        assert f"train_time:{step_ms / 1000:.1f}s " in harness.result_line(3.3, 3.28, ms, 6, None, None)
 
 
 @pytest.mark.timeout(900)
