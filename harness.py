@@ -1773,7 +1773,7 @@ def open_run(hp: Any, stops: StopSignals, code: Sequence[Path] = ()) -> Run:
     rank, world_size, _, device = setup_distributed(hp)
     stops.announce = rank == 0
     if world_size > 1:
-        check_same_everywhere(hp, [*code, Path(__file__)], world_size)
+        check_same_everywhere(hp, [*code, Path(__file__)], world_size, device)
     resumed = load_resume(hp, rank, world_size) if hp.resume else None
     run_id = hp.run_id or default_run_id(hp.log_dir, resumed)
     if world_size > 1:                  # one name for every rank's checkpoints and traces
@@ -1791,26 +1791,95 @@ def open_run(hp: Any, stops: StopSignals, code: Sequence[Path] = ()) -> Run:
                made_folder=made)
 
 
-def check_same_everywhere(hp: Any, files: Sequence[Path], world_size: int) -> None:
-    """ConfigError, on every rank, when a rank (a node set up differently) runs other code or was
-    started with other options than rank 0: the files' digest and the resolved options are
-    gathered from every rank and compared."""
+def node_facts(hp: Any, files: Sequence[Path], device: torch.device) -> dict[str, Any]:
+    """What must be the same on every node, as this rank sees it: the code's digest, the resolved
+    options, the versions and GPU model, and every shard's name, size and header (or the error its
+    glob met). Every rank plans all ranks' document cursors from its own copy of the shards, so a
+    node with other shards would silently overlap or skip documents."""
     import hashlib
-    digest = hashlib.sha256(b"".join(Path(f).read_bytes() for f in files)).hexdigest()
-    mine = (digest, {f.name: repr(getattr(hp, f.name)) for f in dataclasses.fields(hp)})
-    every: list[Any] = [None] * world_size
-    dist.all_gather_object(every, mine)
+    import socket
+    import triton
+    env = {"torch": torch.__version__, "triton": triton.__version__,
+           "CUDA": str(torch.version.cuda), "GPU": "CPU"}
+    if device.type == "cuda":
+        env["GPU"] = torch.cuda.get_device_properties(device).name
+        env["NCCL"] = ".".join(str(v) for v in torch.cuda.nccl.version())
+    shards: dict[str, Any] = {}
+    for kind, pattern in (("train", hp.train_files), ("val", hp.val_files)):
+        try:
+            listing = []
+            for path in resolve_shards(pattern, kind):
+                with open(path, "rb") as f:
+                    head = hashlib.sha256(f.read(1024)).hexdigest()[:16]
+                listing.append((os.path.basename(path), os.path.getsize(path), head))
+            shards[kind] = listing
+        except (DataError, OSError) as e:
+            shards[kind] = f"error: {e}"
+    return {"host": socket.gethostname(),
+            "code": hashlib.sha256(b"".join(Path(f).read_bytes() for f in files)).hexdigest(),
+            "options": {f.name: repr(getattr(hp, f.name)) for f in dataclasses.fields(hp)},
+            "env": env, "shards": shards}
+
+
+def first_difference(every: Sequence[dict[str, Any]], names: str) -> Exception | None:
+    """The error for the first rank whose facts (node_facts) differ from rank 0's, naming the rank,
+    its host and what differs; None when every rank matches. A data problem that every rank meets
+    alike is left to the data checks, which name it once."""
     first = every[0]
-    for r, (code, options) in enumerate(every):
-        if code != first[0]:
-            names = ", ".join(Path(f).name for f in files)
-            raise ConfigError(f"rank {r} runs other code than rank 0 ({names} differ): copy the "
-                              "same files to every node")
-        diffs = [f"--{k}={options[k]} (rank 0: {first[1][k]})" for k in first[1]
-                 if options.get(k) != first[1][k]]
+    for r, mine in enumerate(every):
+        who = f"rank {r} (host {mine['host']})"
+        if mine["code"] != first["code"]:
+            return ConfigError(f"{who} runs other code than rank 0 ({names} differ): copy the same "
+                               "files to every node")
+        diffs = [f"--{k}={mine['options'].get(k)} (rank 0: {v})"
+                 for k, v in first["options"].items() if mine["options"].get(k) != v]
         if diffs:
-            raise ConfigError(f"rank {r} was started with other options than rank 0: "
-                              f"{'; '.join(diffs)}. Start every node with the same command")
+            return ConfigError(f"{who} was started with other options than rank 0: "
+                               f"{'; '.join(diffs)}. Start every node with the same command")
+        diffs = [f"{k} {mine['env'].get(k)} (rank 0: {v})" for k, v in first["env"].items()
+                 if mine["env"].get(k) != v]
+        if diffs:
+            return ConfigError(f"{who} has another environment than rank 0: {'; '.join(diffs)}. "
+                               "Install the same versions on every node (pip install -r "
+                               "requirements.txt) and use one GPU model")
+        for kind, option in (("train", "--train_files"), ("val", "--val_files")):
+            ours, theirs = mine["shards"][kind], first["shards"][kind]
+            if ours == theirs:
+                continue
+            fix = (f"give every node the same shards ({option}; data/cached_fineweb10B.py fetches "
+                   "the same files everywhere)")
+            if isinstance(ours, str):
+                return DataError(f"{who} cannot read its {kind} shards, rank 0 can: "
+                                 f"{ours.removeprefix('error: ')}")
+            if isinstance(theirs, str):
+                return DataError(f"rank 0 (host {first['host']}) cannot read its {kind} shards, "
+                                 f"{who} can: {theirs.removeprefix('error: ')}")
+            named, named0 = {x[0]: x for x in ours}, {x[0]: x for x in theirs}
+            if named.keys() != named0.keys():
+                only = sorted(named.keys() - named0.keys())
+                lacks = sorted(named0.keys() - named.keys())
+                what = (f"has {only[0]}, which rank 0 lacks" if only else
+                        f"lacks {lacks[0]}, which rank 0 has")
+                return DataError(f"{who} {what} ({len(ours)} {kind} shards against rank 0's "
+                                 f"{len(theirs)}): {fix}")
+            name = next(n for n in sorted(named) if named[n] != named0[n])
+            (_, size, _), (_, size0, _) = named[name], named0[name]
+            what = (f"{size:,} bytes (rank 0: {size0:,})" if size != size0
+                    else "another header than rank 0's")
+            return DataError(f"{who} has another {name}: {what}: {fix}")
+    return None
+
+
+def check_same_everywhere(hp: Any, files: Sequence[Path], world_size: int,
+                          device: torch.device) -> None:
+    """ConfigError or DataError, on every rank, when a rank (a node set up differently) runs other
+    code, was started with other options, has other versions or GPUs, or has other shards than
+    rank 0: node_facts gathered from every rank and compared."""
+    every: list[Any] = [None] * world_size
+    dist.all_gather_object(every, node_facts(hp, files, device))
+    problem = first_difference(every, ", ".join(Path(f).name for f in files))
+    if problem is not None:
+        raise problem
 
 
 class FiniteWatch:

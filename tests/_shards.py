@@ -62,9 +62,10 @@ def run_trainer(args, cwd, timeout=900, env=None, script=None):
                           capture_output=True, text=True, timeout=timeout, env=full_env)
 
 
-def run_gloo(args, world_size, cwd, timeout=900, rank_args=None, scripts=None):
+def run_gloo(args, world_size, cwd, timeout=900, rank_args=None, scripts=None, cwds=None):
     """The trainer in world_size processes on gloo, started the way torchrun would (one thread each); rank_args
-    {rank: extra options} and scripts {rank: path of its train_gpt.py} start some ranks differently."""
+    {rank: extra options}, scripts {rank: path of its train_gpt.py} and cwds {rank: folder} start some ranks
+    differently (a folder of its own stands for another node's disk)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -75,7 +76,7 @@ def run_gloo(args, world_size, cwd, timeout=900, rank_args=None, scripts=None):
                    **CPU_MALLOC_ENV)
         script = (scripts or {}).get(rank, ROOT / "train_gpt.py")
         procs.append(subprocess.Popen([sys.executable, str(script), *args, *(rank_args or {}).get(rank, [])],
-                                      cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+                                      cwd=(cwds or {}).get(rank, cwd), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     results = []
     for p in procs:
         out, err = p.communicate(timeout=timeout)

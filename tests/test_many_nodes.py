@@ -1,6 +1,7 @@
 """Past one node: 8 and 16 processes cut the batch into as many slices and match one process that accumulates them
-(the same math), a rank started with other options or other code is refused at start, and the first failure is named
+(the same math), a rank started with other options, code, versions or shards is refused at start, and the first failure is named
 to the ranks it stopped."""
+import hashlib
 import shutil
 
 import pytest
@@ -74,23 +75,79 @@ def test_many_processes_match_one_process_with_their_slices_in_float64(tmp_path,
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_a_rank_with_other_options_or_code_is_refused_at_start(tmp_path):
-    train, val = make_dataset(tmp_path / "d", train_tokens=200_000, val_tokens=20_000)
-    common = [*NARROW, f"--train_files={train}", f"--val_files={val}", f"--log_dir={tmp_path}/logs"]
+def test_a_rank_with_other_options_code_or_shards_is_refused_at_start(tmp_path):
+    train, val = make_dataset(tmp_path / "d", train_tokens=200_000, val_tokens=20_000, n_train_shards=2)
+    # relative globs, so that a rank started in another folder reads that folder's copy: another node's disk
+    common = [*NARROW, "--train_files=d/fineweb_train_*.bin", "--val_files=d/fineweb_val_*.bin",
+              f"--log_dir={tmp_path}/logs"]
     edited = tmp_path / "node2"
     edited.mkdir()
     for name in ("train_gpt.py", "harness.py", "triton_kernels.py", "compile_split.py"):
         shutil.copy(ROOT / name, edited / name)
     with open(edited / "train_gpt.py", "a") as f:
         f.write("# this node's copy was edited\n")
-    for rank_args, scripts, words in (({1: ["--adam_lr=0.01"]}, None, "rank 1 was started with other options than "
-                                       "rank 0: --adam_lr=0.01 (rank 0: 0.008)"),
-                                      (None, {1: edited / "train_gpt.py"}, "rank 1 runs other code than rank 0")):
-        results = run_gloo([*common, "--run_id=mixed"], 2, tmp_path, rank_args=rank_args, scripts=scripts)
-        assert [p.returncode for p in results] == [2, 2], [p.stderr[-2000:] for p in results]
+    (edited / "d").mkdir()
+    shutil.copy(tmp_path / "d" / "fineweb_train_000001.bin", edited / "d")    # one of the two train shards
+    shutil.copy(tmp_path / "d" / "fineweb_val_000000.bin", edited / "d")
+    for how, words, code in (({"rank_args": {1: ["--adam_lr=0.01"]}}, "was started with other options than rank 0: "
+                              "--adam_lr=0.01 (rank 0: 0.008)", 2),
+                             ({"scripts": {1: edited / "train_gpt.py"}}, "runs other code than rank 0", 2),
+                             ({"cwds": {1: edited}}, "lacks fineweb_train_000002.bin, which rank 0 has", 1)):
+        results = run_gloo([*common, "--run_id=mixed"], 2, tmp_path, **how)
+        assert [p.returncode for p in results] == [code, code], [p.stderr[-2000:] for p in results]
         errors = [line for p in results for line in p.stderr.splitlines() if line.startswith("error:")]
-        assert len(errors) == 1 and words in errors[0] and "Traceback" not in results[0].stderr, errors
+        assert len(errors) == 1 and "rank 1 (host " in errors[0] and words in errors[0], errors
+        assert "Traceback" not in results[0].stderr
         assert not (tmp_path / "logs" / "mixed.txt").exists()
+
+
+def _facts(**changes):
+    facts = {"host": "a", "code": "c0", "options": {"seed": "0"}, "env": {"torch": "2.13.0", "GPU": "NVIDIA H100"},
+             "shards": {"train": [("t1.bin", 1024 + 200, "h1"), ("t2.bin", 1024 + 400, "h2")],
+                        "val": [("v.bin", 1024 + 20, "h3")]}}
+    for key, value in changes.items():
+        facts[key] = value
+    return facts
+
+
+@pytest.mark.parametrize("changes, kind, words", [
+    ({"env": {"torch": "2.11.0", "GPU": "NVIDIA H100"}}, harness.ConfigError,
+     "rank 2 (host b) has another environment than rank 0: torch 2.11.0 (rank 0: 2.13.0)"),
+    ({"env": {"torch": "2.13.0", "GPU": "NVIDIA H200"}}, harness.ConfigError, "GPU NVIDIA H200 (rank 0: NVIDIA H100)"),
+    ({"shards": {"train": [("t1.bin", 1224, "h1")], "val": [("v.bin", 1044, "h3")]}}, harness.DataError,
+     "rank 2 (host b) lacks t2.bin, which rank 0 has (1 train shards against rank 0's 2)"),
+    ({"shards": {"train": [("t1.bin", 1224, "h1"), ("t2.bin", 1424, "h2"), ("t3.bin", 9, "x")],
+                 "val": [("v.bin", 1044, "h3")]}}, harness.DataError, "rank 2 (host b) has t3.bin, which rank 0 lacks"),
+    ({"shards": {"train": [("t1.bin", 1224, "h1"), ("t2.bin", 2048, "h2")], "val": [("v.bin", 1044, "h3")]}},
+     harness.DataError, "rank 2 (host b) has another t2.bin: 2,048 bytes (rank 0: 1,424)"),
+    ({"shards": {"train": [("t1.bin", 1224, "h1"), ("t2.bin", 1424, "h2")], "val": [("v.bin", 1044, "zz")]}},
+     harness.DataError, "rank 2 (host b) has another v.bin: another header than rank 0's"),
+    ({"shards": {"train": "error: no train shards: no file matches", "val": [("v.bin", 1044, "h3")]}},
+     harness.DataError, "rank 2 (host b) cannot read its train shards, rank 0 can: no train shards"),
+])
+def test_the_first_rank_whose_environment_or_shards_differ_is_named_with_what_differs(changes, kind, words):
+    every = [_facts(), _facts(host="x"), _facts(host="b", **changes), _facts(host="c", **changes)]
+    problem = harness.first_difference(every, "train_gpt.py")
+    assert isinstance(problem, kind) and words in str(problem), problem
+    assert harness.first_difference(every[:2], "train_gpt.py") is None      # another host name alone is fine
+
+
+def test_a_data_problem_every_rank_meets_alike_is_left_to_the_data_checks():
+    same = {"train": "error: no train shards: no file matches 'd/*.bin'", "val": [("v.bin", 1044, "h3")]}
+    assert harness.first_difference([_facts(shards=same), _facts(host="b", shards=same)], "x.py") is None
+
+
+def test_node_facts_read_every_shards_name_size_and_header(tmp_path):
+    train, val = make_dataset(tmp_path / "d", train_tokens=20_000, val_tokens=2_000, n_train_shards=2)
+    hp = tg.Hyperparameters(train_files=train, val_files=val)
+    facts = harness.node_facts(hp, [ROOT / "train_gpt.py"], torch.device("cpu"))
+    assert [x[0] for x in facts["shards"]["train"]] == ["fineweb_train_000001.bin", "fineweb_train_000002.bin"]
+    assert facts["shards"]["train"][0][1] == (tmp_path / "d" / "fineweb_train_000001.bin").stat().st_size
+    head = (tmp_path / "d" / "fineweb_train_000002.bin").read_bytes()[:1024]
+    assert facts["shards"]["train"][1][2] == hashlib.sha256(head).hexdigest()[:16]
+    assert facts["env"]["torch"] == torch.__version__ and facts["options"]["train_files"] == repr(train)
+    hp = tg.Hyperparameters(train_files=str(tmp_path / "none" / "*.bin"), val_files=val)
+    assert harness.node_facts(hp, [], torch.device("cpu"))["shards"]["train"].startswith("error: no train shards")
 
 
 def test_a_rank_stopped_by_another_names_the_first_failure():
