@@ -9,11 +9,14 @@ and prints the median ms of forward + backward over --iters micro-batches of ran
 trainer's --name=value options (the model and its windows come from them).
 --host also prints the host's time to launch a micro-batch while the GPU is kept busy by a sleep kernel (so no
 launch waits for the GPU): when it is near the GPU time, the host bounds the step. --host_profile=N adds cProfile's
-N functions with the most own time over those launches.
+N functions with the most own time over those launches. --json=PATH (with --host) adds this size's two medians to
+the times file PATH, {"<tokens>": {"gpu_ms": x, "host_ms": y}, "device": ...} (made if missing, other sizes kept), which
+bench/comm_table.py reads: run once per size.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 from pathlib import Path
@@ -29,10 +32,14 @@ def main(argv: list[str] | None = None) -> int:
                     "(the record's phases start at 0, 575 and 1150)")
     ap.add_argument("--host", action="store_true", help="also time the host's launches of a micro-batch")
     ap.add_argument("--host_profile", type=int, default=0, help="with --host: print cProfile's top N functions")
+    ap.add_argument("--json", default="", help="with --host: add the medians to this times file (comm_table.py)")
     ap.add_argument("--root", default=str(Path(__file__).resolve().parent.parent), help="folder of train_gpt.py")
     args, trainer_args = ap.parse_known_args(argv)
     if args.host_profile < 0:
         print(f"error: --host_profile takes a count of functions, 0 or more, got {args.host_profile}", file=sys.stderr)
+        return 2
+    if args.json and not args.host:
+        print("error: --json writes the GPU and the host times: add --host", file=sys.stderr)
         return 2
     sys.path.insert(0, args.root)
     import torch
@@ -40,6 +47,10 @@ def main(argv: list[str] | None = None) -> int:
 
     hp = tg.parse_args(trainer_args)
     device = torch.device("cuda")
+    if args.json and times_device(args.json) not in (None, torch.cuda.get_device_name()):
+        print(f"error: --json={args.json} holds times of {times_device(args.json)}, this is "
+              f"{torch.cuda.get_device_name()}: give another file", file=sys.stderr)
+        return 2
     torch.manual_seed(0)
     model = tg.build_model(hp, device, tg.resolve_attn_backend(hp.attn_backend, device))
     compiled = torch.compile(model, dynamic=False, fullgraph=True)
@@ -77,13 +88,36 @@ def main(argv: list[str] | None = None) -> int:
           f"(min {min(times):.3f}, max {max(times):.3f}) over {args.iters}; "
           f"peak {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB; {torch.cuda.get_device_name()}")
     if args.host:
-        host_launch_times(step, statistics.median(times), args.iters, args.host_profile)
+        host_ms = host_launch_times(step, statistics.median(times), args.iters, args.host_profile)
+        if args.json:
+            write_times(args.json, T, statistics.median(times), host_ms, torch.cuda.get_device_name())
+            print(f"{T} tokens: gpu_ms and host_ms written to {args.json}")
     return 0
 
 
-def host_launch_times(step, gpu_ms: float, iters: int, top: int) -> None:
+def times_device(path: str) -> str | None:
+    """The device a times file was measured on; None if there is no file yet."""
+    p = Path(path)
+    return json.loads(p.read_text()).get("device") if p.exists() else None
+
+
+def write_times(path: str, tokens: int, gpu_ms: float, host_ms: float, device: str) -> None:
+    """Add (or replace) one size's medians in the times file at path, sizes in order; the file's other sizes stay.
+    A file of another device's times is an error, not a mix."""
+    p = Path(path)
+    data = json.loads(p.read_text()) if p.exists() else {"device": device}
+    if data.get("device") != device:
+        raise ValueError(f"{path} holds times of {data.get('device')}, this is {device}")
+    data.setdefault("source", f"bench/model_step.py --host on one {device}")
+    data[str(tokens)] = {"gpu_ms": round(gpu_ms, 3), "host_ms": round(host_ms, 3)}
+    sizes = sorted((k for k in data if k.isdigit()), key=int)
+    data = {**{k: v for k, v in data.items() if not k.isdigit()}, **{k: data[k] for k in sizes}}
+    p.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def host_launch_times(step, gpu_ms: float, iters: int, top: int) -> float:
     """The host's wall time to launch step() while a sleep kernel, longer than the GPU's own time for the
-    micro-batch, holds the GPU: the launches never wait for the GPU unless its queue fills."""
+    micro-batch, holds the GPU: the launches never wait for the GPU unless its queue fills. Returns the median ms."""
     import cProfile
     import pstats
     import time
@@ -111,6 +145,7 @@ def host_launch_times(step, gpu_ms: float, iters: int, top: int) -> None:
     if profile is not None:
         print(f"cProfile over {iters - iters // 2} launches (its own overhead included), by own time:")
         pstats.Stats(profile).sort_stats("tottime").print_stats(top)
+    return statistics.median(plain)
 
 
 if __name__ == "__main__":
