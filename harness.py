@@ -21,6 +21,7 @@ import glob
 import math
 import os
 import re
+import socket
 import sys
 import textwrap
 import time
@@ -589,6 +590,8 @@ def log_start(run: Any, sources: dict[str, str], argv_text: str) -> None:
     run.log(f"{code}\nharness.py: version {__version__}, sha256 {digest}", console=False)
     run.log("=" * 100 + "\n" + environment_report() + "=" * 100, console=False)
     run.log(f"command: {argv_text}")
+    if run.node_note is not None:
+        run.log(run.node_note)
     run.log("hyperparameters:\n" + "\n".join(f"  {f.name} = {getattr(run.hp, f.name)!r}"
                                               for f in dataclasses.fields(run.hp)), console=False)
 
@@ -697,13 +700,18 @@ def remove_if_empty(folder: Path) -> None:
         folder.rmdir()
 
 
+def log_file(opts: RunOptions, run_id: str) -> Path:
+    """Where rank 0 writes the run's log."""
+    return Path(expand_path(opts.log_dir)) / f"{run_id}.txt"
+
+
 def prepare_output(opts: RunOptions, run_id: str, rank: int) -> Path:
     """Before anything trains: refuse a --run_id whose log exists, create the log folder (and the
     checkpoint folder with --save_checkpoint) and prove that each is writable, so no run trains for
     an hour and then cannot save.
     Returns the log path."""
     log_dir = Path(expand_path(opts.log_dir))
-    log_path = log_dir / f"{run_id}.txt"
+    log_path = log_file(opts, run_id)
     if log_path.exists():
         states = log_dir / run_id
         resume = (f", or continue that run from its states: --resume={states}"
@@ -1562,6 +1570,28 @@ def setup_distributed(hp: RunOptions) -> tuple[int, int, int, torch.device]:
     return rank, world_size, local_rank, device
 
 
+def local_world_size(world_size: int) -> int:
+    """The processes on this node: torchrun's LOCAL_WORLD_SIZE; all of them without it."""
+    try:
+        return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    except ValueError:
+        return world_size
+
+
+def node_line(host: str, first: int, count: int, world_size: int, host0: str,
+              log_path: str) -> str | None:
+    """What a node's console says about its place: its ranks (first .. first+count-1, as torchrun
+    numbers them, a node's ranks in a row) and where rank 0, whose console has the steps and the
+    `error:` lines, runs and keeps the log. torchrun orders the nodes itself, so rank 0 need not be
+    on the MASTER_ADDR node. None on a single node (count = world_size): nothing to tell."""
+    if count >= world_size:
+        return None
+    ranks = f"rank {first}" if count == 1 else f"ranks {first}-{first + count - 1}"
+    where = "here" if first == 0 else f"on {host0}"
+    return (f"node {host}: {ranks} of {world_size}; rank 0 runs {where} (the steps and errors are "
+            f"on its console), its log: {log_path}")
+
+
 class StopSignals:
     """Ctrl-C (SIGINT), SIGTERM and SIGHUP (a closed terminal or ssh session). Inside the timed loop
     (`defer` is set) the first signal asks the run to stop at a step boundary that every rank agrees
@@ -1688,6 +1718,7 @@ class Run:
                                          # this leaves no log, so the corrected command can follow
     made_folder: Path | None = None      # the checkpoint folder this run created: a failed run
                                          # that saved nothing there removes it
+    node_note: str | None = None         # rank 0's node_line, which log_start logs (several nodes)
     votes: StopVote = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
@@ -1770,16 +1801,24 @@ def open_run(hp: Any, stops: StopSignals, code: Sequence[Path] = ()) -> Run:
     this one) with the same options, read a checkpoint to resume, agree on a run id, create the
     log. The options were checked by the script."""
     t_process = time.perf_counter()
-    rank, world_size, _, device = setup_distributed(hp)
+    rank, world_size, local_rank, device = setup_distributed(hp)
     stops.announce = rank == 0
     if world_size > 1:
         check_same_everywhere(hp, [*code, Path(__file__)], world_size, device)
     resumed = load_resume(hp, rank, world_size) if hp.resume else None
     run_id = hp.run_id or default_run_id(hp.log_dir, resumed)
-    if world_size > 1:                  # one name for every rank's checkpoints and traces
-        shared = [run_id]
+    host0, log0 = socket.gethostname(), os.path.abspath(log_file(hp, run_id))
+    if world_size > 1:                  # one name for every rank's checkpoints and traces, and
+                                        # where rank 0 and its log are, for the other nodes
+        shared = [run_id, host0, log0]
         dist.broadcast_object_list(shared, 0)
-        run_id = shared[0]
+        run_id, host0, log0 = shared
+    node_note = None                    # each node says once where it is, by its first process
+    if local_rank == 0:
+        node_note = node_line(socket.gethostname(), rank, local_world_size(world_size), world_size,
+                              host0, log0)
+        if node_note is not None and rank != 0:
+            to_console(node_note)       # rank 0's goes to the log's head (log_start)
     folder = Path(expand_path(hp.log_dir)) / run_id
     made = folder if not folder.exists() else None
     log_path = prepare_output(hp, run_id, rank)
@@ -1788,7 +1827,7 @@ def open_run(hp: Any, stops: StopSignals, code: Sequence[Path] = ()) -> Run:
                                         # does not exist before rank 0 makes it
     log = RunLogger(log_path if rank == 0 else None)
     return Run(hp, rank, world_size, device, run_id, log, stops, t_process, resumed,
-               made_folder=made)
+               made_folder=made, node_note=node_note if rank == 0 else None)
 
 
 def node_facts(hp: Any, files: Sequence[Path], device: torch.device) -> dict[str, Any]:

@@ -2,10 +2,11 @@
 # Train the record model on this node's GPUs:  ./run.sh [--name=value ...]   (options: see Hyperparameters in train_gpt.py)
 # NPROC=4 ./run.sh uses 4 GPUs; the math is the same on 1, 2, 4 or 8 (gradient accumulation keeps the global batch).
 # Several nodes: the same command on each, NNODES=2 MASTER_ADDR=<an address of the first node> ./run.sh (torchrun's
-# c10d rendezvous at MASTER_ADDR:MASTER_PORT, default port 29500; every node uses NPROC GPUs, default all it has).
-# Steps: install what is missing, fetch the FineWeb shards the default schedule reads (unless --train_files is given),
-# find the GPUs, start torchrun. The data step comes before the GPU check: the download is needed whatever the GPUs
-# say, it resumes where it stopped, and a machine without a GPU can still fetch (and test) it.
+# c10d rendezvous at MASTER_ADDR:MASTER_PORT, default port 29500; every node uses NPROC GPUs, default all it has;
+# LOCAL_ADDR: this node's address as the others reach it; RDZV_TIMEOUT: seconds to wait for the slowest node).
+# Steps: check the process count, install what is missing, count the GPUs, fetch the FineWeb shards the default schedule
+# reads (unless --train_files is given), start torchrun. The data step comes before the GPU check: the download is
+# needed whatever the GPUs say, it resumes where it stopped, and a machine without a GPU can still fetch (and test) it.
 set -euo pipefail
 cd "$(dirname "$0")"
 PY=${PYTHON:-python3}
@@ -13,10 +14,50 @@ PY=${PYTHON:-python3}
 if [ -n "${NPROC:-}" ]; then
   case "$NPROC" in 1|2|4|8) ;; *) echo "run.sh: error: NPROC=$NPROC must divide 8 (1, 2, 4 or 8)" >&2; exit 1;; esac
 fi
+NNODES=${NNODES:-1}
+case "$NNODES" in ''|*[!0-9]*|0) echo "run.sh: error: NNODES=$NNODES must be a node count (1, 2, ...)" >&2; exit 1;; esac
+if [ "$NNODES" -gt 1 ] && [ -z "${MASTER_ADDR:-}" ]; then
+  echo "run.sh: error: NNODES=$NNODES needs MASTER_ADDR, an address of the first node that every node can reach" \
+       "(the same command on every node: NNODES=$NNODES MASTER_ADDR=10.0.0.1 ./run.sh)" >&2
+  exit 1
+fi
+RDZV_TIMEOUT=${RDZV_TIMEOUT:-1800}
+case "$RDZV_TIMEOUT" in ''|*[!0-9]*|0*) echo "run.sh: error: RDZV_TIMEOUT=$RDZV_TIMEOUT must be whole seconds (e.g." \
+  "RDZV_TIMEOUT=3600 to wait an hour for the slowest node)" >&2; exit 1;; esac
+
+# Processes in all: 1, 2, 4 or 8 (the record's math) or 16, 32 or 64 (one batch slice each), the counts the trainer is
+# tested for; any other is refused here, not after every node has downloaded and met (or the ranks refused it).
+check_world() {
+  local world=$((NNODES * NPROC)) n p nodes="" procs=""
+  case "$world" in 1|2|4|8|16|32|64) return 0 ;; esac
+  for n in 1 2 4 8 16 32 64; do      # the node counts nearest NNODES that work with this NPROC
+    [ $((n * NPROC)) -le 64 ] || break
+    if [ "$n" -lt "$NNODES" ]; then nodes="NNODES=$n"; fi
+    if [ "$n" -gt "$NNODES" ]; then nodes="${nodes:+$nodes or }NNODES=$n"; break; fi
+  done
+  for p in 8 4 2 1; do               # else an NPROC that works with these NNODES
+    case $((NNODES * p)) in 1|2|4|8|16|32|64) procs="NPROC=$p (with NNODES=$NNODES)"; break ;; esac
+  done
+  echo "run.sh: error: NNODES=$NNODES x NPROC=$NPROC = $world processes, but a run takes 1, 2, 4, 8, 16, 32 or 64:" \
+       "set ${nodes:+$nodes (with NPROC=$NPROC)}${nodes:+${procs:+, or }}$procs" >&2
+  exit 1
+}
+if [ -n "${NPROC:-}" ]; then check_world; fi
 
 if ! "$PY" -c "import torch, triton, numpy, tiktoken, huggingface_hub" 2>/dev/null; then
   echo "run.sh: installing requirements ($PY -m pip install -r requirements.txt)"
   "$PY" -m pip install -q -r requirements.txt
+fi
+
+# The GPUs are counted before the data step because, without NPROC, their count sets the processes per node that
+# check_world must see before anything is downloaded (no GPU at all is reported after the data step, as said on top).
+NGPU=$("$PY" -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)" 2>/dev/null || echo 0)
+if [ -z "${NPROC:-}" ] && [ "$NGPU" -gt 0 ]; then
+  for n in 8 4 2 1; do if [ "$NGPU" -ge "$n" ]; then NPROC=$n; break; fi; done
+  if [ "$NPROC" -ne "$NGPU" ]; then
+    echo "run.sh: $NGPU GPUs found; using $NPROC (the GPU count must divide 8). Set NPROC to choose."
+  fi
+  check_world
 fi
 
 # Data: the default globs read data/fineweb10B/; --train_files (and --val_files) point elsewhere and skip this step.
@@ -53,20 +94,12 @@ print(f'{len(bad)} of the {len(names)}')" 2>/dev/null) || missing="some of the"
   fi
 fi
 
-NGPU=$("$PY" -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)" 2>/dev/null || echo 0)
 if [ "$NGPU" -eq 0 ]; then
   echo "run.sh: error: no CUDA GPU found (check nvidia-smi and CUDA_VISIBLE_DEVICES)." >&2
   echo "  To try the trainer on a CPU: python3 train_gpt.py --preset=tiny --train_files=... --val_files=... (see README)" >&2
   exit 1
 fi
-if [ -n "${NPROC:-}" ]; then
-  if [ "$NPROC" -gt "$NGPU" ]; then echo "run.sh: error: NPROC=$NPROC but only $NGPU GPU(s) found" >&2; exit 1; fi
-else
-  for n in 8 4 2 1; do if [ "$NGPU" -ge "$n" ]; then NPROC=$n; break; fi; done
-  if [ "$NPROC" -ne "$NGPU" ]; then
-    echo "run.sh: $NGPU GPUs found; using $NPROC (the GPU count must divide 8). Set NPROC to choose."
-  fi
-fi
+if [ "$NPROC" -gt "$NGPU" ]; then echo "run.sh: error: NPROC=$NPROC but only $NGPU GPU(s) found" >&2; exit 1; fi
 
 export PYTORCH_ALLOC_CONF=${PYTORCH_ALLOC_CONF:-expandable_segments:True}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}   # what torchrun gives its processes anyway, without its banner
@@ -123,22 +156,17 @@ launch() {
   exit "$code"
 }
 
-NNODES=${NNODES:-1}
-case "$NNODES" in ''|*[!0-9]*|0) echo "run.sh: error: NNODES=$NNODES must be a node count (1, 2, ...)" >&2; exit 1;; esac
 if [ "$NNODES" -eq 1 ]; then
   launch --standalone --nproc_per_node="$NPROC" train_gpt.py "$@"
 fi
-if [ -z "${MASTER_ADDR:-}" ]; then
-  echo "run.sh: error: NNODES=$NNODES needs MASTER_ADDR, an address of the first node that every node can reach" \
-       "(the same command on every node: NNODES=$NNODES MASTER_ADDR=10.0.0.1 ./run.sh)" >&2
-  exit 1
-fi
-WORLD=$((NNODES * NPROC))
-if [ $((8 % WORLD)) -ne 0 ] && [ $((WORLD % 8)) -ne 0 ]; then
-  echo "run.sh: error: $NNODES nodes x $NPROC GPUs = $WORLD processes: use a count that divides 8 or is a multiple" \
-       "of 8 (set NPROC)" >&2
-  exit 1
-fi
-echo "run.sh: node of $NNODES, $NPROC GPUs each ($WORLD processes); rendezvous at ${MASTER_ADDR}:${MASTER_PORT:-29500}"
-launch --nnodes="$NNODES" --nproc_per_node="$NPROC" --rdzv_backend=c10d \
-  --rdzv_endpoint="${MASTER_ADDR}:${MASTER_PORT:-29500}" --rdzv_id="${RDZV_ID:-nanogpt_speedrun}" train_gpt.py "$@"
+# A node that is still downloading has not started torchrun yet: the others wait for it in the rendezvous (its
+# join_timeout, 600 s by default) and for the rendezvous store on MASTER_ADDR's node (read_timeout, 60 s by
+# default), so both must outlast the slowest node's data step, or the nodes that were ready give up.
+rdzv=(--nnodes="$NNODES" --nproc_per_node="$NPROC" --rdzv_backend=c10d
+      --rdzv_endpoint="${MASTER_ADDR}:${MASTER_PORT:-29500}" --rdzv_id="${RDZV_ID:-nanogpt_speedrun}"
+      --rdzv_conf="read_timeout=$RDZV_TIMEOUT,join_timeout=$RDZV_TIMEOUT")
+# torchrun names this node to the others by its FQDN, which rented nodes often cannot resolve: LOCAL_ADDR replaces it.
+if [ -n "${LOCAL_ADDR:-}" ]; then rdzv+=(--local_addr="$LOCAL_ADDR"); fi
+echo "run.sh: node of $NNODES, $NPROC GPUs each ($((NNODES * NPROC)) processes); rendezvous at" \
+     "${MASTER_ADDR}:${MASTER_PORT:-29500}${LOCAL_ADDR:+ as $LOCAL_ADDR}, waiting up to ${RDZV_TIMEOUT}s for every node"
+launch "${rdzv[@]}" train_gpt.py "$@"

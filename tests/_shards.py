@@ -62,21 +62,25 @@ def run_trainer(args, cwd, timeout=900, env=None, script=None):
                           capture_output=True, text=True, timeout=timeout, env=full_env)
 
 
-def run_gloo(args, world_size, cwd, timeout=900, rank_args=None, scripts=None, cwds=None):
+def run_gloo(args, world_size, cwd, timeout=900, rank_args=None, scripts=None, per_node=None, cwds=None):
     """The trainer in world_size processes on gloo, started the way torchrun would (one thread each); rank_args
-    {rank: extra options}, scripts {rank: path of its train_gpt.py} and cwds {rank: folder} start some ranks
-    differently (a folder of its own stands for another node's disk)."""
+    {rank: extra options}, scripts {rank: path of its train_gpt.py} and cwds {rank: its working folder} start some
+    ranks differently; per_node splits them into nodes of that many (LOCAL_RANK and LOCAL_WORLD_SIZE as torchrun
+    sets them), else they are one node."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     procs = []
     for rank in range(world_size):
-        env = dict(os.environ, CUDA_VISIBLE_DEVICES="", RANK=str(rank), LOCAL_RANK=str(rank),
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES="", RANK=str(rank), LOCAL_RANK=str(rank % (per_node or world_size)),
                    WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
                    **CPU_MALLOC_ENV)
+        if per_node:
+            env["LOCAL_WORLD_SIZE"] = str(per_node)
         script = (scripts or {}).get(rank, ROOT / "train_gpt.py")
         procs.append(subprocess.Popen([sys.executable, str(script), *args, *(rank_args or {}).get(rank, [])],
-                                      cwd=(cwds or {}).get(rank, cwd), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+                                      cwd=(cwds or {}).get(rank, cwd), env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
     results = []
     for p in procs:
         out, err = p.communicate(timeout=timeout)

@@ -1,8 +1,9 @@
 """Past one node: 8 and 16 processes cut the batch into as many slices and match one process that accumulates them
-(the same math), a rank started with other options, code, versions or shards is refused at start, and the first failure is named
-to the ranks it stopped."""
+(the same math), a rank started with other options, code, versions or shards is refused at start, the first failure
+is named to the ranks it stopped, and every node's console says where rank 0 and its log are."""
 import hashlib
 import shutil
+import socket
 
 import pytest
 import torch
@@ -157,3 +158,35 @@ def test_a_rank_stopped_by_another_names_the_first_failure():
     assert harness.share_failure(store, harness.EXIT_CONFIG, 3, "later") == "later"
     assert harness.share_failure(store, harness.EXIT_PEER, 0, "gloo: connection closed") == (
         "gloo: connection closed. The first failure: rank 1: training data ran out")
+
+
+def test_a_node_line_names_its_ranks_and_where_rank_0_and_its_log_are():
+    assert harness.node_line("b", 8, 8, 16, "a", "/runs/logs/x.txt") == (
+        "node b: ranks 8-15 of 16; rank 0 runs on a (the steps and errors are on its console), its log: "
+        "/runs/logs/x.txt")
+    assert harness.node_line("a", 0, 8, 16, "a", "/runs/logs/x.txt").startswith(
+        "node a: ranks 0-7 of 16; rank 0 runs here (")
+    assert harness.node_line("c", 3, 1, 4, "a", "l").startswith("node c: rank 3 of 4; rank 0 runs on a (")
+    assert harness.node_line("a", 0, 8, 8, "a", "l") is None            # one node: nothing to tell
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_every_node_says_where_rank_0_and_its_log_are(tmp_path):
+    """Two processes as two nodes of one: rank 0's host and log path come from rank 0 (the run-id broadcast), so the
+    other node names the log under rank 0's folder, not its own working folder; rank 0 says it once, also in the
+    log. The run stops right after (no training data), so no model is built."""
+    run_dir, other_dir = tmp_path / "rank0", tmp_path / "rank1"
+    args = ["--preset=tiny", f"--train_files={tmp_path}/none_*.bin", f"--val_files={tmp_path}/none_*.bin",
+            "--log_dir=logs", "--run_id=nodes"]
+    run_dir.mkdir()
+    other_dir.mkdir()
+    results = run_gloo(args, 2, run_dir, timeout=600, per_node=1, cwds={1: other_dir})
+    assert [p.returncode for p in results] == [1, 1], [p.stderr[-2000:] for p in results]
+    host, log = socket.gethostname(), run_dir / "logs" / "nodes.txt"
+    notes = [[line for line in p.stdout.splitlines() if line.startswith("node ")] for p in results]
+    assert notes[1] == [f"node {host}: rank 1 of 2; rank 0 runs on {host} (the steps and errors are on its "
+                        f"console), its log: {log}"], results[1].stdout
+    assert notes[0] == [notes[1][0].replace("rank 1 of 2", "rank 0 of 2").replace(f"runs on {host}", "runs here")]
+    assert log.read_text().count(notes[0][0]) == 1
+

@@ -2,7 +2,8 @@
 (so the checkout's data/fineweb10B/ is never touched) and run there. With the default data missing, run.sh runs
 data/cached_fineweb10B.py itself, before it looks for GPUs; offline, that download fails and run.sh ends with one
 `run.sh: error:` line naming the synthetic smoke run. With the shards present it downloads nothing and goes on to the
-GPU check, which on a CPU (CUDA_VISIBLE_DEVICES empty) stops with its own error."""
+GPU check, which on a CPU (CUDA_VISIBLE_DEVICES empty) stops with its own error. With a stub Python: the process count
+refused before any download, and the torchrun arguments of several nodes."""
 import os
 import shutil
 import subprocess
@@ -185,3 +186,86 @@ def test_sigterm_to_run_sh_between_check_steps_stops_every_rank_at_one_step_with
         state = tmp_path / "logs" / "term" / f"state_step{step:06d}_rank{rank}.pt"
         assert torch.load(state, weights_only=False)["step"] == step
     assert (tmp_path / "logs" / "term.txt").read_text().splitlines()[-1] == errors[0].replace("rank 0: ", "")
+
+
+# ---- the process count and the rendezvous, with a stub Python: no torch, GPUs, network or torchrun -----------------
+
+@pytest.fixture
+def stub_python(tree):
+    """A PYTHON that says the requirements are installed and FAKE_GPUS GPUs are found, records each call in
+    calls.txt, fails the download (so a test that reaches it ends at once) and, as torchrun, writes its arguments
+    one a line to torchrun.txt; anything else runs in the real Python."""
+    stub = tree / "python"
+    stub.write_text("#!/usr/bin/env bash\n"
+                    f'echo "$*" >> {tree / "calls.txt"}\n'
+                    'if [ "$1" = -c ] && [[ "$2" == "import torch, triton"* ]]; then exit 0; fi\n'
+                    'if [ "$1" = -c ] && [[ "$2" == *device_count* ]]; then echo "$FAKE_GPUS"; exit 0; fi\n'
+                    'if [ "$1" = data/cached_fineweb10B.py ]; then exit 1; fi\n'
+                    f'if [ "$1" = -m ] && [ "$2" = torch.distributed.run ]; then shift 2; '
+                    f'printf "%s\\n" "$@" > {tree / "torchrun.txt"}; exit 0; fi\n'
+                    f'exec {sys.executable} "$@"\n')
+    stub.chmod(0o755)
+    return tree
+
+
+def run_stubbed(tree, gpus, *args, **env):
+    """run.sh with the stub Python and the launch variables in env (the shell's own are dropped); returns the
+    result, its output, the stub's calls and torchrun's arguments (None if it was not started)."""
+    full = dict(os.environ, PYTHON=str(tree / "python"), FAKE_GPUS=str(gpus), **env)
+    for name in ("NPROC", "NNODES", "MASTER_ADDR", "MASTER_PORT", "LOCAL_ADDR", "RDZV_TIMEOUT", "RDZV_ID"):
+        if name not in env:
+            full.pop(name, None)
+    result = subprocess.run(["bash", str(tree / "run.sh"), *args], cwd=tree, env=full, capture_output=True, text=True,
+                            timeout=HANG_GUARD_S)
+    calls = (tree / "calls.txt").read_text() if (tree / "calls.txt").exists() else ""
+    torchrun = (tree / "torchrun.txt").read_text().splitlines() if (tree / "torchrun.txt").exists() else None
+    return result, result.stdout + result.stderr, calls, torchrun
+
+
+@pytest.mark.parametrize("env, gpus, fix", [
+    ({"NNODES": "3", "NPROC": "8"}, 8, "NNODES=3 x NPROC=8 = 24 processes, but a run takes 1, 2, 4, 8, 16, 32 or 64: "
+                                       "set NNODES=2 or NNODES=4 (with NPROC=8)"),
+    ({"NNODES": "3"}, 8, "NNODES=3 x NPROC=8 = 24 processes"),               # NPROC from the GPU count
+    ({"NNODES": "5", "NPROC": "8"}, 8, "set NNODES=4 or NNODES=8 (with NPROC=8)"),
+    ({"NNODES": "16", "NPROC": "8"}, 8, "NNODES=16 x NPROC=8 = 128 processes, but a run takes 1, 2, 4, 8, 16, 32 or "
+                                        "64: set NNODES=8 (with NPROC=8), or NPROC=4 (with NNODES=16)"),
+])
+def test_a_process_count_the_trainer_refuses_is_refused_before_any_download(stub_python, env, gpus, fix):
+    result, out, calls, torchrun = run_stubbed(stub_python, gpus, MASTER_ADDR="10.0.0.1", **env)
+    assert result.returncode == 1, out
+    errors = [line for line in out.splitlines() if "error:" in line]
+    assert len(errors) == 1 and errors[0].startswith("run.sh: error: ") and fix in errors[0], out
+    assert "cached_fineweb10B" not in calls and "downloading" not in out      # no shards exist: it would have fetched
+    assert torchrun is None
+    if "NPROC" in env:
+        assert calls == ""                       # refused before installing or counting anything
+
+
+@pytest.mark.parametrize("env, gpus, timeout", [
+    ({"NNODES": "2", "NPROC": "8", "LOCAL_ADDR": "10.0.0.2"}, 8, "1800"),
+    ({"NNODES": "8", "RDZV_TIMEOUT": "7200"}, 8, "7200"),                  # 64 processes, NPROC from the GPU count
+])
+def test_several_nodes_start_torchrun_with_this_nodes_address_and_a_long_rendezvous(stub_python, env, gpus, timeout):
+    result, out, calls, torchrun = run_stubbed(stub_python, gpus, "--train_files=elsewhere/fineweb_train_*.bin",
+                                               MASTER_ADDR="10.0.0.1", **env)
+    assert result.returncode == 0, out
+    assert torchrun is not None, out
+    assert torchrun[-2:] == ["train_gpt.py", "--train_files=elsewhere/fineweb_train_*.bin"]
+    assert f"--nnodes={env['NNODES']}" in torchrun and "--nproc_per_node=8" in torchrun
+    assert "--rdzv_endpoint=10.0.0.1:29500" in torchrun
+    # torchrun's c10d rendezvous waits 60 s for its store and 600 s for every node to join unless told otherwise
+    assert f"--rdzv_conf=read_timeout={timeout},join_timeout={timeout}" in torchrun
+    if "LOCAL_ADDR" in env:
+        assert "--local_addr=10.0.0.2" in torchrun
+    else:
+        assert not any(a.startswith("--local_addr") for a in torchrun)    # torchrun's own default: the FQDN
+
+
+@pytest.mark.parametrize("env, words", [
+    ({"NNODES": "2", "NPROC": "8", "RDZV_TIMEOUT": "soon"}, "RDZV_TIMEOUT=soon must be whole seconds"),
+    ({"NNODES": "2", "NPROC": "8", "RDZV_TIMEOUT": "0"}, "RDZV_TIMEOUT=0 must be whole seconds"),
+])
+def test_a_bad_rendezvous_timeout_is_refused_with_one_line(stub_python, env, words):
+    result, out, calls, torchrun = run_stubbed(stub_python, 8, MASTER_ADDR="10.0.0.1", **env)
+    assert result.returncode == 1 and torchrun is None and calls == "", out
+    assert result.stderr.startswith(f"run.sh: error: {words}") and len(result.stderr.splitlines()) == 1, out
