@@ -87,6 +87,8 @@ class RunOptions:
     seed: int = -1                         # -1: unseeded init, like the record;
                                            # else torch.manual_seed(seed)
     pg_timeout_s: int = 600                # a rank stuck this long in a collective ends the run
+    loop_timeout_s: int = 120              # the same from the timed loop on, where the ranks
+                                           # run in lockstep (the long one covers the compiles)
     warmup: bool = True                    # compile every schedule variant before the clock starts
     compile_cache: str = "~/.cache/nanogpt_speedrun/compile_cache.bin"  # the compiled code,
                                            # saved after a warmup that compiled and loaded at start
@@ -315,7 +317,8 @@ def check_run_options(opts: RunOptions, num_iterations: int, attn_backends: Sequ
         if not ok:
             raise ConfigError(msg)
 
-    need(0 < opts.pg_timeout_s <= 10**9, f"--pg_timeout_s={opts.pg_timeout_s} must be 1 .. 10**9")
+    for name in ("pg_timeout_s", "loop_timeout_s"):
+        need(0 < getattr(opts, name) <= 10**9, f"--{name}={getattr(opts, name)} must be 1 .. 10**9")
     for name in ("val_loss_every", "nonfinite_check_every", "checkpoint_every",
                  "train_loss_every"):
         need(getattr(opts, name) >= 0, f"--{name}={getattr(opts, name)} must be >= 0")
@@ -346,10 +349,11 @@ def check_run_options(opts: RunOptions, num_iterations: int, attn_backends: Sequ
 # 2. How a run ends: errors and exit codes
 # ==================================================================================================
 # Exit codes (docs/failures.md): 1 data, 2 options / environment / output folders, 3 the
-# loss stopped being finite, 4 a distributed failure (usually another rank failed first), 5 an
-# internal error (a bug: the log has the traceback), 128 + N a signal (130 Ctrl-C, 143 SIGTERM,
+# loss stopped being finite, 4 another rank failed first (or stopped answering), 5 an internal
+# error (a bug: the log has the traceback), 6 this rank's GPU, its driver or NCCL failed (a CUDA,
+# ECC or NCCL-internal error: the node at fault), 128 + N a signal (130 Ctrl-C, 143 SIGTERM,
 # 129 SIGHUP).
-EXIT_DATA, EXIT_CONFIG, EXIT_DIVERGED, EXIT_PEER, EXIT_BUG = 1, 2, 3, 4, 5
+EXIT_DATA, EXIT_CONFIG, EXIT_DIVERGED, EXIT_PEER, EXIT_BUG, EXIT_DEVICE = 1, 2, 3, 4, 5, 6
 
 
 class ConfigError(ValueError):
@@ -368,18 +372,75 @@ class TrainingDiverged(FloatingPointError):
 class Interrupted(Exception):
     """A signal (Ctrl-C, SIGTERM, SIGHUP) ended the run; exit_code is 128 + the signal number."""
 
-    def __init__(self, signum: int, message: str):
+    def __init__(self, signum: int, message: str, agreed: bool = False):
         super().__init__(message)
         self.signum = signum
+        self.agreed = agreed     # every rank stops here: the timed loop's vote (stopped())
+
+
+def signal_cause(e: BaseException) -> BaseException | None:
+    """The signal (Interrupted, KeyboardInterrupt) that ended the run, also where a compile wrapped
+    it (InductorError); None for any other failure."""
+    cause: BaseException | None = e
+    while cause is not None and not isinstance(cause, (Interrupted, KeyboardInterrupt)):
+        cause = cause.__cause__ or cause.__context__
+    return cause
+
+
+# Whose failure an error is, by the words torch, gloo, NCCL and CUDA use (the table of real
+# messages is in tests/test_node_failures.py). A CUDA text is this rank's own even where NCCL wraps
+# it, so it is looked for first; then what a peer that ended or hangs causes; NCCL's system and
+# internal errors, left after that, are this rank's own too.
+_DEVICE_WORDS = ("cuda error", "cuda failure", "cuda driver error", "ecc error",
+                 "illegal memory access", "illegal instruction", "unspecified launch failure",
+                 "unhandled cuda error", "ncclunhandledcudaerror", "device-side assert",
+                 "nvlink error")
+_TIMEOUT_WORDS = ("timed out", "timeout")
+_PEER_WORDS = ("remote process exited", "ncclremoteerror", "by peer", "by remote peer",
+               "connection reset", "connection refused", "broken pipe", "connection was likely "
+               "closed", "remote worker", "pair closure", "communicator was aborted",
+               "got 0 bytes", "watchdog")
+_NCCL_OWN_WORDS = ("unhandled system error", "ncclsystemerror", "ncclinternalerror",
+                   "internal check failed", "please report this issue to the nccl developers")
+_PEER_TYPES = ("DistError", "DistBackendError", "DistNetworkError", "DistStoreError")
+
+
+def failure_kind(type_name: str, text: str) -> str | None:
+    """Whose failure an exception of class `type_name` with message `text` is: "device" (this
+    rank's GPU, driver or NCCL), "timeout" (a peer stopped answering), "peer" (a peer ended, or the
+    link to it broke), or None (nothing distributed: judge it otherwise)."""
+    low = text.lower()
+    if type_name == "AcceleratorError" or any(w in low for w in _DEVICE_WORDS):
+        return "device"
+    if any(w in low for w in _TIMEOUT_WORDS):
+        return "timeout"
+    if any(w in low for w in _PEER_WORDS):
+        return "peer"
+    if any(w in low for w in _NCCL_OWN_WORDS):
+        return "device"
+    return "peer" if type_name in _PEER_TYPES else None
+
+
+def kind_of(e: BaseException) -> str | None:
+    """failure_kind of the exception or, where it says nothing, of what it wraps."""
+    seen: BaseException | None = e
+    while seen is not None:
+        if (kind := failure_kind(type(seen).__name__, str(seen))) is not None:
+            return kind
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def _first_line(e: BaseException) -> str:
+    """The message's first line, without the C++ source location gloo and c10d put in front."""
+    line = (str(e).strip().splitlines() or [""])[0]
+    line = re.sub(r"\. This is typically caused by .*", ".", line)     # gloo's advice to read the peer
+    return re.sub(r"^\[[^\]]*:\d+\] ", "", line)[:300]
 
 
 def describe_failure(e: BaseException, rank: int, world_size: int) -> tuple[int, str]:
     """(exit code, the one-line message) for an exception that ended the run."""
-    cause = e
-    while cause is not None and not isinstance(cause, (Interrupted, KeyboardInterrupt)):
-        cause = cause.__cause__ or cause.__context__     # a signal inside a compile
-                                                         # comes wrapped (InductorError)
-    if cause is not None:
+    if (cause := signal_cause(e)) is not None:
         e = cause
     if isinstance(e, ConfigError):
         return EXIT_CONFIG, str(e)
@@ -399,11 +460,18 @@ def describe_failure(e: BaseException, rank: int, world_size: int) -> tuple[int,
         where = next((x.filename for x in (e, e.__cause__, e.__context__)
                       if isinstance(x, OSError) and x.filename), None)
         return EXIT_CONFIG, f"cannot write{f' {where}' if where else ''}: {write}"
-    first_line = (str(e).strip().splitlines() or [""])[0][:300]
-    if world_size > 1 and isinstance(e, (RuntimeError, dist.DistError)):
-        return EXIT_PEER, (f"{type(e).__name__} in a distributed run ({first_line}). If another "
-                           "rank failed first, its message is the cause; this rank stopped after "
-                           "at most --pg_timeout_s seconds")
+    kind, first_line = kind_of(e), _first_line(e)
+    if kind == "device":
+        import socket
+        return EXIT_DEVICE, (f"the GPU, driver or NCCL of this rank failed on "
+                             f"{socket.gethostname()} ({type(e).__name__}: {first_line}): a "
+                             "hardware or driver fault (see `nvidia-smi -q -d ECC` and the Xid "
+                             "lines of `dmesg` there) or a kernel's bad access: rerun without that "
+                             "GPU or node; where it follows the code to other GPUs, report it "
+                             "with the log")
+    if world_size > 1 and kind is not None:
+        return EXIT_PEER, (f"another rank failed or stopped answering, so this one stopped "
+                           f"({type(e).__name__}: {first_line})")
     return EXIT_BUG, (f"internal error, a bug: {type(e).__name__}: {first_line} (the traceback "
                       "is in the log; --debug=true prints it here too). Please report it")
 
@@ -1567,6 +1635,7 @@ def setup_distributed(hp: RunOptions) -> tuple[int, int, int, torch.device]:
             dist.init_process_group("nccl", device_id=device, timeout=timeout)
         else:
             dist.init_process_group("gloo", timeout=timeout)
+        announce_rank(dist.distributed_c10d._get_default_store(), rank)
     return rank, world_size, local_rank, device
 
 
@@ -1605,6 +1674,7 @@ class StopSignals:
         self.requested: int | None = None        # the signal asking for a stop at
                                                  # the next agreed step boundary
         self.defer = False
+        self.holding = False                     # held(): signals are noted, nothing is raised
         self.announce = announce
         self._at = 0.0
         self._previous: dict[int, Any] = {}
@@ -1620,8 +1690,22 @@ class StopSignals:
             signal.signal(signum, handler)
         self._previous = {}
 
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """While a failed rank tells the others and waits (at most a few seconds) for their
+        reports: the SIGTERM torchrun sends every rank once one has ended is not a second
+        failure."""
+        holding, self.holding = self.holding, True
+        try:
+            yield
+        finally:
+            self.holding = holding
+
     def _on_signal(self, signum: int, frame: Any) -> None:
         import signal
+        if self.holding:
+            self.requested = self.requested or signum
+            return
         name = signal.Signals(signum).name
         if self.defer and self.requested is None:
             self.requested, self._at = signum, time.monotonic()
@@ -1728,6 +1812,29 @@ class Run:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def shorten_timeout(self) -> None:
+        """As the timed loop starts: collectives now time out after --loop_timeout_s, not
+        --pg_timeout_s. Every rank runs the same steps in lockstep there, so a rank silent that long
+        is gone or hung (a dead node holds the others that long); the long timeout stays for the
+        compiles and the warmup before, where ranks drift apart, and for a GPU run without the
+        warmup, which compiles in the loop."""
+        hp = self.hp
+        if self.world_size == 1 or hp.loop_timeout_s >= hp.pg_timeout_s:
+            return
+        if self.compiling and not hp.warmup:
+            self.log(f"note: --warmup=false compiles in the timed loop: its collectives keep "
+                     f"--pg_timeout_s={hp.pg_timeout_s}", console=False)
+            return
+        set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)   # private: guarded
+        if set_timeout is None:
+            self.log(f"note: this torch cannot change a process group's timeout: the timed loop "
+                     f"keeps --pg_timeout_s={hp.pg_timeout_s}", console=False)
+            return
+        import datetime
+        set_timeout(datetime.timedelta(seconds=hp.loop_timeout_s))
+        self.log(f"the timed loop's collectives time out after --loop_timeout_s="
+                 f"{hp.loop_timeout_s}", console=False)
+
     def agreed_signal(self) -> int:
         """The signal that asked for a stop on any rank (0 if none), the same on every rank: with
         several processes one tiny all-reduce, waited for (the final validation's check)."""
@@ -1779,16 +1886,16 @@ class Run:
             yield
         except BaseException as e:
             failed = True
-            self.stops.defer = False
             if not isinstance(e, SystemExit):
-                code, message = describe_failure(e, self.rank, self.world_size)
+                end = ending(e, self.rank, self.world_size, self.stops)
                 refused = (self.resumed is not None and not self.accepted
-                           and code in (EXIT_CONFIG, EXIT_DATA))
-                if code in (EXIT_BUG, EXIT_PEER):
+                           and end.code in (EXIT_CONFIG, EXIT_DATA))
+                if end.code in (EXIT_BUG, EXIT_PEER, EXIT_DEVICE):
                     import traceback
                     self.log(traceback.format_exc().rstrip(), console=False)
                 with contextlib.suppress(ConfigError):     # a log that cannot take the line
-                    self.log(f"error: {message}", console=False)
+                    self.log(f"error: {end.message}", console=False)
+            self.stops.defer = False
             raise
         finally:
             self.log.close(remove=refused)
@@ -1950,10 +2057,12 @@ def diverged(what: str, last_good_step: int | None) -> TrainingDiverged:
         + ": lower the learning rates (--adam_lr, --muon_lr) or check the data")
 
 
-def stopped(signum: int, where: str) -> Interrupted:
-    """The stop a signal asked for, taken `where` ("after step 12 of 100; the state ...")."""
+def stopped(signum: int, where: str, agreed: bool = True) -> Interrupted:
+    """The stop a signal asked for, taken `where` ("after step 12 of 100; the state ..."): at a
+    point every rank agreed on, unless `agreed` is False (a signal that stopped this rank at
+    once)."""
     import signal
-    return Interrupted(signum, f"stopped by {signal.Signals(signum).name} {where}")
+    return Interrupted(signum, f"stopped by {signal.Signals(signum).name} {where}", agreed)
 
 
 class StepProfiler:
@@ -2064,31 +2173,224 @@ def command_line(argv: Sequence[str]) -> Iterator[Outcome]:
     try:
         yield outcome
     except Exception as e:
-        outcome.code = _report_failure(e, _debug_requested(argv))
+        outcome.code = _report_failure(e, _debug_requested(argv), outcome.stops)
     except KeyboardInterrupt as e:   # a Ctrl-C that arrived before the handler was installed
-        outcome.code = _report_failure(e, _debug_requested(argv))
+        outcome.code = _report_failure(e, _debug_requested(argv), outcome.stops)
     finally:
         if outcome.code:
             _tell_the_launcher(outcome.code)
         outcome.stops.uninstall()
         if dist.is_available() and dist.is_initialized():
+            if not outcome.code:        # a clean end, for a rank that waits on the reports
+                share_failure(dist.distributed_c10d._get_default_store(), dist.get_rank(),
+                              dist.get_world_size(), 0, "done")
             dist.destroy_process_group()
 
 
-def share_failure(store: Any, code: int, rank: int, message: str) -> str:
-    """Across ranks (and nodes), name the first failure: a rank that failed on its own records its
-    line in the process group's store, and a rank that stopped because another failed (exit 4)
-    appends that line to its own. A store that cannot be reached (its node is gone) changes
-    nothing."""
+# ---- naming the rank at fault -------------------------------------------------------------------
+# Every rank that ends leaves a report in the process group's store, report/<rank>: its rank, host,
+# pid, exit code, kind (end_kind) and line; the first rank that fails on its own also sets
+# first_failure. A rank stopped by another waits up to REPORT_GRACE_S for the reports and names
+# the ranks that left none, by the host and pid each wrote to started/<rank> when the group
+# formed. Reports at the end rather than a heartbeat per rank: no thread and no store traffic
+# while the run is healthy, and no beat that a long compile could delay into a false death; a
+# rank only slow to notice is told from a dead one by its pid where it shares this host.
+REPORT_GRACE_S = 5.0     # the wait for the others' reports: well inside the 30 s torchrun
+                         # leaves between its SIGTERM and its SIGKILL
+STORE_TIMEOUT_S = 5      # a store call gives up after this (its node may be gone)
+SILENT = "ended without a word (killed: OOM killer, a signal, a segfault, or its node went down)"
+
+
+def announce_rank(store: Any, rank: int) -> None:
+    """started/<rank>: this rank's host and pid, for the others to name it by should it end
+    without a word."""
+    import json
+    import socket
+    store.set(f"started/{rank}", json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
+
+
+def end_kind(code: int) -> str:
+    """How a rank that exits with `code` ended: done, own (its own failure), peer (another's
+    failure stopped it) or signal."""
+    return ("done" if code == 0 else "peer" if code == EXIT_PEER else "signal" if code >= 128
+            else "own")
+
+
+@contextlib.contextmanager
+def _native_stderr_quiet() -> Iterator[None]:
+    """TCPStore prints a C++ stack dump on stderr (fd 2) for a connection that broke; this rank's
+    line says it in one sentence."""
+    sys.stderr.flush()
+    saved = os.dup(2)
     try:
-        if code != EXIT_PEER:
-            if store.add("failures", 1) == 1:
-                store.set("first_failure", f"rank {rank}: {message}")
-        elif store.check(["first_failure"]):
-            return f"{message}. The first failure: {store.get('first_failure').decode()}"
-    except Exception:      # noqa: BLE001 (a convenience: never the reason a report fails)
-        pass
-    return message
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def _ended(pid: int) -> bool:
+    """The process is gone, or is a zombie its parent has not reaped yet."""
+    if not _alive(pid):
+        return True
+    with contextlib.suppress(OSError, IndexError):
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    return False
+
+
+def store_unreachable(e: BaseException) -> str:
+    """The sentence for a store that cannot be reached: where it was and what that means."""
+    where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+    return (f"The run's store at MASTER_ADDR:MASTER_PORT={where} cannot be reached "
+            f"({type(e).__name__}: {_first_line(e)}), so no rank's report can be read: the node "
+            "of MASTER_ADDR went down, or the process holding the store there ended (torchrun's "
+            "agent; rank 0 without torchrun): look there first")
+
+
+def share_failure(store: Any, rank: int, world_size: int, code: int, message: str,
+                  wait: bool = False, grace_s: float = REPORT_GRACE_S,
+                  ended: Any = _ended) -> tuple[int, str, float | None]:
+    """Tell the other ranks through the process group's store how this one ended (code, message)
+    and, with `wait`, learn how they did: (exit code, line, the time of the failure it names or
+    None). A rank that failed on its own records its line (the first to do so is the first
+    failure), never a rank stopped by a signal. One that waits (stopped by another, or by a signal
+    at once) waits up to grace_s for every rank's report, or the first failure, and adds who
+    failed first (name_the_cause); it then exits 4, as stopped by another: such a signal is
+    torchrun passing a failure on. A store that cannot be reached is named."""
+    import json
+    import socket
+    kind = end_kind(code)
+    me = {"rank": rank, "host": socket.gethostname(), "pid": os.getpid(), "code": code,
+          "kind": kind, "line": message, "time": time.time()}
+
+    def read(key: str) -> dict | None:
+        return json.loads(store.get(key)) if store.check([key]) else None
+
+    try:
+        import datetime
+        with _native_stderr_quiet():
+            store.set_timeout(datetime.timedelta(seconds=STORE_TIMEOUT_S))
+            store.set(f"report/{rank}", json.dumps(me))
+            store.add("reported", 1)
+            if kind == "own" and store.add("failures", 1) == 1:
+                store.set("first_failure", json.dumps(me))
+            if kind in ("own", "done") or not wait:
+                return code, message, None
+            deadline = time.monotonic() + grace_s
+            while (store.add("reported", 0) < world_size and not store.check(["first_failure"])
+                   and time.monotonic() < deadline):
+                time.sleep(0.05)
+            first = read("first_failure")
+            reports = {r: read(f"report/{r}") for r in range(world_size)}
+            started = {r: read(f"started/{r}") for r in range(world_size)}
+    except Exception as e:      # noqa: BLE001 (the store's node, or its process, is gone)
+        if kind in ("own", "done"):
+            return code, message, None
+        return code, f"{message}. {store_unreachable(e)}", None
+    return name_the_cause(code, message, me, first, reports, started, ended)
+
+
+def _ranks(ranks: Sequence[int], started: dict[int, dict | None]) -> str:
+    """rank 3 (host, pid 123), ... for at most 8 ranks."""
+    named = [f"rank {r} ({started[r]['host']}, pid {started[r]['pid']})" if started.get(r)
+             else f"rank {r} (host unknown)" for r in ranks[:8]]
+    return ", ".join(named) + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
+
+
+def name_the_cause(code: int, message: str, me: dict, first: dict | None,
+                   reports: dict[int, dict | None], started: dict[int, dict | None],
+                   ended: Any) -> tuple[int, str, float | None]:
+    """(exit code, line, the named failure's time) for a rank stopped by another or by a signal,
+    from the reports in the store: the first failure a rank recorded; else the ranks that left no
+    report: those known dead (on this host, their pid ended: ended(pid)), else the others (on other
+    hosts, or alive here: they may hang); else a signal another rank reported. A rank stopped by a
+    signal stays 128+N unless a failure or a dead rank is found: the signal was then torchrun's."""
+    if first is not None:
+        return EXIT_PEER, (f"{message}. The first failure: rank {first['rank']} ({first['host']}): "
+                           f"{first['line']}"), first["time"]
+    silent = [r for r, report in reports.items() if report is None]
+    here = [r for r in silent if started.get(r) and started[r]["host"] == me["host"]]
+    dead = [r for r in here if ended(started[r]["pid"])]
+    if dead:
+        return EXIT_PEER, f"{message}. The first failure: {_ranks(dead, started)} {SILENT}", None
+    if me["kind"] == "signal":   # a rank slow to take the user's signal (a compile) is no failure
+        return code, message, None
+    alive = [r for r in silent if r in here]
+    elsewhere = [r for r in silent if r not in here]
+    if silent:
+        said = []
+        if elsewhere:
+            said.append(f"{_ranks(elsewhere, started)} sent no report: {SILENT}, or hangs")
+        if alive:
+            said.append(f"{_ranks(alive, started)} is alive but sent no report: it hangs, or has "
+                        "not noticed yet")
+        return EXIT_PEER, (f"{message}. No rank reported a failure of its own; "
+                           f"{'; '.join(said)}"), None
+    signalled = sorted((report for report in reports.values()
+                        if report is not None and report["kind"] == "signal"),
+                       key=lambda report: report["time"])
+    if signalled:
+        earliest = signalled[0]
+        return EXIT_PEER, (f"{message}. The first to stop: rank {earliest['rank']} "
+                           f"({earliest['host']}): {earliest['line']}"), earliest["time"]
+    return EXIT_PEER, (f"{message}. No rank reported a failure of its own: the network between "
+                       "the ranks failed, or a failing rank could not reach the store"), None
+
+
+@dataclass
+class Ending:
+    """How this process ended: its exit code and line, and what torchrun's error file gets."""
+    code: int
+    message: str
+    stamp: int                   # the time for torchrun (seconds): this rank's failure, or for a
+                                 # rank stopped by another later than the failure it names
+    rank: int
+    world_size: int
+
+
+def ending(e: BaseException, rank: int, world_size: int, stops: StopSignals) -> Ending:
+    """How the exception `e` ends this process: described (describe_failure) and, with several
+    ranks, shared with the others once (share_failure). A signal that lands while `e` unwinds
+    changes nothing: the ending is found on the exception it interrupted (its __context__)."""
+    seen: BaseException | None = e
+    while seen is not None:
+        if isinstance(done := getattr(seen, "ending", None), Ending):
+            return done
+        seen = seen.__context__
+    code, message = describe_failure(e, rank, world_size)
+    stamp = time.time()
+    if world_size > 1 and dist.is_available() and dist.is_initialized():
+        wait = code == EXIT_PEER or (code >= 128 and not getattr(signal_cause(e), "agreed", False))
+        store = dist.distributed_c10d._get_default_store()
+        with stops.held():
+            if wait and dist.get_backend() == "gloo":
+                # This rank's connections close now, so a rank still waiting on it fails at once
+                # and reports too, not after this rank's wait (ranks failing one after another).
+                # NCCL's destroy can block on a broken communicator: it stays for the end.
+                dist.destroy_process_group()
+            code, message, named = share_failure(store, rank, world_size, code, message, wait)
+        if end_kind(code) != "own":
+            stamp = max(time.time(), named or 0.0) + 1
+    done = Ending(code, message, int(stamp), rank, world_size)
+    with contextlib.suppress(AttributeError):
+        e.ending = done                  # type: ignore[attr-defined]
+    return done
+
+
+def write_error_file(path: str, line: str, stamp: int) -> None:
+    """torchrun's error file (TORCHELASTIC_ERROR_FILE, the format of its ErrorHandler), written
+    atomically: its closing "Root Cause" names the process whose file has the smallest timestamp,
+    so with our line and time it names the rank our line does (a rank stopped by another carries a
+    later time than the failure it names; one killed has no file and the time torchrun saw it)."""
+    import json
+    if not path:
+        return
+    data = {"message": {"message": line, "extraInfo": {"py_callstack": line,
+                                                       "timestamp": str(stamp)}}}
+    with contextlib.suppress(OSError):
+        atomic_write(Path(path), json.dumps(data).encode())
 
 
 def _launched_rank() -> int:
@@ -2101,23 +2403,23 @@ def _launched_rank() -> int:
         return 0
 
 
-def _report_failure(e: BaseException, debug: bool) -> int:
+def _report_failure(e: BaseException, debug: bool, stops: StopSignals) -> int:
     distributed = dist.is_available() and dist.is_initialized()
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
-    code, message = describe_failure(e, rank, world_size)
-    if distributed:
-        message = share_failure(dist.distributed_c10d._get_default_store(), code, rank, message)
+    end = ending(e, rank, world_size, stops)
+    rank, world_size = end.rank, end.world_size
     if debug:
         import traceback
         traceback.print_exception(e)
     # Options, data and signals are the same on every rank: rank 0 speaks for all of them, also
     # before the process group exists (the options' checks, a signal torchrun passed to every rank).
-    if not distributed and (getattr(e, "same_on_every_rank", False) or code >= 128):
+    if world_size == 1 and (getattr(e, "same_on_every_rank", False) or end.code >= 128):
         rank = _launched_rank()
-    if rank == 0 or code in (EXIT_DIVERGED, EXIT_PEER, EXIT_BUG):
-        to_console(f"error: {'' if world_size == 1 else f'rank {rank}: '}{message}", sys.stderr)
-
-    return code
+    line = f"error: {'' if world_size == 1 else f'rank {rank}: '}{end.message}"
+    if rank == 0 or end.code in (EXIT_DIVERGED, EXIT_PEER, EXIT_BUG, EXIT_DEVICE):
+        to_console(line, sys.stderr)
+    write_error_file(os.environ.get("TORCHELASTIC_ERROR_FILE", ""), line, end.stamp)
+    return end.code
 
 
 def _tell_the_launcher(code: int) -> None:

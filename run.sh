@@ -144,7 +144,7 @@ launch() {
   trap '' INT TERM HUP
   wait "$filter" || true
   [ "$rc" -eq 0 ] && exit 0
-  for f in "$status"/rank*; do     # a rank's own failure, else a signal, else 4 (it stopped because another failed)
+  for f in "$status"/rank*; do     # a rank's own failure (1, 2, 3, 5, 6), else a signal, else 4 (stopped by another)
     [ -e "$f" ] || continue
     c=$(cat "$f")
     case "$c" in 4) peer=4 ;; 1[2-9][0-9]|2[0-9][0-9]) sig=${sig:-$c} ;; *) own=${own:-$c} ;; esac

@@ -2985,6 +2985,7 @@ def timed_loop(run: harness.Run, trainer: Trainer, checkpointer: harness.Checkpo
     clock, val_loss = TrainClock(train_ms, run.device), float("nan")
     run.log(f"phase:process_start_to_timed_loop time:{run.since_start_ms():.0f}ms")
     run.stops.defer = True               # a signal now stops the run at the next step boundary
+    run.shorten_timeout()                # the ranks now run in lockstep: --loop_timeout_s
     if start < total:                    # (the resume of a final state only validates: no clock)
         clock.start()
     for step in range(start, total + 1):
@@ -3006,7 +3007,8 @@ def timed_loop(run: harness.Run, trainer: Trainer, checkpointer: harness.Checkpo
                 val_loss = trainer.validate(sched.ws_short,
                                             hp.ws_long_final_val if last else sched.ws_long)
             except harness.Interrupted as e:
-                raise harness.stopped(e.signum, f"during the final validation{saved}") if last else e
+                raise (harness.stopped(e.signum, f"during the final validation{saved}", e.agreed)
+                       if last else e)
             run.log(f"step:{step}/{total} val_loss:{val_loss:.4f} train_time:{train_ms:.0f}ms "
                     f"step_avg:{train_ms / max(step, 1):.2f}ms")
             run.log(f"phase:validation time:{1000 * (time.perf_counter() - tv):.0f}ms",

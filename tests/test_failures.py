@@ -476,7 +476,7 @@ def test_failure_page_gives_the_exit_codes_the_trainer_uses():
     assert [name for name, m in found.items() if m is None] == ["An interrupted download"]   # it has no exit code
     codes = {int(m[1]) for m in found.values() if m}
     assert codes == {harness.EXIT_DATA, harness.EXIT_CONFIG, harness.EXIT_DIVERGED, harness.EXIT_PEER, harness.EXIT_BUG,
-                     130, 143}, codes
+                     harness.EXIT_DEVICE, 130, 143}, codes
     assert "exit 129" in entries                # SIGHUP, in the SIGTERM entry
     table = {row.split("|")[1].strip() for row in text.split("## Each failure", 1)[0].splitlines()
              if row.startswith("| ") and not row.startswith("| exit")}

@@ -152,12 +152,18 @@ def test_node_facts_read_every_shards_name_size_and_header(tmp_path):
 
 
 def test_a_rank_stopped_by_another_names_the_first_failure():
+    """Each rank reports how it ended in the store; the first own failure is named, with its host, by the ranks it
+    stopped (tests/test_node_failures.py has the rest: silent ranks, signals, a store that is gone)."""
+    import socket
     store = dist.HashStore()
-    assert harness.share_failure(store, harness.EXIT_PEER, 2, "gloo: connection closed") == "gloo: connection closed"
-    assert harness.share_failure(store, harness.EXIT_DATA, 1, "training data ran out") == "training data ran out"
-    assert harness.share_failure(store, harness.EXIT_CONFIG, 3, "later") == "later"
-    assert harness.share_failure(store, harness.EXIT_PEER, 0, "gloo: connection closed") == (
-        "gloo: connection closed. The first failure: rank 1: training data ran out")
+    assert harness.share_failure(store, 2, 4, harness.EXIT_PEER, "gloo: connection closed")[:2] == (
+        harness.EXIT_PEER, "gloo: connection closed")
+    assert harness.share_failure(store, 1, 4, harness.EXIT_DATA, "training data ran out")[:2] == (
+        harness.EXIT_DATA, "training data ran out")
+    assert harness.share_failure(store, 3, 4, harness.EXIT_CONFIG, "later")[:2] == (harness.EXIT_CONFIG, "later")
+    assert harness.share_failure(store, 0, 4, harness.EXIT_PEER, "gloo: connection closed", wait=True)[:2] == (
+        harness.EXIT_PEER, f"gloo: connection closed. The first failure: rank 1 ({socket.gethostname()}): training "
+        "data ran out")
 
 
 def test_a_node_line_names_its_ranks_and_where_rank_0_and_its_log_are():
