@@ -1400,16 +1400,21 @@ def find_checkpoint(path: str, world_size: int) -> tuple[Path, list[int]]:
     walks back from the newest to the first set that is whole on every rank)."""
     p = Path(path)
     if p.is_dir():
+        written: dict[int, int] = {}        # step -> processes that wrote it (1 for unranked files)
+        for f in p.iterdir():
+            if m := CHECKPOINT_NAME.fullmatch(f.name):
+                written[int(m[1])] = max(written.get(int(m[1]), 0), int(m[2] or 0) + 1)
         ranked = world_size > 1
         steps = {int(m[1]) for f in p.iterdir() if (m := CHECKPOINT_NAME.fullmatch(f.name))
-                 and (m[2] is not None) == ranked and int(m[2] or 0) < world_size}
+                 and (m[2] is not None) == ranked and written[int(m[1])] <= world_size}
         if not steps:
-            others = sorted({int(m[1]) for f in p.iterdir()
-                             if (m := CHECKPOINT_NAME.fullmatch(f.name))})
-            found = (f"states of other process counts (steps {others})" if others
-                     else "no states")
+            counts = sorted(set(written.values()))
+            found = (f"states of {' or '.join(map(str, counts))} process(es) (steps "
+                     f"{sorted(written)})" if written else "no states")
+            fix = (f"resume with {counts[-1]} processes (NNODES x NPROC = {counts[-1]} on "
+                   "several nodes), or give " if written else "give ")
             raise ConfigError(f"--resume={path}: the folder holds {found}, none written by "
-                              f"{world_size} process(es); give a run's folder (logs/<run_id>) or "
+                              f"{world_size} process(es): {fix}a run's folder (logs/<run_id>) or "
                               "one of its state_step*.pt files")
         return p, sorted(steps, reverse=True)
     m = CHECKPOINT_NAME.fullmatch(p.name)

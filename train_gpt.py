@@ -1444,6 +1444,16 @@ def update_order(table: dict[str, dict]) -> tuple[str, ...]:
                                                   table[label]["comms"] == "sharded")))
 
 
+def reduce_scatter(output: Tensor, input: Tensor, **kw: Any) -> Any:
+    """dist.reduce_scatter_tensor under the name torch 2.13 gives it (the old name warns there)."""
+    return getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(output, input, **kw)
+
+
+def all_gather(output: Tensor, input: Tensor, **kw: Any) -> Any:
+    """dist.all_gather_into_tensor under the name torch 2.13 gives it (the old name warns there)."""
+    return getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(output, input, **kw)
+
+
 class NorMuonAndAdam:
     """One optimizer for every parameter, configured per label by a table (@chrisjmccormick,
     upstream record 61; Muon: Keller Jordan).
@@ -1552,7 +1562,7 @@ class NorMuonAndAdam:
         if self._is_sharded(label):
             full = self._bank_view(label, grad)
             chunk = full.new_empty((full.shape[0] // self.world_size, *full.shape[1:]))
-            return (dist.reduce_scatter_tensor(chunk, full, op=dist.ReduceOp.AVG, async_op=True),
+            return (reduce_scatter(chunk, full, op=dist.ReduceOp.AVG, async_op=True),
                     chunk)
         return None, self._bank_view(label, grad)
 
@@ -1562,7 +1572,7 @@ class NorMuonAndAdam:
         if not self._is_sharded(label):
             return None
         full = self._bank_view(label, self.params[label].detach())
-        return dist.all_gather_into_tensor(full, self._local(label, full), async_op=True)
+        return all_gather(full, self._local(label, full), async_op=True)
 
     # ---- the step --------------------------------------------------------------------------------
     @property
@@ -1646,7 +1656,7 @@ class NorMuonAndAdam:
             src = self.buffers[head][name]                                         # (D/W or D, V)
             if self._is_sharded(head):
                 full = src.new_empty((src.shape[0] * self.world_size, *src.shape[1:]))
-                dist.all_gather_into_tensor(full, src)
+                all_gather(full, src)
             else:
                 full = src
             self.buffers[embed][name].copy_(self._local(embed, full.mT))          # (V/W or V, D)

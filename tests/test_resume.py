@@ -87,8 +87,16 @@ def test_run_folder_lists_its_states_newest_first_for_the_process_count(tmp_path
     single = tmp_path / "single"
     single.mkdir()
     (single / "state_step000002.pt").write_bytes(b"")
-    with pytest.raises(tg.ConfigError, match=r"other process counts \(steps \[2\]\), none written by 2 process"):
+    with pytest.raises(tg.ConfigError, match=r"states of 1 process\(es\) \(steps \[2\]\), none written by 2 process"):
         harness.find_checkpoint(str(single), 2)
+    four = tmp_path / "four"             # a two-node run's states: on fewer processes, refused naming the count
+    four.mkdir()
+    for rank in range(4):
+        (four / f"state_step000004_rank{rank}.pt").write_bytes(b"")
+    with pytest.raises(tg.ConfigError, match=r"holds states of 4 process\(es\) \(steps \[4\]\), none written by 2 "
+                                             r"process\(es\): resume with 4 processes \(NNODES x NPROC = 4"):
+        harness.find_checkpoint(str(four), 2)
+    assert harness.find_checkpoint(str(four), 4) == (four, [4])
     with pytest.raises(tg.ConfigError, match="neither a folder nor a state_step"):
         harness.find_checkpoint(str(folder / "notes.txt"), 1)
 
