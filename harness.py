@@ -1808,6 +1808,7 @@ class Run:
     made_folder: Path | None = None      # the checkpoint folder this run created: a failed run
                                          # that saved nothing there removes it
     node_note: str | None = None         # rank 0's node_line, which log_start logs (several nodes)
+    short_timeout: bool = False          # collectives time out after --loop_timeout_s (the loop)
     votes: StopVote = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
@@ -1837,8 +1838,24 @@ class Run:
             return
         import datetime
         set_timeout(datetime.timedelta(seconds=hp.loop_timeout_s))
+        self.short_timeout = True
         self.log(f"the timed loop's collectives time out after --loop_timeout_s="
                  f"{hp.loop_timeout_s}", console=False)
+
+    @contextlib.contextmanager
+    def long_timeout(self) -> Iterator[None]:
+        """Around a state save inside the timed loop: ranks write at their disks' pace (a slow or
+        shared file system can take minutes), so the collectives wait --pg_timeout_s until every
+        rank has saved, then the loop's short timeout is back."""
+        if not self.short_timeout:
+            yield
+            return
+        import datetime
+        set_timeout = dist.distributed_c10d._set_pg_timeout
+        set_timeout(datetime.timedelta(seconds=self.hp.pg_timeout_s))
+        yield
+        dist.barrier()                  # every rank has saved, under the long timeout
+        set_timeout(datetime.timedelta(seconds=self.hp.loop_timeout_s))
 
     def agreed_signal(self) -> int:
         """The signal that asked for a stop on any rank (0 if none), the same on every rank: with

@@ -3007,7 +3007,8 @@ def timed_loop(run: harness.Run, trainer: Trainer, checkpointer: harness.Checkpo
             saved = ""
             if last:   # no step boundary follows: save the final state, then stop at once if asked
                 if saving:
-                    path = checkpointer.save(trainer.state(step, train_ms))
+                    with run.long_timeout():
+                        path = checkpointer.save(trainer.state(step, train_ms))
                     saved = f"; the final state is saved: {path}"
                 run.stops.defer = False
                 if signum := run.agreed_signal():
@@ -3046,7 +3047,8 @@ def timed_loop(run: harness.Run, trainer: Trainer, checkpointer: harness.Checkpo
         run.log_step(done, total, clock.now_ms(), tokens_before(done, segments),
                      tokens_before(total, segments), train_loss)
         if hp.checkpoint_every and done % hp.checkpoint_every == 0 and done < total:
-            checkpointer.save(trainer.state(done, clock.pause()), periodic=True)   # untimed
+            with run.long_timeout():
+                checkpointer.save(trainer.state(done, clock.pause()), periodic=True)   # untimed
             clock.start()
         # A stop is voted on at every boundary: free with one process; with several a 4-byte
         # all-reduce read at the next boundary (harness.StopVote), so every rank stops after one step.

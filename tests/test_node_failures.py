@@ -237,6 +237,13 @@ sys.exit(outcome.code)
 """
 
 
+# The same start, but rank 1's pause is a state save (Run.long_timeout): longer than --loop_timeout_s, and both ranks go
+# on, since a save waits for every rank under --pg_timeout_s.
+SLOW_SAVE = STOPPED_PEER.replace("loop_timeout_s=1", "loop_timeout_s=3").replace(
+    "    if rank == 1:\n        time.sleep(3600)\n",
+    "    with run.long_timeout():\n        if rank == 1:\n            time.sleep(8)\n")
+
+
 @pytest.mark.timeout(HANG_GUARD_S)
 def test_the_loop_timeout_ends_a_collective_with_a_stopped_peer_named(tmp_path):
     port = free_port()
@@ -347,3 +354,18 @@ def test_a_killed_rank_0_leaves_the_store_unreachable_and_the_survivor_says_wher
     assert procs[1].returncode == harness.EXIT_PEER and len(errors) == 1, err[-3000:]
     assert f"The run's store at MASTER_ADDR:MASTER_PORT=127.0.0.1:{port} cannot be reached" in errors[0], errors
     assert "Exception raised from" not in err and "Traceback" not in err, err[-3000:]   # TCPStore's C++ dump is kept off
+
+
+@pytest.mark.timeout(HANG_GUARD_S)
+def test_a_slow_state_save_in_the_loop_waits_under_the_long_timeout(tmp_path):
+    assert "time.sleep(8)" in SLOW_SAVE
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-c", SLOW_SAVE], cwd=tmp_path, env=worker_env(r, 2, port),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    try:
+        errs = [p.communicate(timeout=120)[1] for p in procs]      # a hang guard
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert [p.returncode for p in procs] == [0, 0], errs
