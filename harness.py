@@ -462,7 +462,6 @@ def describe_failure(e: BaseException, rank: int, world_size: int) -> tuple[int,
         return EXIT_CONFIG, f"cannot write{f' {where}' if where else ''}: {write}"
     kind, first_line = kind_of(e), _first_line(e)
     if kind == "device":
-        import socket
         return EXIT_DEVICE, (f"the GPU, driver or NCCL of this rank failed on "
                              f"{socket.gethostname()} ({type(e).__name__}: {first_line}): a "
                              "hardware or driver fault (see `nvidia-smi -q -d ECC` and the Xid "
@@ -1965,7 +1964,6 @@ def node_facts(hp: Any, files: Sequence[Path], device: torch.device) -> dict[str
     glob met). Every rank plans all ranks' document cursors from its own copy of the shards, so a
     node with other shards would silently overlap or skip documents."""
     import hashlib
-    import socket
     import triton
     env = {"torch": torch.__version__, "triton": triton.__version__,
            "CUDA": str(torch.version.cuda), "GPU": "CPU"}
@@ -2227,7 +2225,6 @@ def announce_rank(store: Any, rank: int) -> None:
     """started/<rank>: this rank's host and pid, for the others to name it by should it end
     without a word."""
     import json
-    import socket
     store.set(f"started/{rank}", json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
 
 
@@ -2282,7 +2279,6 @@ def share_failure(store: Any, rank: int, world_size: int, code: int, message: st
     failed first (name_the_cause); it then exits 4, as stopped by another: such a signal is
     torchrun passing a failure on. A store that cannot be reached is named."""
     import json
-    import socket
     kind = end_kind(code)
     me = {"rank": rank, "host": socket.gethostname(), "pid": os.getpid(), "code": code,
           "kind": kind, "line": message, "time": time.time()}
