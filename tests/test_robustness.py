@@ -1,15 +1,8 @@
 """Every bad input ends in a clear message and exit status, early, never a hang or a bare traceback."""
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
-
 import numpy as np
 import pytest
 
-from _shards import BOS, CPU_MALLOC_ENV, ROOT, make_dataset, run_trainer, structured_docs, write_shard
+from _shards import BOS, make_dataset, run_trainer, structured_docs, write_shard
 
 SHORT = ["--preset=tiny", "--num_scheduled_iterations=6", "--num_extension_iterations=0", "--warmup=false",
          "--val_loss_every=0", "--seed=0"]
@@ -111,39 +104,3 @@ def test_nan_loss_stops_at_the_step_and_saves_last_good_state(tmp_path):
     import torch
     state = torch.load(ckpts[0], weights_only=False)
     assert all(torch.isfinite(v.float()).all() for v in state["model"].values())
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_killed_rank_ends_the_others_with_a_message(tmp_path):
-    train, val = make_dataset(tmp_path, train_tokens=2_000_000, val_tokens=20_000)
-    port = _free_port()
-    args = ["--preset=tiny", "--warmup=false", "--val_loss_every=0", "--seed=0", "--pg_timeout_s=30",
-            "--num_scheduled_iterations=300", *data_args(train, val)]
-    procs = []
-    for rank in range(2):
-        env = dict(os.environ, CUDA_VISIBLE_DEVICES="", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONUNBUFFERED="1", **CPU_MALLOC_ENV)
-        procs.append(subprocess.Popen([sys.executable, str(ROOT / "train_gpt.py"), *args], cwd=tmp_path, env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    try:
-        deadline = time.time() + 150
-        for line in procs[0].stdout:             # wait until training is under way
-            if line.startswith("step:2/") or time.time() > deadline:
-                break
-        procs[1].send_signal(signal.SIGKILL)
-        t0 = time.time()
-        out, err = procs[0].communicate(timeout=600)
-        assert time.time() - t0 < 90
-        assert procs[0].returncode not in (0, None)
-        assert "another rank failed" in err or "Another rank" in err, err[-3000:]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()

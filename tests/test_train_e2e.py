@@ -94,7 +94,8 @@ EXACT = ["--preset=tiny", "--dtype=float64", "--num_scheduled_iterations=3", "--
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("world_size", [2, 4])
+# 4 only: 2 processes take the same path (one slice each, the ranks' reductions) with a shorter ring
+@pytest.mark.parametrize("world_size", [4])
 def test_world_size_matches_one_process_with_accumulation_in_float64(tmp_path, world_size):
     """W processes on gloo against one process with W accumulation steps: the same tokens and the same math, so in
     float64 the weights agree to float64 rounding. They are not bitwise equal: the reductions add the same numbers
