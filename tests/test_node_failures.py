@@ -239,9 +239,9 @@ sys.exit(outcome.code)
 
 # The same start, but rank 1's pause is a state save (Run.long_timeout): longer than --loop_timeout_s, and both ranks go
 # on, since a save waits for every rank under --pg_timeout_s.
-SLOW_SAVE = STOPPED_PEER.replace("loop_timeout_s=1", "loop_timeout_s=3").replace(
+SLOW_SAVE = STOPPED_PEER.replace("loop_timeout_s=1", "loop_timeout_s=5").replace(
     "    if rank == 1:\n        time.sleep(3600)\n",
-    "    with run.long_timeout():\n        if rank == 1:\n            time.sleep(8)\n")
+    "    with run.long_timeout():\n        if rank == 1:\n            time.sleep(12)\n")
 
 
 @pytest.mark.timeout(HANG_GUARD_S)
@@ -358,7 +358,7 @@ def test_a_killed_rank_0_leaves_the_store_unreachable_and_the_survivor_says_wher
 
 @pytest.mark.timeout(HANG_GUARD_S)
 def test_a_slow_state_save_in_the_loop_waits_under_the_long_timeout(tmp_path):
-    assert "time.sleep(8)" in SLOW_SAVE
+    assert "time.sleep(12)" in SLOW_SAVE
     port = free_port()
     procs = [subprocess.Popen([sys.executable, "-c", SLOW_SAVE], cwd=tmp_path, env=worker_env(r, 2, port),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
