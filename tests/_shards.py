@@ -62,6 +62,17 @@ def run_trainer(args, cwd, timeout=900, env=None, script=None):
                           capture_output=True, text=True, timeout=timeout, env=full_env)
 
 
+def python_with_gpus(folder, gpus):
+    """A PYTHON for run.sh whose GPU count (run.sh's check) says `gpus`, the real Python for everything else: the
+    trainer then finds no CUDA and runs on gloo."""
+    fake = Path(folder) / "python"
+    fake.write_text("#!/usr/bin/env bash\n"
+                    f'if [ "$1" = -c ] && [[ "$2" == *device_count* ]]; then echo {gpus}; exit 0; fi\n'
+                    f'exec {sys.executable} "$@"\n')
+    fake.chmod(0o755)
+    return fake
+
+
 def run_gloo(args, world_size, cwd, timeout=900, rank_args=None, scripts=None, per_node=None, cwds=None):
     """The trainer in world_size processes on gloo, started the way torchrun would (one thread each); rank_args
     {rank: extra options}, scripts {rank: path of its train_gpt.py} and cwds {rank: its working folder} start some

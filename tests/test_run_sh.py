@@ -122,12 +122,8 @@ def test_a_bad_nproc_is_refused_before_anything_else(tree):
 def two_cpu_ranks(tmp_path):
     """run.sh's environment for 2 processes on a CPU: a PYTHON whose GPU count (run.sh's check) says 2, the real
     Python for everything else; the trainer then finds no CUDA and runs on gloo."""
-    fake = tmp_path / "python"
-    fake.write_text("#!/usr/bin/env bash\n"
-                    'if [ "$1" = -c ] && [[ "$2" == *device_count* ]]; then echo 2; exit 0; fi\n'
-                    f'exec {sys.executable} "$@"\n')
-    fake.chmod(0o755)
-    from _shards import CPU_MALLOC_ENV, make_dataset
+    from _shards import CPU_MALLOC_ENV, make_dataset, python_with_gpus
+    fake = python_with_gpus(tmp_path, 2)
     train, val = make_dataset(tmp_path / "d", train_tokens=2_000_000, val_tokens=20_000)
     env = dict(os.environ, PYTHON=str(fake), NPROC="2", CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1",
                **CPU_MALLOC_ENV)

@@ -7,13 +7,12 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 import uuid
 
 import pytest
 
-from _shards import CPU_MALLOC_ENV, ROOT, make_dataset
+from _shards import CPU_MALLOC_ENV, ROOT, make_dataset, python_with_gpus
 
 pytestmark = pytest.mark.slow
 HANG_GUARD_S = 300          # every wait below is bounded by it; nothing asserts how long a step takes
@@ -23,13 +22,9 @@ ARGS = ["--preset=tiny", "--model_dim=64", "--head_dim=16", "--mlp_hidden=256", 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    """A PYTHON whose GPU count (run.sh's check) says 2, the real Python for everything else; the data."""
+    """run.sh's environment for 2 processes per node on a CPU (python_with_gpus); the data."""
     tmp = tmp_path_factory.mktemp("nodes")
-    fake = tmp / "python"
-    fake.write_text("#!/usr/bin/env bash\n"
-                    'if [ "$1" = -c ] && [[ "$2" == *device_count* ]]; then echo 2; exit 0; fi\n'
-                    f'exec {sys.executable} "$@"\n')
-    fake.chmod(0o755)
+    fake = python_with_gpus(tmp, 2)
     train, val = make_dataset(tmp / "d", train_tokens=300_000, val_tokens=20_000)
     env = dict(os.environ, PYTHON=str(fake), NPROC="2", CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1",
                RDZV_TIMEOUT="120", **CPU_MALLOC_ENV)
@@ -113,7 +108,7 @@ def test_a_killed_worker_is_named_by_every_survivor_and_the_saved_states_resume_
     lines = errors(out)
     survivors = sorted(int(re.match(r"error: rank (\d+): ", line)[1]) for line in lines)
     assert survivors == [0, 1, 2], lines              # each says so, naming the dead worker by rank and pid
-    assert all(f"The first failure: rank 3 (" in line and f"pid {victim})" in line for line in lines), lines
+    assert all("The first failure: rank 3 (" in line and f"pid {victim})" in line for line in lines), lines
     assert "Traceback" not in out and "ChildFailedError" not in out, out[-4000:]
 
     # the same two nodes go on from the newest whole state set; one node (2 processes) cannot take 4 ranks' states
