@@ -2296,18 +2296,31 @@ def share_failure(store: Any, rank: int, world_size: int, code: int, message: st
                 store.set("first_failure", json.dumps(me))
             if kind in ("own", "done") or not wait:
                 return code, message, None
-            deadline = time.monotonic() + grace_s
-            while (store.add("reported", 0) < world_size and not store.check(["first_failure"])
-                   and time.monotonic() < deadline):
-                time.sleep(0.05)
-            first = read("first_failure")
-            reports = {r: read(f"report/{r}") for r in range(world_size)}
             started = {r: read(f"started/{r}") for r in range(world_size)}
     except Exception as e:      # noqa: BLE001 (the store's node, or its process, is gone)
         if kind in ("own", "done"):
             return code, message, None
         return code, f"{message}. {store_unreachable(e)}", None
-    return name_the_cause(code, message, me, first, reports, started, ended)
+    # The reports are read as they come: the store may go while this rank waits (its agent ends
+    # once its node's ranks have), and what was read by then still names the cause.
+    first, reports, lost = None, {r: None for r in range(world_size)}, None
+    deadline, seen = time.monotonic() + grace_s, -1
+    try:
+        with _native_stderr_quiet():
+            while True:
+                if (count := store.add("reported", 0)) != seen:
+                    seen = count
+                    reports.update({r: read(f"report/{r}") for r, x in reports.items() if x is None})
+                first = read("first_failure")
+                if first is not None or count >= world_size or time.monotonic() >= deadline:
+                    break
+                time.sleep(0.05)
+    except Exception as e:      # noqa: BLE001
+        lost = e
+    code, line, when = name_the_cause(code, message, me, first, reports, started, ended)
+    if lost is not None and first is None:
+        line = f"{line}. {store_unreachable(lost)}"
+    return code, line, when
 
 
 def _ranks(ranks: Sequence[int], started: dict[int, dict | None]) -> str:

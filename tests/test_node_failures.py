@@ -141,6 +141,34 @@ def test_a_rank_that_left_no_report_is_named_with_its_host():
                     "or has not noticed yet"), line
 
 
+class StoreThatGoes:
+    """A store whose host goes away after `calls` of its operations (its agent ended with its node's ranks)."""
+
+    def __init__(self, store, calls):
+        self.store, self.calls = store, calls
+
+    def __getattr__(self, name):
+        def call(*args):
+            self.calls -= 1
+            if self.calls < 0:
+                raise dist.DistNetworkError("Connection reset by peer")
+            return getattr(self.store, name)(*args)
+        return call
+
+
+def test_a_store_that_goes_while_a_rank_waits_still_names_the_rank_it_saw_die():
+    store = dist.HashStore()
+    started(store, 3)
+    harness.share_failure(store, 1, 3, harness.EXIT_PEER, "stopped")                 # rank 1 reports; rank 2 dies
+    # this rank's report (set_timeout, set, add), three started/ reads (check, get), then the wait: one count, the
+    # reports (check, get), the first failure (check) -- then the store is gone, long before the grace ends
+    going = StoreThatGoes(store, 3 + 6 + 1 + 2 * 2 + 1 + 1 + 1)
+    code, line, _ = harness.share_failure(going, 0, 3, harness.EXIT_PEER, "stopped", wait=True, grace_s=600,
+                                          ended=lambda pid: pid == 1002)
+    assert code == 4 and line.startswith(f"stopped. The first failure: rank 2 ({HOST}, pid 1002) {harness.SILENT}. "
+                                         "The run's store at MASTER_ADDR:MASTER_PORT="), line
+    assert going.calls < 0                                                           # the store did go mid-wait
+
 def test_a_signal_every_rank_got_is_the_users_but_one_after_a_silent_death_is_exit_4():
     store = dist.HashStore()
     started(store, 4)
