@@ -1444,14 +1444,14 @@ def update_order(table: dict[str, dict]) -> tuple[str, ...]:
                                                   table[label]["comms"] == "sharded")))
 
 
-def reduce_scatter(output: Tensor, input: Tensor, **kw: Any) -> Any:
+def reduce_scatter(out: Tensor, full: Tensor, **kw: Any) -> Any:
     """dist.reduce_scatter_tensor under the name torch 2.13 gives it (the old name warns there)."""
-    return getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(output, input, **kw)
+    return getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(out, full, **kw)
 
 
-def all_gather(output: Tensor, input: Tensor, **kw: Any) -> Any:
+def all_gather(full: Tensor, part: Tensor, **kw: Any) -> Any:
     """dist.all_gather_into_tensor under the name torch 2.13 gives it (the old name warns there)."""
-    return getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(output, input, **kw)
+    return getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(full, part, **kw)
 
 
 class NorMuonAndAdam:
