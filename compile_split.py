@@ -2,19 +2,23 @@
 share of the schedule's variants alone and at the same time, so that the warmup loads its graphs from
 torch's on-disk caches instead of compiling them one after another.
 
-train_gpt.py's warmup calls compile_shares; a helper is this file run as a script with a task file
-(`python compile_split.py TASK`), which imports train_gpt to build the rank's model again. Nothing
-here changes a number: the graphs are the ones the rank would compile itself. Nothing happens at
-import.
+The training script's warmup loops over own_share, which starts the helpers and yields the
+rank's own tasks; a helper is this file run with a task file (`python compile_split.py TASK`),
+which loads the script by its path (load_script) to build the rank's model again. The script runs
+itself the same way (its __main__ block), so a copy of train_gpt.py under any name compiles its own
+graphs and its helpers load that copy. Nothing here changes a number: the graphs are the ones the
+rank would compile itself. Nothing happens at import.
 """
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import sys
 import threading
 import time
 from pathlib import Path
+from types import ModuleType
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -22,6 +26,36 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import harness
+
+
+def script_module_name(path: str | Path) -> str:
+    """The module name a training script runs under: its file's stem (train_gpt for train_gpt.py),
+    unless a module of that name is already loaded from elsewhere (then prefixed). torch's compile
+    caches key graphs by the module names of the model's classes, so a rank and its helpers use
+    the same one."""
+    path = Path(path).resolve()
+    name = path.stem
+    loaded = sys.modules.get(name)
+    if loaded is not None and Path(getattr(loaded, "__file__", "") or "").resolve() != path:
+        name = f"_script_{name}"
+    return name
+
+
+def load_script(path: str | Path, name: str | None = None) -> ModuleType:
+    """The training script at `path` loaded as the module `name` (default: script_module_name),
+    its folder first on sys.path so that it imports its own siblings (a copy elsewhere, with its
+    triton_kernels.py and the rest beside it, runs those)."""
+    path = Path(path).resolve()
+    name = name or script_module_name(path)
+    if name in sys.modules and Path(sys.modules[name].__file__).resolve() == path:
+        return sys.modules[name]
+    if str(path.parent) != sys.path[0]:
+        sys.path.insert(0, str(path.parent))
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module          # before running it: pickles and dataclasses look it up
+    spec.loader.exec_module(module)
+    return module
 
 
 def split_compile_tasks(variants: Sequence[int], workers: int) -> list[list[tuple[int, str]]]:
@@ -47,15 +81,18 @@ def split_processes_per_gpu(compile_helpers: int, num_variants: int, ranks: int,
     return max(1, min(4, -(-num_variants // ranks)))
 
 
-def compile_shares(trainer: Any, run: harness.Run, variants: Sequence[int],
-                   compile_log: harness.CompileLog, t0: float) -> None:
-    """Each GPU's processes (its rank and the rank's helpers) compile their share of the variants
-    (split_compile_tasks) alone and at the same time; torch writes each graph to its on-disk
-    caches, which every process of a machine shares (the same code on cuda:0 everywhere,
-    isolate_gpu), so the warmup that follows loads instead of compiling. Compiling is mostly
-    single-threaded Python, so even one GPU gains from several processes; they take turns to run
-    (GpuTurns). Leaves the weights, gradients and schedule state as it found them. Runs only when
-    compiling with --compile_split and more than one process per machine would compile."""
+def own_share(run: harness.Run, variants: Sequence[int], compile_log: harness.CompileLog,
+              t0: float, helper_task: dict[str, Any], model: nn.Module) -> Iterator[tuple[int, str]]:
+    """The compile split, as a loop the script runs: yields this rank's own (variant start, phase)
+    tasks, each to compile alone, while its helpers compile theirs. Each GPU's processes (its rank
+    and the rank's helpers) compile their share of the variants (split_compile_tasks) alone and at
+    the same time; torch writes each graph to its on-disk caches, which every process of a machine
+    shares (the same code on cuda:0 everywhere, isolate_gpu), so the warmup that follows loads
+    instead of compiling. Compiling is mostly single-threaded Python, so even one GPU gains from
+    several processes; they take turns to run (GpuTurns), each turn given back with `model`'s
+    gradients dropped. helper_task: what a helper needs to build the rank's model (CompileHelper).
+    Yields nothing unless compiling with --compile_split and more than one process per machine
+    would compile. The caller resets its schedule state afterwards."""
     import tempfile
     hp = run.hp
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", run.world_size))   # GPUs of this machine
@@ -70,21 +107,20 @@ def compile_shares(trainer: Any, run: harness.Run, variants: Sequence[int],
             + "".join(f"; helper {i + 1}: {describe_share(sh)}" for i, sh in enumerate(theirs))
             + ")")
     with tempfile.TemporaryDirectory(prefix="compile_split_") as folder:
-        turns = GpuTurns(Path(folder) / "gpu.lock", trainer.device)
-        helpers = [CompileHelper(trainer, share, Path(folder) / f"helper{i + 1}", turns.path)
+        turns = GpuTurns(Path(folder) / "gpu.lock", run.device)
+        helpers = [CompileHelper(helper_task, share, Path(folder) / f"helper{i + 1}", turns.path)
                    for i, share in enumerate(theirs)]
         try:
             with turns.taken_after_compiling():
                 for step, phase in mine:
                     with compile_log.during(step, f"{phase}*"):
-                        trainer.compile_alone(step, phase)
-                    turns.give(trainer.model)
+                        yield step, phase
+                    turns.give(model)
             for i, helper in enumerate(helpers):
                 run.log(f"  helper {i + 1}: {helper.wait()}")
         finally:
             for helper in helpers:
                 helper.stop()
-    trainer.reset_schedule_state()
     run.sync()
     if run.world_size > 1:
         dist.barrier()
@@ -140,23 +176,25 @@ class GpuTurns:
 
 class CompileHelper:
     """A process beside a rank that compiles a share of the split on the rank's GPU: this file run
-    with a task file (main). It imports train_gpt as the rank does (train_gpt.py runs itself as the
-    module train_gpt: torch's cache keys hold the module names of the model's classes, so graphs
-    compiled under another name, __main__ or __mp_main__, would not serve the rank). A helper that
-    fails costs nothing but time: the warmup compiles whatever is not in the caches."""
+    with a task file (main). It loads the rank's script by path under the rank's module name
+    (task["script"], task["module"]): torch's cache keys hold the module names of the model's
+    classes, so graphs compiled under another name would not serve the rank. The rest of the task
+    is what builds the rank's model and data: hp, device, attn_backend, rank, world_size,
+    train_files, val_files. A helper that fails costs nothing but time: the warmup compiles
+    whatever is not in the caches."""
 
-    def __init__(self, trainer: Any, share: list[tuple[int, str]], stem: Path, lock: Path,
+    def __init__(self, task: dict[str, Any], share: list[tuple[int, str]], stem: Path, lock: Path,
                  compile: bool = True):
         import pickle
         import subprocess
-        t = trainer
         self.task, self.result, self.output = (stem.with_suffix(".task"),
                                                stem.with_suffix(".result"),
                                                stem.with_suffix(".out"))
-        self.task.write_bytes(pickle.dumps(dict(
-            hp=t.hp, device=str(t.device), attn_backend=t.model.cfg.attn_backend, rank=t.rank,
-            world_size=t.world_size, train_files=t.train_files, val_files=t.val_files,
-            share=share, compile=compile, lock=str(lock), result=str(self.result))))
+        # The script's own objects (hp) unpickle only once the script is loaded: they go as a
+        # payload inside the task, which names the script in plain values.
+        payload = pickle.dumps(dict(task, share=share, compile=compile, lock=str(lock)))
+        self.task.write_bytes(pickle.dumps(dict(script=str(task["script"]), module=task["module"],
+                                                result=str(self.result), payload=payload)))
         with open(self.output, "wb") as out:
             self.process = subprocess.Popen(
                 [sys.executable, str(Path(__file__).resolve()), str(self.task)], stdout=out,
@@ -196,26 +234,27 @@ def exit_with_parent(interval_s: float = 1.0) -> None:
 
 
 def main(task_path: str) -> int:
-    """A CompileHelper's process: the rank's model built again on the rank's GPU with the same
-    compiler settings, its share (task["share"]) run through the trainer's compile_alone (so its
-    graphs are exactly the rank's), the GPU turn given back after each; {seconds, peak_bytes} or
-    {error} written to the result file. No optimizer and no process group: compile_alone needs
-    neither."""
+    """A CompileHelper's process: the rank's script loaded by path, its model built again on the
+    rank's GPU with the same compiler settings, its share (task["share"]) run through the script
+    Trainer's compile_alone (so its graphs are exactly the rank's), the GPU turn given back after
+    each; {seconds, peak_bytes} or {error} written to the result file. No optimizer and no process
+    group: compile_alone needs neither."""
     import pickle
-    import train_gpt as tg
     t0 = time.perf_counter()
     exit_with_parent()
-    task = pickle.loads(Path(task_path).read_bytes())
+    outer = pickle.loads(Path(task_path).read_bytes())
     try:
+        script = load_script(outer["script"], outer["module"])
+        task = pickle.loads(outer["payload"])
         device = torch.device(task["device"])
         if device.type == "cuda":
             torch.cuda.set_device(device)
         turns = GpuTurns(Path(task["lock"]), device)
         with turns.taken_after_compiling():
             hp = task["hp"]
-            model = tg.build_model(hp, device, task["attn_backend"])
-            compiled = tg.compile_model(model) if task["compile"] else model
-            trainer = tg.Trainer(hp, model, compiled, None, device, task["rank"],
+            model = script.build_model(hp, device, task["attn_backend"])
+            compiled = script.compile_model(model) if task["compile"] else model
+            trainer = script.Trainer(hp, model, compiled, None, device, task["rank"],
                                  task["world_size"], task["train_files"], task["val_files"])
             for step, phase in task["share"]:
                 trainer.compile_alone(step, phase)
@@ -225,7 +264,7 @@ def main(task_path: str) -> int:
     except BaseException as e:  # Ctrl-C too: the rank reports it, the helper leaves quietly
         first_line = (str(e).strip().splitlines() or [""])[0]      # the rank's log line is one line
         result = {"error": f"{type(e).__name__}: {first_line}"}
-    harness.atomic_write(Path(task["result"]), pickle.dumps(result))
+    harness.atomic_write(Path(outer["result"]), pickle.dumps(result))
     return 0 if "seconds" in result else 1
 
 

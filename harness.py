@@ -230,13 +230,15 @@ def _field_help(cls: type, defaults: Any) -> list[str]:
     return lines
 
 
-def help_text(defaults: RunOptions, presets: dict[str, dict]) -> str:
+def help_text(defaults: RunOptions, presets: dict[str, dict], script: str = "train_gpt.py") -> str:
     """Usage, presets, exit codes, then every field: first those that change the math (the fields
-    the script's options class declares itself), then the run-control ones (RunOptions)."""
-    lines = ["usage: python3 train_gpt.py [--name=value ...]        "
-             "(on GPUs: ./run.sh [--name=value ...])",
+    the script's options class declares itself), then the run-control ones (RunOptions). script:
+    the file name the trainer runs under (a copy names itself)."""
+    on_gpus = "./run.sh" if script == "train_gpt.py" else f"TRAIN={script} ./run.sh"
+    lines = [f"usage: python3 {script} [--name=value ...]        "
+             f"(on GPUs: {on_gpus} [--name=value ...])",
              "",
-             "Trains the speedrun model. Every option is a field of Hyperparameters in train_gpt.py "
+             f"Trains the speedrun model. Every option is a field of Hyperparameters in {script} "
              "(the math) or of",
              "RunOptions in harness.py (run control), set as --name=value; booleans take "
              "true/false (a bare --name",
@@ -251,7 +253,7 @@ def help_text(defaults: RunOptions, presets: dict[str, dict]) -> str:
               "exit codes: 0 done, 1 data, 2 options or environment, 3 loss not finite, "
               "4 another rank failed, 5 a bug (the log has the traceback),",
               "129 SIGHUP, 130 Ctrl-C, 143 SIGTERM (docs/failures.md: When something is wrong).",
-              "", "==== the math (Hyperparameters, train_gpt.py; resume must keep these) ===="]
+              "", f"==== the math (Hyperparameters, {script}; resume must keep these) ===="]
     lines += _field_help(type(defaults), defaults)
     lines += ["", "==== run control (RunOptions, harness.py; never change a number) ===="]
     return "\n".join(lines + _field_help(RunOptions, defaults))
@@ -2050,11 +2052,15 @@ def check_same_everywhere(hp: Any, files: Sequence[Path], world_size: int,
 
 class FiniteWatch:
     """The NaN guard without a sync per step: the first step whose loss is not finite is remembered
-    on the device (record) and read every `every` steps and at the last (first_bad)."""
+    on the device (record) and read every `every` steps and at the last (raise_if_bad). With
+    states saved it also keeps the last good state: the state at the previous check becomes good
+    once the steps after it gave finite losses (passed), and is what a divergence saves."""
 
-    def __init__(self, every: int, total: int, device: torch.device):
+    def __init__(self, every: int, total: int, device: torch.device,
+                 first_state: dict | None = None):
         self.every, self.total = every, total
         self.first = torch.full((), -1, dtype=torch.int64, device=device)
+        self.pending, self.last_good = first_state, None
 
     def record(self, done: int, loss: Tensor) -> None:
         if self.every:
@@ -2068,6 +2074,20 @@ class FiniteWatch:
         """The first bad step, or None (waits for the GPU)."""
         bad = int(self.first.item())
         return bad if bad >= 0 else None
+
+    def raise_if_bad(self, checkpointer: "Checkpointer") -> None:
+        """TrainingDiverged naming the first bad step, after saving the last good state if any."""
+        if (bad := self.first_bad()) is None:
+            return
+        if self.last_good is not None:
+            checkpointer.save(self.last_good)
+        raise diverged(f"the training loss became NaN or infinite at step {bad}",
+                       self.last_good["step"] if self.last_good is not None else None)
+
+    def passed(self, state: dict | None) -> None:
+        """The losses up to now are finite: the previous check's state is good; `state` (now's)
+        waits for the next check."""
+        self.last_good, self.pending = self.pending, state
 
 
 def diverged(what: str, last_good_step: int | None) -> TrainingDiverged:

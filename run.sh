@@ -7,9 +7,38 @@
 # Steps: check the process count, install what is missing, count the GPUs, fetch the FineWeb shards the default schedule
 # reads (unless --train_files is given), start torchrun. The data step comes before the GPU check: the download is
 # needed whatever the GPUs say, it resumes where it stopped, and a machine without a GPU can still fetch (and test) it.
+# TRAIN=my_idea.py ./run.sh trains a copy of train_gpt.py instead (a path from where run.sh is started, or from here).
 set -euo pipefail
+started_in=$PWD
 cd "$(dirname "$0")"
 PY=${PYTHON:-python3}
+TRAIN=${TRAIN:-train_gpt.py}
+if [ -f "$started_in/$TRAIN" ] && [ "${TRAIN#/}" = "$TRAIN" ]; then TRAIN="$started_in/$TRAIN"; fi
+if [ ! -f "$TRAIN" ]; then
+  echo "run.sh: error: TRAIN=$TRAIN is not a file; set TRAIN to the training script to run (default train_gpt.py)," \
+       "e.g. cp train_gpt.py my_idea.py && TRAIN=my_idea.py ./run.sh" >&2
+  exit 1
+fi
+
+for arg in "$@"; do
+  case "$arg" in
+    --help|-h)
+      cat <<USAGE
+usage: [TRAIN=script.py] [NPROC=n] [NNODES=n MASTER_ADDR=host [MASTER_PORT=p] [LOCAL_ADDR=a] [RDZV_TIMEOUT=s]] \\
+       ./run.sh [--name=value ...]
+Installs what is missing, fetches the FineWeb shards the default schedule reads (unless --train_files is given) and
+starts torchrun over this node's GPUs.
+  TRAIN         the training script (default train_gpt.py; a copy of it runs itself: cp train_gpt.py my_idea.py,
+                edit, TRAIN=my_idea.py ./run.sh)
+  NPROC         GPUs to use on this node (1, 2, 4 or 8; default: all, up to 8)
+  NNODES, MASTER_ADDR, MASTER_PORT, LOCAL_ADDR, RDZV_TIMEOUT
+                several nodes: the same command on each (README, docs/multi-node.md)
+  PYTHON        the Python to use (default python3)
+The script's own options (--name=value) follow.
+USAGE
+      exec "$PY" "$TRAIN" --help ;;
+  esac
+done
 
 if [ -n "${NPROC:-}" ]; then
   case "$NPROC" in 1|2|4|8) ;; *) echo "run.sh: error: NPROC=$NPROC must divide 8 (1, 2, 4 or 8)" >&2; exit 1;; esac
@@ -65,7 +94,6 @@ own_data=no; fetch=yes
 for arg in "$@"; do
   case "$arg" in
     --train_files=*|--train-files=*) own_data=yes ;;
-    --help|-h) fetch=no ;;
     --dry_run|--dry-run|--dry_run=[tTyY1]*|--dry-run=[tTyY1]*|--dry_run=on|--dry-run=on) fetch=no ;;  # a dry run changes nothing
   esac
 done
@@ -157,7 +185,7 @@ launch() {
 }
 
 if [ "$NNODES" -eq 1 ]; then
-  launch --standalone --nproc_per_node="$NPROC" train_gpt.py "$@"
+  launch --standalone --nproc_per_node="$NPROC" "$TRAIN" "$@"
 fi
 # A node that is still downloading has not started torchrun yet: the others wait for it in the rendezvous (its
 # join_timeout, 600 s by default) and for the rendezvous store on MASTER_ADDR's node (read_timeout, 60 s by
@@ -169,4 +197,4 @@ rdzv=(--nnodes="$NNODES" --nproc_per_node="$NPROC" --rdzv_backend=c10d
 if [ -n "${LOCAL_ADDR:-}" ]; then rdzv+=(--local_addr="$LOCAL_ADDR"); fi
 echo "run.sh: node of $NNODES, $NPROC GPUs each ($((NNODES * NPROC)) processes); rendezvous at" \
      "${MASTER_ADDR}:${MASTER_PORT:-29500}${LOCAL_ADDR:+ as $LOCAL_ADDR}, waiting up to ${RDZV_TIMEOUT}s for every node"
-launch "${rdzv[@]}" train_gpt.py "$@"
+launch "${rdzv[@]}" "$TRAIN" "$@"

@@ -19,6 +19,7 @@ parallel). Nothing happens at import.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -40,9 +41,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+import checks
 import compile_split
 import harness
 import triton_kernels as tk
+from data.shards import SHARD_HEADER_BYTES
 from harness import ConfigError, DataError
 
 # ==================================================================================================
@@ -169,7 +172,7 @@ class Hyperparameters(harness.RunOptions):
         return self.num_scheduled_iterations + self.num_extension_iterations
 
     @property
-    def split_step(self) -> int:
+    def untie_step(self) -> int:
         """Untie embed and lm_head after this step: the first step of the last stage, made odd
         (an Adam step); 961 for the record. Past the last step of a short run: they stay tied."""
         return stage_starts(self.num_scheduled_iterations, len(self.stages))[-1] | 1
@@ -197,175 +200,35 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-# The ops --kernels switches, each run by its fused kernel or its plain-PyTorch reference (the
-# definitions listed in KERNEL_REFERENCES; the choice: kernel_ops, section 3).
-KERNEL_OPS = ("qk", "mlp", "ce", "fp8", "adam", "normuon", "polar")
-
-
-def kernel_requests(kernels: str) -> dict[str, str]:
-    """What --kernels asks of each op it names, "torch" or "fused": "fused" names none (the default
-    choice), "torch" every op, else comma-separated op:torch / op:fused pairs."""
-    if kernels in ("fused", "torch"):
-        return dict.fromkeys(KERNEL_OPS if kernels == "torch" else (), "torch")
-    pairs = [item.strip().partition(":") for item in kernels.split(",")]
-    bad = [op + sep + how for op, sep, how in pairs if op not in KERNEL_OPS
-           or how not in ("torch", "fused")]
-    if bad:
-        raise ConfigError(f"--kernels={kernels}: {', '.join(bad)} is not op:torch or op:fused; "
-                          f"use fused, torch, or ops of {', '.join(KERNEL_OPS)} "
-                          "(e.g. --kernels=mlp:torch,ce:torch)")
-    requests: dict[str, str] = {}
-    for op, _, how in pairs:
-        if requests.setdefault(op, how) != how:
-            raise ConfigError(f"--kernels={kernels} asks for both {op}:torch and {op}:fused; keep "
-                              "one of them")
-    return requests
-
-
 def parse_args(argv: Sequence[str]) -> Hyperparameters:
     """The options from `--name=value` arguments (harness.parse_args; --help lists them)."""
     return harness.parse_args(argv, Hyperparameters(), PRESETS)
+
+
 # ==================================================================================================
-# 2. Attention backends: our kernel, the optional FlashAttention builds, torch's varlen kernel
+# 2. Model: attention, the FP8 head and its loss, the GPT
 # ==================================================================================================
+GATE_INPUT_DIM = 12                        # every sigmoid gate reads the
+                                           # first 12 channels of its input
+YARN_ATTN_SCALE_SLOPE = 0.2                # attn_scale *= 1 + slope * ln(new/old)
+                                           # at each long-window change
+RECORD_BANK_MULTIPLE = 8                   # the record pads its banks to shard over 8 GPUs
+
+# ---- attention ------------------------------------------------------------------------------------
 # Every backend computes the same thing: packed documents q, k, v (T, H, D) bf16 with boundaries
 # cu_seqlens = [0, c_1, ..., T, T, ...] (int32; trailing repeats are empty documents); query t of
 # document [c_j, c_{j+1}) sees keys t' with c_j <= t' <= t and t - window <= t' (window + 1 keys
 # at most, itself included); logits scale * <q_t, k_t'>, softmax in fp32, output (T, H, D) in
-# q's dtype.
-#   triton the project's own kernel (triton_kernels.py section 8): skips every key block outside
-#          the window and the document; CUDA only for training.
-#   fa3    FlashAttention-3 `flash_attn_varlen_func` (Hopper), when the module
-#          `flash_attn_interface` is installed.
-#   fa4    FlashAttention-4 (`pip install flash-attn-4`, module flash_attn.cute; Hopper and
-#          Blackwell), its forward and backward wrapped as custom ops so they compile.
-#   varlen torch.nn.attention.varlen.varlen_attn (FlashAttention-2 inside torch), CUDA only: the
-#          record's own kernel, kept as the fallback and the reference point of speed claims.
-#   sdpa   triton_kernels.varlen_attention_reference, a dense-mask definition (O(T^2) memory):
-#          what CPUs run, and what every backend is tested against.
-ATTN_BACKENDS = ("triton", "varlen", "fa3", "fa4", "sdpa")
-# "auto" on CUDA takes the first available of these, fastest first as measured in whole runs
-# (notes/history.md): FlashAttention-3 and -4 where installed, then our kernel; varlen is never
-# picked while triton runs. Off CUDA "auto" means sdpa (the only CPU backward).
-ATTN_AUTO_ORDER_CUDA = ("fa3", "fa4", "triton", "varlen", "sdpa")
-
-
-def import_fa3() -> Any:
-    """The FlashAttention-3 module, or None when it is not installed (or its CUDA library does not
-    load)."""
-    try:
-        import flash_attn_interface
-    except Exception:  # ImportError, or OSError from a .so built for another torch/CUDA
-        return None
-    return flash_attn_interface
-
-
-def import_fa4() -> Any:
-    """FlashAttention-4's interface module with the nanogpt_fa4 ops registered, or None when it is
-    not installed (or does not load)."""
-    try:
-        from flash_attn.cute import interface
-    except Exception:  # ImportError, or a CUDA / CuTe DSL library that does not load
-        return None
-    register_fa4_ops(interface)
-    return interface
-
-
-def register_fa4_ops(fa4: Any) -> None:
-    """torch.ops.nanogpt_fa4.fwd / .bwd: FA4's internal varlen forward and backward as custom ops
-    with fake implementations and autograd. Its public flash_attn_varlen_func is an
-    autograd.Function full of host-side Python (caches, device queries) that dynamo cannot trace.
-    The arguments are what that function passes for causal=True, window_size=(window, 0)."""
-    if hasattr(torch.ops.nanogpt_fa4, "fwd"):
-        return
-
-    @torch.library.custom_op("nanogpt_fa4::fwd", mutates_args=())
-    def fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, window: int,
-            scale: float) -> tuple[Tensor, Tensor]:
-        # return_lse=True: the public wrapper gets the lse only because its inputs require grad,
-        # which they do not inside a custom op
-        res = fa4._flash_attn_fwd(q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
-                                  max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen,
-                                  softmax_scale=scale, causal=True, window_size_left=window,
-                                  window_size_right=0, softcap=0.0, num_splits=1, pack_gqa=None,
-                                  return_lse=True)
-        return res[0], res[1]         # out (T, H, D); lse (H, T) fp32; later fields vary by version
-
-    @fwd.register_fake
-    def _(q, k, v, cu_seqlens, max_seqlen, window, scale):
-        return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
-
-    @torch.library.custom_op("nanogpt_fa4::bwd", mutates_args=())
-    def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-            cu_seqlens: Tensor, max_seqlen: int, window: int, scale: float
-            ) -> tuple[Tensor, Tensor, Tensor]:
-        dq, dk, dv = fa4._flash_attn_bwd(q, k, v, out, dout, lse, scale, True, 0.0,
-                                         window_size_left=window, window_size_right=0,
-                                         cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
-                                         seqused_q=None, seqused_k=None, max_seqlen_q=max_seqlen,
-                                         max_seqlen_k=max_seqlen, deterministic=False, dlse=None)
-        return dq.contiguous(), dk.contiguous(), dv.contiguous()
-
-    @bwd.register_fake
-    def _(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, window, scale):
-        return tuple(torch.empty_like(t, memory_format=torch.contiguous_format)
-                     for t in (q, k, v))
-
-    def setup_context(ctx, inputs, output):
-        q, k, v, cu_seqlens, max_seqlen, window, scale = inputs
-        ctx.save_for_backward(q, k, v, output[0], output[1], cu_seqlens)
-        ctx.args = (max_seqlen, window, scale)
-
-    def backward(ctx, dout, dlse):
-        q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
-        dq, dk, dv = torch.ops.nanogpt_fa4.bwd(dout.contiguous(), q, k, v, out, lse, cu_seqlens,
-                                               *ctx.args)
-        return dq, dk, dv, None, None, None, None
-
-    fwd.register_autograd(backward, setup_context=setup_context)
-
-
-def import_torch_varlen() -> Callable | None:
-    """torch's varlen_attn if this torch has it with sliding-window and scale arguments
-    (torch >= 2.11), else None."""
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return None
-    import inspect
-    params = inspect.signature(varlen_attn).parameters
-    return varlen_attn if "window_size" in params and "scale" in params else None
-
-
-def available_attn_backends(device: torch.device) -> list[str]:
-    """Backends that can run on `device`, in ATTN_BACKENDS order (the optional libraries are probed,
-    and FA4's ops registered, by harness.py)."""
-    on_cuda = torch.device(device).type == "cuda"
-    usable = {"triton": on_cuda, "varlen": on_cuda and import_torch_varlen() is not None,
-              "fa3": on_cuda and import_fa3() is not None,
-              "fa4": on_cuda and import_fa4() is not None, "sdpa": True}
-    return [name for name in ATTN_BACKENDS if usable[name]]
-
-
-def resolve_attn_backend(name: str, device: torch.device) -> str:
-    """Turn --attn_backend into a backend that runs on `device`: "auto" picks the fastest available
-    one."""
-    available = available_attn_backends(device)
-    if name == "auto":
-        if torch.device(device).type != "cuda":
-            return "sdpa"
-        return next(b for b in ATTN_AUTO_ORDER_CUDA if b in available)
-    if name not in ATTN_BACKENDS:
-        raise ConfigError(f"unknown --attn_backend={name!r}; "
-                         f"choose auto or one of {', '.join(ATTN_BACKENDS)}")
-    if name not in available:
-        raise ConfigError(f"--attn_backend={name} cannot run on {device} here (fa3 needs the "
-                         "flash_attn_interface module and CUDA; fa4 the flash-attn-4 package and "
-                         "CUDA; varlen needs torch >= 2.11 and CUDA; triton needs CUDA); "
-                         f"available: {', '.join(available)}; pass one of these or "
-                         "--attn_backend=auto")
-    return name
-
+# q's dtype. The backends (which are installed, which "auto" picks: checks.py):
+#   triton  the project's own kernel (triton_kernels.py): skips every key block outside the window
+#           and the document; CUDA only for training.
+#   fa3     FlashAttention-3 `flash_attn_varlen_func` (Hopper), when installed.
+#   fa4     FlashAttention-4 (`pip install flash-attn-4`), its forward and backward registered as
+#           custom ops so they compile (checks.register_fa4_ops).
+#   varlen  torch.nn.attention.varlen.varlen_attn (FlashAttention-2 inside torch), CUDA only: the
+#           record's own kernel, the fallback and the reference point of speed claims.
+#   sdpa    triton_kernels.varlen_attention_reference, a dense-mask definition (O(T^2) memory):
+#           what CPUs run, and what every backend is tested against.
 
 def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int,
                      window: int, scale: float, backend: str) -> Tensor:
@@ -373,7 +236,7 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_se
     (T, H, D) -> (T, H, D).
     max_seqlen is a launch hint for fa3/varlen and must be >= the longest document; window >= 0 in
     positions."""
-    # Plain imports here (the probing with try/inspect lives in available_attn_backends): this runs
+    # Plain imports here (the probing with try/inspect lives in checks.py): this runs
     # inside the compiled model, where dynamo traces import statements but not inspect.signature.
     if backend == "triton":
         return tk.varlen_attention_triton(q, k, v, cu_seqlens, window, scale)
@@ -397,52 +260,10 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_se
     if backend == "sdpa":
         return tk.varlen_attention_reference(q, k, v, cu_seqlens, window, scale)
     raise ValueError(f"unknown attention backend {backend!r}; "
-                     "resolve --attn_backend with resolve_attn_backend()")
+                     "resolve --attn_backend with checks.resolve_attn_backend()")
 
 
-# ==================================================================================================
-# 3. Model and FP8 head
-# ==================================================================================================
-GATE_INPUT_DIM = 12                        # every sigmoid gate reads the
-                                           # first 12 channels of its input
-YARN_ATTN_SCALE_SLOPE = 0.2                # attn_scale *= 1 + slope * ln(new/old)
-                                           # at each long-window change
-
-
-@dataclass
-class ModelConfig:
-    """Everything the GPT needs: fields of Hyperparameters (see its comments) and three more."""
-    vocab_size: int
-    model_dim: int
-    num_heads: int
-    head_dim: int
-    mlp_hidden: int
-    num_layers: int
-    num_value_embeds: int
-    bigram_vocab_size: int
-    attn_layout: str
-    long_window_layers: tuple
-    ve_layout: tuple
-    skip_source_layer: int
-    skip_dest_layer: int
-    backout_layer: int
-    cached_input_layer: int
-    block_size: int
-    rope_base: float
-    attn_scale: float
-    yarn_alpha: float
-    yarn_beta: float
-    fp8_scales: tuple
-    use_fp8: bool
-    attn_backend: str             # resolved backend name, passed through to varlen_attention
-    rotary_max_len: int           # positions the rotary tables cover: the largest micro-batch
-    dtype: str = "bfloat16"
-    bank_multiple: int = 8        # banks hold a multiple of this many matrices (padded with unused
-                                  # slices), to shard evenly over any world size dividing it
-
-
-RECORD_BANK_MULTIPLE = 8      # the record pads its banks to shard over 8 GPUs
-
+# ---- the model's pieces ----------------------------------------------------------------------------
 
 def bank_padding(slices: int, matrices_per_slice: int, multiple: int) -> int:
     """Unused slices to append so that (slices + pad) * matrices_per_slice is a multiple of
@@ -452,8 +273,8 @@ def bank_padding(slices: int, matrices_per_slice: int, multiple: int) -> int:
 
 @dataclass(frozen=True)
 class LayerPlan:
-    """One layer's wiring, derived from the ModelConfig layout once (forward never names a layer
-    index)."""
+    """One layer's wiring, derived from the layout options once (layer_plan; the forward never names
+    a layer index)."""
     index: int
     attn: str            # "P" paired heads, "N" normal, "" none
     attn_slot: int       # attention layer l: qk groups [H*l, H*l + H), vo 2l, 2l+1, attn_gate_bank
@@ -467,6 +288,32 @@ class LayerPlan:
     skip_source: bool    # its output is the skip
     backout: bool        # its output is backed out at the end
     cached_input: bool   # rms of its output is the attention input of every later layer
+
+
+def layer_plan(hp: Hyperparameters) -> tuple[LayerPlan, ...]:
+    """Every layer's wiring from the layout options."""
+    plan, attn_slot, ve_slot = [], 0, 0
+    for i, kind in enumerate(hp.attn_layout):
+        has_attn, has_ve = kind != "-", hp.ve_layout[i] >= 0
+        long_window = has_attn and i in hp.long_window_layers
+        plan.append(LayerPlan(index=i, attn=kind if has_attn else "",
+                              attn_slot=attn_slot if has_attn else -1,
+                              long_window=long_window, key_offset=long_window and kind == "N",
+                              ve_table=hp.ve_layout[i], ve_slot=ve_slot if has_ve else -1,
+                              reads_cached=has_attn and i > hp.cached_input_layer,
+                              skip_dest=i == hp.skip_dest_layer,
+                              skip_source=i == hp.skip_source_layer,
+                              backout=i == hp.backout_layer,
+                              cached_input=i == hp.cached_input_layer))
+        attn_slot += has_attn
+        ve_slot += has_ve
+    return tuple(plan)
+
+
+def largest_micro_batch(hp: Hyperparameters) -> int:
+    """Tokens of the largest training or validation micro-batch (what the rotary tables cover)."""
+    return max(*(micro_batch_tokens(st.batch, hp.batch_slices) for st in hp.stages),
+               micro_batch_tokens(hp.val_batch_size, hp.batch_slices))
 
 
 def rms(x: Tensor) -> Tensor:
@@ -612,9 +459,9 @@ def _fp8_head_forward_impl(h: Tensor, w: Tensor, s_x: float,
     (D, T), W8 (D, V)."""
     x8, x8_t = _fp8_helper(_quantize_act, h)(h, s_x)
     w8, w8_t = _fp8_helper(_quantize_weight, w)(w, s_w)
-    one = dict(dtype=torch.float32, device=h.device)
-    logits = torch._scaled_mm(x8, w8_t.t(), scale_a=torch.full((), s_x, **one),
-                              scale_b=torch.full((), s_w, **one),
+    fp32_here = dict(dtype=torch.float32, device=h.device)
+    logits = torch._scaled_mm(x8, w8_t.t(), scale_a=torch.full((), s_x, **fp32_here),
+                              scale_b=torch.full((), s_w, **fp32_here),
                               out_dtype=torch.bfloat16, use_fast_accum=True)
     return logits, x8_t, w8
 
@@ -623,8 +470,8 @@ def _fp8_head_backward_impl(g8: Tensor, g8_t: Tensor, x8_t: Tensor, w8: Tensor, 
                             s_w: float, s_g: float) -> tuple[Tensor, Tensor]:
     """dh (T, D) bf16 = (s_g*s_w) G8 @ W8^T; dW (D, V) fp32 = (s_x*s_g) X8^T @ G8, from
     G8 (T, V) e5m2 and its transpose G8^T (V, T); no fast accumulation."""
-    one = dict(dtype=torch.float32, device=g8.device)
-    sx, sw, sg = (torch.full((), s, **one) for s in (s_x, s_w, s_g))
+    fp32_here = dict(dtype=torch.float32, device=g8.device)
+    sx, sw, sg = (torch.full((), s, **fp32_here) for s in (s_x, s_w, s_g))
     dh = torch._scaled_mm(g8, w8.t(), scale_a=sg, scale_b=sw, out_dtype=torch.bfloat16,
                           use_fast_accum=False)
     dw = torch._scaled_mm(x8_t, g8_t.t(), scale_a=sx, scale_b=sg, out_dtype=torch.float32,
@@ -654,17 +501,6 @@ def register_fp8_head_op() -> None:
                 w8.new_empty(w8.shape, dtype=torch.float32))
 
 
-def check_loss_gradient(grad_losses: Tensor, grad_scale: float) -> None:
-    """Raise unless every row's incoming gradient is grad_scale (the FP8 head's loss ignores it)."""
-    if not torch.equal(grad_losses, torch.full_like(grad_losses, grad_scale)):
-        raise RuntimeError(
-            f"the FP8 head's training loss computes its gradient in the forward for a backward of "
-            f"grad_scale * sum(losses) with grad_scale={grad_scale}, but the losses received "
-            f"gradients {grad_losses.unique()[:4].tolist()}: back-propagate "
-            f"(loss * {grad_scale}).backward() on the summed loss, or pass the model "
-            "grad_scale=<the factor your backward applies>")
-
-
 class FP8HeadMTPCE(torch.autograd.Function):
     """The training head and loss as one op: h (T, D) bf16, w (D, V) bf16 -> per-row
     MTP losses (T,) fp32. FP8 head: @YouJiacheng, upstream record 19; fused loss: @soren_dunn_ and
@@ -682,7 +518,7 @@ class FP8HeadMTPCE(torch.autograd.Function):
     the bf16 parameter). CONTRACT (the record's): the gradient returned is that of
     grad_scale * sum(losses); the incoming gradient is not read, so the caller must back-propagate
     exactly grad_scale * losses.sum() (the trainer's (loss / grad_accum).backward() with
-    grad_scale = 1/grad_accum). Checked where that is free (check_loss_gradient: CPU tensors
+    grad_scale = 1/grad_accum). Checked where that is free (checks.check_loss_gradient: CPU tensors
     outside a compile); on a GPU the check would cost a device sync per micro-step, and scaling G8
     by an incoming gradient would need it before quantising, i.e. a backward pass over the logits.
     """
@@ -709,7 +545,7 @@ class FP8HeadMTPCE(torch.autograd.Function):
         g8, g8_t, x8_t, w8 = ctx.saved_tensors
         grad_scale, s_x, s_w, s_g, fused_head = ctx.args
         if grad_losses.device.type == "cpu" and not torch.compiler.is_compiling():
-            check_loss_gradient(grad_losses, grad_scale)
+            checks.check_loss_gradient(grad_losses, grad_scale)
         head_backward = (torch.ops.nanogpt.fp8_head_backward if fused_head
                          else fp8_head_backward_emulated)
         dh, dw = head_backward(g8, g8_t, x8_t, w8, s_x, s_w, s_g)
@@ -725,197 +561,33 @@ def fp8_head_mtp_ce(h: Tensor, w: Tensor, targets: Tensor, mtp_weights: Tensor,
                               fused_ce, rows)
 
 
-# --kernels: the plain-PyTorch definitions each fused op's kernels were last checked against (the GPU
-# tests, tests/test_kernels_gpu.py), with a digest of their code then: only the code the op's fused
-# path does not run, so that an edit of one runs exactly when the reference does (kernel_ops).
-# fp8_quantize is in none: both paths of the FP8 head run it (the fused head's compiled
-# quantisers), and the loss's kernels and reference quantise the gradient themselves.
-# After checking the kernel again, update the digest.
-KERNEL_REFERENCES = {
-    "qk": ((tk.qk_norm_rotary_reference, tk.shift_keys_by_one), "fae18133f82d6f5e"),
-    "mlp": ((tk.relu2_mlp_reference,), "8b6fad1b2f4093ba"),
-    "ce": ((tk.softcap, tk.softcapped_mtp_ce_reference, tk.softcapped_mtp_ce_train_math,
-            tk._SoftcappedMTPCETrainReference, tk.softcapped_mtp_ce_fp8_reference),
-           "a47bdc1405938e31"),
-    "fp8": ((fp8_head_emulated, fp8_head_backward_emulated), "c83cd459639d05d1"),
-    "adam": ((tk.adam_update_reference,), "941fc473b01c2c49"),
-    "normuon": ((tk.normuon_momentum_reference, tk.cautious_step,
-                 tk.cautious_update_with_mantissa_reference), "2ddb60702546e03c"),
-    "polar": ((tk.xxt_reference, tk.ba_plus_cAA_reference, tk.polar_split_product_reference),
-              "72bf46270921669e"),
-}
-
-
-def check_model_layout(cfg: ModelConfig) -> None:
-    """Raise ValueError naming the option to change for a layer layout the model cannot build (cfg:
-    the script's ModelConfig)."""
-    L = cfg.num_layers
-    if cfg.num_heads * cfg.head_dim != cfg.model_dim:
-        raise ValueError(f"num_heads * head_dim = {cfg.num_heads * cfg.head_dim} must equal "
-                         f"model_dim = {cfg.model_dim}; change --num_heads, --head_dim or "
-                         "--model_dim")
-    if cfg.head_dim % 4 or cfg.model_dim < GATE_INPUT_DIM:
-        raise ValueError(f"--head_dim={cfg.head_dim} must be a multiple of 4 (rotary pairs "
-                         f"on its first half) and --model_dim >= {GATE_INPUT_DIM} "
-                         "(gate inputs)")
-    if len(cfg.attn_layout) != L or set(cfg.attn_layout) - set("PN-"):
-        raise ValueError(f"--attn_layout={cfg.attn_layout!r} needs one of P, N, - per layer "
-                         f"({L} layers)")
-    if cfg.num_heads % 2:
-        raise ValueError(f"the qk bank holds Q and K by pairs of adjacent heads, and paired "
-                         f"layers pair heads too: use an even --num_heads (got {cfg.num_heads})")
-    if len(cfg.ve_layout) != L:
-        raise ValueError(f"--ve_layout={cfg.ve_layout} needs one entry per layer ({L})")
-    bad = [j for j in cfg.ve_layout if not -1 <= j < cfg.num_value_embeds]
-    if bad:
-        raise ValueError(f"--ve_layout={cfg.ve_layout} names value-embedding table(s) {bad}: "
-                         "each entry is -1 (none) or a table index below "
-                         f"--num_value_embeds={cfg.num_value_embeds}; raise --num_value_embeds "
-                         "or fix --ve_layout")
-    if not 0 <= cfg.cached_input_layer < L:
-        raise ValueError(f"--cached_input_layer={cfg.cached_input_layer} must be a layer index "
-                         f"below num_layers={L} (the attention of later layers reads rms of its "
-                         f"output; {L - 1} makes none do)")
-    if cfg.bigram_vocab_size < 2:
-        raise ValueError(f"--bigram_vocab_size={cfg.bigram_vocab_size} must be at least 2 (the "
-                         "hash is taken modulo bigram_vocab_size - 1, whose value is the "
-                         "sentinel row)")
-    if any(j >= 0 and cfg.attn_layout[i] == "-" for i, j in enumerate(cfg.ve_layout)):
-        raise ValueError("--ve_layout puts a value embedding on a layer without attention "
-                         "(- in --attn_layout)")
-    if any(not 0 <= i < L for i in cfg.long_window_layers):
-        raise ValueError(f"--long_window_layers={cfg.long_window_layers} must be layer "
-                         f"indices below {L}")
-    if (not 0 <= cfg.skip_source_layer < cfg.skip_dest_layer < L
-            or not 0 <= cfg.backout_layer < L):
-        raise ValueError("need 0 <= --skip_source_layer < --skip_dest_layer < num_layers and "
-                         "0 <= --backout_layer < num_layers")
-    if cfg.dtype not in ("bfloat16", "float32", "float64"):
-        raise ValueError(f"--dtype={cfg.dtype}: use bfloat16 (training), float32 or float64 "
-                         "(CPU checks)")
-    if cfg.use_fp8 and cfg.dtype != "bfloat16":
-        raise ValueError("the FP8 LM head reads bf16 weights: use --use_fp8=false with "
-                         f"--dtype={cfg.dtype}")
-    if cfg.rotary_max_len < 1:
-        raise ValueError("rotary_max_len must be the largest micro-batch in tokens "
-                         "(train or val)")
-
-
-def edited_references(references: dict[str, tuple[Sequence[Any], str]] = KERNEL_REFERENCES
-                      ) -> dict[str, str]:
-    """The ops whose definitions changed since their digest was recorded, each with its new digest
-    (none where the source cannot be read, e.g. a frozen install)."""
-    import inspect
-    edited = {}
-    for op, (definitions, digest) in references.items():
-        try:
-            now = harness.reference_digest([inspect.getsource(d) for d in definitions])
-        except (OSError, TypeError):
-            continue
-        if now != digest:
-            edited[op] = now
-    return edited
-
-
-@dataclass(frozen=True)
-class KernelOps:
-    """What runs each switchable op (KERNEL_OPS) this run: its fused kernel or its plain-PyTorch
-    reference, of one contract (triton_kernels.py); chosen once by kernel_ops, passed to GPT and
-    NorMuonAndAdam."""
-    qk_norm_rotary: Callable        # qk: (qkv, cos, sin, pos_mult, key_offset) -> q, k, v
-    relu2_mlp: Callable             # mlp: (x, c_fc, c_proj) -> (T, D)
-    mtp_ce: Callable                # ce: eval (logits, targets, mtp_weights) -> per-row losses
-    mtp_ce_train: Callable          # ce: training without the FP8 head, same signature
-    fp8_head_mtp_ce: Callable       # fp8 and ce: (h, w, targets, mtp_weights, grad_scale, s_x,
-                                    # s_w, s_g) -> per-row training losses
-    adam_update: Callable           # adam: in place, keyword scalars
-    normuon_momentum: Callable      # normuon: (grad, momentum_buffer, momentum) -> U
-    cautious_update: Callable       # normuon: (param, mantissa, O, lr=, wd=) in place
-    xxt: Callable                   # polar: A -> A @ A.mT
-    ba_plus_cAA: Callable           # polar: (A, b, c) -> b*A + c*A@A
-    polar_split_product: Callable   # polar: (y, x, a) -> y = round(y + a*x) in place
-
-
-def fused_ops(kernels: str, device_type: str, edited: Collection[str] = ()) -> frozenset[str]:
-    """The ops that run their fused kernel: on CUDA those --kernels forces (op:fused) or leaves to
-    the default, except an op whose reference was edited (its edit runs); off CUDA none."""
-    requests = kernel_requests(kernels)
-    if device_type != "cuda":
-        return frozenset()
-    return frozenset(op for op in KERNEL_OPS
-                     if requests.get(op, "torch" if op in edited else "fused") == "fused")
-
-
-def kernel_ops(kernels: str, device_type: str, edited: Collection[str] = ()) -> KernelOps:
-    """The run's op table: per op the kernel if fused_ops names it, else the reference."""
-    fused = fused_ops(kernels, device_type, edited)
-
-    def pick(op: str, kernel: Callable, reference: Callable) -> Callable:
-        return kernel if op in fused else reference
-    # A CPU computes the losses a block of rows at a time (the same numbers in bounded memory;
-    # rows=0: blocks of tk._CE_REFERENCE_BLOCK logits); CUDA compiles the references whole.
-    rows = None if device_type == "cuda" else 0
-    mtp_ce = pick("ce", tk.softcapped_mtp_ce_triton, tk.softcapped_mtp_ce_reference
-                  if device_type == "cuda" else tk.softcapped_mtp_ce_chunked)
-    return KernelOps(
-        qk_norm_rotary=pick("qk", tk.qk_norm_rotary_triton, tk.qk_norm_rotary_reference),
-        relu2_mlp=pick("mlp", tk.relu2_mlp_triton, tk.relu2_mlp_reference), mtp_ce=mtp_ce,
-        mtp_ce_train=pick("ce", tk.softcapped_mtp_ce_train_triton,
-                          functools.partial(tk.softcapped_mtp_ce_train_reference, rows=rows)),
-        fp8_head_mtp_ce=functools.partial(fp8_head_mtp_ce, fused_head="fp8" in fused,
-                                          fused_ce="ce" in fused, rows=rows),
-        adam_update=pick("adam", tk.adam_update, tk.adam_update_reference),
-        normuon_momentum=pick("normuon", tk.normuon_momentum, tk.normuon_momentum_reference),
-        cautious_update=pick("normuon", tk.cautious_update_with_mantissa,
-                             tk.cautious_update_with_mantissa_reference),
-        xxt=pick("polar", tk.xxt, tk.xxt_reference),
-        ba_plus_cAA=pick("polar", tk.ba_plus_cAA, tk.ba_plus_cAA_reference),
-        polar_split_product=pick("polar", tk.polar_split_product_,
-                                 tk.polar_split_product_reference))
-
-
-def kernel_switch_lines(kernels: str, device_type: str, edited: dict[str, str],
-                        references: dict[str, tuple[Sequence[Any], str]] = KERNEL_REFERENCES
-                        ) -> list[str]:
-    """One log line per op whose reference was edited (edited: op -> its new digest): whether this
-    run uses the edit, and how to choose the other way."""
-    fused, lines = fused_ops(kernels, device_type, edited), []
-    for op, digest in edited.items():
-        names = ", ".join(d.__name__ for d in references[op][0])
-        if op in fused:
-            uses = (f"this run uses the fused kernel (--kernels={op}:fused), which does NOT run the "
-                    "edit; drop that to run the edit")
-        elif device_type == "cuda":
-            uses = (f"this run uses the edit, not the fused kernel; --kernels={op}:fused forces "
-                    "the kernel")
-        else:
-            uses = "this run uses the edit (off CUDA every op runs its reference)"
-        lines.append(f"warning: {names} (op {op}) changed since its fused kernel was checked "
-                     f"against it; {uses}. Once the kernel matches the edit, set the op's digest "
-                     f"in KERNEL_REFERENCES to {digest}")
-    return lines
-
-
 # ---- GPT -----------------------------------------------------------------------------------------
 
 class GPT(nn.Module):
-    """The record's GPT, parameters in 16 labelled tensors (banks), layer wiring from the
-    ModelConfig.
+    """The record's GPT: its parameters in labelled tensors (the banks and the tables), its layer
+    wiring from the model options of Hyperparameters (hp).
 
     Rotary state (omega, bf16 tables, attn_scale) is one object shared by normal and paired layers:
     the record's two rotary objects always receive the same resets and YaRN updates, so they always
     hold the same values. The tables cover 2 * rotary_max_len angle positions: normal layers read
     rows [0, T), paired layers read rows 2t and 2t+1 for token t, i.e. rows [0, 2T) viewed as
     (T, 2, head_dim/2).
-    ops: the run's kernel or reference per op (kernel_ops).
+    ops: the run's kernel or reference per op (kernel_ops); attn_backend: a resolved backend name
+    (varlen_attention). rotary_max_len (the positions the rotary tables cover) and bank_multiple
+    (the banks hold a multiple of this many matrices, padded with unused ones, to shard evenly over
+    any world size dividing it) are derived from hp unless given (tests build small tables).
     """
 
-    def __init__(self, cfg: ModelConfig, device: torch.device, ops: KernelOps):
+    def __init__(self, hp: Hyperparameters, device: torch.device, ops: KernelOps,
+                 attn_backend: str = "sdpa", rotary_max_len: int | None = None,
+                 bank_multiple: int | None = None):
         super().__init__()
-        check_model_layout(cfg)
-        self.cfg, self.ops = cfg, ops
-        D, H, L, hd, V = cfg.model_dim, cfg.num_heads, cfg.num_layers, cfg.head_dim, cfg.vocab_size
-        self.plan = self._layer_plan(cfg)
+        self.rotary_max_len = rotary_max_len or largest_micro_batch(hp)
+        self.bank_multiple = bank_multiple or math.lcm(RECORD_BANK_MULTIPLE, hp.batch_slices)
+        checks.check_model_layout(hp, GATE_INPUT_DIM)
+        self.hp, self.ops, self.attn_backend = hp, ops, attn_backend
+        D, H, L, hd, V = hp.model_dim, hp.num_heads, hp.num_layers, hp.head_dim, hp.vocab_size
+        self.plan = layer_plan(hp)
         n_attn = sum(p.attn != "" for p in self.plan)
         n_ve = sum(p.ve_slot >= 0 for p in self.plan)
 
@@ -926,29 +598,29 @@ class GPT(nn.Module):
         # l, Q or K, adjacent head pair j): Q rows of heads 2j, 2j+1 at H*l + j, K rows at
         # H*l + H/2 + j, so that the optimizer orthogonalises each pair on its own; vo holds W_v at
         # 2l and W_o at 2l + 1; mlp slice j = [c_fc, c_proj] (2, hidden, D) of layer j. Unused pad
-        # matrices at the end make each bank shard evenly (cfg.bank_multiple) and stay zero; the
+        # matrices at the end make each bank shard evenly (self.bank_multiple) and stay zero; the
         # random draws fill only the real matrices (the mlp pad's c_fc as far as the record's
         # 8-GPU padding, which it draws), so every initial weight is the same on any world size.
         # Draw order as the record's (it matters only when seeded): value_embeds,
         # qk, vo, mlp, lm_head.
         # Built in fp32 on `device`, then cast to bf16. With --dtype=float32/float64 the bf16
         # tensors are that dtype instead and the fp32 ones at least fp32.
-        wdt = getattr(torch, cfg.dtype)
-        fdt = tk.acc_dtype(wdt)
-        gate = dict(dtype=wdt, device=device)
+        weight_dtype = getattr(torch, hp.dtype)
+        like_weights = dict(dtype=weight_dtype, device=device)
+        like_scalars = dict(dtype=tk.acc_dtype(weight_dtype), device=device)
         # bf16(0.01 n), n drawn in bf16 (upstream record 65, PR #215): random, untied tables
-        value_embeds = 0.01 * torch.randn(cfg.num_value_embeds * V, D, dtype=torch.bfloat16,
+        value_embeds = 0.01 * torch.randn(hp.num_value_embeds * V, D, dtype=torch.bfloat16,
                                           device=device)
         bound = 0.5 * math.sqrt(3) * D ** -0.5      # Q, K, V, O all U(+-bound) (upstream record
                                                     # 64, PR #214), as c_fc
         n_qk = H * n_attn
-        qk = torch.zeros(n_qk + bank_padding(n_qk, 1, cfg.bank_multiple), 2 * hd, D,
+        qk = torch.zeros(n_qk + bank_padding(n_qk, 1, self.bank_multiple), 2 * hd, D,
                          device=device)
         qk[:n_qk].uniform_(-bound, bound)
-        vo = torch.zeros(2 * n_attn + bank_padding(2 * n_attn, 1, cfg.bank_multiple), D, D,
+        vo = torch.zeros(2 * n_attn + bank_padding(2 * n_attn, 1, self.bank_multiple), D, D,
                          device=device)
         vo[: 2 * n_attn].uniform_(-bound, bound)
-        mlp = torch.zeros(L + bank_padding(L, 2, cfg.bank_multiple), 2, cfg.mlp_hidden, D,
+        mlp = torch.zeros(L + bank_padding(L, 2, self.bank_multiple), 2, hp.mlp_hidden, D,
                           device=device)
         drawn = L + bank_padding(L, 2, RECORD_BANK_MULTIPLE)
         mlp[:drawn, 0].uniform_(-bound, bound)                       # c_fc; c_proj stays zero
@@ -957,28 +629,27 @@ class GPT(nn.Module):
         scalars = torch.cat([
             torch.tensor([0.5, 1.0]).repeat(L),                      # SA lambdas (qkv, o) per layer
             torch.tensor([0.0, 0.5, -1.5]),                          # smear, backout, skip lambdas
-        ]).to(device, fdt)
-        lam = dict(dtype=fdt, device=device)
-        self.qk = param(qk.to(wdt))
-        self.vo = param(vo.to(wdt))
-        self.mlp = param(mlp.to(wdt))
+        ]).to(**like_scalars)
+        self.qk = param(qk.to(weight_dtype))
+        self.vo = param(vo.to(weight_dtype))
+        self.mlp = param(mlp.to(weight_dtype))
         self.scalars = param(scalars)  # (2L+3,) fp32; the reference's sharding
                                        # padding is dropped (vestigial)
-        self.smear_gate = param(torch.zeros(1, GATE_INPUT_DIM, **gate))
-        self.skip_gate = param(torch.zeros(1, GATE_INPUT_DIM, **gate))
-        self.attn_gate_bank = param(torch.zeros(n_attn, H, GATE_INPUT_DIM, **gate))
-        self.ve_gate_bank = param(torch.zeros(n_ve, H, GATE_INPUT_DIM, **gate))
-        lm_head = lm_head.to(wdt)
+        self.smear_gate = param(torch.zeros(1, GATE_INPUT_DIM, **like_weights))
+        self.skip_gate = param(torch.zeros(1, GATE_INPUT_DIM, **like_weights))
+        self.attn_gate_bank = param(torch.zeros(n_attn, H, GATE_INPUT_DIM, **like_weights))
+        self.ve_gate_bank = param(torch.zeros(n_ve, H, GATE_INPUT_DIM, **like_weights))
+        lm_head = lm_head.to(weight_dtype)
         self.lm_head = param(lm_head)                                # (D, V): stored transposed,
                                                                      # logits = h @ lm_head
         # bigram-hash embedding (upstream record 62, PR #201), zero at the start
-        self.bigram_embed = param(torch.zeros(cfg.bigram_vocab_size, D, **gate))
+        self.bigram_embed = param(torch.zeros(hp.bigram_vocab_size, D, **like_weights))
         # per-sublayer residual weights, [:, 0] attention, [:, 1] MLP (upstream record 77, PR #241)
-        self.post_lambdas = param(torch.ones(L, 2, **lam))
-        self.x0_lambdas = param(torch.zeros(L, **lam))
-        self.bigram_lambdas = param(torch.full((L,), 0.05, **lam))
-        self.resid_lambdas = param(torch.full((L, 2), math.sqrt(1.1), **lam))
-        self.value_embeds = param(value_embeds.to(wdt))              # table j: rows [j*V, (j+1)*V)
+        self.post_lambdas = param(torch.ones(L, 2, **like_scalars))
+        self.x0_lambdas = param(torch.zeros(L, **like_scalars))
+        self.bigram_lambdas = param(torch.full((L,), 0.05, **like_scalars))
+        self.resid_lambdas = param(torch.full((L, 2), math.sqrt(1.1), **like_scalars))
+        self.value_embeds = param(value_embeds.to(weight_dtype))              # table j: rows [j*V, (j+1)*V)
         self.embed = param(lm_head.T.contiguous())                   # tied copy until the
                                                                      # optimizer splits them
 
@@ -989,43 +660,24 @@ class GPT(nn.Module):
                                                             dtype=torch.int32, device=device),
                              persistent=False)
         self.register_buffer("rotary_omega", torch.zeros(hd, device=device), persistent=False)
-        self.register_buffer("rotary_cos", torch.empty(2 * cfg.rotary_max_len, hd // 2, **gate),
+        self.register_buffer("rotary_cos", torch.empty(2 * self.rotary_max_len, hd // 2, **like_weights),
                              persistent=False)
-        self.register_buffer("rotary_sin", torch.empty(2 * cfg.rotary_max_len, hd // 2, **gate),
+        self.register_buffer("rotary_sin", torch.empty(2 * self.rotary_max_len, hd // 2, **like_weights),
                              persistent=False)
-        self.attn_scale = cfg.attn_scale
+        self.attn_scale = hp.attn_scale
         self.reset_rotary()
-        if cfg.use_fp8:
+        if hp.use_fp8:
             register_fp8_head_op()
-        if cfg.attn_backend == "fa4":
-            import_fa4()
-
-    @staticmethod
-    def _layer_plan(cfg: ModelConfig) -> tuple[LayerPlan, ...]:
-        plan, attn_slot, ve_slot = [], 0, 0
-        for i, kind in enumerate(cfg.attn_layout):
-            has_attn, has_ve = kind != "-", cfg.ve_layout[i] >= 0
-            long_window = has_attn and i in cfg.long_window_layers
-            plan.append(LayerPlan(index=i, attn=kind if has_attn else "",
-                                  attn_slot=attn_slot if has_attn else -1,
-                                  long_window=long_window, key_offset=long_window and kind == "N",
-                                  ve_table=cfg.ve_layout[i], ve_slot=ve_slot if has_ve else -1,
-                                  reads_cached=has_attn and i > cfg.cached_input_layer,
-                                  skip_dest=i == cfg.skip_dest_layer,
-                                  skip_source=i == cfg.skip_source_layer,
-                                  backout=i == cfg.backout_layer,
-                                  cached_input=i == cfg.cached_input_layer))
-            attn_slot += has_attn
-            ve_slot += has_ve
-        return tuple(plan)
+        if self.attn_backend == "fa4":
+            checks.import_fa4()
 
     @property
     def bank_matrix_shapes(self) -> dict[str, tuple[int, int]]:
         """The matrices the optimizer orthogonalises: qk's head-pair groups (2*hd, D), vo's W_v, W_o
         (D, D); mlp's c_fc, c_proj (hidden, D)."""
-        cfg = self.cfg
-        return {"qk": (2 * cfg.head_dim, cfg.model_dim), "vo": (cfg.model_dim, cfg.model_dim),
-                "mlp": (cfg.mlp_hidden, cfg.model_dim)}
+        hp = self.hp
+        return {"qk": (2 * hp.head_dim, hp.model_dim), "vo": (hp.model_dim, hp.model_dim),
+                "mlp": (hp.mlp_hidden, hp.model_dim)}
 
     # ---- rotary state ----
 
@@ -1033,20 +685,20 @@ class GPT(nn.Module):
     def reset_rotary(self) -> None:
         """Base frequencies, rebuilt tables, attn_scale back to its initial value (at construction
         and after warmup)."""
-        self.rotary_omega.copy_(rotary_base_omega(self.cfg.head_dim, self.cfg.rope_base,
+        self.rotary_omega.copy_(rotary_base_omega(self.hp.head_dim, self.hp.rope_base,
                                                   self.rotary_omega.device))
         self._rebuild_rotary_tables()
-        self.attn_scale = self.cfg.attn_scale
+        self.attn_scale = self.hp.attn_scale
 
     @torch.no_grad()
     def apply_yarn(self, old_ws_long: int, new_ws_long: int) -> None:
         """YaRN (@classiclarryd, upstream record 31) for a long window going old -> new (blocks):
         frequencies turning fewer than alpha times over the old window are scaled by old/new, those
         turning beta+ times are kept, a linear ramp between; compounds."""
-        cfg, omega = self.cfg, self.rotary_omega
+        hp, omega = self.hp, self.rotary_omega
         ratio = old_ws_long / new_ws_long
-        turns = (cfg.block_size * old_ws_long) * omega / (2 * math.pi)
-        ramp = ((turns - cfg.yarn_alpha) / (cfg.yarn_beta - cfg.yarn_alpha)).clamp(0, 1)
+        turns = (hp.block_size * old_ws_long) * omega / (2 * math.pi)
+        ramp = ((turns - hp.yarn_alpha) / (hp.yarn_beta - hp.yarn_alpha)).clamp(0, 1)
         omega.mul_(ratio + ramp * (1 - ratio))
         self._rebuild_rotary_tables()
         self.attn_scale *= 1 + YARN_ATTN_SCALE_SLOPE * math.log(new_ws_long / old_ws_long)
@@ -1066,9 +718,9 @@ class GPT(nn.Module):
         that, FP8HeadMTPCE); eval: mean CE."""
         h = self.final_hidden(inputs, cu_seqlens, ws_short, ws_long, max_seqlen)  # (T, D) bf16
         if self.training:
-            if self.cfg.use_fp8:
+            if self.hp.use_fp8:
                 return self.ops.fp8_head_mtp_ce(h, self.lm_head, targets, mtp_weights, grad_scale,
-                                                *self.cfg.fp8_scales).sum()
+                                                *self.hp.fp8_scales).sum()
             return self.ops.mtp_ce_train(h @ self.lm_head, targets, mtp_weights).sum()
         # Mean next-token CE of the softcapped bf16-head logits, through the fused kernel with the
         # single weight 1: it softcaps in fp32 (as the reference's compiled eval does) and never
@@ -1088,25 +740,27 @@ class GPT(nn.Module):
     def final_hidden(self, inputs: Tensor, cu_seqlens: Tensor, ws_short: int, ws_long: int,
                      max_seqlen: int) -> Tensor:
         """The normed final residual h (T, D) bf16 that the LM head reads."""
-        cfg, T = self.cfg, inputs.shape[0]
-        if T > cfg.rotary_max_len:
+        hp, T = self.hp, inputs.shape[0]
+        if T > self.rotary_max_len:
             raise ValueError(f"micro-batch of {T} tokens exceeds "
-                             f"rotary_max_len={cfg.rotary_max_len}; build the model with "
+                             f"rotary_max_len={self.rotary_max_len}; build the model with "
                              "rotary_max_len = the largest train/val micro-batch")
-        L, wdt = cfg.num_layers, self.embed.dtype
+        L, weight_dtype = hp.num_layers, self.embed.dtype
         sa_lambdas = self.scalars[: 2 * L].view(L, 2)
         smear_lambda, backout_lambda, skip_lambda = self.scalars[2 * L: 2 * L + 3].unbind()
         # The per-sublayer weights are rounded to the weights' dtype (bf16) each forward, as the
         # record's are: rho = 1.046875 at the start, not sqrt(1.1).
-        resid, post = self.resid_lambdas.to(wdt), self.post_lambdas.to(wdt)      # (L, 2)
-        x0_lambdas, bigram_lambdas = self.x0_lambdas.to(wdt), self.bigram_lambdas.to(wdt)
+        resid = self.resid_lambdas.to(weight_dtype)                                    # (L, 2)
+        post = self.post_lambdas.to(weight_dtype)                                      # (L, 2)
+        x0_lambdas = self.x0_lambdas.to(weight_dtype)                                  # (L,)
+        bigram_lambdas = self.bigram_lambdas.to(weight_dtype)                          # (L,)
         # value embeddings (@KoszarskyB, upstream record 14): table j at rows [j*V, (j+1)*V),
         # (T, D) bf16 each. One lookup of every table's row: its backward writes one dense
         # gradient of the whole parameter, where a lookup per table would write one each and sum
         # them (bench/tables.py).
         ve_rows = F.embedding(inputs[:, None] + self.ve_row_offsets, self.value_embeds)  # (T, n, D)
         ve = {table: ve_rows[:, k] for k, table in enumerate(self.ve_tables)}
-        bigram = F.embedding(bigram_ids(inputs, cfg.bigram_vocab_size), self.bigram_embed)
+        bigram = F.embedding(bigram_ids(inputs, hp.bigram_vocab_size), self.bigram_embed)
 
         # Token smear (@classiclarryd, upstream record 34): e'_t = e_t + smear_lambda * sigmoid(e_t[:12] . w) * e_{t-1}, across
         # document boundaries.
@@ -1122,7 +776,7 @@ class GPT(nn.Module):
         qk_banks = self.qk.unbind(0)                     # (2*hd, D) per head pair of Q or K
         vo_banks = self.vo.unbind(0)                     # W_v, W_o of attention layer l: 2l, 2l+1
         mlp_banks = self.mlp.flatten(0, 1).unbind(0)     # c_fc, c_proj of layer j at 2j, 2j + 1
-        H = cfg.num_heads
+        H = hp.num_heads
         skip_saved = backout_saved = cached_u = None
         for p in self.plan:
             i = p.index
@@ -1133,7 +787,7 @@ class GPT(nn.Module):
             if p.attn:
                 l = p.attn_slot
                 w_qkv = torch.cat([*qk_banks[H * l: H * (l + 1)], vo_banks[2 * l]])  # (3D, D)
-                window = (ws_long if p.long_window else ws_short) * cfg.block_size          # tokens
+                window = (ws_long if p.long_window else ws_short) * hp.block_size          # tokens
                 # layers after cached_input_layer read its normed output (upstream record 77,
                 # PR #241)
                 a = self.attention(p, w_qkv, vo_banks[2 * l + 1],
@@ -1159,8 +813,8 @@ class GPT(nn.Module):
                   sa_lambda: Tensor, cu_seqlens: Tensor, max_seqlen: int, window: int) -> Tensor:
         """One attention sublayer. w_qkv (3D, D) = [W_q; W_k; W_v], w_o (D, D); u: the normed input
         (T, D) bf16 -> (T, D) bf16."""
-        cfg = self.cfg
-        T, D, H, hd = u.shape[0], cfg.model_dim, cfg.num_heads, cfg.head_dim
+        hp = self.hp
+        T, D, H, hd = u.shape[0], hp.model_dim, hp.num_heads, hp.head_dim
         lambda_qkv, lambda_o = sa_lambda.unbind()
         qkv = u @ (lambda_qkv * w_qkv).T   # weights scaled and rounded to bf16 first
         # QK-norm per head, then half-truncated rotary on the first half of each head in adjacent
@@ -1185,14 +839,90 @@ class GPT(nn.Module):
             # in doubled positions.
             q, k, v = (t.reshape(2 * T, H // 2, hd) for t in (q, k, v))
             y = varlen_attention(q, k, v, cu_seqlens * 2, max_seqlen * 2, window, self.attn_scale,
-                                 cfg.attn_backend)
+                                 self.attn_backend)
             y = y.reshape(T, H, hd)
         else:
             y = varlen_attention(q, k, v, cu_seqlens, max_seqlen, window,
-                                 self.attn_scale, cfg.attn_backend)
+                                 self.attn_scale, self.attn_backend)
         # per-head output gate
         y = y * torch.sigmoid(gate_in @ self.attn_gate_bank[p.attn_slot].T)[..., None]
         return y.reshape(T, D) @ (lambda_o * w_o).T
+
+
+# ==================================================================================================
+# 3. The op table: each switchable op's fused kernel or its plain-PyTorch reference
+# ==================================================================================================
+
+# --kernels: the plain-PyTorch definitions each fused op's kernels were last checked against (the GPU
+# tests, tests/test_kernels_gpu.py), with a digest of their code then: only the code the op's fused
+# path does not run, so that an edit of one runs exactly when the reference does (kernel_ops).
+# fp8_quantize is in none: both paths of the FP8 head run it (the fused head's compiled
+# quantisers), and the loss's kernels and reference quantise the gradient themselves.
+# After checking the kernel again, update the digest.
+KERNEL_REFERENCES = {
+    "qk": ((tk.qk_norm_rotary_reference, tk.shift_keys_by_one), "fae18133f82d6f5e"),
+    "mlp": ((tk.relu2_mlp_reference,), "8b6fad1b2f4093ba"),
+    "ce": ((tk.softcap, tk.softcapped_mtp_ce_reference, tk.softcapped_mtp_ce_train_math,
+            tk._SoftcappedMTPCETrainReference, tk.softcapped_mtp_ce_fp8_reference),
+           "a47bdc1405938e31"),
+    "fp8": ((fp8_head_emulated, fp8_head_backward_emulated), "c83cd459639d05d1"),
+    "adam": ((tk.adam_update_reference,), "941fc473b01c2c49"),
+    "normuon": ((tk.normuon_momentum_reference, tk.cautious_step,
+                 tk.cautious_update_with_mantissa_reference), "2ddb60702546e03c"),
+    "polar": ((tk.xxt_reference, tk.ba_plus_cAA_reference, tk.polar_split_product_reference),
+              "72bf46270921669e"),
+}
+KERNEL_OPS = tuple(KERNEL_REFERENCES)     # the ops --kernels switches
+
+
+@dataclass(frozen=True)
+class KernelOps:
+    """What runs each switchable op (KERNEL_OPS) this run: its fused kernel or its plain-PyTorch
+    reference, of one contract (triton_kernels.py); chosen once by kernel_ops, passed to GPT and
+    NorMuonAndAdam."""
+    qk_norm_rotary: Callable        # qk: (qkv, cos, sin, pos_mult, key_offset) -> q, k, v
+    relu2_mlp: Callable             # mlp: (x, c_fc, c_proj) -> (T, D)
+    mtp_ce: Callable                # ce: eval (logits, targets, mtp_weights) -> per-row losses
+    mtp_ce_train: Callable          # ce: training without the FP8 head, same signature
+    fp8_head_mtp_ce: Callable       # fp8 and ce: (h, w, targets, mtp_weights, grad_scale, s_x,
+                                    # s_w, s_g) -> per-row training losses
+    adam_update: Callable           # adam: in place, keyword scalars
+    normuon_momentum: Callable      # normuon: (grad, momentum_buffer, momentum) -> U
+    cautious_update: Callable       # normuon: (param, mantissa, O, lr=, wd=) in place
+    xxt: Callable                   # polar: A -> A @ A.mT
+    ba_plus_cAA: Callable           # polar: (A, b, c) -> b*A + c*A@A
+    polar_split_product: Callable   # polar: (y, x, a) -> y = round(y + a*x) in place
+
+
+def kernel_ops(kernels: str, device_type: str, edited: Collection[str] | None = None) -> KernelOps:
+    """The run's op table: per op the kernel if checks.fused_ops names it, else the reference.
+    edited: the ops whose reference was edited (default: checks.edited_references finds them)."""
+    if edited is None:
+        edited = checks.edited_references(KERNEL_REFERENCES)
+    fused = checks.fused_ops(kernels, device_type, edited, KERNEL_OPS)
+
+    def pick(op: str, kernel: Callable, reference: Callable) -> Callable:
+        return kernel if op in fused else reference
+    # A CPU computes the losses a block of rows at a time (the same numbers in bounded memory;
+    # rows=0: blocks of tk._CE_REFERENCE_BLOCK logits); CUDA compiles the references whole.
+    rows = None if device_type == "cuda" else 0
+    mtp_ce = pick("ce", tk.softcapped_mtp_ce_triton, tk.softcapped_mtp_ce_reference
+                  if device_type == "cuda" else tk.softcapped_mtp_ce_chunked)
+    return KernelOps(
+        qk_norm_rotary=pick("qk", tk.qk_norm_rotary_triton, tk.qk_norm_rotary_reference),
+        relu2_mlp=pick("mlp", tk.relu2_mlp_triton, tk.relu2_mlp_reference), mtp_ce=mtp_ce,
+        mtp_ce_train=pick("ce", tk.softcapped_mtp_ce_train_triton,
+                          functools.partial(tk.softcapped_mtp_ce_train_reference, rows=rows)),
+        fp8_head_mtp_ce=functools.partial(fp8_head_mtp_ce, fused_head="fp8" in fused,
+                                          fused_ce="ce" in fused, rows=rows),
+        adam_update=pick("adam", tk.adam_update, tk.adam_update_reference),
+        normuon_momentum=pick("normuon", tk.normuon_momentum, tk.normuon_momentum_reference),
+        cautious_update=pick("normuon", tk.cautious_update_with_mantissa,
+                             tk.cautious_update_with_mantissa_reference),
+        xxt=pick("polar", tk.xxt, tk.xxt_reference),
+        ba_plus_cAA=pick("polar", tk.ba_plus_cAA, tk.ba_plus_cAA_reference),
+        polar_split_product=pick("polar", tk.polar_split_product_,
+                                 tk.polar_split_product_reference))
 
 
 # ==================================================================================================
@@ -1209,7 +939,7 @@ POLAR_EXPRESS_COEFFS = (
 )
 # Matrices stored with more rows than this (the 3072x768 MLP ones) round a*X + B@X twice, like the
 # record.
-POLAR_EXPRESS_SPLIT_ROWS = 1024
+POLAR_EXPRESS_TWO_ROUNDINGS_ROWS = 1024
 CPU_CHUNK_ELEMENTS = 1 << 16          # CPU only: element-wise updates run
                                       # in blocks this size (cache-resident)
 NORMUON_EPS = 1e-10                    # floor of the second moment and of the renormalised norm
@@ -1221,7 +951,7 @@ def _fp32(x: float) -> float:
     return float(np.float32(x))
 
 
-def polar_express(G: Tensor, split_final_product: bool, ops: KernelOps,
+def polar_express(G: Tensor, two_roundings: bool, ops: KernelOps,
                   dtype: torch.dtype = torch.bfloat16) -> Tensor:
     """Approximate U·Vᵀ of G = U·S·Vᵀ for a batch (..., R, C) of matrices, in bf16: Polar Express
     (Amsel, Persson, Musco, Gower 2025; in the speedrun @varunneal, upstream record 38).
@@ -1229,7 +959,7 @@ def polar_express(G: Tensor, split_final_product: bool, ops: KernelOps,
     Five odd-polynomial iterations X <- a·X + (b·A + c·A²)·X with A = X·Xᵀ, on the short
     side (transposed when R > C, so A is the smaller Gram matrix). X is first scaled by its
     Frobenius norm (+2% safety) so every singular value lies in (0, 1), where the coefficients push
-    it towards 1. split_final_product: round B@X to bf16 before adding a·X (two roundings, as the
+    it towards 1. two_roundings: round B@X to bf16 before adding a·X (two roundings, as the
     record does for the MLP matrices) instead of one fused GEMM with beta = a.
     dtype: the precision of the iteration; bf16 in training, float32/float64 for parameters stored
     in that (--dtype). ops: the Gram products and the split product (kernels or references).
@@ -1242,7 +972,7 @@ def polar_express(G: Tensor, split_final_product: bool, ops: KernelOps,
     for a, b, c in POLAR_EXPRESS_COEFFS:
         A = ops.xxt(X)                                      # (n, m, m) bf16, exactly symmetric
         B = ops.ba_plus_cAA(A, b, c)                        # (n, m, m) bf16
-        if split_final_product:
+        if two_roundings:
             X = ops.polar_split_product(B @ X, X, a)        # bf16(bf16(B@X) + a·X)
         else:
             X = torch.baddbmm(X, B, X, beta=a)              # bf16(a·X + B@X), fp32 accumulation
@@ -1303,47 +1033,28 @@ def variance_normalize_(O: Tensor, second_moment: Tensor, beta2: float) -> Tenso
     return O * scale.to(O.dtype)
 
 
-def normuon_direction_(grad: Tensor, momentum_buffer: Tensor, second_moment: Tensor, *,
-                       momentum: float, beta2: float, split_final_product: bool,
-                       ops: KernelOps) -> Tensor:
-    """Momentum, Polar Express and variance normalisation of one chunk; updates both buffers.
-
-    grad (n, R, C) bf16, momentum_buffer (n, R, C) fp32 -> O (n, R, C) bf16 (float32/64 grads: all
-    in their dtype). ops: the momentum step and Polar Express's products (kernels or references).
-    """
-    # M <- lerp(M, G, 1 - mu); U = lerp(G, M, mu) (Nesterov-style), in grad's dtype
-    U = ops.normuon_momentum(grad, momentum_buffer, momentum)
-    O = polar_express(U, split_final_product, ops, dtype=grad.dtype)
-    return variance_normalize_(O, second_moment, beta2)
-
-
-def cautious_update_with_mantissa_(param: Tensor, mantissa: Tensor, O: Tensor, *,
-                                   lr: float | Tensor, wd: float, ops: KernelOps) -> None:
-    """P <- (P - ((P·mask)·wd)·lr) - O·lr on the fp32 master P = (bf16 bits << 16) | mantissa
-    (cautious decay: @varunneal, upstream record 43; the mantissa: @classiclarryd, record 57).
-
-    param (n, R, C) bf16 and mantissa (n, R, C) uint16 are updated in place: the bf16 keeps the high
-    16 bits of the new master (truncation toward zero), the mantissa the low 16. mask = [O·P >= 0]
-    (non-strict: entries with zero update are decayed too). lr is fp32, a scalar or (n, 1, 1) per
-    matrix; wd is fp32. ops.cautious_update: one fused Triton pass, bitwise its reference, or the
-    reference.
-    """
-    ops.cautious_update(param, mantissa, O, lr=lr, wd=wd)
-
-
 def normuon_update(param: Tensor, grad: Tensor, momentum_buffer: Tensor, second_moment: Tensor,
                    mantissa: Tensor | None, *, momentum: float, beta2: float, lr: float | Tensor,
-                   wd: float | Tensor, split_final_product: bool, ops: KernelOps) -> None:
-    """One NorMuon update of a chunk of matrices in place. All tensors (n, R, C) except
-    second_moment ((n, R, 1) or (n, 1, C)); lr (fp32 scalar or (n, 1, 1)) and wd from
-    normuon_scalars(); ops as in normuon_direction_.
-    mantissa is None for a float32/float64 parameter (--dtype), which is its own master."""
-    O = normuon_direction_(grad, momentum_buffer, second_moment, momentum=momentum, beta2=beta2,
-                           split_final_product=split_final_product, ops=ops)
+                   wd: float | Tensor, two_roundings: bool, ops: KernelOps) -> None:
+    """One NorMuon update of a chunk of matrices in place: momentum, Polar Express and variance
+    normalisation give the direction O, then the cautious step (@varunneal, upstream record 43) on
+    the fp32 master P = (bf16 bits << 16) | mantissa (@classiclarryd, record 57).
+
+    All tensors (n, R, C) except second_moment ((n, R, 1) or (n, 1, C)); grad bf16 (float32/64
+    grads: all in their dtype), momentum_buffer fp32; both buffers are updated. lr (fp32 scalar or
+    (n, 1, 1)) and wd come from normuon_scalars(). P <- (P - ((P·mask)·wd)·lr) - O·lr with
+    mask = [O·P >= 0] (non-strict: entries with zero update are decayed too); the bf16 keeps the
+    high 16 bits of the new master (truncation toward zero), the mantissa the low 16. mantissa is
+    None for a float32/float64 parameter (--dtype), which is its own master. ops: the momentum
+    step, Polar Express's products and the cautious step (kernels or references)."""
+    # M <- lerp(M, G, 1 - mu); U = lerp(G, M, mu) (Nesterov-style), in grad's dtype
+    U = ops.normuon_momentum(grad, momentum_buffer, momentum)
+    O = polar_express(U, two_roundings, ops, dtype=grad.dtype)
+    O = variance_normalize_(O, second_moment, beta2)
     if mantissa is None:
         param.copy_(tk.cautious_step(param, O, lr, wd))
     else:
-        cautious_update_with_mantissa_(param, mantissa, O, lr=lr, wd=wd, ops=ops)
+        ops.cautious_update(param, mantissa, O, lr=lr, wd=wd)
 
 
 def normuon_matrix_lr_scales(matrix_shape: Sequence[int], lr_mul: float,
@@ -1363,76 +1074,6 @@ def normuon_scalars(muon_lr: float, lr_factor: float, wd: float,
     UN-multiplied lr."""
     lr = muon_lr * lr_factor
     return lr, _fp32(wd_mul * wd * lr)
-
-
-def check_param_table(params: dict[str, Tensor], table: dict[str, dict], rank: int,
-                      world_size: int, tied: tuple[str, str] | None) -> None:
-    """Raise ValueError naming the fix for an optimizer table (one row per parameter label) that
-    cannot drive these parameters on this process placement."""
-    for label in params:
-        if label not in table:
-            raise ValueError(f"parameter {label!r} has no row in the optimizer table: "
-                             "add it to param_table (DEFAULT_PARAM_TABLE in train_gpt.py)")
-    for label in table:
-        if label not in params:
-            raise ValueError(f"param_table row {label!r} names no model parameter (parameters: "
-                             f"{', '.join(params)}): remove the row or fix its name")
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} / world_size {world_size} is not a valid "
-                         "process placement")
-    for label, row in table.items():
-        p = params[label]
-        if row.get("optim") not in ("adam", "normuon"):
-            raise ValueError(f"param_table[{label!r}] optim={row.get('optim')!r}: "
-                             "use 'adam' or 'normuon'")
-        if row.get("comms") not in ("none", "replicated", "sharded"):
-            raise ValueError(f"param_table[{label!r}] comms={row.get('comms')!r}: "
-                             "use 'none', 'replicated' or 'sharded'")
-        for key in ("lr_mul", "wd_mul"):
-            if not isinstance(row.get(key), (int, float)):
-                raise ValueError(f"param_table[{label!r}] needs a number {key}=")
-        if row["optim"] == "adam":
-            betas = row.get("betas")
-            if betas is None or len(betas) != 2 or not all(0 <= b < 1 for b in betas):
-                raise ValueError(f"param_table[{label!r}] is an Adam row and needs "
-                                 "betas=(beta1, beta2) in [0, 1)")
-            if row["comms"] == "sharded" and p.shape[0] % world_size:
-                raise ValueError(f"{label} has {p.shape[0]} rows in dim 0 of {tuple(p.shape)}, "
-                                 f"not divisible by world_size {world_size}: "
-                                 f"set param_table[{label!r}] comms='replicated' "
-                                 f"or use a world size that divides {p.shape[0]}")
-            continue
-        shape = row.get("matrix_shape")
-        if (shape is None or len(shape) != 2 or p.numel() % (shape[0] * shape[1])
-                or p.shape[-1] != shape[1]):
-            raise ValueError(f"{label} of shape {tuple(p.shape)} cannot be viewed as a stack "
-                             f"of matrix_shape={shape} matrices: fix "
-                             f"param_table[{label!r}]['matrix_shape'] (rows, cols) to match "
-                             "the bank")
-        if p.dtype not in (torch.bfloat16, torch.float32, torch.float64):
-            raise ValueError(f"NorMuon parameter {label} is {p.dtype}; store it in bf16 "
-                             "(its fp32 master is bf16 + a 16-bit mantissa), float32 or "
-                             "float64, or make it an Adam row")
-        if not row.get("matrix_lr_muls", (1.0,)):
-            raise ValueError(f"param_table[{label!r}] matrix_lr_muls is empty: "
-                             "give at least one multiplier")
-        n_matrices = p.numel() // (shape[0] * shape[1])
-        if row["comms"] == "sharded" and n_matrices % world_size:
-            raise ValueError(f"{label} bank has {n_matrices} matrices, not divisible by "
-                             f"world_size {world_size}: pad the bank "
-                             "(ModelConfig.bank_multiple) or use a world size that divides "
-                             f"{n_matrices}")
-    if tied is not None:
-        head, embed = tied
-        for label in (head, embed):
-            if label not in table or table[label]["optim"] != "adam":
-                raise ValueError(f"tied=({head!r}, {embed!r}): {label!r} must be an Adam "
-                                 "parameter label; pass tied=None to train them separately")
-        if (params[head].shape != params[embed].shape[::-1]
-                or params[head].dim() != 2):
-            raise ValueError(f"tied {head} {tuple(params[head].shape)} is not the "
-                             f"transpose of {embed} {tuple(params[embed].shape)}: "
-                             f"store {head} as (model_dim, vocab)")
 
 
 def update_order(table: dict[str, dict]) -> tuple[str, ...]:
@@ -1496,7 +1137,7 @@ class NorMuonAndAdam:
         self.rank, self.world_size = rank, world_size
         self.ops = ops                       # kernel or reference per op (kernel_ops)
         self.tied = tuple(tied) if tied is not None else None
-        check_param_table(self.params, self.table, rank, world_size, self.tied)
+        checks.check_param_table(self.params, self.table, rank, world_size, self.tied)
         self._tied_now = self.tied is not None
         self.adam_t = {label: 0 for label, row in self.table.items() if row["optim"] == "adam"}
         self.buffers: dict[str, dict[str, Tensor]] = {}
@@ -1639,7 +1280,7 @@ class NorMuonAndAdam:
         # record 74, PR #233)
         normuon_update(param, grad, buf["momentum"], buf["second_moment"], buf.get("mantissa"),
                        momentum=_fp32(momentum), beta2=self.muon_beta2, lr=lr_eff, wd=wd,
-                       split_final_product=row["matrix_shape"][0] > POLAR_EXPRESS_SPLIT_ROWS,
+                       two_roundings=row["matrix_shape"][0] > POLAR_EXPRESS_TWO_ROUNDINGS_ROWS,
                        ops=self.ops)
 
     # ---- untying and state -----------------------------------------------------------------------
@@ -1701,94 +1342,11 @@ class NorMuonAndAdam:
 # part, so no communication is needed and the tokens of an optimizer step do not depend on the world
 # size.
 
-# ---- shard files: the one definition of the token format (data/shards.py writes it) ----------
-# A shard is a header of 256 little-endian int32 words (magic, version, token count n, zeros), then n
-# little-endian uint16 tokens.
-SHARD_MAGIC, SHARD_VERSION, SHARD_HEADER_BYTES = 20240520, 1, 1024
-
-def read_header(f, path: str) -> int:
-    """Check the header and the size of the open shard file `f`; return its token count n."""
-    raw = f.read(SHARD_HEADER_BYTES)
-    size = os.fstat(f.fileno()).st_size
-    if len(raw) < SHARD_HEADER_BYTES:
-        raise DataError(f"shard {path} is truncated: {size} bytes, less than the "
-                        f"{SHARD_HEADER_BYTES}-byte header; delete it and download or "
-                        "generate it again")
-    magic, version, n = (int(w) for w in np.frombuffer(raw, dtype="<i4", count=3))
-    if magic != SHARD_MAGIC:
-        raise DataError(f"shard {path} has bad magic {magic} (expected {SHARD_MAGIC}), so it is "
-                        "not a token shard; remove it or change --train_files/--val_files")
-    if version != SHARD_VERSION:
-        raise DataError(f"shard {path} has bad version {version} (expected {SHARD_VERSION}); "
-                        "make it again with data/tokenize_docs.py or download it again with "
-                        "data/cached_fineweb10B.py")
-    expected = SHARD_HEADER_BYTES + 2 * n
-    if size != expected:
-        raise DataError(f"shard {path} is truncated (or has trailing bytes): its header says {n} "
-                        f"tokens, so expected {expected} bytes, found {size}; delete it and "
-                        "download or generate it again")
-    return n
+# Shards (their format: data/shards.py; their checks: checks.py) are read whole by a background
+# thread, or at an offset for validation.
 
 
-def open_shard(path: str):
-    """open(path, "rb"), with the reason a shard cannot be read as a DataError that names the
-    file."""
-    try:
-        return open(path, "rb")
-    except PermissionError:
-        raise DataError(f"cannot read shard {path}: permission denied; make it readable "
-                        "(chmod a+r) or change --train_files/--val_files") from None
-    except OSError as e:
-        raise DataError(f"cannot read shard {path}: {e.strerror or e}; check the file or change "
-                        f"--train_files/--val_files") from None
-
-
-def shard_num_tokens(path: str) -> int:
-    """The token count of a shard, after checking its magic, version and file size."""
-    with open_shard(path) as f:
-        return read_header(f, path)
-
-
-_ID_CHECK_CHUNK = 1 << 22   # tokens per max(): a background thread
                             # lets go of the GIL between chunks
-
-
-def check_token_ids(tokens: np.ndarray, vocab_size: int, path: str, first: int = 0) -> None:
-    """DataError if a token id does not fit the embedding table (an index past it would crash the
-    GPU mid-run).
-    tokens are positions first.. of the shard `path`."""
-    for s in range(0, len(tokens), _ID_CHECK_CHUNK):
-        chunk = tokens[s:s + _ID_CHECK_CHUNK]
-        top = int(chunk.max(initial=0))
-        if top >= vocab_size:
-            pos = first + s + int(np.argmax(chunk >= vocab_size))
-            raise DataError(f"shard {path} holds token id {top} (first bad id at token {pos:,}) "
-                            f"but --vocab_size={vocab_size}: it was made with another tokenizer. "
-                            "Make shards with GPT-2 ids (data/tokenize_docs.py) or raise "
-                            f"--vocab_size to a multiple of 128 above {top}")
-
-
-def read_tokens(path: str, max_tokens: int | None = None,
-                 out: np.ndarray | None = None) -> tuple[np.ndarray, int]:
-    """(tokens uint16, n): all n tokens of a checked shard, or only its first max_tokens; read into
-    `out` if given."""
-    with open_shard(path) as f:
-        n = read_header(f, path)
-        count = n if max_tokens is None else min(n, max_tokens)
-        tokens = np.empty(count, dtype=np.uint16) if out is None else out[:count]
-        got = f.readinto(memoryview(tokens).cast("B"))
-    if got != 2 * count:
-        raise DataError(f"shard {path}: read {got} of {2 * count} token bytes (did the file change "
-                        "while it was read?); download or generate it again")
-    return tokens, n
-
-
-def load_shard(path: str, pin_memory: bool = False) -> Tensor:
-    """All tokens of a checked shard as a uint16 tensor (n,); page-locked if pin_memory (for fast
-    copies to a GPU)."""
-    tokens = torch.empty(shard_num_tokens(path), dtype=torch.uint16, pin_memory=pin_memory)
-    read_tokens(path, out=tokens.numpy())
-    return tokens
 
 
 class Background:
@@ -1821,49 +1379,22 @@ class Background:
         return self._value
 
 
-def check_document_start(tokens: np.ndarray, path: str, bos_id: int, prefix: bool = False) -> None:
-    """DataError unless `tokens` (a shard, or its first tokens) hold a document start: training
-    batches start at documents."""
-    if not (tokens == bos_id).any():
-        raise DataError(f"shard {path} has no document start (token {bos_id}) in its "
-                        f"{'first ' if prefix else ''}{len(tokens):,} tokens, and training "
-                        "batches start at documents: make shards with data/tokenize_docs.py, "
-                        "which starts every document with it")
-
-
 # ---- batches ------------------------------------------------------------------------------------
 
 BOS_ID = 50256                          # GPT-2 <|endoftext|>; every FineWeb document starts with it
 _QUICK_INDEX_TOKENS = 6_000_000         # a shard's first batches come from this prefix
                                         # while the rest loads (upstream record 65)
-# Record 80's cu_seqlens length per micro-batch size (record 78, PR #246): upstream would crash on a
-# micro-batch with more segments than this minus 1; ours has room (max_num_docs), so we count them.
-UPSTREAM_DOC_CAPACITY = {16_384: 64, 32_768: 96, 49_152: 128}
+
+def micro_batch_tokens(global_batch: int, batch_slices: int) -> int:
+    """Per-rank tokens per micro-step: the global batch cut into batch_slices, whatever the world
+    size."""
+    return global_batch // batch_slices
+
 
 def max_num_docs(num_tokens: int, tokens_per_doc_bound: int) -> int:
     """Fixed length of cu_seqlens for a batch of num_tokens: floor(N / bound) rounded up to a
     multiple of 128, at least 128. A fixed length keeps the compiled attention shapes static."""
     return max(128, -(-(num_tokens // tokens_per_doc_bound) // 128) * 128)
-
-
-def _check_doc_capacity(num_seqs: int, num_tokens: int, tokens_per_doc_bound: int,
-                        what: str, doc_lens: np.ndarray | None = None,
-                        max_doc_len: int | None = None) -> None:
-    """num_seqs sequences need num_seqs + 1 boundaries in cu_seqlens; fail loudly rather than
-    overflow. doc_lens, max_doc_len: the training documents before the stage's cap cut them, to
-    name it where the cut made the extra sequences."""
-    capacity = max_num_docs(num_tokens, tokens_per_doc_bound)
-    if num_seqs + 1 > capacity:
-        fits = num_tokens // (num_seqs + 1)
-        cut = (f"; documents here are cut to the stage's max_doc_len={max_doc_len} tokens, which "
-               "makes more of them: a longer max_doc_len in --stages also helps"
-               if doc_lens is not None and (doc_lens[:-1] > max_doc_len).any() else "")
-        raise DataError(
-            f"{what} of {num_tokens} tokens holds {num_seqs} sequences, but cu_seqlens has room "
-            f"for {capacity - 1}: --tokens_per_doc_bound={tokens_per_doc_bound} assumes "
-            "documents average more tokens than these do. Lower it: "
-            f"--tokens_per_doc_bound={fits} fits this batch, {max(1, fits // 2)} leaves headroom"
-            + cut)
 
 
 class _ShardIndex:
@@ -1875,8 +1406,8 @@ class _ShardIndex:
                  vocab_size: int | None = None):
         self.path, self.tokens, self.complete = path, tokens, complete
         if vocab_size is not None:
-            check_token_ids(tokens, vocab_size, path)
-        check_document_start(tokens, path, BOS_ID, prefix=not complete)
+            checks.check_token_ids(tokens, vocab_size, path)
+        checks.check_document_start(tokens, path, BOS_ID, prefix=not complete)
         self.bos = np.flatnonzero(tokens == BOS_ID)              # (num_docs,) int64
         doc_lens = np.diff(self.bos, append=len(tokens))         # (num_docs,)
         self.doc_lens = doc_lens if complete else doc_lens[:-1]  # (usable_docs,)
@@ -1913,7 +1444,7 @@ class _TrainShards:
         if full is not None and full.done():
             self.current = full.result()
         else:
-            tokens, n = read_tokens(self.files[k], _QUICK_INDEX_TOKENS)
+            tokens, n = checks.read_tokens(self.files[k], _QUICK_INDEX_TOKENS)
             self.current = _ShardIndex(self.files[k], tokens, complete=len(tokens) == n,
                                        vocab_size=self.vocab_size)
             if not self.current.complete:
@@ -1922,7 +1453,7 @@ class _TrainShards:
         self._prefetch()
 
     def _load(self, k: int) -> _ShardIndex:
-        return _ShardIndex(self.files[k], read_tokens(self.files[k])[0], complete=True,
+        return _ShardIndex(self.files[k], checks.read_tokens(self.files[k])[0], complete=True,
                            vocab_size=self.vocab_size)
 
     def _prefetch(self) -> None:
@@ -1976,16 +1507,6 @@ def _plan_joint_batch(cum_lens: np.ndarray, cursor: int, tokens_per_rank: int,
     return cursors
 
 
-def _micro_batch_tokens(global_batch: int, grad_accum: int, world_size: int) -> int:
-    """N = per-rank tokens of one micro-batch."""
-    if global_batch <= 0 or grad_accum <= 0 or global_batch % (grad_accum * world_size) != 0:
-        raise DataError(f"the global batch of {global_batch} tokens does not divide into "
-                        f"world_size * grad_accum = {world_size} * {grad_accum} micro-batches; "
-                        "change the batches in --stages or --batch_slices "
-                        "(= processes * accumulation steps), or the number of processes")
-    return global_batch // (grad_accum * world_size)
-
-
 def _to_device(array: np.ndarray, dtype: type, device: torch.device) -> Tensor:
     """Host array -> tensor of numpy `dtype` on `device`; numpy does the cast (torch's uint16 casts
     are slow). On CUDA the data goes through a fresh pinned buffer and a non-blocking copy (from
@@ -2007,7 +1528,7 @@ class TrainPosition:
     shard: int = 0
     cursor: int = 0
     over_upstream_capacity: int = 0    # micro-batches so far (all ranks) with more segments than
-                                       # record 80's cu_seqlens holds (UPSTREAM_DOC_CAPACITY)
+                                       # record 80's cu_seqlens holds (checks.py counts them)
 
 
 def train_batches(files: list[str], global_batch: int, grad_accum: int, rank: int, world_size: int,
@@ -2034,7 +1555,7 @@ def train_batches(files: list[str], global_batch: int, grad_accum: int, rank: in
     if not 0 <= position.shard < len(files):
         raise DataError(f"the stream position is in shard {position.shard}, but --train_files "
                         f"matches {len(files)} shards: give the shards the run started with")
-    _micro_batch_tokens(global_batch, grad_accum, world_size)
+    checks.check_batch_split(global_batch, grad_accum, world_size)
     return _train_batch_stream(list(files), global_batch, grad_accum, rank, world_size, device,
                                max_doc_len, tokens_per_doc_bound, vocab_size, position)
 
@@ -2043,7 +1564,7 @@ def _train_batch_stream(files: list[str], global_batch: int, grad_accum: int, ra
                         world_size: int, device: torch.device, max_doc_len: int,
                         tokens_per_doc_bound: int, vocab_size: int | None,
                         position: TrainPosition):
-    tokens_per_rank = _micro_batch_tokens(global_batch, grad_accum, world_size)
+    tokens_per_rank = micro_batch_tokens(global_batch, grad_accum * world_size)
     shards = _TrainShards(files, vocab_size, first=position.shard)
     cursor = position.cursor                     # index of the next unused
                                                  # document of the current shard
@@ -2051,7 +1572,7 @@ def _train_batch_stream(files: list[str], global_batch: int, grad_accum: int, ra
     while True:
         if message is not None:                  # applies to the batch answering it
             global_batch, max_doc_len, grad_accum = message
-            tokens_per_rank = _micro_batch_tokens(global_batch, grad_accum, world_size)
+            tokens_per_rank = micro_batch_tokens(global_batch, grad_accum * world_size)
         shards.poll()
         while (cursors := _plan_joint_batch(shards.current.cum_lens(max_doc_len), cursor,
                                             tokens_per_rank, world_size)) is None:
@@ -2062,21 +1583,22 @@ def _train_batch_stream(files: list[str], global_batch: int, grad_accum: int, ra
         first, end = cursors[rank], cursors[rank + 1]
         cursor = cursors[-1]                     # commit after all ranks are planned
         position.shard, position.cursor = shards.shard, cursor
-        if (upstream := UPSTREAM_DOC_CAPACITY.get(tokens_per_rank)) is not None:
-            position.over_upstream_capacity += int((np.diff(cursors) > upstream - 1).sum())
+        position.over_upstream_capacity += checks.over_upstream_capacity(tokens_per_rank,
+                                                                         np.diff(cursors))
         # This rank's segments: documents first..end-1 cut to max_doc_len, the last one cut so that
         # the segments hold exactly N + 1 tokens (its final token is only a target).
         seg_lens = np.minimum(shard.doc_lens[first:end], max_doc_len)                    # (m,)
         seg_lens[-1] = tokens_per_rank + 1 - (seg_lens.sum() - seg_lens[-1])
-        _check_doc_capacity(len(seg_lens), tokens_per_rank, tokens_per_doc_bound,
-                            "a training micro-batch", shard.doc_lens[first:end], max_doc_len)
+        doc_capacity = max_num_docs(tokens_per_rank, tokens_per_doc_bound)
+        checks.check_doc_capacity(len(seg_lens), tokens_per_rank, doc_capacity,
+                                  tokens_per_doc_bound, "a training micro-batch",
+                                  shard.doc_lens[first:end], max_doc_len)
         # (N+1,) uint16
         buf = np.concatenate([shard.tokens[s:s + n] for s, n in zip(shard.bos[first:end].tolist(),
                                                                      seg_lens.tolist())])
         # Boundaries [0, l1, l1+l2, ..., N] padded with N; the last segment lent its last token as
         # the final target.
-        cu_seqlens = np.full(max_num_docs(tokens_per_rank, tokens_per_doc_bound), tokens_per_rank,
-                             dtype=np.int32)
+        cu_seqlens = np.full(doc_capacity, tokens_per_rank, dtype=np.int32)
         cu_seqlens[0] = 0
         cu_seqlens[1:len(seg_lens)] = np.cumsum(seg_lens[:-1])
         message = yield (_to_device(buf[:-1], np.int32, device),
@@ -2111,7 +1633,7 @@ def val_batches(files: list[str], val_batch_size: int, val_tokens: int, grad_acc
     # of the next shard when pos + W*N_val + 1 >= shard length (so a forward ending exactly at the
     # shard end moves too); shards too short for one forward are skipped (the record would fail on
     # them).
-    sizes = [shard_num_tokens(path) for path in files]
+    sizes = [checks.shard_num_tokens(path) for path in files]
     placements, shard, pos = [], 0, 0  # (shard index, cursor) per forward
     for _ in range(num_forwards):
         if pos + step_tokens + 1 >= sizes[shard]:
@@ -2137,21 +1659,22 @@ def _val_batch_stream(files: list[str], placements: list[tuple[int, int]], token
                       vocab_size: int | None):
     for shard, pos in placements:
         start = pos + rank * tokens_per_rank     # ranks overlap by one token: the look-ahead target
-        with open_shard(files[shard]) as f:
+        with checks.open_shard(files[shard]) as f:
             f.seek(SHARD_HEADER_BYTES + 2 * start)
             buf = np.fromfile(f, dtype=np.uint16, count=tokens_per_rank + 1)   # (N_val+1,) uint16
         if len(buf) != tokens_per_rank + 1:
             raise DataError(f"val shard {files[shard]} shrank while being read; "
                             "download or generate it again")
         if vocab_size is not None:
-            check_token_ids(buf, vocab_size, files[shard], first=start)
+            checks.check_token_ids(buf, vocab_size, files[shard], first=start)
         inputs = buf[:-1]
         bos = np.flatnonzero(inputs == BOS_ID)                                 # (m,) positions
         # [0, b_1, b_2, ...] padded with N_val: the partial document before b_1 is its own sequence
         # (empty if inputs[0] is a BOS), and val documents are not cut to a maximum length.
-        _check_doc_capacity(len(bos) + 1, tokens_per_rank, tokens_per_doc_bound,
-                            "a validation forward")
-        cu_seqlens = np.full(max_num_docs(tokens_per_rank, tokens_per_doc_bound), tokens_per_rank,
+        doc_capacity = max_num_docs(tokens_per_rank, tokens_per_doc_bound)
+        checks.check_doc_capacity(len(bos) + 1, tokens_per_rank, doc_capacity, tokens_per_doc_bound,
+                                  "a validation forward")
+        cu_seqlens = np.full(doc_capacity, tokens_per_rank,
                              dtype=np.int32)
         cu_seqlens[0] = 0
         cu_seqlens[1:len(bos) + 1] = bos
@@ -2383,7 +1906,7 @@ def _residual_matmul_pass() -> Any:
 
 
 # ==================================================================================================
-# 8. Building and checking a run
+# 8. Building a run, and the values its checks read (checks.py)
 # ==================================================================================================
 
 def slices_for(hp: Hyperparameters, world_size: int) -> Hyperparameters:
@@ -2398,280 +1921,11 @@ def slices_for(hp: Hyperparameters, world_size: int) -> Hyperparameters:
     return hp
 
 
-def micro_batch_tokens(global_batch: int, batch_slices: int) -> int:
-    """Per-rank tokens per micro-step: the global batch cut into batch_slices, whatever the world
-    size."""
-    return global_batch // batch_slices
-
-
-def validate_hyperparameters(hp: Hyperparameters, world_size: int) -> None:
-    """Check every option and derived quantity once, right after parsing; each error names the
-    option (or GPU count) to change. The model's and the optimizer's own checks run too, by building
-    both on the meta device; the run-control options are checked by harness.check_run_options."""
-    def need(ok: bool, msg: str) -> None:
-        if not ok:
-            raise ConfigError(msg)
-
-    for name in ("val_tokens", "val_batch_size", "tokens_per_doc_bound",
-                 "batch_slices", "block_size", "ws_long_extension", "ws_long_final_val",
-                 "vocab_size", "model_dim", "num_heads", "head_dim", "mlp_hidden", "num_layers",
-                 "momentum_warmup_steps", "momentum_cooldown_steps", "rope_base", "attn_scale",
-                 "adam_eps"):
-        need(getattr(hp, name) > 0, f"--{name}={getattr(hp, name)} must be positive")
-    for name in ("num_extension_iterations", "num_value_embeds", "lr_min", "adam_lr", "adam_wd",
-                 "muon_lr", "muon_wd", "yarn_alpha"):
-        need(getattr(hp, name) >= 0, f"--{name}={getattr(hp, name)} must be >= 0")
-    harness.check_run_options(hp, hp.num_iterations, ATTN_BACKENDS)
-    need(len(hp.fp8_scales) == 3 and all(v > 0 for v in hp.fp8_scales),
-         f"--fp8_scales={harness.show(hp.fp8_scales)} needs 3 positive scales (x, w, grad)")
-    need(len(hp.stages) >= 1, "--stages needs at least one stage")
-    for i, st in enumerate(hp.stages):
-        need(st.batch > 0 and st.ws_long > 0 and st.lr_peak >= 0 and st.max_doc_len > 0,
-             f"stage {i + 1} of --stages ({harness.show(st)}) needs a positive batch, window and "
-             "max_doc_len, and an lr peak >= 0")
-        need(len(st.mtp_start) == len(st.mtp_end) >= 1
-             and min(st.mtp_start[0], st.mtp_end[0]) > 0 and min(*st.mtp_start, *st.mtp_end) >= 0,
-             f"stage {i + 1} of --stages ({harness.show(st)}) needs as many start as end MTP "
-             "weights (a1/a2:b1/b2), all >= 0, with a positive first (next-token) weight")
-    need(world_size >= 1 and (hp.batch_slices % world_size == 0
-                              or world_size % hp.batch_slices == 0),
-         f"world size {world_size} neither divides --batch_slices={hp.batch_slices} nor is a "
-         "multiple of it: run on 1, 2, 4 or 8 GPUs, or a multiple of 8 across nodes (./run.sh picks "
-         "the GPU count; set CUDA_VISIBLE_DEVICES or NPROC to choose)")
-    for st in hp.stages:
-        need(st.batch % hp.batch_slices == 0
-             and micro_batch_tokens(st.batch, hp.batch_slices) % 16 == 0,
-             f"global batch {st.batch} in --stages must split into "
-             f"--batch_slices={hp.batch_slices} micro-batches of a multiple of 16 tokens: "
-             f"use a multiple of {16 * hp.batch_slices}")
-    need(hp.val_batch_size % (16 * hp.batch_slices) == 0,
-         f"--val_batch_size={hp.val_batch_size} must be a multiple of {16 * hp.batch_slices} "
-         "(16 * --batch_slices)")
-    need(hp.val_tokens % hp.val_batch_size == 0,
-         f"--val_tokens={hp.val_tokens} must be a positive multiple of "
-         f"--val_batch_size={hp.val_batch_size}")
-    need(hp.num_scheduled_iterations >= len(hp.stages),
-         f"--num_scheduled_iterations={hp.num_scheduled_iterations} must be >= {len(hp.stages)} "
-         "(a step per stage)")
-    need(0 < hp.cooldown_frac <= 1
-         and int(hp.num_scheduled_iterations * (1 - hp.cooldown_frac)) < hp.num_scheduled_iterations,
-         f"--cooldown_frac={hp.cooldown_frac} must be in (0, 1] and leave at least one cooldown "
-         f"step of the {hp.num_scheduled_iterations} scheduled")
-    need(0 <= hp.momentum_min <= hp.momentum_max < 1,
-         f"need 0 <= --momentum_min ({hp.momentum_min}) <= --momentum_max ({hp.momentum_max}) < 1")
-    need(0 <= hp.muon_beta2 < 1, f"--muon_beta2={hp.muon_beta2} must be in [0, 1)")
-    need(hp.yarn_alpha < hp.yarn_beta,
-         f"--yarn_alpha={hp.yarn_alpha} must be below --yarn_beta={hp.yarn_beta}")
-    kernel_requests(hp.kernels)  # raises ConfigError naming the bad op
-    need(hp.vocab_size > BOS_ID and hp.vocab_size % 16 == 0,
-         f"--vocab_size={hp.vocab_size} must hold the BOS id {BOS_ID} and be a multiple of 16 "
-         "(FP8 matmul)")
-    try:   # the layer layout (model) and the optimizer table
-           # and orders, by their own checks; meta: no memory
-        model = build_model(hp, torch.device("meta"), "sdpa")
-        build_optimizer(hp, model, world_size - 1, world_size)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-
-
-def train_tokens_needed(hp: Hyperparameters) -> int:
-    """Tokens that carry a loss over the whole run (467,927,040 for the record); reads are higher
-    (see preflight)."""
-    return tokens_before(hp.num_iterations, batch_segments(hp.num_iterations,
-                                                           hp.num_scheduled_iterations, hp.stages))
-
-
-def estimate_gpu_memory_gib(hp: Hyperparameters, world_size: int) -> float:
-    """A rough upper estimate of peak GPU memory per rank (weights, grads, optimizer state,
-    activations, logits)."""
-    D, H, V, L = hp.model_dim, hp.mlp_hidden, hp.vocab_size, hp.num_layers
-    shapes = build_model(hp, torch.device("meta"), "sdpa")  # the parameter sizes, without memory
-    banks = sum(getattr(shapes, label).numel() for label in shapes.bank_matrix_shapes)
-    tables = sum(getattr(shapes, label).numel()
-                 for label in ("embed", "lm_head", "value_embeds", "bigram_embed"))
-    weights = 2 * (banks + tables)                       # bf16
-    grads = 2 * (banks + tables)
-    optim = (4 * 3 * banks + 8 * tables) / world_size    # fp32 momentum + master bits /
-                                                         # Adam m, v (sharded)
-    n = max(micro_batch_tokens(st.batch, hp.batch_slices) for st in hp.stages)
-    acts = n * L * (28 * D + 4 * H)                      # bf16 activations saved for
-                                                         # backward, per token and layer
-    logits = n * V * 2 * 3                               # bf16 logits, their grad and FP8 copies
-    n_val = hp.val_batch_size // hp.batch_slices
-    rope = 2 * 2 * (2 * n_val) * hp.head_dim * 3         # cos/sin tables, normal and paired
-    return (weights + grads + optim + acts + logits + rope) / 2**30
-
-
-# Measured on FineWeb: the loader reads about 1.35x the trained tokens (documents cut at the maximum
-# length, rank-boundary remainders, +1 look-ahead per rank, abandoned shard tails); 1.45 leaves a
-# margin.
-TRAIN_READ_FACTOR = 1.45
-PREFLIGHT_SAMPLE_TOKENS = 1 << 20   # tokens of each training shard checked
-                                    # before compiling (ids, a document start)
-
-
-def preflight(hp: Hyperparameters, world_size: int, device: torch.device,
-              rank: int = 0) -> list[str]:
-    """Check data, schedule and memory before anything compiles. Raises DataError / ConfigError;
-    returns notes for the log.
-
-    Every shard's header and size; a sample of every training shard (token ids fit the vocabulary, a
-    document start exists; the loader checks all ids of each shard as it loads it); every validation
-    token this rank will read (the loader walks this rank's validation batches), so a bad val shard
-    fails now and not after the whole run has trained; the documents' density against cu_seqlens;
-    the estimated peak GPU memory."""
-    check_fused_kernel_shapes(hp, device)
-    notes = []
-    train_files = harness.resolve_shards(hp.train_files, "train")
-    val_files = harness.resolve_shards(hp.val_files, "val")
-    check_disjoint_shards(train_files, val_files, hp.train_files, hp.val_files)
-    train_avail = sum(shard_num_tokens(f) for f in train_files)   # validates every header and size
-    for path in train_files:
-        sample = read_tokens(path, PREFLIGHT_SAMPLE_TOKENS)[0]
-        check_token_ids(sample, hp.vocab_size, path)
-        check_document_start(sample, path, BOS_ID)
-    val_sizes = [shard_num_tokens(f) for f in val_files]
-    needed = train_tokens_needed(hp)
-    shard = max(1, train_avail // len(train_files))
-    if train_avail < needed:
-        k = math.ceil(needed * TRAIN_READ_FACTOR / shard)
-        raise DataError(f"the schedule trains on {needed:,} tokens but the {len(train_files)} "
-                        f"training shard(s) matching {hp.train_files} hold {train_avail:,}: get "
-                        f"more shards (python data/cached_fineweb10B.py {k}) or shorten the run "
-                        "(--num_scheduled_iterations)")
-    if train_avail < needed * TRAIN_READ_FACTOR:
-        notes.append(f"warning: {train_avail:,} training tokens for {needed:,} trained; the loader "
-                     f"reads about {TRAIN_READ_FACTOR}x that, so the run may run out of data "
-                     "(the loader then stops with a message)")
-    # every validation reads the same first val_tokens tokens plus one look-ahead token, from the
-    # first val shard on
-    if val_sizes[0] < hp.val_tokens + 2 and sum(val_sizes) < hp.val_tokens + 2 * len(val_sizes):
-        raise DataError(f"validation reads {hp.val_tokens:,} tokens (+1 look-ahead) but "
-                        f"{val_files[0]} holds {val_sizes[0]:,}: lower --val_tokens to a multiple "
-                        f"of --val_batch_size={hp.val_batch_size} below that, or use the full "
-                        "FineWeb val shard")
-    for _ in val_batches(val_files, hp.val_batch_size, hp.val_tokens, hp.batch_slices // world_size,
-                         rank, world_size, torch.device("cpu"), hp.tokens_per_doc_bound,
-                         hp.vocab_size):
-        pass
-    sizes = {(micro_batch_tokens(st.batch, hp.batch_slices), st.max_doc_len) for st in hp.stages}
-    rooms = {(n, cap): max_num_docs(n, hp.tokens_per_doc_bound) - 1 for n, cap in sizes}
-    check_document_density(train_files[0], BOS_ID, rooms)
-    if device.type == "cuda":
-        total = torch.cuda.get_device_properties(device).total_memory / 2**30
-        est = estimate_gpu_memory_gib(hp, world_size)
-        if est > 0.95 * total:
-            raise ConfigError(f"this configuration needs about {est:.0f} GiB per GPU (an estimate) "
-                              f"but the GPU has {total:.0f} GiB: lower the batches in --stages and "
-                              "--val_batch_size, or use larger GPUs")
-        notes.append(f"memory estimate: about {est:.1f} GiB per GPU of {total:.0f} GiB")
-    notes.append(f"data: {len(train_files)} train shards ({train_avail:,} tokens) for {needed:,} "
-                 f"trained tokens; {len(val_files)} val shard(s), {hp.val_tokens:,} tokens per "
-                 "validation")
-    return notes
-
-
-def shard_digest(path: str, part: int = 1 << 20) -> tuple[int, str] | None:
-    """A cheap content key: the size and the sha256 of the file if it is at most 2 MiB, else of its
-    first and last MiB (two shards that agree there and in size are the same shard for our
-    purpose). None if it cannot be read (the shard checks that follow name the file and the fix)."""
-    h = hashlib.sha256()
-    try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            h.update(f.read(part if size > 2 * part else size))
-            if size > 2 * part:
-                f.seek(size - part)
-                h.update(f.read(part))
-    except OSError:
-        return None
-    return size, h.hexdigest()
-
-
-def check_disjoint_shards(train_files: Sequence[str], val_files: Sequence[str], train_glob: str,
-                          val_glob: str) -> None:
-    """Raise DataError if a validation shard is also a training shard: the same file (a glob that
-    matches both) or a copy of it (same size and digest; only shards of equal size are read)."""
-    val_by_path = {os.path.realpath(v): v for v in val_files}
-    for t in train_files:
-        if os.path.realpath(t) in val_by_path:
-            raise DataError(f"--train_files={train_glob} and --val_files={val_glob} both match "
-                            f"{t} (as {val_by_path[os.path.realpath(t)]}): the run would validate on "
-                            "tokens it trained on; make the patterns match separate shards")
-    val_sizes = {os.path.getsize(v) for v in val_files}
-    same_size = [t for t in train_files if os.path.getsize(t) in val_sizes]
-    if not same_size:
-        return
-    val_by_digest = {d: v for v in val_files if (d := shard_digest(v)) is not None}
-    for t in same_size:
-        if (d := shard_digest(t)) is not None and (v := val_by_digest.get(d)) is not None:
-            raise DataError(f"training shard {t} and validation shard {v} hold the same tokens (same "
-                            "size and sha256): the run would validate on tokens it trained on; "
-                            "train and validate on different shards (--train_files, --val_files)")
-
-
-def check_document_density(path: str, bos_id: int, rooms: dict[tuple[int, int], int],
-                           sample_tokens: int = 4_000_000) -> None:
-    """Fail before compiling if documents are so short that a micro-batch's cu_seqlens would
-    overflow. rooms: (micro-batch tokens, the stage's max_doc_len) -> documents it can hold.
-
-    Samples the first shard: a micro-batch of N tokens holds about
-    N / mean(min(doc_len, max_doc_len)) segments.
-    """
-    tokens = np.memmap(path, dtype=np.uint16, mode="r", offset=SHARD_HEADER_BYTES)[:sample_tokens]
-    starts = np.flatnonzero(tokens == bos_id)
-    if len(starts) < 2:
-        return
-    doc_lens = np.diff(starts)
-    uncut = float(doc_lens.mean())
-    for (n, max_doc_len), room in sorted(rooms.items()):
-        mean_len = float(np.minimum(doc_lens, max_doc_len).mean())
-        expected = 1.25 * n / mean_len + 2                # 25% margin for batches of
-                                                          # shorter-than-average documents
-        if expected > room:
-            bound = max(1, int(mean_len / 1.25) - 1)
-            if 1.25 * n / uncut + 2 <= room:              # the cut, not the documents, is short
-                raise ConfigError(
-                    f"max_doc_len={max_doc_len} in --stages cuts the documents in {path} "
-                    f"(averaging {uncut:.0f} tokens) to an average of {mean_len:.0f}: a {n}-token "
-                    f"micro-batch holds about {expected:.0f} pieces but cu_seqlens has room for "
-                    f"{room}. Rerun with a longer max_doc_len in --stages, or "
-                    f"--tokens_per_doc_bound={bound} (default 300)")
-            raise ConfigError(f"documents in {path} average {mean_len:.0f} tokens, much shorter "
-                              f"than FineWeb's: a {n}-token micro-batch holds about {expected:.0f} "
-                              f"documents but cu_seqlens has room for {room}. Rerun with "
-                              f"--tokens_per_doc_bound={bound} (default 300)")
-
-
-def check_fused_kernel_shapes(hp: Hyperparameters, device: torch.device) -> None:
-    """Raise ConfigError, before compiling, for what the GPU kernels cannot take: a dtype other than
-    bf16, or a model dim the fused MLP kernel cannot step through (off CUDA the references run)."""
-    if device.type != "cuda":
-        return
-    if hp.dtype != "bfloat16":
-        raise ConfigError(f"--dtype={hp.dtype} runs on a CPU only (the GPU kernels are bf16): add "
-                          "--device=cpu, or drop --dtype")
-    k_step = tk._MLP_TILES[2]
-    if "mlp" in fused_ops(hp.kernels, device.type, edited_references()) and hp.model_dim % k_step:
-        raise ConfigError(f"the fused MLP kernel reads the model dim in steps of {k_step}: use a "
-                          f"--model_dim that is a multiple of {k_step} (not {hp.model_dim}), or "
-                          "--kernels=mlp:torch")
-
-
 def build_model(hp: Hyperparameters, device: torch.device, attn_backend: str,
                 ops: KernelOps | None = None) -> nn.Module:
     """The GPT of hp on device; ops: the run's op table (None: the one --kernels, the device and the
     edited references give, kernel_ops)."""
-    names = {f.name for f in dataclasses.fields(ModelConfig)}
-    n_train = max(micro_batch_tokens(st.batch, hp.batch_slices) for st in hp.stages)
-    n_val = hp.val_batch_size // hp.batch_slices
-    # Banks shard evenly on 8 GPUs (and on any world size --batch_slices allows), the same on every
-    # world size.
-    extra = dict(attn_backend=attn_backend, rotary_max_len=max(n_train, n_val),
-                 bank_multiple=math.lcm(RECORD_BANK_MULTIPLE, hp.batch_slices))
-    cfg = ModelConfig(**{n: getattr(hp, n) for n in names if hasattr(hp, n) and n not in extra},
-                      **extra)
-    return GPT(cfg, device, ops or kernel_ops(hp.kernels, device.type, edited_references()))
+    return GPT(hp, device, ops or kernel_ops(hp.kernels, device.type), attn_backend)
 
 
 def build_optimizer(hp: Hyperparameters, model: nn.Module, rank: int, world_size: int) -> Any:
@@ -2682,6 +1936,46 @@ def build_optimizer(hp: Hyperparameters, model: nn.Module, rank: int, world_size
                           adam_lr=hp.adam_lr, adam_eps=hp.adam_eps, adam_wd=hp.adam_wd,
                           muon_lr=hp.muon_lr, muon_beta2=hp.muon_beta2, muon_wd=hp.muon_wd,
                           rank=rank, world_size=world_size, ops=model.ops)
+
+
+def validate_hyperparameters(hp: Hyperparameters, world_size: int) -> None:
+    """Every option checked once, right after parsing (checks.check_options), then the layout and
+    the optimizer table by the model's and the optimizer's own checks, built on the meta device (no
+    memory); each error names the option (or GPU count) to change."""
+    checks.check_options(hp, world_size, KERNEL_OPS, BOS_ID)
+    try:
+        build_optimizer(hp, build_model(hp, torch.device("meta"), "sdpa"), world_size - 1,
+                        world_size)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def train_tokens_needed(hp: Hyperparameters) -> int:
+    """Tokens that carry a loss over the whole run (467,927,040 for the record)."""
+    return tokens_before(hp.num_iterations, batch_segments(hp.num_iterations,
+                                                           hp.num_scheduled_iterations, hp.stages))
+
+
+def preflight(hp: Hyperparameters, world_size: int, device: torch.device,
+              rank: int = 0) -> list[str]:
+    """checks.preflight on this run's values (data, schedule, memory), then a walk through every
+    validation batch this rank will read; returns the notes for the log."""
+    meta = build_model(hp, torch.device("meta"), "sdpa")
+    caps = {(micro_batch_tokens(st.batch, hp.batch_slices), st.max_doc_len) for st in hp.stages}
+    mlp_fused = "mlp" in checks.fused_ops(hp.kernels, device.type,
+                                          checks.edited_references(KERNEL_REFERENCES), KERNEL_OPS)
+    _, val_files, notes = checks.preflight(
+        hp, world_size, device, trained_tokens=train_tokens_needed(hp), bos_id=BOS_ID,
+        doc_rooms={(n, cap): max_num_docs(n, hp.tokens_per_doc_bound) - 1 for n, cap in caps},
+        memory_gib=checks.estimate_gpu_memory_gib(
+            hp, world_size, {label: p.numel() for label, p in meta.named_parameters()},
+            meta.bank_matrix_shapes),
+        mlp_k_step=tk._MLP_TILES[2] if mlp_fused else None)
+    for _ in val_batches(val_files, hp.val_batch_size, hp.val_tokens, hp.batch_slices // world_size,
+                         rank, world_size, torch.device("cpu"), hp.tokens_per_doc_bound,
+                         hp.vocab_size):
+        pass
+    return notes
 
 
 # ==================================================================================================
@@ -2701,7 +1995,7 @@ def variant_starts(hp: Hyperparameters) -> list[int]:
 def warmup_steps(hp: Hyperparameters) -> list[int]:
     """Steps that exercise every compiled variant: the start, both sides of every variant change,
     and the split."""
-    steps = ({0, 1, 2, hp.split_step, hp.split_step - 1}
+    steps = ({0, 1, 2, hp.untie_step, hp.untie_step - 1}
              | {t + d for t in variant_starts(hp)[1:] for d in (-1, 0, 1)})
     return sorted(s for s in steps if 0 <= s < hp.num_iterations)
 
@@ -2806,8 +2100,8 @@ class Trainer:
                  ws_long: int) -> Tensor:
         """One validation batch's mean loss (the model in eval mode, no grad)."""
         inputs, targets, cu_seqlens = batch
-        one = torch.ones(1, device=self.device)
-        return self.compiled(inputs, targets, cu_seqlens, ws_short, ws_long, one,
+        next_token_only = torch.ones(1, device=self.device)
+        return self.compiled(inputs, targets, cu_seqlens, ws_short, ws_long, next_token_only,
                              self.hp.val_batch_size // self.hp.batch_slices)
 
     def val_batches(self) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
@@ -2852,7 +2146,7 @@ class Trainer:
         # a label for bench/profile_step.py; free otherwise
         with torch.profiler.record_function("optimizer_step"):
             self.opt.step(do_adam=sched.do_adam, lr_factor=sched.lr_factor, momentum=sched.momentum)
-        if sched.step == hp.split_step:
+        if sched.step == hp.untie_step:
             self.opt.untie()
         return total
 
@@ -2885,20 +2179,26 @@ def compile_model(model: nn.Module) -> Callable:
     return torch.compile(model, dynamic=False, fullgraph=True)
 
 
+def code_files() -> list[Path]:
+    """What a run's log embeds and every rank checks is the same: this file (under whatever name it
+    runs), its checks and its kernels."""
+    here = Path(__file__).resolve()
+    return [here, here.with_name("checks.py"), Path(tk.__file__).resolve()]
+
+
 def prepare_training(run: harness.Run, argv_text: str,
                      notes: Sequence[str] = ()) -> tuple[Trainer, harness.Checkpointer]:
     """Log the run's head and check it (options against a resumed state, then data and memory),
     build the model and optimizer, compile."""
     hp, device = run.hp, run.device
-    sources = {name: Path(__file__).with_name(name).read_text()
-               for name in ("train_gpt.py", "triton_kernels.py")}
-    attn_backend = resolve_attn_backend(hp.attn_backend, device)
-    edited = edited_references()
+    sources = {path.name: path.read_text() for path in code_files()}
+    attn_backend = checks.resolve_attn_backend(hp.attn_backend, device)
+    edited = checks.edited_references(KERNEL_REFERENCES)
     ops = kernel_ops(hp.kernels, device.type, edited)
     train_files, val_files, checkpointer = harness.begin_run(run, sources, argv_text, attn_backend)
-    checks = preflight(hp, run.world_size, device, run.rank)
-    harness.accept_run(run, sources, attn_backend,
-                       [*checks, *notes, *kernel_switch_lines(hp.kernels, device.type, edited)])
+    preflight_notes = preflight(hp, run.world_size, device, run.rank)
+    switch_notes = checks.kernel_switch_lines(hp.kernels, device.type, edited, KERNEL_REFERENCES)
+    harness.accept_run(run, sources, attn_backend, [*preflight_notes, *notes, *switch_notes])
     if hp.seed >= 0:
         torch.manual_seed(hp.seed)
     model = build_model(hp, device, attn_backend, ops)
@@ -2926,8 +2226,16 @@ def warmup_and_reset(trainer: Trainer, run: harness.Run) -> None:
     initial = snapshot_state(model, opt)
     steps, variants = warmup_steps(hp), variant_starts(hp)
     compile_log = harness.CompileLog(run.compiling, harness.eager_autotuners(tk))
+    helper_task = dict(script=Path(__file__).resolve(), module=__name__, hp=hp,
+                       device=str(trainer.device), attn_backend=model.attn_backend,
+                       rank=trainer.rank, world_size=trainer.world_size,
+                       train_files=trainer.train_files, val_files=trainer.val_files)
     with compile_log.recording():
-        compile_split.compile_shares(trainer, run, variants, compile_log, t0)   # when it pays
+        # the compile split, when it pays: this rank's share alone, its helpers' at the same time
+        for step, phase in compile_split.own_share(run, variants, compile_log, t0, helper_task,
+                                                   model):
+            trainer.compile_alone(step, phase)
+        trainer.reset_schedule_state()
         run.log(f"warmup: compiling on steps {steps}")
         for i, step in enumerate(steps):
             sched = schedule_at(step, hp)
@@ -2972,9 +2280,43 @@ class TrainClock:
         self.ms, self.t0 = self.now_ms(), None
         return self.ms
 
+    @contextlib.contextmanager
+    def paused(self, restart: bool = True) -> Iterator[float]:
+        """An untimed region: the time so far (paused), then the clock runs again if restart."""
+        yield self.pause()
+        if restart:
+            self.start()
+
     def now_ms(self) -> float:
         """The time so far without waiting for the GPU (step lines, the NaN guard's states)."""
         return self.ms + (1000 * (time.perf_counter() - self.t0) if self.t0 is not None else 0.0)
+
+
+def validate_in_loop(run: harness.Run, trainer: Trainer, checkpointer: harness.Checkpointer,
+                     sched: StepSchedule, step: int, train_ms: float, saving: bool) -> float:
+    """A validation of the timed loop (the clock paused), logged. The final one (after the last
+    step) first saves the final state and takes a stop asked for, since no step boundary follows."""
+    hp, total = trainer.hp, trainer.hp.num_iterations
+    last, saved = step == total, ""
+    if last:
+        if saving:
+            with run.long_timeout():
+                saved = f"; the final state is saved: {checkpointer.save(trainer.state(step, train_ms))}"
+        run.stops.defer = False
+        if signum := run.agreed_signal():
+            raise harness.stopped(signum, f"before the final validation{saved}")
+    tv = time.perf_counter()
+    try:
+        val_loss = trainer.validate(sched.ws_short, hp.ws_long_final_val if last else sched.ws_long)
+    except harness.Interrupted as e:
+        raise (harness.stopped(e.signum, f"during the final validation{saved}", e.agreed)
+               if last else e)
+    run.log(f"step:{step}/{total} val_loss:{val_loss:.4f} train_time:{train_ms:.0f}ms "
+            f"step_avg:{train_ms / max(step, 1):.2f}ms")
+    run.log(f"phase:validation time:{1000 * (time.perf_counter() - tv):.0f}ms", console=False)
+    if not math.isfinite(val_loss):
+        raise harness.diverged(f"the validation loss is {val_loss} at step {step}", None)
+    return val_loss
 
 
 def timed_loop(run: harness.Run, trainer: Trainer, checkpointer: harness.Checkpointer,
@@ -2987,11 +2329,9 @@ def timed_loop(run: harness.Run, trainer: Trainer, checkpointer: harness.Checkpo
     hp, total = trainer.hp, trainer.hp.num_iterations
     segments = batch_segments(total, hp.num_scheduled_iterations, hp.stages)
     saving = hp.save_checkpoint or hp.checkpoint_every > 0
-    finite = harness.FiniteWatch(hp.nonfinite_check_every, total, run.device)
+    finite = harness.FiniteWatch(hp.nonfinite_check_every, total, run.device,
+                                 trainer.state(start, train_ms) if saving else None)
     profiler = harness.StepProfiler(hp, run)
-    # With states saved, `pending` is the state at the last loss check; it becomes `last_good` (what
-    # is saved if training blows up) once the steps after it gave finite losses.
-    pending, last_good = (trainer.state(start, train_ms) if saving else None), None
     clock, val_loss = TrainClock(train_ms, run.device), float("nan")
     run.log(f"phase:process_start_to_timed_loop time:{run.since_start_ms():.0f}ms")
     run.stops.defer = True               # a signal now stops the run at the next step boundary
@@ -3003,66 +2343,34 @@ def timed_loop(run: harness.Run, trainer: Trainer, checkpointer: harness.Checkpo
         sched = schedule_at(min(step, total - 1), hp)
         batch_change = trainer.advance_schedule(sched) if not last else None   # and YaRN
         if validates_at(step, total, hp.val_loss_every):
-            train_ms = clock.pause()                                  # validation is untimed
-            saved = ""
-            if last:   # no step boundary follows: save the final state, then stop at once if asked
-                if saving:
-                    with run.long_timeout():
-                        path = checkpointer.save(trainer.state(step, train_ms))
-                    saved = f"; the final state is saved: {path}"
-                run.stops.defer = False
-                if signum := run.agreed_signal():
-                    raise harness.stopped(signum, f"before the final validation{saved}")
-            tv = time.perf_counter()
-            try:
-                val_loss = trainer.validate(sched.ws_short,
-                                            hp.ws_long_final_val if last else sched.ws_long)
-            except harness.Interrupted as e:
-                raise (harness.stopped(e.signum, f"during the final validation{saved}", e.agreed)
-                       if last else e)
-            run.log(f"step:{step}/{total} val_loss:{val_loss:.4f} train_time:{train_ms:.0f}ms "
-                    f"step_avg:{train_ms / max(step, 1):.2f}ms")
-            run.log(f"phase:validation time:{1000 * (time.perf_counter() - tv):.0f}ms",
-                    console=False)
-            if not math.isfinite(val_loss):
-                raise harness.diverged(f"the validation loss is {val_loss} at step {step}", None)
+            with clock.paused(restart=not last) as ms:
+                val_loss = validate_in_loop(run, trainer, checkpointer, sched, step, ms, saving)
             if last:
                 break
-            clock.start()
         profiler.before_step(step)
         loss = trainer.train_step(sched, batch_change)     # each micro-batch's forward and
         done = step + 1                                    # backward, then the optimizer step
         profiler.after_step(done)
         finite.record(done, loss)                          # on the GPU: no sync
         if finite.due(done):
-            if (bad := finite.first_bad()) is not None:
-                if last_good is not None:
-                    checkpointer.save(last_good)
-                raise harness.diverged(f"the training loss became NaN or infinite at step {bad}",
-                                       last_good["step"] if last_good is not None else None)
-            if saving:
-                last_good, pending = pending, trainer.state(done, clock.now_ms())
+            finite.raise_if_bad(checkpointer)
+            finite.passed(trainer.state(done, clock.now_ms()) if saving else None)
         train_loss = (trainer.mean_train_loss(loss, sched)
                       if hp.train_loss_every and done % hp.train_loss_every == 0 else None)
         run.log_step(done, total, clock.now_ms(), tokens_before(done, segments),
                      tokens_before(total, segments), train_loss)
         if hp.checkpoint_every and done % hp.checkpoint_every == 0 and done < total:
-            with run.long_timeout():
-                checkpointer.save(trainer.state(done, clock.pause()), periodic=True)   # untimed
-            clock.start()
+            with clock.paused() as ms, run.long_timeout():
+                checkpointer.save(trainer.state(done, ms), periodic=True)
         # A stop is voted on at every boundary: free with one process; with several a 4-byte
         # all-reduce read at the next boundary (harness.StopVote), so every rank stops after one step.
         if done < total and (signum := run.vote_to_stop()):
-            saved = ""
-            if saving:
+            with clock.paused(restart=False) as ms:
                 saved = (f"; the state after step {done} is saved: "
-                         f"--resume={checkpointer.save(trainer.state(done, clock.pause()))}")
+                         f"--resume={checkpointer.save(trainer.state(done, ms))}" if saving else "")
             raise harness.stopped(signum, f"after step {done} of {total}{saved}")
-    if over := trainer.position.over_upstream_capacity:
-        rooms = ", ".join(f"{room - 1} at {n}" for n, room in UPSTREAM_DOC_CAPACITY.items())
-        run.log(f"note: {over} training micro-batches held more documents than record 80's "
-                f"cu_seqlens has room for ({rooms} tokens per micro-batch): upstream would have "
-                "stopped there")
+    if note := checks.upstream_capacity_note(trainer.position.over_upstream_capacity):
+        run.log(note)
     return run.finish(val_loss, clock.ms)
 
 
@@ -3079,7 +2387,7 @@ def train(hp: Hyperparameters, argv_text: str,
         f"of the batch cut {hp.batch_slices} ways, so documents are cut where {asked} slices would "
         "not cut them (the record's exact math needs at most 8 processes; docs/multi-node.md)"]
     run = harness.open_run(hp, stops or harness.StopSignals(),
-                           [Path(__file__), Path(tk.__file__), Path(compile_split.__file__)])
+                           [*code_files(), Path(compile_split.__file__)])
     with run.failures_logged():
         trainer, checkpointer = prepare_training(run, argv_text, notes)
         if hp.warmup:
@@ -3103,8 +2411,8 @@ def dry_run(hp: Hyperparameters) -> None:
         hp = slices_for(hp, harness.launch_environment()[1])
         validate_hyperparameters(hp, harness.launch_environment()[1])
     rank, world_size, _, device = harness.setup_distributed(hp)
-    harness.dry_run_checks(hp, rank, world_size, device, available_attn_backends(device),
-                           resolve_attn_backend(hp.attn_backend, device))
+    harness.dry_run_checks(hp, rank, world_size, device, checks.available_attn_backends(device),
+                           checks.resolve_attn_backend(hp.attn_backend, device))
     harness.dry_run_notes(rank, preflight(hp, world_size, device, rank))
 
 
@@ -3113,7 +2421,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     every failure (harness.command_line)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if harness.asks_for_help(argv):
-        print(harness.help_text(Hyperparameters(), PRESETS))
+        print(harness.help_text(Hyperparameters(), PRESETS, Path(__file__).name))
         return 0
     with harness.command_line(argv) as outcome:
         with harness.same_on_every_rank():
@@ -3126,7 +2434,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # Run as the module train_gpt, the name compile_split.py's helpers import it by: torch's compile
-    # caches key graphs by the module names of the model's classes.
-    import train_gpt
-    sys.exit(train_gpt.main())
+    # This file runs as a module named after it (train_gpt, or a copy's own name), the name under
+    # which compile_split.py's helpers load it by path: torch's compile caches key graphs by the
+    # module names of the model's classes.
+    sys.exit(compile_split.load_script(__file__).main())
