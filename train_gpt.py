@@ -1956,21 +1956,26 @@ def train_tokens_needed(hp: Hyperparameters) -> int:
                                                            hp.num_scheduled_iterations, hp.stages))
 
 
+def mlp_kernel_step(hp: Hyperparameters, device: torch.device) -> int | None:
+    """The fused MLP kernel's step through the model dim, or None where the reference runs."""
+    edited = checks.edited_references(KERNEL_REFERENCES)
+    fused = "mlp" in checks.fused_ops(hp.kernels, device.type, edited, KERNEL_OPS)
+    return tk._MLP_TILES[2] if fused else None
+
+
 def preflight(hp: Hyperparameters, world_size: int, device: torch.device,
               rank: int = 0) -> list[str]:
     """checks.preflight on this run's values (data, schedule, memory), then a walk through every
     validation batch this rank will read; returns the notes for the log."""
     meta = build_model(hp, torch.device("meta"), "sdpa")
     caps = {(micro_batch_tokens(st.batch, hp.batch_slices), st.max_doc_len) for st in hp.stages}
-    mlp_fused = "mlp" in checks.fused_ops(hp.kernels, device.type,
-                                          checks.edited_references(KERNEL_REFERENCES), KERNEL_OPS)
     _, val_files, notes = checks.preflight(
         hp, world_size, device, trained_tokens=train_tokens_needed(hp), bos_id=BOS_ID,
         doc_rooms={(n, cap): max_num_docs(n, hp.tokens_per_doc_bound) - 1 for n, cap in caps},
         memory_gib=checks.estimate_gpu_memory_gib(
             hp, world_size, {label: p.numel() for label, p in meta.named_parameters()},
             meta.bank_matrix_shapes),
-        mlp_k_step=tk._MLP_TILES[2] if mlp_fused else None)
+        mlp_k_step=mlp_kernel_step(hp, device))
     for _ in val_batches(val_files, hp.val_batch_size, hp.val_tokens, hp.batch_slices // world_size,
                          rank, world_size, torch.device("cpu"), hp.tokens_per_doc_bound,
                          hp.vocab_size):

@@ -25,6 +25,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import checks
 import train_gpt as tg  # noqa: E402
 
 STAGES = ((1, 3), (3, 7), (5, 11), (6, 13))      # (short, long) windows in blocks
@@ -140,7 +141,7 @@ def main() -> None:
     args = parser.parse_args()
 
     device = torch.device("cuda")
-    backends = [b for b in tg.available_attn_backends(device) if not args.backends or b in args.backends.split(",")]
+    backends = [b for b in checks.available_attn_backends(device) if not args.backends or b in args.backends.split(",")]
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name(device)}, backends: {backends}", flush=True)
     scale, head_dim = 0.12, 128
     rows = []  # (T, layout, window, backend, fwd_ms, fwdbwd_ms, tflops, rel_diff)
@@ -211,7 +212,7 @@ def main() -> None:
         print("\nrecord-weighted attention fwd+bwd per GPU over the run: "
               + ", ".join(f"{b} {s:.2f} s" for b, s in sorted(totals.items(), key=lambda kv: kv[1])))
         order = sorted(totals, key=totals.get)
-        order += [b for b in tg.ATTN_AUTO_ORDER_CUDA if b not in order]  # untimed at some T (sdpa) or unavailable
+        order += [b for b in checks.ATTN_AUTO_ORDER_CUDA if b not in order]  # untimed at some T (sdpa) or unavailable
         print(f"recommended ATTN_AUTO_ORDER_CUDA = {tuple(order)}")
     else:
         print("\n(record-weighted totals need all three T; run without --seq_lens)")

@@ -21,6 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "data")]    # data/ is not a package: its scripts import from their folder
 import shards  # noqa: E402
 import synthetic as syn  # noqa: E402
+import checks
 import train_gpt as tg  # noqa: E402
 import harness  # noqa: E402
 
@@ -52,7 +53,7 @@ def main() -> None:
         rows.append(("synthetic: write shard", f"{t3 - t2:.2f} s", ""))
 
         t0 = time.perf_counter()
-        index = tg._ShardIndex(path, tg.read_tokens(path)[0], complete=True)
+        index = tg._ShardIndex(path, checks.read_tokens(path)[0], complete=True)
         t1 = time.perf_counter()
         index.cum_lens(2048)
         t2 = time.perf_counter()

@@ -43,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     sys.path.insert(0, args.root)
     import torch
+    import checks
     import train_gpt as tg
 
     hp = tg.parse_args(trainer_args)
@@ -52,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{torch.cuda.get_device_name()}: give another file", file=sys.stderr)
         return 2
     torch.manual_seed(0)
-    model = tg.build_model(hp, device, tg.resolve_attn_backend(hp.attn_backend, device))
+    model = tg.build_model(hp, device, checks.resolve_attn_backend(hp.attn_backend, device))
     compiled = torch.compile(model, dynamic=False, fullgraph=True)
     sched = tg.schedule_at(args.step, hp)
     T = args.tokens

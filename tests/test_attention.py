@@ -6,6 +6,7 @@ document's causal sliding-window mask from explicit index comparisons, and runs 
 import pytest
 import torch
 
+import checks
 import train_gpt as tg
 import harness  # noqa: E402
 
@@ -65,7 +66,7 @@ def make_case(T, window, long_doc, dtype, seed=0):
 
 def test_cpu_offers_only_sdpa():
     # triton, varlen, fa3 and fa4 need CUDA
-    assert tg.available_attn_backends(torch.device("cpu")) == ["sdpa"]
+    assert checks.available_attn_backends(torch.device("cpu")) == ["sdpa"]
 
 
 @pytest.mark.parametrize("backend", ["sdpa"])
@@ -121,19 +122,19 @@ def test_reference_sees_window_plus_one_keys():
 
 def test_resolve_auto_and_explicit():
     cpu = torch.device("cpu")
-    assert tg.resolve_attn_backend("auto", cpu) == "sdpa"
-    assert tg.resolve_attn_backend("sdpa", cpu) == "sdpa"
+    assert checks.resolve_attn_backend("auto", cpu) == "sdpa"
+    assert checks.resolve_attn_backend("sdpa", cpu) == "sdpa"
 
 
 @pytest.mark.parametrize("name", ["triton", "varlen", "fa3", "fa4"])
 def test_resolve_unavailable_names_option_and_choices(name):
     with pytest.raises(ValueError, match=rf"--attn_backend={name} cannot run on cpu.*available: sdpa;"):
-        tg.resolve_attn_backend(name, torch.device("cpu"))
+        checks.resolve_attn_backend(name, torch.device("cpu"))
 
 
 def test_resolve_unknown_name():
     with pytest.raises(ValueError, match="unknown --attn_backend='flash'"):
-        tg.resolve_attn_backend("flash", torch.device("cpu"))
+        checks.resolve_attn_backend("flash", torch.device("cpu"))
 
 
 def test_varlen_attention_rejects_unknown_backend():
@@ -179,7 +180,7 @@ def test_gpu_backends_match_reference(paired, window_blocks):
     ref = dense_reference_autograd(*qkv, cu, window, 0.12)
     ref_grads = torch.autograd.grad(ref, qkv, grad_out.double())
     errors = {}
-    for backend in tg.available_attn_backends(device):
+    for backend in checks.available_attn_backends(device):
         if backend == "sdpa":
             continue
         fn = lambda q, k, v: tg.varlen_attention(q, k, v, cu, 2 * 4096, window, 0.12, backend)
@@ -200,7 +201,7 @@ def test_gpu_backends_match_reference(paired, window_blocks):
     # percent (measured: equal to three digits, notes/2026-11-25_attention_backward_1xH100/errors.txt). A rounding
     # point added or moved (P or dS in a coarser type, delta from a rounded product) shows here long before the bands
     # above.
-    if "varlen" in tg.available_attn_backends(device):
+    if "varlen" in checks.available_attn_backends(device):
         for name in ("out", "dq", "dk", "dv"):
             ours, fa2 = errors["triton", name], errors["varlen", name]
             assert ours < 1.1 * fa2, f"triton {name}: relative L2 error {ours:.3e}, varlen_attn's {fa2:.3e}"
@@ -236,7 +237,7 @@ def test_fa4_ops_pass_the_contract_and_their_gradients():
                                                                       softmax_scale))
         return dout * 1.0, dout * 2.0, dout * 3.0     # distinct, so a swapped gradient shows
 
-    tg.register_fa4_ops(types.SimpleNamespace(_flash_attn_fwd=fwd, _flash_attn_bwd=bwd))
+    checks.register_fa4_ops(types.SimpleNamespace(_flash_attn_fwd=fwd, _flash_attn_bwd=bwd))
     q, k, v, cu = make_case(300, 37, 120, torch.float64)
     qkv = [t.requires_grad_() for t in (q, k, v)]
     out = tg.varlen_attention(*qkv, cu, 120, 37, 0.12, "fa4")

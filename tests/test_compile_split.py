@@ -180,10 +180,10 @@ def test_compile_helper_processes_report_back(tiny_trainer, tmp_path):
     compiles what is missing)."""
     hp, trainer = tiny_trainer
     lock = tmp_path / "gpu.lock"
-    ok = compile_split.CompileHelper(trainer, [(0, "train"), (0, "val")], tmp_path / "ok", lock,
-                          compile=False)
-    missing = tg.Trainer(hp, trainer.model, trainer.compiled, None, trainer.device, 0, 1,
-                         [str(tmp_path / "gone.bin")], trainer.val_files)
+    task = dict(script=tg.__file__, module=tg.__name__, hp=hp, device="cpu", attn_backend="sdpa", rank=0,
+                world_size=1, train_files=trainer.train_files, val_files=trainer.val_files)
+    ok = compile_split.CompileHelper(task, [(0, "train"), (0, "val")], tmp_path / "ok", lock, compile=False)
+    missing = dict(task, train_files=[str(tmp_path / "gone.bin")])
     bad = compile_split.CompileHelper(missing, [(0, "train")], tmp_path / "bad", lock, compile=False)
     try:
         assert re.fullmatch(r"done in \d+\.\ds, peak memory reserved 0 MiB", ok.wait())

@@ -6,6 +6,7 @@ import sys
 import pytest
 import torch
 
+import checks
 import train_gpt as tg
 import harness  # noqa: E402
 
@@ -73,11 +74,15 @@ def test_fused_kernel_shapes_are_checked_before_compiling_on_a_gpu_only():
     hp = tg.parse_args(["--num_heads=6", "--head_dim=132", "--model_dim=792"])
     tg.validate_hyperparameters(hp, 1)
     with pytest.raises(tg.ConfigError, match="multiple of 64 \\(not 792\\), or --kernels=mlp:torch"):
-        tg.check_fused_kernel_shapes(hp, torch.device("cuda"))
-    tg.check_fused_kernel_shapes(hp, torch.device("cpu"))
-    tg.check_fused_kernel_shapes(tg.parse_args(["--num_heads=6", "--head_dim=132", "--model_dim=792",
-                                                "--kernels=torch"]), torch.device("cuda"))
-    tg.check_fused_kernel_shapes(tg.Hyperparameters(), torch.device("cuda"))
+        _check_kernel_shapes(hp, torch.device("cuda"))
+    _check_kernel_shapes(hp, torch.device("cpu"))
+    _check_kernel_shapes(tg.parse_args(["--num_heads=6", "--head_dim=132", "--model_dim=792", "--kernels=torch"]),
+                         torch.device("cuda"))
+    _check_kernel_shapes(tg.Hyperparameters(), torch.device("cuda"))
+
+
+def _check_kernel_shapes(hp, device):
+    checks.check_fused_kernel_shapes(hp, device, tg.mlp_kernel_step(hp, device))
 
 
 def test_preflight_names_a_model_dim_the_gpu_kernels_cannot_take(tmp_path):

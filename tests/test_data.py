@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+import checks
 import train_gpt as tg
 import harness  # noqa: E402
 from _data_helpers import (BOS, RefTrainLoader, labelled_docs, load_script, read_shard, ref_max_num_docs,
@@ -79,8 +80,8 @@ def as_lists(batch):
 def test_max_num_docs_spec_values():
     assert [tg.max_num_docs(n, 300) for n in (16384, 32768, 49152, 262144)] == [128, 128, 256, 896]
     # spec D2: ours holds at least as many segments as record 80's 64 / 96 / 128 at the record's micro-batch sizes
-    assert tg.UPSTREAM_DOC_CAPACITY == {16384: 64, 32768: 96, 49152: 128}
-    assert all(tg.max_num_docs(n, 300) >= room for n, room in tg.UPSTREAM_DOC_CAPACITY.items())
+    assert checks.UPSTREAM_DOC_CAPACITY == {16384: 64, 32768: 96, 49152: 128}
+    assert all(tg.max_num_docs(n, 300) >= room for n, room in checks.UPSTREAM_DOC_CAPACITY.items())
     for n in [1, 127, 38_400, 38_401, 38_700, 100_000, 1_000_000]:
         for bound in (1, 7, 100, 300):
             assert tg.max_num_docs(n, bound) == ref_max_num_docs(n, bound)
@@ -89,10 +90,10 @@ def test_max_num_docs_spec_values():
 def test_shard_roundtrip(tmp_path):
     tokens = list(np.random.default_rng(0).integers(0, 50257, 1000))
     path = write_shard(str(tmp_path / "a.bin"), tokens)
-    assert tg.shard_num_tokens(path) == 1000
-    loaded = tg.load_shard(path)
-    assert loaded.dtype == torch.uint16 and loaded.shape == (1000,)
-    assert loaded.to(torch.int32).tolist() == read_shard(path)
+    assert checks.shard_num_tokens(path) == 1000
+    loaded = checks.read_tokens(path)[0]
+    assert loaded.dtype == np.uint16 and loaded.shape == (1000,)
+    assert loaded.astype(np.int32).tolist() == read_shard(path)
 
 
 @pytest.mark.parametrize("kind", ["magic", "version", "truncated", "padded", "no_header"])
@@ -114,7 +115,7 @@ def test_bad_shards(tmp_path, kind):
         with open(path, "wb") as f:
             f.write(b"\x00" * 10)
         expected = ["truncated", "10 bytes"]
-    for read in (tg.shard_num_tokens, tg.load_shard):
+    for read in (checks.shard_num_tokens, checks.read_tokens):
         with pytest.raises(tg.DataError) as info:
             read(path)
         assert path in str(info.value)
@@ -191,7 +192,7 @@ def test_quick_index_of_a_later_shard_gives_the_same_batches(synthetic_dir, monk
     monkeypatch.setattr(tg, "_QUICK_INDEX_TOKENS", 1500)
     files = shard_files(synthetic_dir)
     release, quick_reads = threading.Event(), []
-    real_load, real_extend, real_read = tg._TrainShards._load, tg._TrainShards.extend, tg.read_tokens
+    real_load, real_extend, real_read = tg._TrainShards._load, tg._TrainShards.extend, checks.read_tokens
 
     def held_load(self, k):
         if k == 1:
@@ -210,7 +211,7 @@ def test_quick_index_of_a_later_shard_gives_the_same_batches(synthetic_dir, monk
 
     monkeypatch.setattr(tg._TrainShards, "_load", held_load)
     monkeypatch.setattr(tg._TrainShards, "extend", extend)
-    monkeypatch.setattr(tg, "read_tokens", read)
+    monkeypatch.setattr(checks, "read_tokens", read)
     got, want = run_both(files[:3], [(4096, 1, False)] * 40, 1, 2048, 20)
     assert release.is_set() and 0 in quick_reads and 1 in quick_reads
     assert len(got) > 15 and got == [[tuple(x) for x in w] for w in want]
@@ -418,7 +419,7 @@ def test_training_data_runs_out(labelled_dir):
         for _ in range(1000):
             next(gen)
     message = str(info.value)
-    total = sum(tg.shard_num_tokens(f) for f in files)
+    total = sum(checks.shard_num_tokens(f) for f in files)
     assert "ran out after reading all 3 shards" in message and f"{total:,} tokens" in message
     assert "python data/cached_fineweb10B.py 5" in message
 
@@ -464,14 +465,14 @@ def test_documents_cut_short_by_max_doc_len_name_it(tmp_path):
         "--tokens_per_doc_bound=" in str(info.value)
     room = tg.max_num_docs(4096, 300) - 1
     with pytest.raises(tg.ConfigError) as info:      # one stage's cap is enough to fail
-        tg.check_document_density(long_docs, BOS, {(4096, 2048): room, (4096, 8): room})
+        checks.check_document_density(long_docs, BOS, {(4096, 2048): room, (4096, 8): room})
     assert str(info.value).startswith("max_doc_len=8 in --stages cuts the documents in ") and \
         "--tokens_per_doc_bound=" in str(info.value)
-    tg.check_document_density(long_docs, BOS, {(4096, 2048): room})          # uncut, they fit
+    checks.check_document_density(long_docs, BOS, {(4096, 2048): room})          # uncut, they fit
 
     short_docs = write_shard(str(tmp_path / "short_train_000001.bin"), labelled_docs(rng, 3000, 0, median=8, sigma=0.3))
     for call in (lambda: next(tg.train_batches([short_docs], 4096, 1, 0, 1, CPU, 2048, 300)),
-                 lambda: tg.check_document_density(short_docs, BOS, {(4096, 2048): room})):
+                 lambda: checks.check_document_density(short_docs, BOS, {(4096, 2048): room})):
         with pytest.raises((tg.DataError, tg.ConfigError)) as info:
             call()
         assert "max_doc_len" not in str(info.value) and "--tokens_per_doc_bound=" in str(info.value)
@@ -498,7 +499,7 @@ def test_corrupt_next_shard_reaches_the_caller(labelled_dir, tmp_path):
 def test_exception_in_loader_thread_is_reraised(labelled_dir, monkeypatch):
     """The error surfaces on the first request after the thread failed, long before shard 1 is used up."""
     files = shard_files(labelled_dir)
-    real_read = tg.read_tokens
+    real_read = checks.read_tokens
     failed = threading.Event()
 
     def failing_read(path, *args, **kwargs):
@@ -507,7 +508,7 @@ def test_exception_in_loader_thread_is_reraised(labelled_dir, monkeypatch):
             raise OSError("disk went away")
         return real_read(path, *args, **kwargs)
 
-    monkeypatch.setattr(tg, "read_tokens", failing_read)
+    monkeypatch.setattr(checks, "read_tokens", failing_read)
     gen = tg.train_batches(files, 1024, 1, 0, 1, CPU, 2048, 4)
     with pytest.raises(OSError, match="disk went away"):
         next(gen)                            # raises here if the thread already failed,

@@ -54,24 +54,25 @@ def test_default_shard_count_covers_the_record_run():
 # ------------------------------------------------------------------------------------------------------------------
 
 def test_shard_format_agrees_with_the_trainer(tmp_path):
+    import checks
     import train_gpt as tg
     tokens = np.random.default_rng(0).integers(0, 2**16, 12_345).astype(np.uint16)
     tokens[:2] = BOS, 2**16 - 1                                 # the largest id survives too
     path = str(tmp_path / "fineweb_train_000001.bin")
     shards.write_shard(path, tokens)
     assert listing(tmp_path) == ["fineweb_train_000001.bin"]   # no temporary file left beside it
-    assert tg.shard_num_tokens(path) == len(tokens)
-    loaded = tg.load_shard(path)
-    assert loaded.dtype == torch.uint16 and np.array_equal(loaded.numpy(), tokens)
+    assert checks.shard_num_tokens(path) == len(tokens)
+    loaded = checks.read_tokens(path)[0]
+    assert loaded.dtype == np.uint16 and np.array_equal(loaded, tokens)
     with open(path, "rb") as f:
         assert f.read(shards.SHARD_HEADER_BYTES)[12:] == bytes(shards.SHARD_HEADER_BYTES - 12)  # zeros after the count
     assert shards.check_shard(path) is None
     # a list of ints is written as uint16 too; an id that does not fit is refused, not wrapped
     shards.write_shard(path, [BOS, 1, 2])
-    assert tg.load_shard(path).tolist() == [BOS, 1, 2]
+    assert checks.read_tokens(path)[0].tolist() == [BOS, 1, 2]
     with pytest.raises(ValueError, match="0 .. 65535"):
         shards.write_shard(path, np.array([BOS, 70_000]))
-    assert tg.load_shard(path).tolist() == [BOS, 1, 2]          # the refused write left the shard as it was
+    assert checks.read_tokens(path)[0].tolist() == [BOS, 1, 2]          # the refused write left the shard as it was
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -381,7 +382,7 @@ def test_synthetic_presets(tmp_path):
     # the full preset (bench/run.sh full) holds what the default schedule reads, so its data check passes quietly, and
     # one shard more (synthetic.py says why), not two
     full = syn.PRESETS["full"]
-    needed = tg.train_tokens_needed(tg.parse_args([])) * tg.TRAIN_READ_FACTOR
+    needed = tg.train_tokens_needed(tg.parse_args([])) * checks.TRAIN_READ_FACTOR
     assert full["train_shards"] * full["shard_tokens"] >= needed > (full["train_shards"] - 2) * full["shard_tokens"]
     # through the command line: the preset's shard count, the explicit sizes
     out = tmp_path / "out"

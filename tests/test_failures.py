@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import checks
 import train_gpt as tg
 import harness  # noqa: E402
 from _shards import BOS, CPU_MALLOC_ENV, ROOT, make_dataset, structured_docs, write_shard
@@ -66,8 +67,8 @@ def shard_with(tmp_path, tokens, name="fineweb_train_000001.bin"):
 def test_token_ids_outside_the_vocabulary(capsys, tmp_path, data, where):
     """An id >= --vocab_size: in the sample preflight reads, or far into the shard, where the loader's check of each
     shard it loads catches it at the first batch (not a device-side assert mid-run)."""
-    toks = structured_docs(tg.PREFLIGHT_SAMPLE_TOKENS + 300_000, 3)
-    pos = 5_000 if where == "sample" else tg.PREFLIGHT_SAMPLE_TOKENS + 1_000
+    toks = structured_docs(checks.PREFLIGHT_SAMPLE_TOKENS + 300_000, 3)
+    pos = 5_000 if where == "sample" else checks.PREFLIGHT_SAMPLE_TOKENS + 1_000
     toks[pos] = 60_000
     bad = shard_with(tmp_path, toks)
     code, err, _, log = run_main(capsys, [*SHORT, f"--train_files={bad}", f"--val_files={data[1]}"], tmp_path)
@@ -182,7 +183,7 @@ def test_same_sized_train_and_val_shards_with_other_tokens_pass(tmp_path):
     d = tmp_path
     a = write_shard(d / "a.bin", structured_docs(50_000, 1))
     b = write_shard(d / "b.bin", structured_docs(50_000, 2))
-    tg.check_disjoint_shards([a], [b], "a.bin", "b.bin")
+    checks.check_disjoint_shards([a], [b], "a.bin", "b.bin")
 
 
 # ---- options ------------------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+import checks
 import train_gpt as tg
 import triton_kernels as tk
 
@@ -24,7 +25,7 @@ SCALES = (100 / 448, 1.6 / 448, 0.75 / 448)
 def real_cfg(**overrides) -> tg.ModelConfig:
     hp = tg.Hyperparameters()
     fields = {f: getattr(hp, f) for f in tg.ModelConfig.__dataclass_fields__ if hasattr(hp, f)}
-    backend = tg.resolve_attn_backend(os.environ.get("MODEL_GPU_ATTN_BACKEND", "auto"), torch.device("cuda"))
+    backend = checks.resolve_attn_backend(os.environ.get("MODEL_GPU_ATTN_BACKEND", "auto"), torch.device("cuda"))
     fields.update(attn_backend=backend, rotary_max_len=262_144)
     return replace(tg.ModelConfig(**fields), **overrides)
 

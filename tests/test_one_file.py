@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import harness
+import checks
 import train_gpt as tg
 from _shards import ROOT, make_dataset, run_trainer
 
@@ -202,7 +203,7 @@ def test_an_op_asked_both_ways_is_one_error_naming_the_flag():
 
 
 def test_the_recorded_reference_digests_are_those_of_the_code():
-    assert tg.edited_references() == {}
+    assert checks.edited_references() == {}
 
 
 def _edited_version(definition):
@@ -217,22 +218,22 @@ def _edited_version(definition):
 def test_an_edited_reference_runs_on_a_gpu_and_says_so_unless_its_kernel_is_forced(monkeypatch, op):
     definitions, digest = tg.KERNEL_REFERENCES[op]
     monkeypatch.setitem(tg.KERNEL_REFERENCES, op, ((_edited_version(definitions[0]), *definitions[1:]), digest))
-    edited = tg.edited_references()
+    edited = checks.edited_references()
     assert list(edited) == [op] and edited[op] != digest
     names = ", ".join(d.__name__ for d in definitions)
     assert fused_in(tg.kernel_ops("fused", "cuda", edited)) == set(tg.KERNEL_OPS) - {op}
-    line, = tg.kernel_switch_lines("fused", "cuda", edited)
+    line, = checks.kernel_switch_lines("fused", "cuda", edited, tg.KERNEL_REFERENCES)
     assert line.startswith(f"warning: {names} (op {op}) changed since its fused kernel was checked against it; "
                            "this run uses the edit")
     assert f"--kernels={op}:fused forces the kernel" in line and line.endswith(f"in KERNEL_REFERENCES to {edited[op]}")
     forced = f"{op}:fused"
     assert fused_in(tg.kernel_ops(forced, "cuda", edited)) == set(tg.KERNEL_OPS)
-    line, = tg.kernel_switch_lines(forced, "cuda", edited)
+    line, = checks.kernel_switch_lines(forced, "cuda", edited, tg.KERNEL_REFERENCES)
     assert "uses the edit" not in line and f"uses the fused kernel (--kernels={forced}), which does NOT run the edit" in line
     assert fused_in(tg.kernel_ops(forced, "cpu", edited)) == set()
-    line, = tg.kernel_switch_lines(forced, "cpu", edited)
+    line, = checks.kernel_switch_lines(forced, "cpu", edited, tg.KERNEL_REFERENCES)
     assert "this run uses the edit (off CUDA every op runs its reference)" in line
-    assert tg.kernel_switch_lines("fused", "cuda", {}) == []
+    assert checks.kernel_switch_lines("fused", "cuda", {}, tg.KERNEL_REFERENCES) == []
 
 
 def test_the_fp8_digest_holds_only_what_the_fused_head_does_not_run():
