@@ -871,15 +871,6 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def atomic_torch_save(obj: Any, path: Path) -> None:
-    """torch.save into memory, then atomic_write: the file system's refusal (a full disk, a size
-    limit) then comes as an OSError naming its cause, which torch's own writer would hide."""
-    import io
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    atomic_write(path, buffer.getbuffer())
-
-
 # ==================================================================================================
 # 5. The portable compile cache: torch's compiled artifacts in one file
 # ==================================================================================================
@@ -1222,7 +1213,6 @@ class CompileLog:
                  "forward, backward, optimizer; val* / train*: this rank compiling its share "
                  "alone, no optimizer)"] + compile_table(rows)
                 + [compile_summary(rows, warmup_s, *self.autotune)])
-
 
 
 # ==================================================================================================

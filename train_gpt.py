@@ -2,19 +2,21 @@
 
 Run on one node with `./run.sh` (torchrun over the GPUs found); `python train_gpt.py --preset=tiny
 ...` runs on a CPU. The training math is that of record 80 of the modded-nanogpt speedrun
-(docs/names.md maps the record's names to ours; the README credits who introduced each idea;
+(docs/names.md maps the record's names to ours; docs/credits.md credits who introduced each idea;
 record 61, which this file trained before, is pinned in records/2026-11-27_record61/).
 This file is the math and the loop, in reading order:
-    1. knobs   2. attention   3. model and FP8 head   4. optimizer   5. data   6. schedules
-    7. compiler settings   8. building and checking a run   9. training: the step, validation,
-    warmup and reset, the timed loop and its clock, main()
-The fused kernels live in triton_kernels.py (imported as tk), each beside its plain-PyTorch
-reference; which of the two runs each op is chosen once per run (kernel_ops, section 3): the
-reference on a CPU, per --kernels, and wherever the reference was edited. A run's log holds both
-files in full. What never changes a number is beside them: harness.py (options, the log, compile
-cache, checkpoints, signals, exit codes), which the loop calls with plain values and which never
-imports this file, and compile_split.py (helper processes that compile the warmup's graphs in
-parallel). Nothing happens at import.
+    1. knobs   2. model (attention, FP8 head and loss, GPT)   3. the op table   4. optimizer
+    5. data   6. schedules   7. compiler settings   8. building a run   9. training: the step,
+    validation, warmup and reset, the timed loop and its clock, main()
+A copy of this file under any name runs itself (cp train_gpt.py my_idea.py; python3 my_idea.py
+or TRAIN=my_idea.py ./run.sh): its log embeds the copy, its compile helpers load the copy.
+Beside it, each imported with plain values passed down and never importing this file:
+triton_kernels.py (tk: the fused kernels, each beside its plain-PyTorch reference; which of the two
+runs each op is chosen once per run, kernel_ops), checks.py (the option, layout, table and data
+checks, backend probing, the preflight), harness.py (options, the log, compile cache,
+checkpoints, signals, exit codes) and compile_split.py (helper processes that compile the warmup's
+graphs in parallel). A run's log holds this file, checks.py and triton_kernels.py in full.
+Nothing happens at import.
 """
 from __future__ import annotations
 
