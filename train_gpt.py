@@ -799,9 +799,8 @@ class GPT(nn.Module):
                 # records 62, 77); layer 0 took its bigram before its attention instead
                 injections = [(x0_lambdas[i], x0)] + ([(bigram_lambdas[i], bigram)] if i else [])
                 x = weighted_sum((resid[i, 0], x), (post[i, 0], a), *injections)
-            x = weighted_sum((resid[i, 1], x),
-                             (post[i, 1], self.ops.relu2_mlp(rms(x), mlp_banks[2 * i],
-                                                             mlp_banks[2 * i + 1])))
+            mlp_out = self.ops.relu2_mlp(rms(x), mlp_banks[2 * i], mlp_banks[2 * i + 1])
+            x = weighted_sum((resid[i, 1], x), (post[i, 1], mlp_out))
             if p.skip_source:
                 skip_saved = x
             if p.backout:
