@@ -1,12 +1,13 @@
-"""The token shard format that train_gpt.py reads, and how the scripts in data/ write and check shards.
-
-A shard is a 1024-byte header of 256 little-endian int32 words (magic 20240520, version 1, token count n, then zeros)
-followed by n little-endian uint16 tokens. The format is defined once, in train_gpt.py's data section beside the loader
-that reads it; this file imports its constants from there and writes and checks shards in that format
+"""The token shard format, defined here once, and how the scripts in data/ write and check shards. train_gpt.py
+imports the format's constants from here (from data.shards import ...) for the loader that reads shards
 (tests/test_data_scripts.py checks that train_gpt.py reads what this writes).
 
+numpy and the standard library only: a data script imports no torch and none of the trainer's files, so it starts in
+well under a second.
+
 Not a script. The scripts import it as `shards`: a script's folder is the first entry of sys.path. Code that imports
-a script from elsewhere puts data/ on sys.path first.
+a script from elsewhere puts data/ on sys.path first; the trainer, from the repository root, imports it as data.shards
+(data/ is a regular package for that).
 
 Errors: every failure a user can cause ends in one `error: ...` line on stderr and no traceback. A bad option raises
 UsageError (exit 2); a data problem raises SystemExit("error: ...") (exit 1, and a clean exit for callers of the
@@ -26,8 +27,12 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the repository root
-from train_gpt import SHARD_HEADER_BYTES, SHARD_MAGIC, SHARD_VERSION  # noqa: E402 (the one definition)
+# The shard format, its one definition (train_gpt.py's reader imports these). A shard is a header of 256 little-endian
+# int32 words: SHARD_MAGIC, SHARD_VERSION, the token count n, then zeros (1024 bytes); then n little-endian uint16
+# tokens, nothing after them (its size is exactly SHARD_HEADER_BYTES + 2 * n).
+SHARD_MAGIC = 20240520
+SHARD_VERSION = 1
+SHARD_HEADER_BYTES = 1024
 
 MAX_SHARD_TOKENS = 2**31 - 1       # the header holds the token count as an int32
 STAGING_PREFIX = ".staging-"       # a run's shards are written here, inside the output folder, until all are complete
