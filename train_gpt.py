@@ -43,6 +43,7 @@ from torch import Tensor
 import compile_split
 import harness
 import triton_kernels as tk
+from data.shards import SHARD_HEADER_BYTES, SHARD_MAGIC, SHARD_VERSION
 from harness import ConfigError, DataError
 
 # ==================================================================================================
@@ -1701,10 +1702,9 @@ class NorMuonAndAdam:
 # part, so no communication is needed and the tokens of an optimizer step do not depend on the world
 # size.
 
-# ---- shard files: the one definition of the token format (data/shards.py writes it) ----------
+# ---- shard files: the token format is defined in data/shards.py (imported at the top) ---------
 # A shard is a header of 256 little-endian int32 words (magic, version, token count n, zeros), then n
 # little-endian uint16 tokens.
-SHARD_MAGIC, SHARD_VERSION, SHARD_HEADER_BYTES = 20240520, 1, 1024
 
 def read_header(f, path: str) -> int:
     """Check the header and the size of the open shard file `f`; return its token count n."""
