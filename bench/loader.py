@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "data")]    # data/ is not a package: its scripts import from their folder
+sys.path[:0] = [ROOT, os.path.join(ROOT, "data")]    # as data/'s scripts see it: shards from their folder
 import shards  # noqa: E402
 import synthetic as syn  # noqa: E402
 import checks

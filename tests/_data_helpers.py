@@ -13,8 +13,8 @@ BOS = 50256
 
 
 def load_script(name: str):
-    """Import data/<name>.py. data/ is not a package: as when a script runs, its folder goes first on sys.path, where
-    the scripts find their shared module `shards`."""
+    """Import data/<name>.py as its scripts see it: as when a script runs, its folder goes first on sys.path, where
+    the scripts find their shared module `shards` (the trainer imports the same file as data.shards)."""
     if DATA_DIR not in sys.path:
         sys.path.insert(0, DATA_DIR)
     return importlib.import_module(name)

@@ -1,5 +1,6 @@
 """Test helpers: write token shards in the FineWeb format and run the trainer in a subprocess."""
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -54,6 +55,18 @@ def make_dataset(directory, train_tokens=400_000, val_tokens=20_000, seed=0, n_t
         write_shard(d / f"fineweb_train_{k + 1:06d}.bin", structured_docs(per, seed + 1 + k, doc_len))
     write_shard(d / "fineweb_val_000000.bin", structured_docs(val_tokens, seed, doc_len))
     return str(d / "fineweb_train_*.bin"), str(d / "fineweb_val_*.bin")
+
+
+# What train_gpt.py runs with: its companions, and data/shards.py, where the shard format it reads is defined
+TRAINER_FILES = ("train_gpt.py", "harness.py", "triton_kernels.py", "compile_split.py", "data/__init__.py",
+                 "data/shards.py")
+
+
+def copy_trainer(folder):
+    """Copy the trainer's files (TRAINER_FILES) into `folder`, as another node's or an edited copy of the project."""
+    for name in TRAINER_FILES:
+        (Path(folder) / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / name, Path(folder) / name)
 
 
 def run_trainer(args, cwd, timeout=900, env=None, script=None):

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 import harness
 import train_gpt as tg
-from _shards import ROOT, make_dataset, run_gloo, run_trainer
+from _shards import ROOT, copy_trainer, make_dataset, run_gloo, run_trainer
 
 # A narrower tiny model (16 processes share the 2-core CI machine), float64, six steps across the stage changes, the
 # untie and the extension; the tiny preset's --batch_slices=2 is below both world sizes, so the slices follow them.
@@ -85,8 +85,7 @@ def test_a_rank_with_other_options_code_or_shards_is_refused_at_start(tmp_path):
               f"--log_dir={tmp_path}/logs"]
     edited = tmp_path / "node2"
     edited.mkdir()
-    for name in ("train_gpt.py", "harness.py", "triton_kernels.py", "compile_split.py"):
-        shutil.copy(ROOT / name, edited / name)
+    copy_trainer(edited)
     with open(edited / "train_gpt.py", "a") as f:
         f.write("# this node's copy was edited\n")
     (edited / "d").mkdir()

@@ -3,7 +3,6 @@ plain-PyTorch definition that a CPU runs and --kernels selects per op, an edited
 and the split between math and run-control options is declared once."""
 import dataclasses
 import re
-import shutil
 
 import pytest
 import torch
@@ -12,7 +11,7 @@ import torch.nn.functional as F
 import harness
 import checks
 import train_gpt as tg
-from _shards import ROOT, make_dataset, run_trainer
+from _shards import ROOT, copy_trainer, make_dataset, run_trainer
 
 tk = tg.tk
 
@@ -294,8 +293,7 @@ def test_an_edited_loss_changes_a_default_cpu_run_and_is_named_at_start(tmp_path
     train, val = make_dataset(tmp_path / "d", train_tokens=120_000, val_tokens=20_000)
     edited = tmp_path / "edited"
     edited.mkdir()
-    for name in ("train_gpt.py", "harness.py", "triton_kernels.py", "compile_split.py"):
-        shutil.copy(ROOT / name, edited / name)
+    copy_trainer(edited)
     kernels = (edited / "triton_kernels.py").read_text()
     body = kernels[kernels.index("def softcapped_mtp_ce_reference("):]
     body = body[:body.index("\n    return losses\n")]

@@ -29,7 +29,7 @@ SYNTHETIC_RUN = ("python3 data/synthetic.py --out data/synthetic --preset=full",
 
 @pytest.fixture
 def tree(tmp_path):
-    """A copy of run.sh, data/*.py and the trainer's files (data/shards.py reads the shard format from train_gpt.py):
+    """A copy of run.sh, data/*.py and the trainer's files (train_gpt.py reads the shard format from data/shards.py):
     what run.sh needs up to the GPU check."""
     for name in ("run.sh", "train_gpt.py", "harness.py", "triton_kernels.py", "compile_split.py"):
         shutil.copy2(ROOT / name, tmp_path / name)
