@@ -12,8 +12,10 @@ set -euo pipefail
 started_in=$PWD
 cd "$(dirname "$0")"
 PY=${PYTHON:-python3}
+if [ -n "${TRAIN:-}" ] && [ "${TRAIN#/}" = "$TRAIN" ] && [ -f "$started_in/$TRAIN" ]; then
+  TRAIN="$started_in/$TRAIN"
+fi
 TRAIN=${TRAIN:-train_gpt.py}
-if [ -f "$started_in/$TRAIN" ] && [ "${TRAIN#/}" = "$TRAIN" ]; then TRAIN="$started_in/$TRAIN"; fi
 if [ ! -f "$TRAIN" ]; then
   echo "run.sh: error: TRAIN=$TRAIN is not a file; set TRAIN to the training script to run (default train_gpt.py)," \
        "e.g. cp train_gpt.py my_idea.py && TRAIN=my_idea.py ./run.sh" >&2

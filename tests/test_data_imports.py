@@ -91,7 +91,7 @@ def _module_assignments(path):
 
 def test_the_shard_format_is_defined_once_in_data_shards():
     """data/shards.py assigns the three constants, as literals; no other file of the project or of data/ does, and
-    train_gpt.py imports them from data.shards."""
+    the shard reader (checks.py) imports them from data.shards."""
     defined = _module_assignments(os.path.join(DATA_DIR, "shards.py"))
     assert {name: ast.literal_eval(defined[name]) for name in FORMAT if name in defined} == FORMAT
     others = [os.path.join(ROOT, n) for n in sorted(os.listdir(ROOT)) if n.endswith(".py")]
@@ -99,17 +99,17 @@ def test_the_shard_format_is_defined_once_in_data_shards():
                if n.endswith(".py") and n != "shards.py"]
     redefined = {os.path.relpath(p, ROOT): sorted(set(_module_assignments(p)) & set(FORMAT)) for p in others}
     assert not {p: names for p, names in redefined.items() if names}, redefined
-    imports = [node for node in ast.parse(open(os.path.join(ROOT, "train_gpt.py")).read()).body
+    imports = [node for node in ast.parse(open(os.path.join(ROOT, "checks.py")).read()).body
                if isinstance(node, ast.ImportFrom) and node.module == "data.shards"]
     assert imports and set(FORMAT) <= {a.name for node in imports for a in node.names}
 
 
 def test_the_trainer_reads_with_the_constants_of_data_shards():
-    """train_gpt's reader uses data/shards.py's very objects, from data/, a regular package (so no other `data`
-    on sys.path can stand in for it)."""
+    """The trainer's shard reader (checks.py) uses data/shards.py's very objects, from data/, a regular package (so
+    no other `data` on sys.path can stand in for it)."""
+    import checks as tg
     import data
     import data.shards
-    import train_gpt as tg
     assert data.__file__ == os.path.join(DATA_DIR, "__init__.py")
     assert data.shards.__file__ == os.path.join(DATA_DIR, "shards.py")
     for name, value in FORMAT.items():

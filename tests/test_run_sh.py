@@ -31,8 +31,8 @@ SYNTHETIC_RUN = ("python3 data/synthetic.py --out data/synthetic --preset=full",
 def tree(tmp_path):
     """A copy of run.sh, data/*.py and the trainer's files (train_gpt.py reads the shard format from data/shards.py):
     what run.sh needs up to the GPU check."""
-    for name in ("run.sh", "train_gpt.py", "harness.py", "triton_kernels.py", "compile_split.py"):
-        shutil.copy2(ROOT / name, tmp_path / name)
+    for path in [ROOT / "run.sh", *ROOT.glob("*.py")]:
+        shutil.copy2(path, tmp_path / path.name)
     (tmp_path / "data").mkdir()
     for script in (ROOT / "data").glob("*.py"):
         shutil.copy2(script, tmp_path / "data" / script.name)
@@ -265,3 +265,25 @@ def test_a_bad_rendezvous_timeout_is_refused_with_one_line(stub_python, env, wor
     result, out, calls, torchrun = run_stubbed(stub_python, 8, MASTER_ADDR="10.0.0.1", **env)
     assert result.returncode == 1 and torchrun is None and calls == "", out
     assert result.stderr.startswith(f"run.sh: error: {words}") and len(result.stderr.splitlines()) == 1, out
+
+
+def test_train_names_the_script_torchrun_starts_and_a_missing_one_is_one_line(stub_python):
+    """TRAIN=my_idea.py ./run.sh starts torchrun on the copy (a path from where run.sh was started), not train_gpt.py;
+    a TRAIN that is not a file is refused before anything is installed or counted."""
+    shutil.copy2(stub_python / "train_gpt.py", stub_python / "my_idea.py")
+    result, out, calls, torchrun = run_stubbed(stub_python, 8, "--train_files=elsewhere/fineweb_train_*.bin",
+                                               TRAIN="my_idea.py")
+    assert result.returncode == 0 and torchrun is not None, out
+    assert torchrun[-2:] == [str(stub_python / "my_idea.py"), "--train_files=elsewhere/fineweb_train_*.bin"]
+    (stub_python / "calls.txt").unlink(missing_ok=True)
+    result, out, calls, torchrun = run_stubbed(stub_python, 8, TRAIN="no_such_idea.py")
+    assert result.returncode == 1 and torchrun is None and calls == "", out
+    assert result.stderr.startswith("run.sh: error: TRAIN=no_such_idea.py is not a file") and \
+        len(result.stderr.splitlines()) == 1, out
+
+
+def test_run_sh_help_documents_train_and_needs_no_gpu(tree):
+    result, out = run_sh(tree, "--help")
+    assert result.returncode == 0, out
+    assert "TRAIN=my_idea.py ./run.sh" in out and "usage: python3 train_gpt.py" in out
+    assert "no CUDA GPU" not in out and "downloading" not in out
