@@ -3,17 +3,43 @@ X X^T and b*A + c*A A) at the shapes NorMuon's Polar Express gives it (the banks
 and one of 8 GPUs' shares), the basis of the launcher's fixed tiles (_sym_tiles, marked "<-" below;
 the fastest is marked "*"). Autotuning instead compiled and timed every candidate at every start.
 
-Usage: python3 notes/2026-11-22_startup_1xH200_4xH200/optimizer_tiles.py [--matrices=40,22,5,3]
+Usage, on a checkout of the commit it was run with (PINNED_COMMIT), whose triton_kernels.py it imports:
+
+    git worktree add /tmp/at-a21b0ff a21b0ff
+    python3 notes/2026-11-22_startup_1xH200_4xH200/optimizer_tiles.py --repo=/tmp/at-a21b0ff [--matrices=40,22,5,3]
 """
 import os
 import sys
 
-import torch
-import triton
-from triton.testing import do_bench
+# The code this script measured. It imports that code from a checkout of this commit (--repo), never from the
+# tree around it, whose names have moved on since.
+PINNED_COMMIT = "a21b0ffc28ecac6da5c9373e3b58862ef62d0b21"
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # notes/<folder>/ -> repository
+
+def pinned_checkout() -> str:
+    """The checkout of PINNED_COMMIT that --repo=PATH (or --repo PATH) names, taken out of sys.argv; without one, one
+    error line that names the commit to check out. Nothing heavier than os and sys is imported before it."""
+    argv, repo = sys.argv[1:], None
+    for i, arg in enumerate(argv):
+        if arg == "--repo" or arg.startswith("--repo="):
+            repo = arg[len("--repo="):] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else "")
+            sys.argv[1:] = argv[:i] + argv[i + (1 if "=" in arg else 2):]
+            break
+    if repo is None or not os.path.isfile(os.path.join(repo, "train_gpt.py")):
+        short = PINNED_COMMIT[:7]
+        found = "no --repo" if repo is None else f"--repo={repo} holds no train_gpt.py"
+        sys.exit(f"error: {os.path.basename(__file__)} runs on a checkout of {PINNED_COMMIT} ({found}): "
+                 f"git worktree add /tmp/at-{short} {short}, then pass --repo=/tmp/at-{short}")
+    return os.path.abspath(repo)
+
+
+ROOT = pinned_checkout()  # the checkout's root
 sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.testing import do_bench  # noqa: E402
+
 import triton_kernels as tk  # noqa: E402
 
 

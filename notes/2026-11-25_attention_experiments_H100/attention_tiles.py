@@ -2,8 +2,13 @@
 training shapes, against torch's varlen_attn, to choose the tiles (one GPU). Times are GPU kernel
 time (bench/attention.py's gpu_ms).
 
-    python3 notes/2026-11-25_attention_experiments_H100/attention_tiles.py   # the default shapes below
-    python3 notes/2026-11-25_attention_experiments_H100/attention_tiles.py --shapes=49152:normal:768
+On a checkout of the commit it was run with (PINNED_COMMIT), whose triton_kernels.py and bench/attention.py it
+imports:
+
+    git worktree add /tmp/at-461ec8b 461ec8b
+    python3 notes/2026-11-25_attention_experiments_H100/attention_tiles.py --repo=/tmp/at-461ec8b   # the default shapes
+    python3 notes/2026-11-25_attention_experiments_H100/attention_tiles.py --repo=/tmp/at-461ec8b \
+        --shapes=49152:normal:768
 
 Shapes are T:layout:window (normal: (T, 6, 128); paired: (2T, 3, 128) with cu_seqlens * 2), on the
 FineWeb-like documents of bench/attention.py. Prints, per shape: varlen_attn's forward and
@@ -14,10 +19,33 @@ import argparse
 import os
 import sys
 
-import torch
+# The code this script measured. It imports that code from a checkout of this commit (--repo), never from the
+# tree around it, whose names have moved on since.
+PINNED_COMMIT = "461ec8b1a26292cbd16698628a41b7e2eee902ac"
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # notes/<folder>/ -> repository
+
+def pinned_checkout() -> str:
+    """The checkout of PINNED_COMMIT that --repo=PATH (or --repo PATH) names, taken out of sys.argv; without one, one
+    error line that names the commit to check out. Nothing heavier than os and sys is imported before it."""
+    argv, repo = sys.argv[1:], None
+    for i, arg in enumerate(argv):
+        if arg == "--repo" or arg.startswith("--repo="):
+            repo = arg[len("--repo="):] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else "")
+            sys.argv[1:] = argv[:i] + argv[i + (1 if "=" in arg else 2):]
+            break
+    if repo is None or not os.path.isfile(os.path.join(repo, "train_gpt.py")):
+        short = PINNED_COMMIT[:7]
+        found = "no --repo" if repo is None else f"--repo={repo} holds no train_gpt.py"
+        sys.exit(f"error: {os.path.basename(__file__)} runs on a checkout of {PINNED_COMMIT} ({found}): "
+                 f"git worktree add /tmp/at-{short} {short}, then pass --repo=/tmp/at-{short}")
+    return os.path.abspath(repo)
+
+
+ROOT = pinned_checkout()  # the checkout's root
 sys.path[:0] = [ROOT, os.path.join(ROOT, "bench")]
+
+import torch  # noqa: E402
+
 import attention as bench_attention  # noqa: E402  (bench/attention.py)
 from attention import gpu_ms  # noqa: E402
 import triton_kernels as tk  # noqa: E402

@@ -1,6 +1,7 @@
 """Time the attention's q/k norm + rotary block, compiled as the model compiles it, in equivalent formulations.
 
-    python3 notes/2026-11-26_4xH200_record61_and_rotary_1xH200/qk_rotary.py [--tokens=49152]
+    git worktree add /tmp/at-f6fbf31 f6fbf31   # the code it measured (PINNED_COMMIT), whose train_gpt.py it imports
+    python3 notes/2026-11-26_4xH200_record61_and_rotary_1xH200/qk_rotary.py --repo=/tmp/at-f6fbf31 [--tokens=49152]
 
 One CUDA GPU, a minute or two. The block is GPT.attention's first part: q, k = rms(q), rms(k) per head, then the
 half-truncated rotary, for a normal layer (table row = position) and a paired one (heads 2b, 2b+1 at rows 2t, 2t+1),
@@ -25,11 +26,34 @@ import argparse
 import os
 import sys
 
-import torch
-from triton.testing import do_bench
+# The code this script measured. It imports that code from a checkout of this commit (--repo), never from the
+# tree around it, whose names have moved on since.
+PINNED_COMMIT = "f6fbf318cd696b6f8d86c362c9c51ee3dfd9c2e5"
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # notes/<folder>/ -> repository
+
+def pinned_checkout() -> str:
+    """The checkout of PINNED_COMMIT that --repo=PATH (or --repo PATH) names, taken out of sys.argv; without one, one
+    error line that names the commit to check out. Nothing heavier than os and sys is imported before it."""
+    argv, repo = sys.argv[1:], None
+    for i, arg in enumerate(argv):
+        if arg == "--repo" or arg.startswith("--repo="):
+            repo = arg[len("--repo="):] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else "")
+            sys.argv[1:] = argv[:i] + argv[i + (1 if "=" in arg else 2):]
+            break
+    if repo is None or not os.path.isfile(os.path.join(repo, "train_gpt.py")):
+        short = PINNED_COMMIT[:7]
+        found = "no --repo" if repo is None else f"--repo={repo} holds no train_gpt.py"
+        sys.exit(f"error: {os.path.basename(__file__)} runs on a checkout of {PINNED_COMMIT} ({found}): "
+                 f"git worktree add /tmp/at-{short} {short}, then pass --repo=/tmp/at-{short}")
+    return os.path.abspath(repo)
+
+
+ROOT = pinned_checkout()  # the checkout's root
 sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+from triton.testing import do_bench  # noqa: E402
+
 import train_gpt as tg  # noqa: E402
 
 

@@ -1,6 +1,7 @@
 """Time the embedding tables' backward: inductor's decomposition against aten's sorted CUDA kernel.
 
-    python3 notes/2026-11-26_speed3_H200/embedding_bwd.py [--tokens=49152,16384] [--tables=4]
+    git worktree add /tmp/at-cc2c822 cc2c822   # the code it was written for (PINNED_COMMIT): it imports its modules
+    python3 notes/2026-11-26_speed3_H200/embedding_bwd.py --repo=/tmp/at-cc2c822 [--tokens=49152,16384] [--tables=4]
 
 One CUDA GPU, about a minute. A micro-batch looks up its token ids in 4 tables (embed and the 3 value embeddings,
 each 50304 x 768 bf16). Compiled, inductor decomposes each table's backward into an fp32 (V, D) zero fill, an atomic
@@ -20,12 +21,35 @@ import argparse
 import os
 import sys
 
-import torch
-import torch.nn.functional as F
-from torch import Tensor
+# The code this script was written for (it has not run yet). It imports that code from a checkout of this commit
+# (--repo), never from the tree around it, whose names have moved on since.
+PINNED_COMMIT = "cc2c82267626f5c7e668d6db50f6521de818be67"
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # notes/<folder>/ -> repository
+
+def pinned_checkout() -> str:
+    """The checkout of PINNED_COMMIT that --repo=PATH (or --repo PATH) names, taken out of sys.argv; without one, one
+    error line that names the commit to check out. Nothing heavier than os and sys is imported before it."""
+    argv, repo = sys.argv[1:], None
+    for i, arg in enumerate(argv):
+        if arg == "--repo" or arg.startswith("--repo="):
+            repo = arg[len("--repo="):] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else "")
+            sys.argv[1:] = argv[:i] + argv[i + (1 if "=" in arg else 2):]
+            break
+    if repo is None or not os.path.isfile(os.path.join(repo, "train_gpt.py")):
+        short = PINNED_COMMIT[:7]
+        found = "no --repo" if repo is None else f"--repo={repo} holds no train_gpt.py"
+        sys.exit(f"error: {os.path.basename(__file__)} runs on a checkout of {PINNED_COMMIT} ({found}): "
+                 f"git worktree add /tmp/at-{short} {short}, then pass --repo=/tmp/at-{short}")
+    return os.path.abspath(repo)
+
+
+ROOT = pinned_checkout()  # the checkout's root
 sys.path[:0] = [ROOT, os.path.join(ROOT, "data"), os.path.join(ROOT, "bench")]
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import Tensor  # noqa: E402
+
 import train_gpt as tg  # noqa: E402
 import synthetic  # noqa: E402  (data/synthetic.py)
 from attention import gpu_kernel_ms  # noqa: E402  (bench/attention.py)

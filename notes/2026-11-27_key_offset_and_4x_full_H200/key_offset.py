@@ -1,6 +1,7 @@
 """Time the key offset inside the q/k norm + rotary kernels against the shift as a compiled step after them.
 
-    python3 notes/2026-11-27_key_offset_and_4x_full_H200/key_offset.py [--tokens=49152]
+    git worktree add /tmp/at-22973b9 22973b9   # the code it measured (PINNED_COMMIT): it imports its modules
+    python3 notes/2026-11-27_key_offset_and_4x_full_H200/key_offset.py --repo=/tmp/at-22973b9 [--tokens=49152]
 
 One CUDA GPU, about a minute. A key-offset layer (normal, long window) takes a quarter of each half of k from the
 previous token. Until the kernels did it (triton_kernels.py section 9, KEY_OFFSET), the trainer applied
@@ -18,11 +19,34 @@ import argparse
 import os
 import sys
 
-import torch
-from triton.testing import do_bench
+# The code this script measured. It imports that code from a checkout of this commit (--repo), never from the
+# tree around it, whose names have moved on since.
+PINNED_COMMIT = "22973b967e56228b450791f2a9f4e9468f47e319"
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # notes/<folder>/ -> repository
+
+def pinned_checkout() -> str:
+    """The checkout of PINNED_COMMIT that --repo=PATH (or --repo PATH) names, taken out of sys.argv; without one, one
+    error line that names the commit to check out. Nothing heavier than os and sys is imported before it."""
+    argv, repo = sys.argv[1:], None
+    for i, arg in enumerate(argv):
+        if arg == "--repo" or arg.startswith("--repo="):
+            repo = arg[len("--repo="):] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else "")
+            sys.argv[1:] = argv[:i] + argv[i + (1 if "=" in arg else 2):]
+            break
+    if repo is None or not os.path.isfile(os.path.join(repo, "train_gpt.py")):
+        short = PINNED_COMMIT[:7]
+        found = "no --repo" if repo is None else f"--repo={repo} holds no train_gpt.py"
+        sys.exit(f"error: {os.path.basename(__file__)} runs on a checkout of {PINNED_COMMIT} ({found}): "
+                 f"git worktree add /tmp/at-{short} {short}, then pass --repo=/tmp/at-{short}")
+    return os.path.abspath(repo)
+
+
+ROOT = pinned_checkout()  # the checkout's root
 sys.path[:0] = [ROOT, os.path.join(ROOT, "bench")]
+
+import torch  # noqa: E402
+from triton.testing import do_bench  # noqa: E402
+
 import train_gpt as tg  # noqa: E402
 import triton_kernels as tk  # noqa: E402
 from attention import gpu_kernel_ms  # noqa: E402  (bench/attention.py)

@@ -1,7 +1,8 @@
 """Could a Triton kernel write the FP8 LM head's logits faster than torch._scaled_mm? Times a persistent FP8 matmul
 with a bf16 output over candidate tiles, beside cuBLAS doing the same product, at the head's forward shapes.
 
-    python3 notes/2026-11-27_rank8_host_power_H200/fp8_mm.py [--only=TEXT]
+    git worktree add /tmp/at-607bdec 607bdec   # the code it measured (PINNED_COMMIT): it imports its modules
+    python3 notes/2026-11-27_rank8_host_power_H200/fp8_mm.py --repo=/tmp/at-607bdec [--only=TEXT]
 
 One CUDA GPU, about half a minute. Rows of 16,384 / 32,768 / 49,152 tokens (the micro-batches of the three batch
 phases), K = 768 (the model dim), N = 50,304 (the vocabulary), e4m3 operands made with the head's x and w scales. GPU
@@ -16,12 +17,35 @@ import argparse
 import os
 import sys
 
-import torch
-import triton
-import triton.language as tl
+# The code this script measured. It imports that code from a checkout of this commit (--repo), never from the
+# tree around it, whose names have moved on since.
+PINNED_COMMIT = "607bdec0d4b634d49f5924ea8acac0fd6e33fc33"
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # notes/<folder>/ -> repository
+
+def pinned_checkout() -> str:
+    """The checkout of PINNED_COMMIT that --repo=PATH (or --repo PATH) names, taken out of sys.argv; without one, one
+    error line that names the commit to check out. Nothing heavier than os and sys is imported before it."""
+    argv, repo = sys.argv[1:], None
+    for i, arg in enumerate(argv):
+        if arg == "--repo" or arg.startswith("--repo="):
+            repo = arg[len("--repo="):] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else "")
+            sys.argv[1:] = argv[:i] + argv[i + (1 if "=" in arg else 2):]
+            break
+    if repo is None or not os.path.isfile(os.path.join(repo, "train_gpt.py")):
+        short = PINNED_COMMIT[:7]
+        found = "no --repo" if repo is None else f"--repo={repo} holds no train_gpt.py"
+        sys.exit(f"error: {os.path.basename(__file__)} runs on a checkout of {PINNED_COMMIT} ({found}): "
+                 f"git worktree add /tmp/at-{short} {short}, then pass --repo=/tmp/at-{short}")
+    return os.path.abspath(repo)
+
+
+ROOT = pinned_checkout()  # the checkout's root
 sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
 import triton_kernels as tk  # noqa: E402
 
 ROWS = (16384, 32768, 49152)

@@ -1,7 +1,9 @@
 """Each rank's attention work at given steps of a run, from the documents the loader gives it: which rank the data
 makes the slowest. Every rank holds the same number of tokens, so only attention's cost depends on the documents.
 
-    python3 notes/2026-11-27_rank8_host_power_H200/rank_work.py --ranks=4 --steps=36,37,56,57 [train_gpt options]
+    git worktree add /tmp/at-607bdec 607bdec   # the code it measured (PINNED_COMMIT): it imports train_gpt, harness
+    python3 notes/2026-11-27_rank8_host_power_H200/rank_work.py --repo=/tmp/at-607bdec --ranks=4 --steps=36,37,56,57 \
+        [train_gpt options]
 
 No GPU: it runs the trainer's loader (train_gpt.train_batches) for every rank on the CPU, with the train shards, the
 stages and --batch_slices of the options (NPROC/8 of each batch with --batch_slices=NPROC for bench/run.sh rank8's
@@ -13,12 +15,35 @@ bench/profile_step.py's rank lines (the order in which the ranks reached the ste
 from __future__ import annotations
 
 import argparse
+import os
 import sys
-from pathlib import Path
 
-import numpy as np
+# The code this script measured. It imports that code from a checkout of this commit (--repo), never from the
+# tree around it, whose names have moved on since.
+PINNED_COMMIT = "607bdec0d4b634d49f5924ea8acac0fd6e33fc33"
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # notes/<folder>/ -> repository
+
+def pinned_checkout() -> str:
+    """The checkout of PINNED_COMMIT that --repo=PATH (or --repo PATH) names, taken out of sys.argv; without one, one
+    error line that names the commit to check out. Nothing heavier than os and sys is imported before it."""
+    argv, repo = sys.argv[1:], None
+    for i, arg in enumerate(argv):
+        if arg == "--repo" or arg.startswith("--repo="):
+            repo = arg[len("--repo="):] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else "")
+            sys.argv[1:] = argv[:i] + argv[i + (1 if "=" in arg else 2):]
+            break
+    if repo is None or not os.path.isfile(os.path.join(repo, "train_gpt.py")):
+        short = PINNED_COMMIT[:7]
+        found = "no --repo" if repo is None else f"--repo={repo} holds no train_gpt.py"
+        sys.exit(f"error: {os.path.basename(__file__)} runs on a checkout of {PINNED_COMMIT} ({found}): "
+                 f"git worktree add /tmp/at-{short} {short}, then pass --repo=/tmp/at-{short}")
+    return os.path.abspath(repo)
+
+
+ROOT = pinned_checkout()  # the checkout's root
+sys.path.insert(0, ROOT)
+
+import numpy as np  # noqa: E402
 
 
 def pairs(length: int, window: int) -> int:
