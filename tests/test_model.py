@@ -971,21 +971,21 @@ def test_fp8_training_head_backward_is_the_transcribed_gradient(weights, grad_sc
     """The CPU training op (emulated head, reference loss): losses = the float64 transcription of the bf16 logits;
     dh and dW = the FP8 backward of G8 = e5m2(g) with g the transcription's fp32 gradient of grad_scale * sum(losses)
     (tail rule on the last K-1 rows), s_g = grad_scale * 0.75/448."""
-    import _ce_spec as spec
+    import _ce_transcription as tr
     h, w, targets = _head_case()
     mtp = torch.tensor(weights)
     s_x, s_w, s_g8 = FP8_SCALES
     losses = CPU_OPS.fp8_head_mtp_ce(h, w, targets, mtp, grad_scale, *FP8_SCALES)
     dh, dw = torch.autograd.grad(losses.sum() * grad_scale, (h, w))
     logits, x8_t, w8 = tg.fp8_head_emulated(h.detach(), w.detach(), s_x, s_w)
-    want = spec.ce_train_spec(logits, targets, weights)
+    want = tr.ce_train(logits, targets, weights)
     torch.testing.assert_close(losses.double(), want["losses"], rtol=1e-5, atol=1e-5)
     s_g = grad_scale * s_g8
-    g32 = spec.g_fp32(want, spec.fp8_grad_factor(grad_scale, s_g))
-    g8 = spec.round_e5m2(g32)
+    g32 = tr.g_fp32(want, tr.fp8_grad_factor(grad_scale, s_g))
+    g8 = tr.round_e5m2(g32)
     want_dh, want_dw = tg.fp8_head_backward_emulated(g8.float().to(torch.float8_e5m2), None, x8_t, w8, s_x, s_w,
                                                      s_g)
-    loose = spec.ambiguous(g32, spec.round_e5m2, 3e-5).any(1)       # rows that may legally differ by an e5m2 step
+    loose = tr.ambiguous(g32, tr.round_e5m2, 3e-5).any(1)       # rows that may legally differ by an e5m2 step
     assert loose.float().mean() < 0.2
     assert torch.equal(dh[~loose], want_dh[~loose])
     torch.testing.assert_close(dw.float(), want_dw, rtol=2e-2, atol=1e-3 * want_dw.abs().max().item())
@@ -1020,17 +1020,17 @@ def test_fp8_training_head_forms_the_gradient_in_the_forward():
 def test_training_loss_without_fp8_passes_the_gradient_through():
     """use_fp8=False: the loss of record 80 (bf16 sigma for bf16 logits) with its gradient formula, scaled by the
     incoming gradient per row (this path forms nothing in the forward: the incoming gradient counts)."""
-    import _ce_spec as spec
+    import _ce_transcription as tr
     g = torch.Generator().manual_seed(9)
     logits = (4 * torch.randn(12, 50, generator=g)).bfloat16().requires_grad_(True)
     targets = torch.randint(0, 50, (12,), generator=g)
     weights = [1.0, 0.5, 0.25]
     losses = CPU_OPS.mtp_ce_train(logits, targets, torch.tensor(weights))
-    want = spec.ce_train_spec(logits.detach(), targets, weights)
+    want = tr.ce_train(logits.detach(), targets, weights)
     torch.testing.assert_close(losses.double(), want["losses"], rtol=1e-5, atol=1e-5)
     grad_rows = torch.rand(12, generator=g) + 0.5
     (d,) = torch.autograd.grad(losses, logits, grad_rows)
-    want_d = (grad_rows.double()[:, None] * spec.INV_C_A) * want["delta"] * want["s"] * (1 - want["s"])
+    want_d = (grad_rows.double()[:, None] * tr.INV_C_A) * want["delta"] * want["s"] * (1 - want["s"])
     assert d.dtype == torch.bfloat16
     torch.testing.assert_close(d.double(), want_d, rtol=2 ** -7, atol=1e-6 * want_d.abs().max().item())
 
