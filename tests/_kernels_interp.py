@@ -20,7 +20,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 import triton_kernels as tk  # noqa: E402
-import _ce_spec as spec  # noqa: E402
+import _ce_transcription as tr  # noqa: E402
 from _fp32_exact import rcp_fma_ulp_errors  # noqa: E402
 
 U32 = 2.0 ** -24
@@ -236,19 +236,19 @@ def test_eval_ce_forward_is_record_61s(n, V, weights):
 
 @pytest.mark.parametrize("n, V, weights", CE_CASES + [(9, 700, [1.0, 0.5, 0.25]), (5, 300, [1.0, -0.5, 0.25])])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_train_forward_matches_the_spec(n, V, weights, dtype):
+def test_train_forward_matches_the_transcription(n, V, weights, dtype):
     """Record 80's training loss: bf16 sigma of fma(l, 1/C, B/C), lse over A*s, loss with A*s_y and no w_k > 0 test
-    (a negative weight counts, F16), offsets past the buffer's end dropped. bf16 logits are read through their bits
+    (a negative weight counts), offsets past the buffer's end dropped. bf16 logits are read through their bits
     (exact here)."""
     g = torch.Generator().manual_seed(n * 1000 + V + 7)
-    logits = spec.logits_clear_of_bf16_ties(n, V, g, 8.0, dtype)
+    logits = tr.logits_clear_of_bf16_ties(n, V, g, 8.0, dtype)
     targets = torch.randint(0, V, (n,), generator=g)
     targets[0] = V - 1
     losses, lse = tk.softcapped_mtp_ce_train_fwd_triton(logits, targets, torch.tensor(weights))
-    want = spec.ce_train_spec(logits, targets, weights)
+    want = tr.ce_train(logits, targets, weights)
     torch.testing.assert_close(lse.double(), want["lse"], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(losses.double(), want["losses"], rtol=1e-5, atol=1e-4)
-    unrounded = spec.ce_train_spec(logits, targets, weights, rounded=False)
+    unrounded = tr.ce_train(logits, targets, weights, rounded=False)
     assert (lse.double() - unrounded["lse"]).abs().max() > 1e-4, "the case cannot tell the bf16 sigma from fp32's"
 
 
@@ -263,7 +263,7 @@ FP8_GRAD_CASES = [  # (n, V, weights, tiles): tail rows T-2, T-1 at K=3 and T-1 
 
 def _fp8_case(n, V, weights, seed):
     g = torch.Generator().manual_seed(seed)
-    logits = spec.logits_clear_of_bf16_ties(n, V, g, 8.0, torch.bfloat16)
+    logits = tr.logits_clear_of_bf16_ties(n, V, g, 8.0, torch.bfloat16)
     targets = torch.randint(0, V, (n,), generator=g)
     if n > 3:
         targets[n - 2] = targets[n - 3]          # two offsets of one row on one column: T_c sums both
@@ -271,7 +271,7 @@ def _fp8_case(n, V, weights, seed):
 
 
 @pytest.mark.parametrize("n, V, weights, tiles", FP8_GRAD_CASES)
-def test_fp8_grad_is_the_spec_gradient_quantised_from_fp32(n, V, weights, tiles):
+def test_fp8_grad_is_the_transcribed_gradient_quantised_from_fp32(n, V, weights, tiles):
     """G8 = e5m2(g), g = (((grad_scale (1/C) A) (1/s_g)) delta) s (1 - s) in fp32, S_w over all K weights (tail
     rule), straight from fp32 (no bf16 step), in both layouts; fp32 output (the e5m2 values) and e5m2 output agree."""
     logits, targets, w = _fp8_case(n, V, weights, n * 31 + V)
@@ -280,9 +280,9 @@ def test_fp8_grad_is_the_spec_gradient_quantised_from_fp32(n, V, weights, tiles)
     _, lse = tk.softcapped_mtp_ce_train_fwd_triton(logits, targets, w)
     q, q_t = tk.softcapped_mtp_ce_fp8_grad_triton(logits, targets, w, lse, grad_scale, s_g,
                                                   out_dtype=torch.float32, tiles=tiles)
-    want = spec.ce_train_spec(logits, targets, weights)
-    g32 = spec.g_fp32(want, spec.fp8_grad_factor(grad_scale, s_g))
-    spec.assert_e5m2_matches(q, g32, "G8")
+    want = tr.ce_train(logits, targets, weights)
+    g32 = tr.g_fp32(want, tr.fp8_grad_factor(grad_scale, s_g))
+    tr.assert_e5m2_matches(q, g32, "G8")
     assert q_t.shape == (V, n) and q_t.is_contiguous() and torch.equal(q_t, q.t())
     q8, q8_t = tk.softcapped_mtp_ce_fp8_grad_triton(logits, targets, w, lse, grad_scale, s_g, tiles=tiles)
     assert q8.dtype == q8_t.dtype == torch.float8_e5m2
@@ -292,7 +292,7 @@ def test_fp8_grad_is_the_spec_gradient_quantised_from_fp32(n, V, weights, tiles)
         tail = want["delta"].clone()
         for r in range(n - len(weights) + 1, n):
             tail[r] -= sum(weights[n - r:]) * torch.exp(A_ * want["s"][r] - want["lse"][r])
-        other = spec.round_e5m2(spec.g_fp32(dict(want, delta=tail), spec.fp8_grad_factor(grad_scale, s_g)))
+        other = tr.round_e5m2(tr.g_fp32(dict(want, delta=tail), tr.fp8_grad_factor(grad_scale, s_g)))
         assert (other[n - len(weights) + 1:] != q[n - len(weights) + 1:].double()).any()
 
 
@@ -312,10 +312,10 @@ def test_fp8_grad_saturates_at_57344():
     logits, targets, w = _fp8_case(5, 400, [1.0, 0.5, 0.25], 5)
     _, lse = tk.softcapped_mtp_ce_train_fwd_triton(logits, targets, w)
     q, _ = tk.softcapped_mtp_ce_fp8_grad_triton(logits, targets, w, lse, 1.0, 1e-7, out_dtype=torch.float32)
-    want = spec.ce_train_spec(logits, targets, w.tolist())
-    g32 = spec.g_fp32(want, spec.fp8_grad_factor(1.0, 1e-7))
+    want = tr.ce_train(logits, targets, w.tolist())
+    g32 = tr.g_fp32(want, tr.fp8_grad_factor(1.0, 1e-7))
     assert (g32.abs() > 61440).sum() > 10 and (g32.abs() < 57344).sum() > 10
-    spec.assert_e5m2_matches(q, g32, "saturated G8")
+    tr.assert_e5m2_matches(q, g32, "saturated G8")
     big = g32.abs() > 61440                               # past the rounding boundary to e5m2's infinity
     assert torch.equal(q[big].double(), 57344 * g32[big].sign())
 
@@ -341,14 +341,14 @@ def test_e5m2_rounding_from_fp32_is_nearest_even_and_saturating():
     x = torch.cat([x, -x, torch.tensor([float("nan")])])
     out = torch.empty_like(x)
     _e5m2_kernel[(triton.cdiv(x.numel(), 1024),)](x, out, x.numel(), BLOCK=1024)
-    want = spec.round_e5m2(x.double())
+    want = tr.round_e5m2(x.double())
     same = (out.double() == want) | (out.isnan() & want.isnan())
     assert same.all(), (x[~same][:6].tolist(), out[~same][:6].tolist(), want[~same][:6].tolist())
     assert out[:4].tolist() == [1.0, 1.5, 1.5, 2.0]
     assert out[len(ties) + len(edges)].item() == 1.25
 
 
-def test_train_backward_without_fp8_is_the_spec_formula():
+def test_train_backward_without_fp8_is_the_records_formula():
     """The plain training backward: dlogits = (((g_row (1/C) A) delta) s) (1 - s), the incoming gradient per row
     (strided, as the gradient of a sum arrives), tail rule on the last rows, repeated targets; fp32 output."""
     logits, targets, w = _fp8_case(8, 1100, [1.0, 0.5, 0.25], 12)
@@ -356,8 +356,8 @@ def test_train_backward_without_fp8_is_the_spec_formula():
     losses, lse = tk.softcapped_mtp_ce_train_fwd_triton(logits, targets, w)
     grad_rows = torch.full((1,), 0.125).expand(8)
     d = tk.softcapped_mtp_ce_train_bwd_triton(grad_rows, logits, targets, w, lse)
-    want = spec.ce_train_spec(logits, targets, w.tolist())
-    exact = (0.125 * spec.INV_C_A) * want["delta"] * want["s"] * (1 - want["s"])
+    want = tr.ce_train(logits, targets, w.tolist())
+    exact = (0.125 * tr.INV_C_A) * want["delta"] * want["s"] * (1 - want["s"])
     assert d.shape == (8, 1100) and d.dtype == torch.float32
     # fp32 products of the float64 quantities: a few ulps, except where S_w p and T_c cancel (the target column);
     # an absolute floor of 1e-6 of the largest gradient covers that.
@@ -384,7 +384,7 @@ def test_train_kernels_and_reference_agree_on_bf16_logits():
 def test_ce_kernels_skip_out_of_range_targets():
     n, V = 6, 700
     g = torch.Generator().manual_seed(3)
-    logits = spec.logits_clear_of_bf16_ties(n, V, g, 5.0)
+    logits = tr.logits_clear_of_bf16_ties(n, V, g, 5.0)
     targets = torch.randint(0, V, (n,), generator=g)
     targets[2] = -100  # an ignore-style id: the forwards skip it, the gradient finds no column for it
     targets[3] = V  # one past the last column: skipped the same way
@@ -392,10 +392,10 @@ def test_ce_kernels_skip_out_of_range_targets():
     losses, _ = tk.softcapped_mtp_ce_fwd_triton(logits, targets, w)
     torch.testing.assert_close(losses.double(), ce_float64(logits, targets, w)[0], rtol=1e-5, atol=1e-4)
     losses, lse = tk.softcapped_mtp_ce_train_fwd_triton(logits, targets, w)
-    want = spec.ce_train_spec(logits, targets, w.tolist())
+    want = tr.ce_train(logits, targets, w.tolist())
     torch.testing.assert_close(losses.double(), want["losses"], rtol=1e-5, atol=1e-4)
     q, _ = tk.softcapped_mtp_ce_fp8_grad_triton(logits, targets, w, lse, 1.0, 0.75 / 448, out_dtype=torch.float32)
-    spec.assert_e5m2_matches(q, spec.g_fp32(want, spec.fp8_grad_factor(1.0, 0.75 / 448)), "G8")
+    tr.assert_e5m2_matches(q, tr.g_fp32(want, tr.fp8_grad_factor(1.0, 0.75 / 448)), "G8")
 
 
 def test_fp8_head_training_op_matches_the_cpu_path():

@@ -77,9 +77,9 @@ def as_lists(batch):
 # shard format
 # ------------------------------------------------------------------------------------------------------------------
 
-def test_max_num_docs_spec_values():
+def test_max_num_docs_values():
     assert [tg.max_num_docs(n, 300) for n in (16384, 32768, 49152, 262144)] == [128, 128, 256, 896]
-    # spec D2: ours holds at least as many segments as record 80's 64 / 96 / 128 at the record's micro-batch sizes
+    # ours holds at least as many segments as record 80's 64 / 96 / 128 at the record's micro-batch sizes
     assert checks.UPSTREAM_DOC_CAPACITY == {16384: 64, 32768: 96, 49152: 128}
     assert all(tg.max_num_docs(n, 300) >= room for n, room in checks.UPSTREAM_DOC_CAPACITY.items())
     for n in [1, 127, 38_400, 38_401, 38_700, 100_000, 1_000_000]:
@@ -186,7 +186,7 @@ def test_quick_index_prefix_gives_the_same_batches(synthetic_dir, monkeypatch):
 
 
 def test_quick_index_of_a_later_shard_gives_the_same_batches(synthetic_dir, monkeypatch):
-    """Spec D3: a later shard whose full index is not ready starts from its quick index; where that runs out the
+    """A later shard whose full index is not ready starts from its quick index; where that runs out the
     loader waits for the full one (no skipped rest of the shard). Shard 2's full load is held back until the
     quick index has run out, so the quick path is taken; the batches equal the reference (the full index)."""
     monkeypatch.setattr(tg, "_QUICK_INDEX_TOKENS", 1500)
@@ -217,8 +217,9 @@ def test_quick_index_of_a_later_shard_gives_the_same_batches(synthetic_dir, monk
     assert len(got) > 15 and got == [[tuple(x) for x in w] for w in want]
 
 
-def test_spec_worked_example_of_the_document_cap(tmp_path):
-    """Spec 2.1: W = 1, N = 1500, a 5000-token shard with BOS at 0, 1000, 1100, 3000."""
+def test_worked_example_of_the_document_cap(tmp_path):
+    """One rank (W = 1), micro-batches of N = 1500 tokens, a 5000-token shard with BOS at 0, 1000, 1100, 3000: at
+    the caps 896 and 2048, the documents' segments and cu_seqlens."""
     tokens = [1 + i % 40000 for i in range(5000)]
     for p in (0, 1000, 1100, 3000):
         tokens[p] = BOS
@@ -255,7 +256,7 @@ def test_cap_messages_match_the_reference(labelled_dir, world_size):
 
 
 def test_batches_over_upstreams_capacity_are_counted(labelled_dir, monkeypatch):
-    """Spec D2: micro-batches (of every rank) holding more segments than record 80's cu_seqlens would are counted in
+    """Micro-batches (of every rank) holding more segments than record 80's cu_seqlens would are counted in
     the stream position; sizes upstream has no entry for are not counted."""
     monkeypatch.setattr(tg, "UPSTREAM_DOC_CAPACITY", {256: 6})
     files = shard_files(labelled_dir)

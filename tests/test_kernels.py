@@ -99,7 +99,7 @@ def test_ce_reference_with_fewer_rows_than_weights():
 
 
 def train_grad_float64(logits, targets, weights, grad_rows):
-    """The spec's gradient of sum_r g_r loss_r in float64, written from §3.9 with loops: S_w over all K weights (tail
+    """The record's gradient of sum_r g_r loss_r in float64, written out with loops: S_w over all K weights (tail
     rule), T_c over the in-range offsets, sigma unrounded (float64 logits)."""
     n, V = logits.shape
     sig = torch.sigmoid(logits.double() / C_ + B_ / C_)
@@ -116,8 +116,8 @@ def train_grad_float64(logits, targets, weights, grad_rows):
 
 
 @pytest.mark.parametrize("weights", [[1.0, 0.5, 0.25], [1.0, 0.5], [1.0]])
-def test_train_reference_gradient_is_the_spec_formula_in_float64(weights):
-    """The training loss without the FP8 head (use_fp8=False; --dtype=float64 on a CPU): its backward is the spec's
+def test_train_reference_gradient_is_the_records_formula_in_float64(weights):
+    """The training loss without the FP8 head (use_fp8=False; --dtype=float64 on a CPU): its backward is the record's
     formula with the tail rule, not autograd's derivative of the loss (they differ on the last K-1 rows), and the
     incoming gradient passes through per row. In row blocks too."""
     g = torch.Generator().manual_seed(len(weights))
@@ -141,42 +141,43 @@ def test_train_reference_gradient_is_the_spec_formula_in_float64(weights):
 
 
 def test_train_reference_rounds_sigma_to_bf16_only_for_bf16_logits():
-    import _ce_spec as spec
+    import _ce_transcription as tr
     g = torch.Generator().manual_seed(2)
-    logits = spec.logits_clear_of_bf16_ties(5, 40, g, 6.0, torch.bfloat16)
+    logits = tr.logits_clear_of_bf16_ties(5, 40, g, 6.0, torch.bfloat16)
     targets = torch.randint(0, 40, (5,), generator=g)
     weights = [1.0, 0.5, 0.25]
     for dtype, rounded in ((torch.bfloat16, True), (torch.float32, False)):
         losses, _ = tk.softcapped_mtp_ce_train_math(logits.to(dtype), targets, torch.tensor(weights))
-        want = spec.ce_train_spec(logits, targets, weights, rounded=rounded)["losses"]
+        want = tr.ce_train(logits, targets, weights, rounded=rounded)["losses"]
         torch.testing.assert_close(losses.double(), want, rtol=1e-6, atol=1e-5)
-        other = spec.ce_train_spec(logits, targets, weights, rounded=not rounded)["losses"]
+        other = tr.ce_train(logits, targets, weights, rounded=not rounded)["losses"]
         assert (losses.double() - other).abs().max() > 1e-4
 
 
 @pytest.mark.parametrize("grad_scale", [1.0, 0.5, 0.125])
-def test_fp8_reference_gradient_is_the_spec_quantised(grad_scale):
-    """The FP8 op's reference: losses of the bf16 logits and G8 = e5m2 of the spec's fp32 gradient of
+def test_fp8_reference_gradient_is_the_transcribed_gradient_quantised(grad_scale):
+    """The FP8 op's reference: losses of the bf16 logits and G8 = e5m2 of the transcription's fp32 gradient of
     grad_scale * sum(losses), both layouts, with the same payload for every grad_scale; in row blocks too."""
-    import _ce_spec as spec
+    import _ce_transcription as tr
     g = torch.Generator().manual_seed(11)
     n, V, weights = 9, 300, [1.0, 0.5, 0.25]
-    logits = spec.logits_clear_of_bf16_ties(n, V, g, 8.0, torch.bfloat16)
+    logits = tr.logits_clear_of_bf16_ties(n, V, g, 8.0, torch.bfloat16)
     targets = torch.randint(0, V, (n,), generator=g)
     s_g = grad_scale * 0.75 / 448
     losses, g8, g8_t = tk.softcapped_mtp_ce_fp8_reference(logits, targets, torch.tensor(weights), grad_scale, s_g)
-    want = spec.ce_train_spec(logits, targets, weights)
+    want = tr.ce_train(logits, targets, weights)
     torch.testing.assert_close(losses.double(), want["losses"], rtol=1e-6, atol=1e-5)
     assert g8.dtype == g8_t.dtype == torch.float8_e5m2 and torch.equal(g8_t.float(), g8.float().T)
-    spec.assert_e5m2_matches(g8.float(), spec.g_fp32(want, spec.fp8_grad_factor(grad_scale, s_g)), "reference G8")
+    tr.assert_e5m2_matches(g8.float(), tr.g_fp32(want, tr.fp8_grad_factor(grad_scale, s_g)), "reference G8")
     _, g8_one, _ = tk.softcapped_mtp_ce_fp8_reference(logits, targets, torch.tensor(weights), 1.0, 0.75 / 448)
     assert torch.equal(g8.view(torch.uint8), g8_one.view(torch.uint8))
     blocks = tk.softcapped_mtp_ce_fp8_reference(logits, targets, torch.tensor(weights), grad_scale, s_g, rows=4)
     assert torch.equal(blocks[0], losses) and torch.equal(blocks[1].view(torch.uint8), g8.view(torch.uint8))
 
 
-def test_fp8_gradient_factor_is_the_specs_constants():
-    """spec §3.9 step 6 at W = 8: (1/C) A = 0x40444445, s_g = 0x3ADB6DB7, 1/s_g = 0x44155555; 1/C and B/C."""
+def test_fp8_gradient_factor_is_the_records_constants():
+    """The fp32 constants of the FP8 gradient's factor at W = 8: (1/C) A = 0x40444445, s_g = 0x3ADB6DB7,
+    1/s_g = 0x44155555; 1/C and B/C."""
     import struct
     bits = lambda x: struct.unpack("I", struct.pack("f", x))[0]
     assert bits(tk.SOFTCAP_INV_C) == 0x3E088889 and bits(tk.SOFTCAP_B_DIV_C) == 0x3F2AAAAB

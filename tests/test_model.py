@@ -1,10 +1,15 @@
 """CPU tests of the MODEL section of train_gpt.py against direct implementations written here.
 
 The attention backend is replaced by `masked_sdpa`, a dense-mask stand-in defined in this file (the real
-varlen_attention lives in another section). The references transcribe RECIPE80 §2.4 and §3.1-3.6 (record 80's model)
-in float64 with loops over tokens and heads where the math is a per-token rule, reading nothing from train_gpt but the
-parameters and the rotary tables (tested on their own in test_yarn_schedule_values_and_frequencies). The model runs in
-float64 (--dtype=float64) against them with tight tolerances, and in bf16 with loose ones.
+varlen_attention lives in another section). The references transcribe record 80's model (the bigram hash, the
+banks' layout, the layer plan, attention, the forward pass, the losses) in float64 with loops over tokens and heads
+where the math is a per-token rule, reading nothing from train_gpt but the parameters and the rotary tables (tested on
+their own in test_yarn_schedule_values_and_frequencies). The model runs in float64 (--dtype=float64) against them with
+tight tolerances, and in bf16 with loose ones.
+
+The parameters are the model's own (named_parameters) and their rows DEFAULT_PARAM_TABLE's: a test names a parameter
+only to check something about it. A parameter the references do not know (a new idea's) keeps its initial value in
+`randomize`: an idea that starts as the identity leaves every reference here valid.
 """
 import math
 from dataclasses import replace
@@ -30,11 +35,9 @@ def tiny_cfg(**overrides) -> tg.ModelConfig:
     return replace(cfg, **overrides)
 
 
-def real_cfg(**overrides) -> tg.ModelConfig:
-    hp = tg.Hyperparameters()
-    fields = {f: getattr(hp, f) for f in tg.ModelConfig.__dataclass_fields__ if hasattr(hp, f)}
-    fields.update(attn_backend="test-sdpa", rotary_max_len=262_144)
-    return replace(tg.ModelConfig(**fields), **overrides)
+def record_model() -> tg.GPT:
+    """The record's model at full size (the default Hyperparameters), on the meta device: shapes, no values."""
+    return tg.build_model(tg.Hyperparameters(), torch.device("meta"), "sdpa")
 
 
 def masked_sdpa(q, k, v, cu_seqlens, max_seqlen, window, scale, backend):
@@ -58,9 +61,13 @@ def _standin_attention(monkeypatch):
     monkeypatch.setattr(tg, "varlen_attention", masked_sdpa, raising=False)
 
 
+GATES = ("smear_gate", "skip_gate", "attn_gate_bank", "ve_gate_bank")
+
+
 def randomize(model: tg.GPT, seed: int = 0) -> None:
-    """Non-zero values everywhere, lambdas and gates away from their init, so that every term of the forward
-    matters (the zero-initialised tables and gates would hide whole paths)."""
+    """Non-zero values in every parameter the references read, lambdas and gates away from their init, so that every
+    term of the forward matters (the zero-initialised tables and gates would hide whole paths). Any other parameter
+    keeps its initial value."""
     g = torch.Generator().manual_seed(seed)
     L = model.cfg.num_layers
     with torch.no_grad():
@@ -73,12 +80,10 @@ def randomize(model: tg.GPT, seed: int = 0) -> None:
                 p.copy_(1.0 + 0.2 * r)
             elif name in ("x0_lambdas", "bigram_lambdas"):
                 p.copy_(0.3 * r)
-            elif name in ("lm_head", "embed", "value_embeds", "bigram_embed"):
+            elif name in ("lm_head", "embed", "value_embeds", "bigram_embed") + GATES:
                 p.copy_(0.5 * r)
             elif name in ("qk", "vo", "mlp"):
                 p.copy_(r * p.shape[-1] ** -0.5)
-            else:
-                p.copy_(0.5 * r)
 
 
 def batch(T=64, V=256, seed=1, docs=(0, 20, 45, 64)):
@@ -124,7 +129,7 @@ def as_model_dtype(model, x):
 
 
 def bigram_direct(ids, table_size):
-    """RECIPE80 §2.4 in Python integers: b_0 = p_0 = M, p_t = x_t, b_t = floormod(i32(36313 x_t) ^ i32(27191 p_{t-1}),
+    """The bigram hash in Python integers: b_0 = p_0 = M, p_t = x_t, b_t = floormod(i32(36313 x_t) ^ i32(27191 p_{t-1}),
     M) with i32 the two's complement wrap."""
     M = table_size - 1
 
@@ -139,8 +144,8 @@ def bigram_direct(ids, table_size):
 
 
 def layer_weights(model, layer):
-    """RECIPE80 §3.1's assembly, written out: W_q rows of heads (2j, 2j+1) = qk[H*l + j], W_k's = qk[H*l + H/2 + j],
-    W_v = vo[2l], W_o = vo[2l + 1] (float64)."""
+    """A layer's attention weights assembled from the banks, written out: W_q rows of heads (2j, 2j+1) = qk[H*l + j],
+    W_k's = qk[H*l + H/2 + j], W_v = vo[2l], W_o = vo[2l + 1] (float64)."""
     cfg = model.cfg
     H = cfg.num_heads
     l = sum(c != "-" for c in cfg.attn_layout[:layer])
@@ -153,7 +158,8 @@ def layer_weights(model, layer):
 def attention_direct(model, layer, u, ve, cu, window, *, swap_slot=True, key_offset_dims=None):
     """The attention sublayer (paired and normal) written out per token and head, in float64 from the model's
     weights (the lambda-scaled weights rounded to the model's dtype). u (T, D) -> (T, D) float64.
-    key_offset_dims: the dims the key offset moves (default the stationary half, T1)."""
+    key_offset_dims: the dims the key offset moves (default the stationary half: the head's second half, which
+    rotary leaves unrotated)."""
     cfg = model.cfg
     T, D, H, hd = u.shape[0], cfg.model_dim, cfg.num_heads, cfg.head_dim
     kind = cfg.attn_layout[layer]
@@ -191,7 +197,7 @@ def attention_direct(model, layer, u, ve, cu, window, *, swap_slot=True, key_off
         Gv = model.ve_gate_bank[ve_slot].detach().double()
         ve = ve.double()
         for t in range(T):
-            # normal layers: [u_0..u_5, ve_0..ve_5]; paired layers: u_0..u_11 (RECIPE80 F12)
+            # the value-embedding gate reads [u_0..u_5, ve_0..ve_5] on normal layers, u_0..u_11 on paired ones
             gin = gate_in[t] if kind == "P" else torch.cat([uf[t, :6], ve[t, :6]])
             for h in range(H):
                 v[t, h] += 2 * torch.sigmoid(gin @ Gv[h]) * ve[t, h * hd:(h + 1) * hd]
@@ -229,13 +235,14 @@ def attention_direct(model, layer, u, ve, cu, window, *, swap_slot=True, key_off
 
 
 def hidden_direct(model, inputs, cu, ws_short, ws_long):
-    """RECIPE80 §3.4 in float64, layer roles read from the config; returns h = rms(final x) (T, D)."""
+    """The forward pass (embedding, smear, bigram, layers with skip, backout and the cached input) in float64, layer
+    roles read from the config; returns h = rms(final x) (T, D)."""
     cfg = model.cfg
     L, bs, V = cfg.num_layers, cfg.block_size, cfg.vocab_size
     P = {name: p.detach().double() for name, p in model.named_parameters()}
     sc = P["scalars"]
     smear_l, backout_l, skip_l = sc[2 * L], sc[2 * L + 1], sc[2 * L + 2]
-    # bf16 copies of the lambdas each forward (F6)
+    # the per-sublayer lambdas are rounded to bf16 each forward, as the record's are
     rho, pi = as_model_dtype(model, P["resid_lambdas"]), as_model_dtype(model, P["post_lambdas"])
     chi, beta = as_model_dtype(model, P["x0_lambdas"]), as_model_dtype(model, P["bigram_lambdas"])
     ids = inputs.long()
@@ -320,14 +327,15 @@ def rel_err(a, b):
     ([1, 2, 3], [251519, 129737, 97765]),
     ([50256, 50256, 50256], [251519, 5862, 35060]),
 ])
-def test_bigram_ids_spec_vectors(inputs, want):
+def test_bigram_ids_of_worked_examples(inputs, want):
     for dtype in (torch.int32, torch.int64):
         got = tg.bigram_ids(torch.tensor(inputs, dtype=dtype), 251_520)
         assert got.dtype == dtype and got.tolist() == want
 
 
 def test_bigram_ids_check_values_and_the_position_one_quirk():
-    # h(prev=464, cur=2068) = 28927; position 1 hashes with the sentinel, not x_0 (F1): 204580, not 19030
+    # h(prev=464, cur=2068) = 28927; position 1 hashes with the sentinel M = table_size - 1, not x_0, as the record's
+    # hash does: 204580, not 19030
     assert tg.bigram_ids(torch.tensor([7, 464, 2068]), 251_520).tolist()[2] == 28927
     b = tg.bigram_ids(torch.tensor([50256, 464]), 251_520).tolist()
     assert b[1] == 204580 and b[1] != 19030
@@ -350,31 +358,31 @@ def test_bigram_ids_match_an_integer_transcription_on_random_tokens(table_size):
 # ---- parameters ---------------------------------------------------------------------------------------------------
 
 def test_real_config_parameter_counts():
-    """RECIPE80 §10.1 at W = 8, less the 7 vestigial scalar pads this model drops."""
-    model = tg.GPT(real_cfg(rotary_max_len=16), torch.device("meta"), CPU_OPS)
+    """The record's parameter counts at full size on 8 GPUs (banks padded to multiples of 8): 546,964,658 in all, less
+    the 7 vestigial scalar pads this model drops. A parameter the record does not have counts on top of these."""
+    model = record_model()
     counts = {k: p.numel() for k, p in dict(model.named_parameters()).items()}
-    assert set(counts) == set(tg.DEFAULT_PARAM_TABLE) and len(counts) == 16
-    assert counts["qk"] == 12_582_912 and counts["vo"] == 14_155_776 and counts["mlp"] == 56_623_104
-    assert counts["lm_head"] == counts["embed"] == 38_633_472
-    assert counts["value_embeds"] == counts["bigram_embed"] == 193_167_360
-    gates = ("attn_gate_bank", "ve_gate_bank", "smear_gate", "skip_gate")
-    assert [counts[k] for k in gates] == [720, 360, 12, 12]
-    assert [counts[k] for k in ("scalars", "x0_lambdas", "bigram_lambdas", "resid_lambdas", "post_lambdas")] == \
-        [25, 11, 11, 22, 22]
-    assert sum(counts.values()) == 546_964_658 - 7
+    assert set(counts) == set(tg.DEFAULT_PARAM_TABLE)                 # one row per parameter
     assert sum(p.numel() for p in model.parameters()) == sum(counts.values())
+    gates = dict(attn_gate_bank=720, ve_gate_bank=360, smear_gate=12, skip_gate=12)
+    lambdas = dict(scalars=25, x0_lambdas=11, bigram_lambdas=11, resid_lambdas=22, post_lambdas=22)
+    record = dict(qk=12_582_912, vo=14_155_776, mlp=56_623_104, lm_head=38_633_472, embed=38_633_472,
+                  value_embeds=193_167_360, bigram_embed=193_167_360, **gates, **lambdas)
+    assert {k: counts.get(k) for k in record} == record
+    assert sum(record.values()) == 546_964_658 - 7
     assert model.qk.shape == (64, 256, 768) and model.vo.shape == (24, 768, 768)
     assert model.lm_head.shape == (768, 50304) and model.embed.shape == (50304, 768)
-    assert model.bank_matrix_shapes == {"qk": (256, 768), "vo": (768, 768), "mlp": (3072, 768)}
+    assert {k: model.bank_matrix_shapes.get(k) for k in ("qk", "vo", "mlp")} == \
+        {"qk": (256, 768), "vo": (768, 768), "mlp": (3072, 768)}
     # used (not padding), without embed and the two big tables: 114,132,146 less the 7 pads
-    used = (60 * 256 * 768 + 20 * 768 * 768 + 11 * 2 * 3072 * 768 + counts["lm_head"] + sum(counts[k] for k in gates)
-            + 25 + 11 + 11 + 22 + 22)
+    used = (60 * 256 * 768 + 20 * 768 * 768 + 11 * 2 * 3072 * 768 + counts["lm_head"] + sum(gates.values())
+            + sum(lambdas.values()))
     assert used == 114_132_146 - 7
 
 
-def test_real_layer_plan_is_recipe80s_table():
-    """RECIPE80 §3.2: attention kind, slots, key offset, VE table and slot, attention input per layer."""
-    plan = tg.GPT(real_cfg(rotary_max_len=16), torch.device("meta"), CPU_OPS).plan
+def test_real_layer_plan_is_the_records():
+    """The record's 11 layers: attention kind, slots, key offset, VE table and slot, attention input per layer."""
+    plan = record_model().plan
     assert [p.attn for p in plan] == ["P", "N", "P", "N", "N", "P", "", "N", "N", "P", "N"]
     assert [p.attn_slot for p in plan] == [0, 1, 2, 3, 4, 5, -1, 6, 7, 8, 9]
     assert [i for i, p in enumerate(plan) if p.key_offset] == [3, 10]
@@ -399,7 +407,9 @@ def test_tiny_parameter_shapes_dtypes_and_init():
     model = tg.GPT(cfg, torch.device("cpu"), CPU_OPS)
     D, H, L, V, hd = 64, 4, 6, 1024, 16
     P = dict(model.named_parameters())
-    assert {id(p) for p in P.values()} == {id(p) for p in model.parameters()} and len(P) == 16
+    assert {id(p) for p in P.values()} == {id(p) for p in model.parameters()}
+    assert len(P) == len(list(model.parameters()))                        # none shared
+    assert set(P) == set(tg.DEFAULT_PARAM_TABLE)                          # one row per parameter
     n_attn, n_ve = 5, 4
     # the banks pad to a multiple of 8 matrices: 20 qk groups -> 24, 10 V/O -> 16, 6 MLP slices of 2 -> 8
     bf, f32 = torch.bfloat16, torch.float32
@@ -410,10 +420,10 @@ def test_tiny_parameter_shapes_dtypes_and_init():
               "smear_gate": ((1, 12), bf), "skip_gate": ((1, 12), bf),
               "x0_lambdas": ((L,), f32), "bigram_lambdas": ((L,), f32), "resid_lambdas": ((L, 2), f32),
               "post_lambdas": ((L, 2), f32), "scalars": ((2 * L + 3,), f32)}
-    assert set(expect) == set(P)
+    assert set(expect) <= set(P)                                          # the record's parameters, a new one aside
     for name, (shape, dtype) in expect.items():
         assert tuple(P[name].shape) == shape and P[name].dtype == dtype, name
-    b = 0.5 * math.sqrt(3) / math.sqrt(D)                          # A6: Q, K, V, O and c_fc all U(+-b)
+    b = 0.5 * math.sqrt(3) / math.sqrt(D)                          # Q, K, V, O and c_fc all U(+-b)
     assert _uniform_ok(P["qk"][:20], b) and (P["qk"][20:] == 0).all()
     assert _uniform_ok(P["vo"][:10], b) and (P["vo"][10:] == 0).all()
     assert _uniform_ok(P["vo"][1:10:2], b), "W_o is random too"
@@ -460,6 +470,9 @@ def test_initial_weights_do_not_depend_on_the_bank_padding():
     assert b.qk.shape[0] == 48 and b.vo.shape[0] == 48 and a.qk.shape[0] == 24
     for name, p in a.named_parameters():
         q = getattr(b, name)
+        if p.dim() == 0:
+            assert torch.equal(p, q), name
+            continue
         n = p.shape[0] if name not in ("qk", "vo", "mlp") else {"qk": 20, "vo": 10, "mlp": 6}[name]
         assert torch.equal(p[:n], q[:n]), name
         assert (q[n:] == 0).all() or name == "mlp", name
@@ -482,8 +495,9 @@ def test_an_added_attention_layer_shards_on_eight_ranks():
         tg.build_optimizer(hp, model, world_size - 1, world_size)      # shards evenly: no error
 
 
-def test_param_table_rows_are_recipe80s():
-    """RECIPE80 §5.1 / Appendix B: the rows in scatter order, with their optimizer, comms, betas, lr_mul, wd_mul."""
+def test_param_table_holds_the_records_rows():
+    """The record's 16 rows in its order (the order of the gradient reductions), with their optimizer, comms, betas,
+    lr_mul, wd_mul. A row the record does not have (a new idea's) may sit anywhere among them."""
     rows = [  # label, optim, comms, betas, lr_mul, wd_mul
         ("qk", "normuon", "sharded", None, 1.0, 1.0), ("vo", "normuon", "sharded", None, 1.0, 1.0),
         ("mlp", "normuon", "sharded", None, 1.0, 1.0), ("scalars", "adam", "replicated", (0.9, 0.99), 5.0, 0.0),
@@ -500,7 +514,7 @@ def test_param_table_rows_are_recipe80s():
         ("value_embeds", "adam", "sharded", (0.75, 0.95), 75.0, 5.0),
         ("embed", "adam", "sharded", (0.5, 0.95), 1.0, 150.0)]
     table = tg.DEFAULT_PARAM_TABLE
-    assert list(table) == [r[0] for r in rows]
+    assert [label for label in table if label in {r[0] for r in rows}] == [r[0] for r in rows]
     for label, optim, comms, betas, lr_mul, wd_mul in rows:
         row = table[label]
         assert (row["optim"], row["comms"], row.get("betas"), row["lr_mul"], row["wd_mul"]) == \
@@ -508,9 +522,10 @@ def test_param_table_rows_are_recipe80s():
     assert table["mlp"]["matrix_lr_muls"] == (1.0, 2.0)
     assert all("matrix_lr_muls" not in table[k] for k in ("qk", "vo"))
     order = tg.update_order(table)
-    replicated = [r[0] for r in rows if r[2] == "replicated"]
+    replicated = [k for k in table if table[k]["optim"] == "adam" and table[k]["comms"] == "replicated"]
+    normuon = [k for k in table if table[k]["optim"] == "normuon"]
     assert list(order[: len(replicated)]) == replicated                  # the small replicated rows first
-    assert order[-3:] == ("qk", "vo", "mlp")                              # the banks' Polar Express last
+    assert list(order[-len(normuon):]) == normuon                        # the banks' Polar Express last
 
 
 def test_optimizer_sees_head_pair_groups_and_whole_vo_matrices():
@@ -558,7 +573,7 @@ def _layer_inputs(model, layer, T, seed=5):
 
 
 def _model_attention(model, layer, u, ve, cu, window):
-    """model.attention with the layer's weights assembled as the test reads RECIPE80 §3.1."""
+    """model.attention with the layer's weights assembled from the banks as layer_weights reads them."""
     p = model.plan[layer]
     Wq, Wk, Wv, Wo = (w.to(model.embed.dtype) for w in layer_weights(model, layer))
     sa = model.scalars[: 2 * model.cfg.num_layers].view(-1, 2)[layer]
@@ -599,14 +614,16 @@ def test_normal_attention_matches_direct(layer, dtype):
     want = attention_direct(model, layer, u, ve, cu, window)
     assert rel_err(got, want) < (0.02 if dtype == "bfloat16" else 1e-12)
     if dtype == "float64" and layer in (1, 4):
-        # T1: record 61's key offset (second and fourth quarters) is measurably another function
+        # the key offset of upstream record 61 (second and fourth quarters of the head, not its second half) is
+        # measurably another function
         hd = model.cfg.head_dim
         old = [d for d in range(hd) if (d // (hd // 4)) % 2 == 1]
         assert rel_err(got, attention_direct(model, layer, u, ve, cu, window, key_offset_dims=old)) > 1e-4
 
 
 def test_ve_gate_input_normal_layers_read_the_ve_row():
-    """F12 / E3: on a normal layer, changing ve's first six channels changes the gate (other channels of ve held);
+    """On a normal layer the value-embedding gate reads ve's first six channels: changing them changes the gate (other
+    channels of ve held);
     the gate of a paired layer reads u alone. Checked through the float64 model against the transcription."""
     torch.manual_seed(0)
     model = tg.GPT(tiny_cfg(dtype="float64", ve_layout=(3, 0, 1, -1, 2, -1)), torch.device("cpu"), CPU_OPS)
@@ -673,7 +690,7 @@ def test_float64_forward_matches_the_transcription(name):
             moved = rel_err(model.final_hidden(inputs, cu, 1, 2, 64), h)
             p.copy_(saved)
             assert moved > 1e-6, pname
-    # the parameters of the attention position of the skip destination (F7) are never read
+    # the parameters of the attention sublayer of the skip destination (a layer without attention) are never read
     with torch.no_grad():
         for pname, idx in unused:
             getattr(model, pname)[idx] += 0.5
@@ -681,7 +698,7 @@ def test_float64_forward_matches_the_transcription(name):
 
 
 def test_bf16_forward_rounds_the_lambdas_and_each_update_once(monkeypatch):
-    """F6: the sublayer updates get bf16(lambda) scales; each update is one fp32 sum of bf16 operands, rounded once."""
+    """The sublayer updates get bf16(lambda) scales; each update is one fp32 sum of bf16 operands, rounded once."""
     torch.manual_seed(0)
     model = tg.GPT(tiny_cfg(), torch.device("cpu"), CPU_OPS)
     randomize(model, seed=4)
@@ -811,7 +828,7 @@ def test_backward_gives_finite_grads_for_every_label(use_fp8):
     for name, p in dict(model.named_parameters()).items():
         assert p.grad is not None and p.grad.dtype == p.dtype, name
         assert torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, name
-    # the pad slices are never read, nor the attention-position lambdas of the attention-free layer 3 (F7)
+    # the pad slices are never read, nor the attention sublayer's lambdas of the attention-free layer 3
     assert (model.mlp.grad[model.cfg.num_layers:] == 0).all()
     assert (model.qk.grad[20:] == 0).all() and (model.vo.grad[10:] == 0).all()
     assert model.resid_lambdas.grad[3, 0] == 0 and model.post_lambdas.grad[3, 0] == 0
@@ -950,25 +967,25 @@ def _head_case(seed=4, T=40, D=64, V=96):
 
 @pytest.mark.parametrize("weights", [[1.0, 0.5, 0.25], [1.0, 0.5], [1.0]])
 @pytest.mark.parametrize("grad_scale", [1.0, 0.25])
-def test_fp8_training_head_backward_is_the_spec_gradient(weights, grad_scale):
+def test_fp8_training_head_backward_is_the_transcribed_gradient(weights, grad_scale):
     """The CPU training op (emulated head, reference loss): losses = the float64 transcription of the bf16 logits;
-    dh and dW = the FP8 backward of G8 = e5m2(g) with g the spec's fp32 gradient of grad_scale * sum(losses)
+    dh and dW = the FP8 backward of G8 = e5m2(g) with g the transcription's fp32 gradient of grad_scale * sum(losses)
     (tail rule on the last K-1 rows), s_g = grad_scale * 0.75/448."""
-    import _ce_spec as spec
+    import _ce_transcription as tr
     h, w, targets = _head_case()
     mtp = torch.tensor(weights)
     s_x, s_w, s_g8 = FP8_SCALES
     losses = CPU_OPS.fp8_head_mtp_ce(h, w, targets, mtp, grad_scale, *FP8_SCALES)
     dh, dw = torch.autograd.grad(losses.sum() * grad_scale, (h, w))
     logits, x8_t, w8 = tg.fp8_head_emulated(h.detach(), w.detach(), s_x, s_w)
-    want = spec.ce_train_spec(logits, targets, weights)
+    want = tr.ce_train(logits, targets, weights)
     torch.testing.assert_close(losses.double(), want["losses"], rtol=1e-5, atol=1e-5)
     s_g = grad_scale * s_g8
-    g32 = spec.g_fp32(want, spec.fp8_grad_factor(grad_scale, s_g))
-    g8 = spec.round_e5m2(g32)
+    g32 = tr.g_fp32(want, tr.fp8_grad_factor(grad_scale, s_g))
+    g8 = tr.round_e5m2(g32)
     want_dh, want_dw = tg.fp8_head_backward_emulated(g8.float().to(torch.float8_e5m2), None, x8_t, w8, s_x, s_w,
                                                      s_g)
-    loose = spec.ambiguous(g32, spec.round_e5m2, 3e-5).any(1)       # rows that may legally differ by an e5m2 step
+    loose = tr.ambiguous(g32, tr.round_e5m2, 3e-5).any(1)       # rows that may legally differ by an e5m2 step
     assert loose.float().mean() < 0.2
     assert torch.equal(dh[~loose], want_dh[~loose])
     torch.testing.assert_close(dw.float(), want_dw, rtol=2e-2, atol=1e-3 * want_dw.abs().max().item())
@@ -976,7 +993,7 @@ def test_fp8_training_head_backward_is_the_spec_gradient(weights, grad_scale):
 
 
 def test_fp8_training_head_checks_the_incoming_gradient_on_cpu():
-    """The op forms the gradient of grad_scale * sum(losses) in the forward and ignores the incoming one (F4); on a
+    """The op forms the gradient of grad_scale * sum(losses) in the forward and ignores the incoming one; on a
     CPU a backward of anything else is an error naming the fix, and the right one passes. grad_scale changes only
     s_g: G8 is the same, so the gradients scale by it exactly."""
     h, w, targets = _head_case(seed=5)
@@ -1002,18 +1019,18 @@ def test_fp8_training_head_forms_the_gradient_in_the_forward():
 
 def test_training_loss_without_fp8_passes_the_gradient_through():
     """use_fp8=False: the loss of record 80 (bf16 sigma for bf16 logits) with its gradient formula, scaled by the
-    incoming gradient per row (no F4 contract on this path)."""
-    import _ce_spec as spec
+    incoming gradient per row (this path forms nothing in the forward: the incoming gradient counts)."""
+    import _ce_transcription as tr
     g = torch.Generator().manual_seed(9)
     logits = (4 * torch.randn(12, 50, generator=g)).bfloat16().requires_grad_(True)
     targets = torch.randint(0, 50, (12,), generator=g)
     weights = [1.0, 0.5, 0.25]
     losses = CPU_OPS.mtp_ce_train(logits, targets, torch.tensor(weights))
-    want = spec.ce_train_spec(logits.detach(), targets, weights)
+    want = tr.ce_train(logits.detach(), targets, weights)
     torch.testing.assert_close(losses.double(), want["losses"], rtol=1e-5, atol=1e-5)
     grad_rows = torch.rand(12, generator=g) + 0.5
     (d,) = torch.autograd.grad(losses, logits, grad_rows)
-    want_d = (grad_rows.double()[:, None] * spec.INV_C_A) * want["delta"] * want["s"] * (1 - want["s"])
+    want_d = (grad_rows.double()[:, None] * tr.INV_C_A) * want["delta"] * want["s"] * (1 - want["s"])
     assert d.dtype == torch.bfloat16
     torch.testing.assert_close(d.double(), want_d, rtol=2 ** -7, atol=1e-6 * want_d.abs().max().item())
 

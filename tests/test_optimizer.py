@@ -34,31 +34,38 @@ def f32(x):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Tiny model parameters with the record's structure: D=32, H=128, V=96, 2 attention layers, 2 MLP slices.
+# Parameters with the record's structure, one per row of DEFAULT_PARAM_TABLE. The banks, the tied head and the tables
+# take the small sizes the tests below reason about: D=32, H=128, V=96; 8 head-pair groups of Q/K, 4 V/O matrices
+# (2 attention layers), 2 MLP slices of (c_fc, c_proj). Every other row's parameter has the shape and dtype it has in
+# the tiny preset's model, so a new parameter (a new row) needs no edit here.
 # ---------------------------------------------------------------------------------------------------------------------
 D, H, V = 32, 128, 96
 QK_ROWS = 16   # a head pair of Q or K: 2 * head_dim rows, fewer than D (per-column second moment)
-TINY_TABLE = dict(tg.DEFAULT_PARAM_TABLE, qk=dict(tg.DEFAULT_PARAM_TABLE["qk"], matrix_shape=(QK_ROWS, D)),
-                  vo=dict(tg.DEFAULT_PARAM_TABLE["vo"], matrix_shape=(D, D)),
-                  mlp=dict(tg.DEFAULT_PARAM_TABLE["mlp"], matrix_shape=(H, D)))
+SMALL_SHAPES = dict(qk=(8, QK_ROWS, D), vo=(4, D, D), mlp=(2, 2, H, D), lm_head=(D, V), bigram_embed=(V, D),
+                    value_embeds=(2 * V, D))
+SMALL_MATRICES = dict(qk=(QK_ROWS, D), vo=(D, D), mlp=(H, D))
+TIED = ("lm_head", "embed")     # embed starts as the transposed copy of lm_head
+TINY_MODEL = tg.build_model(tg.parse_args(["--preset=tiny"]), torch.device("meta"), "sdpa")
+TINY_TABLE = {label: dict(row, matrix_shape=SMALL_MATRICES.get(label) or TINY_MODEL.bank_matrix_shapes[label])
+              if row["optim"] == "normuon" else row for label, row in tg.DEFAULT_PARAM_TABLE.items()}
+ADAM = [label for label, row in TINY_TABLE.items() if row["optim"] == "adam"]
+NORMUON = [label for label, row in TINY_TABLE.items() if row["optim"] == "normuon"]
 HP = dict(adam_lr=0.008, adam_eps=1e-10, adam_wd=0.005, muon_lr=0.023, muon_beta2=0.95, muon_wd=1.2)
 CPU_OPS = tg.kernel_ops("fused", "cpu")   # off CUDA every op is its reference
 
 
 def make_params(seed: int = 0) -> dict:
+    """Random values, 0.05 n in bf16 and 0.5 n in fp32, in the table's order; embed the tied copy of lm_head."""
     g = torch.Generator().manual_seed(seed)
-
-    def rnd(*shape, dtype=torch.bfloat16, scale=0.05):
-        return nn.Parameter((torch.randn(*shape, generator=g) * scale).to(dtype))
-
-    params = dict(qk=rnd(8, QK_ROWS, D), vo=rnd(4, D, D), mlp=rnd(2, 2, H, D),
-                  scalars=rnd(9, dtype=torch.float32, scale=0.5), smear_gate=rnd(1, 12), skip_gate=rnd(1, 12),
-                  attn_gate_bank=rnd(2, 4, 12), ve_gate_bank=rnd(1, 4, 12), lm_head=rnd(D, V),
-                  bigram_embed=rnd(V, D), post_lambdas=rnd(3, 2, dtype=torch.float32, scale=0.5),
-                  x0_lambdas=rnd(3, dtype=torch.float32, scale=0.5),
-                  bigram_lambdas=rnd(3, dtype=torch.float32, scale=0.5),
-                  resid_lambdas=rnd(3, 2, dtype=torch.float32, scale=0.5), value_embeds=rnd(2 * V, D))
-    params["embed"] = nn.Parameter(params["lm_head"].detach().mT.contiguous())
+    tiny = dict(TINY_MODEL.named_parameters())
+    params = {}
+    for label in TINY_TABLE:
+        if label == TIED[1]:
+            continue
+        shape, dtype = SMALL_SHAPES.get(label, tiny[label].shape), tiny[label].dtype
+        scale = 0.05 if dtype == torch.bfloat16 else 0.5
+        params[label] = nn.Parameter((torch.randn(tuple(shape), generator=g) * scale).to(dtype))
+    params[TIED[1]] = nn.Parameter(params[TIED[0]].detach().mT.contiguous())
     return params
 
 
@@ -68,7 +75,7 @@ def make_grads(params: dict, seed: int) -> dict:
     return {k: (torch.randint(-8, 9, p.shape, generator=g).to(F64) / 256).to(p.dtype) for k, p in params.items()}
 
 
-def make_opt(params, world_size=1, rank=0, tied=("lm_head", "embed"), table=TINY_TABLE, **kw):
+def make_opt(params, world_size=1, rank=0, tied=TIED, table=TINY_TABLE, **kw):
     return tg.NorMuonAndAdam(params, table, rank=rank, world_size=world_size, tied=tied, ops=CPU_OPS, **HP, **kw)
 
 
@@ -389,16 +396,17 @@ def test_class_adam_every_other_step_on_summed_grads_and_tied_head():
     g0, g1 = make_grads(params, 10), make_grads(params, 11)
     accumulate(params, g0)
     opt.step(do_adam=False, lr_factor=1.0, momentum=0.85)
-    for k in ("scalars", "value_embeds", "lm_head", "embed"):         # Adam untouched, gradients kept
-        assert torch.equal(params[k].detach(), init[k]) and torch.equal(params[k].grad, g0[k])
-    for k in ("qk", "vo"):
-        assert params[k].grad is None and not torch.equal(params[k].detach(), init[k])
+    for k in ADAM:                                                     # Adam untouched, gradients kept
+        assert torch.equal(params[k].detach(), init[k]) and torch.equal(params[k].grad, g0[k]), k
+    for k in NORMUON:
+        assert params[k].grad is None and not torch.equal(params[k].detach(), init[k]), k
     accumulate(params, g1)
     s = 1.3
     opt.step(do_adam=True, lr_factor=s, momentum=0.86)
     assert all(p.grad is None for p in params.values())
-    for k in ("scalars", "value_embeds", "bigram_embed", "smear_gate", "attn_gate_bank", "post_lambdas",
-              "x0_lambdas", "bigram_lambdas", "resid_lambdas", "lm_head"):
+    for k in ADAM:
+        if k == "embed":
+            continue                                                   # the tied copy: checked below
         row = TINY_TABLE[k]
         summed = g0[k] + g1[k]                                         # the bf16 sum of two steps
         if k == "lm_head":
@@ -540,9 +548,10 @@ def test_bad_tables_raise_naming_the_problem(case, match):
 
 
 def test_comm_orders_derived_from_the_table_are_the_records():
-    # Record 80's two orders (RECIPE80 5.1), written out: reductions launched big banks first; updates of the small
-    # replicated Adam rows first, then the sharded Adam rows, then the NorMuon banks. Within the sharded Adam rows the
-    # record updates value_embeds, bigram_embed, lm_head, embed; ours keeps the table's order there (not math).
+    # Record 80's two orders of its 16 parameters, written out: gradient reductions launched big banks first; updates
+    # of the small replicated Adam rows first, then the sharded Adam rows, then the NorMuon banks. Within the sharded
+    # Adam rows the record updates value_embeds, bigram_embed, lm_head, embed; ours keeps the table's order there (not
+    # math). A row the record does not have (a new idea's) may sit anywhere: the record's rows keep these orders.
     record_scatter = ("qk", "vo", "mlp", "scalars", "smear_gate", "skip_gate", "attn_gate_bank", "ve_gate_bank",
                       "lm_head", "bigram_embed", "post_lambdas", "x0_lambdas", "bigram_lambdas", "resid_lambdas",
                       "value_embeds", "embed")
@@ -550,12 +559,15 @@ def test_comm_orders_derived_from_the_table_are_the_records():
                    "x0_lambdas", "bigram_lambdas", "resid_lambdas", "value_embeds", "bigram_embed", "lm_head", "embed",
                    "qk", "vo", "mlp")
     opt = make_opt(make_params(0))
-    assert opt.scatter_order == record_scatter
-    assert opt.work_order[:9] == record_work[:9] and opt.work_order[13:] == record_work[13:]
-    assert set(opt.work_order[9:13]) == set(record_work[9:13])
+    assert sorted(opt.scatter_order) == sorted(opt.work_order) == sorted(TINY_TABLE)
+    assert tuple(label for label in opt.scatter_order if label in record_scatter) == record_scatter
+    work = tuple(label for label in opt.work_order if label in record_work)
+    assert work[:9] == record_work[:9] and work[13:] == record_work[13:]
+    assert set(work[9:13]) == set(record_work[9:13])
     # a new replicated Adam row joins the first group, whatever its place in the table
     table = dict(TINY_TABLE, **{"new": dict(TINY_TABLE["scalars"])})
-    assert tg.update_order(table).index("new") == 9
+    unsharded_adam = [k for k, row in TINY_TABLE.items() if row["optim"] == "adam" and row["comms"] != "sharded"]
+    assert tg.update_order(table).index("new") == len(unsharded_adam)
 
 
 def test_momentum_lerp_weights_are_formed_from_fp32_mu():

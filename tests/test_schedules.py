@@ -13,9 +13,9 @@ HP = tg.Hyperparameters()
 NS = HP.num_scheduled_iterations
 
 
-# ---- record 80's schedule (spec RECIPE80 section 6), transcribed apart from the code under test ---------------------
+# ---- record 80's schedule, transcribed apart from the code under test ---------------------------------------------
 
-SPEC_STAGES = (   # lr peak, global batch, long window, L_max, MTP start, MTP end; the extension row last
+RECORD_STAGES = (   # lr peak, global batch, long window, L_max, MTP start, MTP end; the extension row last
     (1.0, 131072, 3, 896, (1.0, 0.5, 0.25), (1.0, 0.5, 0.0)),
     (1.52, 262144, 7, 2048, (1.0, 0.5), (1.0, 0.0)),
     (1.73, 393216, 11, 2048, (1.0,), (1.0,)),
@@ -23,9 +23,9 @@ SPEC_STAGES = (   # lr peak, global batch, long window, L_max, MTP start, MTP en
 )
 
 
-def spec_schedule(step, ns=1440, ne=40):
-    """Spec 6.1-6.4 as written: (stage 1..4, batch, L_max, (short, long), lr, mu) and the MTP weights, all
-    doubles. Stage 4 is the extension."""
+def record_schedule(step, ns=1440, ne=40):
+    """The record's stages, lr cooldown, momentum warmup and cooldown and MTP weights, written out: (stage 1..4,
+    batch, L_max, (short, long), lr, mu) and the MTP weights, all doubles. Stage 4 is the extension."""
     ends, c = [0], 0.0
     for _ in range(3):
         c += 1 / 3
@@ -36,7 +36,7 @@ def spec_schedule(step, ns=1440, ne=40):
         k, t = 3, 1.0
     else:
         t = (step - ends[k]) / (ends[k + 1] - ends[k])
-    peak, batch, ws_long, cap, a, b = SPEC_STAGES[k]
+    peak, batch, ws_long, cap, a, b = RECORD_STAGES[k]
     cd = int(ns * (1 - 0.6))
     if step < cd:
         lr = peak
@@ -56,17 +56,17 @@ def spec_schedule(step, ns=1440, ne=40):
 
 def test_totals():
     assert HP.num_iterations == 1480
-    assert HP.split_step == 961                                        # spec 5.11: 960 | 1
+    assert HP.split_step == 961                                        # the last stage's first step, odd: 960 | 1
     assert tg.stage_starts(NS, 3) == [0, 480, 960]
-    assert tg.train_tokens_needed(HP) == 393_216_000                   # spec 1 / 10.3
+    assert tg.train_tokens_needed(HP) == 393_216_000                   # 480, 480, 520 steps of 128, 256, 384 Ki tokens
 
 
-def test_every_step_is_the_spec_transcription():
+def test_every_step_is_the_transcribed_schedule():
     """Steps 0..1480: stage, batch, L_max, windows, lr and mu (double, ==), mu as fp32, and the MTP weights the model
-    gets (fp32), against spec_schedule."""
+    gets (fp32), against record_schedule."""
     host = SimpleNamespace(device=torch.device("cpu"))      # all that Trainer.mtp_weights reads
     for step in range(HP.num_iterations + 1):
-        stage, batch, cap, ws, lr, mu, mtp = spec_schedule(step)
+        stage, batch, cap, ws, lr, mu, mtp = record_schedule(step)
         s = tg.schedule_at(step, HP)
         assert tg.stage_index(step, NS, 3) == min(stage, 3) - 1, step
         assert (s.global_batch, s.max_doc_len, (s.ws_short, s.ws_long)) == (batch, cap, ws), step
@@ -80,14 +80,15 @@ def test_every_step_is_the_spec_transcription():
 def test_other_lengths_follow_the_same_formulas(ns):
     hp = tg.Hyperparameters(num_scheduled_iterations=ns)
     for step in range(hp.num_iterations + 1):
-        _, batch, cap, ws, lr, mu, mtp = spec_schedule(step, ns)
+        _, batch, cap, ws, lr, mu, mtp = record_schedule(step, ns)
         s = tg.schedule_at(step, hp)
         assert (s.global_batch, s.max_doc_len, (s.ws_short, s.ws_long), s.lr_factor, s.momentum, s.mtp_weights) == \
             (batch, cap, ws, lr, mu, mtp), (ns, step)
 
 
-# spec 6.6, as printed there: step, stage, batch, L_max, windows, lr_sched, mu (double), mu (fp32), MTP weights (fp32)
-SPEC_TABLE = [
+# The record's schedule at its boundary steps, worked out by hand: step, stage, batch, L_max, windows, lr_sched,
+# mu (double), mu (fp32), MTP weights (fp32)
+BOUNDARY_STEPS = [
     (0, 1, 131072, 896, (1, 3), 1.0, 0.85, 0.8500000238418579, [1, 0.5, 0.25]),
     (299, 1, 131072, 896, (1, 3), 1.0, 0.9496666666666667, 0.9496666789054871, [1, 0.5, 0.09427083283662796]),
     (479, 1, 131072, 896, (1, 3), 1.0, 0.95, 0.949999988079071, [1, 0.5, 0.0005208333604969084]),
@@ -101,8 +102,8 @@ SPEC_TABLE = [
 ]
 
 
-@pytest.mark.parametrize("row", SPEC_TABLE, ids=lambda r: f"step{r[0]}")
-def test_spec_table(row):
+@pytest.mark.parametrize("row", BOUNDARY_STEPS, ids=lambda r: f"step{r[0]}")
+def test_schedule_at_the_boundary_steps(row):
     step, stage, batch, cap, ws, lr, mu, mu32, mtp32 = row
     s = tg.schedule_at(step, HP)
     assert min(stage, 3) - 1 == tg.stage_index(step, NS, 3)
@@ -115,20 +116,20 @@ def test_spec_table(row):
                                      (960, 1.027777777777778), (961, 1.025949074074074), (1200, 0.5888888888888889),
                                      (1439, 0.15182870370370374), (1440, 0.15), (1479, 0.15), (575, 1.52),
                                      (480, 1.52), (479, 1.0), (0, 1.0)])
-def test_lr_examples_of_spec_6_3(step, lr):
+def test_lr_factor_examples(step, lr):
     assert tg.lr_factor(step, NS, HP.stages, HP.lr_min, HP.cooldown_frac) == lr     # bit-exact doubles
 
 
 @pytest.mark.parametrize("step,mu", [(0, 0.85), (1, 0.8503333333333333), (299, 0.9496666666666667), (300, 0.95),
                                      (1430, 0.95), (1431, 0.948), (1439, 0.9319999999999999),
                                      (1440, 0.9299999999999999), (1479, 0.852)])
-def test_momentum_examples_of_spec_6_4(step, mu):
+def test_momentum_examples(step, mu):
     got = tg.muon_momentum(step, HP.num_iterations, HP.momentum_min, HP.momentum_max,
                            HP.momentum_warmup_steps, HP.momentum_cooldown_steps)
     assert got == mu                                                                 # bit-exact doubles
 
 
-def test_mtp_examples_of_spec_6_2():
+def test_mtp_weight_examples():
     w32 = lambda s: [float(np.float32(w)) for w in tg.mtp_weights(s, NS, HP.stages)]
     assert w32(1)[2] == pytest.approx(0.24947916, abs=5e-9)
     assert w32(479)[2] == pytest.approx(0.00052083336, abs=5e-12)
@@ -161,13 +162,13 @@ def test_a_four_stage_table():
 
 
 def test_mtp_weights_are_a_plus_b_minus_a_times_t():
-    """Spec 6.2's form a + (b - a) t, not a (1 - t) + b t (the same doubles for the record's weights, not for
+    """The record's form a + (b - a) t, not a (1 - t) + b t (the same doubles for the record's weights, not for
     these): a stage of 7 steps from 0.3 to 0.7, then 0.1 to 0.9."""
     stages = (tg.Stage(64, 1.0, 2, (1.0, 0.3), (1.0, 0.7), 32), tg.Stage(64, 1.0, 2, (0.1,), (0.9,), 32))
-    spec = [(1.0, 0.3 + (0.7 - 0.3) * (s / 7)) for s in range(7)] + [(0.1 + (0.9 - 0.1) * ((s - 7) / 7),)
+    want = [(1.0, 0.3 + (0.7 - 0.3) * (s / 7)) for s in range(7)] + [(0.1 + (0.9 - 0.1) * ((s - 7) / 7),)
                                                                     for s in range(7, 14)] + [(0.9,)]
-    assert [tg.mtp_weights(s, 14, stages) for s in range(15)] == spec
-    assert any(w[-1] != (0.3 * (1 - s / 7) + 0.7 * (s / 7)) for s, w in enumerate(spec[:7]))
+    assert [tg.mtp_weights(s, 14, stages) for s in range(15)] == want
+    assert any(w[-1] != (0.3 * (1 - s / 7) + 0.7 * (s / 7)) for s, w in enumerate(want[:7]))
 
 
 def test_schedule_at_parity_and_fields():
@@ -178,7 +179,7 @@ def test_schedule_at_parity_and_fields():
 
 def test_seven_validations():
     assert [s for s in range(HP.num_iterations + 1) if tg.validates_at(s, HP.num_iterations, HP.val_loss_every)] == \
-        [0, 250, 500, 750, 1000, 1250, 1480]                           # spec 6.5
+        [0, 250, 500, 750, 1000, 1250, 1480]                           # every 250 steps, and the last
     assert [s for s in range(11) if tg.validates_at(s, 10, 0)] == [10]
 
 
@@ -216,7 +217,7 @@ class _YarnRecorder:
 
 def test_the_loader_hears_of_the_batch_and_cap_at_480_and_960_only():
     """Trainer.advance_schedule over the whole run from the reset state: messages (global batch, L_max, A) at the
-    stage starts, none at 1440 (spec 2.1)."""
+    stage starts, none at 1440 (the extension keeps the last stage's batch and cap)."""
     host = SimpleNamespace(model=_YarnRecorder(), ws_long=3, global_batch=131072, max_doc_len=896, grad_accum=8)
     sent = {}
     for step in range(HP.num_iterations):

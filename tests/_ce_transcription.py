@@ -1,11 +1,12 @@
-"""Float64 transcription of record 80's training loss and its FP8 logit gradient (RECIPE80_SPEC.md §3.8-3.9), written
-from the spec with loops and nothing from triton_kernels.py, for the tests of the kernels (tests/_kernels_interp.py),
-the references (tests/test_kernels.py) and the model's head (tests/test_model.py).
+"""Float64 transcription of record 80's training loss and its FP8 logit gradient (the softcapped multi-token cross
+entropy, its gradient formed in the forward and quantised to e5m2), written from the record's math with loops and
+nothing from triton_kernels.py, for the tests of the kernels (tests/_kernels_interp.py), the references
+(tests/test_kernels.py) and the model's head (tests/test_model.py).
 
 Rounding points that are the record's math are transcribed exactly: sigma rounded to bf16, the fp32 products of the
 gradient factor left to right, e5m2 by round-to-nearest-even straight from fp32 with saturation to +-57344. What the
-spec leaves approximate (tanh/exp/log) is float64 here; `ambiguous` marks the values that sit so close to a rounding
-boundary that an fp32 implementation may legally land on either side.
+record computes approximately (tanh/exp/log) is float64 here; `ambiguous` marks the values that sit so close to a
+rounding boundary that an fp32 implementation may legally land on either side.
 """
 import struct
 
@@ -51,7 +52,7 @@ def ambiguous(x: torch.Tensor, rounding, rel: float) -> torch.Tensor:
 
 
 def sigma64(logits: torch.Tensor) -> torch.Tensor:
-    """sigma(l (1/C) + B/C), float64 (the spec's fma, with fp32 constants)."""
+    """sigma(l (1/C) + B/C), float64 (the record's fma, with fp32 constants)."""
     return torch.sigmoid(logits.double() * INV_C + B_DIV_C)
 
 
@@ -68,7 +69,7 @@ def logits_clear_of_bf16_ties(n: int, V: int, g: torch.Generator, scale: float, 
     raise AssertionError("could not draw logits clear of bf16 ties")
 
 
-def ce_train_spec(logits: torch.Tensor, targets: torch.Tensor, weights, rounded: bool = True) -> dict:
+def ce_train(logits: torch.Tensor, targets: torch.Tensor, weights, rounded: bool = True) -> dict:
     """Per row r: s = bf16(sigma) (rounded) or sigma, lse = log sum_c e^(A s_c), loss_r = sum_k [r+k < n]
     [0 <= y < V] w_k (lse - A s_y) (no w_k > 0 test), S_w = sum of ALL weights (tail rule), T_c = sum of w_k over
     the offsets with r+k < n and y_{r+k} = c, delta = S_w p - T_c, p = e^(A s - lse). All float64."""
@@ -92,15 +93,17 @@ def ce_train_spec(logits: torch.Tensor, targets: torch.Tensor, weights, rounded:
 
 
 def fp8_grad_factor(grad_scale: float, s_g: float) -> float:
-    """((grad_scale (1/C A)) (1/s_g)), each product rounded to fp32, 1/s_g correctly rounded (F14)."""
+    """((grad_scale (1/C A)) (1/s_g)), each product rounded to fp32, 1/s_g the correctly rounded fp32 reciprocal of
+    fp32(s_g)."""
     return f32(f32(f32(grad_scale) * INV_C_A) * f32(1 / f32(s_g)))
 
 
-def g_fp32(spec: dict, factor) -> torch.Tensor:
-    """g = (((factor delta) s) (1 - s)) with every product rounded to fp32, from the float64 delta (float64)."""
-    g = round_f32(factor * round_f32(spec["delta"]))
-    g = round_f32(g * spec["s"])
-    return round_f32(g * (1 - spec["s"]))
+def g_fp32(terms: dict, factor) -> torch.Tensor:
+    """g = (((factor delta) s) (1 - s)) with every product rounded to fp32, from the float64 delta of ce_train's
+    terms (float64)."""
+    g = round_f32(factor * round_f32(terms["delta"]))
+    g = round_f32(g * terms["s"])
+    return round_f32(g * (1 - terms["s"]))
 
 
 def assert_e5m2_matches(got: torch.Tensor, g32: torch.Tensor, what: str, rel: float = 3e-5,
