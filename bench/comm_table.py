@@ -7,7 +7,7 @@ micro-batch times.
 
 Communication (NorMuonAndAdam.step). Each step, every rank reduce-scatters the gradient of each sharded row and
 all-gathers its updated slice, and all-reduces each replicated row: the NorMuon banks every step, the Adam rows on odd
-steps only (schedule_at's do_adam), and embed only after it unties from lm_head at the end of step hp.split_step
+steps only (schedule_at's do_adam), and embed only after it unties from lm_head at the end of step hp.untie_step
 (before, its gradient is folded into lm_head's and it is not reduced). The sizes are those of the model at
 slices_for(hp, W), built on the meta device, so the banks carry the zero padding that lets them shard W ways.
 A ring collective over W GPUs sends (W-1)/W of the tensor from every GPU (twice that for an all-reduce: a
@@ -119,9 +119,9 @@ def step_collectives(labels: list[str], table: dict[str, dict],
 
 def schedule_counts(hp) -> Counter:
     """Steps of the whole schedule by (global batch, do_adam, tied_now); embed and lm_head are tied through step
-    hp.split_step (Trainer.train_step unties them after it)."""
+    hp.untie_step (Trainer.train_step unties them after it)."""
     import train_gpt as tg
-    return Counter((s.global_batch, s.do_adam, s.step <= hp.split_step)
+    return Counter((s.global_batch, s.do_adam, s.step <= hp.untie_step)
                    for s in (tg.schedule_at(step, hp) for step in range(hp.num_iterations)))
 
 

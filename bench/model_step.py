@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     print(f"root {args.root}: {T} tokens, windows {sched.ws_short}/{sched.ws_long} blocks, "
-          f"attention {model.cfg.attn_backend}, forward + backward median {statistics.median(times):.3f} ms "
+          f"attention {model.attn_backend}, forward + backward median {statistics.median(times):.3f} ms "
           f"(min {min(times):.3f}, max {max(times):.3f}) over {args.iters}; "
           f"peak {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB; {torch.cuda.get_device_name()}")
     if args.host:

@@ -484,8 +484,8 @@ def test_cautious_update_with_mantissa_is_bitwise_eager_cuda(n, R, C, transposed
     runs = {}
     for name, fn in [("kernel", lambda p, m: tk.cautious_update_with_mantissa(p, m, O, lr=lr, wd=wd)),
                      ("eager", lambda p, m: tk.cautious_update_with_mantissa_reference(p, m, O, lr, wd)),
-                     ("train_gpt", lambda p, m: tg.cautious_update_with_mantissa_(p, m, O, lr=lr, wd=wd,
-                                                                               ops=tg.kernel_ops("fused", "cuda")))]:
+                     ("train_gpt", lambda p, m: tg.kernel_ops("fused", "cuda").cautious_update(p, m, O, lr=lr,
+                                                                                                  wd=wd))]:
         p, m = param.clone(), mantissa.clone()
         fn(p, m)
         runs[name] = (p, m)

@@ -11,6 +11,7 @@ The parameters are the model's own (named_parameters) and their rows DEFAULT_PAR
 only to check something about it. A parameter the references do not know (a new idea's) keeps its initial value in
 `randomize`: an idea that starts as the identity leaves every reference here valid.
 """
+import dataclasses
 import math
 from dataclasses import replace
 
@@ -25,14 +26,26 @@ EPS = 2.0 ** -23
 CPU_OPS = tg.kernel_ops("fused", "cpu")   # off CUDA every op is its reference
 
 
-def tiny_cfg(**overrides) -> tg.ModelConfig:
-    cfg = tg.ModelConfig(
+@dataclasses.dataclass
+class TinyOptions(tg.Hyperparameters):
+    """The model options of a small test model, plus the two sizes GPT derives from the batches when not given."""
+    rotary_max_len: int = 128
+    bank_multiple: int = 0          # 0: derived (8 for batch_slices 8)
+
+
+def tiny_cfg(**overrides) -> TinyOptions:
+    cfg = TinyOptions(
         vocab_size=256, model_dim=64, num_heads=4, head_dim=16, mlp_hidden=128, num_layers=6, num_value_embeds=4,
         bigram_vocab_size=97, attn_layout="PNN-NP", long_window_layers=(1, 4), ve_layout=(-1, 0, 1, -1, 2, 3),
         skip_source_layer=1, skip_dest_layer=3, backout_layer=4, cached_input_layer=3, block_size=16,
         rope_base=1024.0, attn_scale=0.1, yarn_alpha=1.0, yarn_beta=32.0,
-        fp8_scales=(100 / 448, 1.6 / 448, 0.75 / 448), use_fp8=False, attn_backend="test-sdpa", rotary_max_len=128)
+        fp8_scales=(100 / 448, 1.6 / 448, 0.75 / 448), use_fp8=False, attn_backend="test-sdpa")
     return replace(cfg, **overrides)
+
+
+def GPT(cfg: TinyOptions, device: torch.device, ops) -> tg.GPT:
+    """tg.GPT of the test options, with their backend name and sizes."""
+    return tg.GPT(cfg, device, ops, cfg.attn_backend, cfg.rotary_max_len, cfg.bank_multiple or None)
 
 
 def record_model() -> tg.GPT:
@@ -69,7 +82,7 @@ def randomize(model: tg.GPT, seed: int = 0) -> None:
     term of the forward matters (the zero-initialised tables and gates would hide whole paths). Any other parameter
     keeps its initial value."""
     g = torch.Generator().manual_seed(seed)
-    L = model.cfg.num_layers
+    L = model.hp.num_layers
     with torch.no_grad():
         for name, p in dict(model.named_parameters()).items():
             r = torch.randn(p.shape, generator=g, dtype=torch.float64)
@@ -146,7 +159,7 @@ def bigram_direct(ids, table_size):
 def layer_weights(model, layer):
     """A layer's attention weights assembled from the banks, written out: W_q rows of heads (2j, 2j+1) = qk[H*l + j],
     W_k's = qk[H*l + H/2 + j], W_v = vo[2l], W_o = vo[2l + 1] (float64)."""
-    cfg = model.cfg
+    cfg = model.hp
     H = cfg.num_heads
     l = sum(c != "-" for c in cfg.attn_layout[:layer])
     qk, vo = model.qk.detach().double(), model.vo.detach().double()
@@ -160,7 +173,7 @@ def attention_direct(model, layer, u, ve, cu, window, *, swap_slot=True, key_off
     weights (the lambda-scaled weights rounded to the model's dtype). u (T, D) -> (T, D) float64.
     key_offset_dims: the dims the key offset moves (default the stationary half: the head's second half, which
     rotary leaves unrotated)."""
-    cfg = model.cfg
+    cfg = model.hp
     T, D, H, hd = u.shape[0], cfg.model_dim, cfg.num_heads, cfg.head_dim
     kind = cfg.attn_layout[layer]
     slot = sum(c != "-" for c in cfg.attn_layout[:layer])
@@ -237,7 +250,7 @@ def attention_direct(model, layer, u, ve, cu, window, *, swap_slot=True, key_off
 def hidden_direct(model, inputs, cu, ws_short, ws_long):
     """The forward pass (embedding, smear, bigram, layers with skip, backout and the cached input) in float64, layer
     roles read from the config; returns h = rms(final x) (T, D)."""
-    cfg = model.cfg
+    cfg = model.hp
     L, bs, V = cfg.num_layers, cfg.block_size, cfg.vocab_size
     P = {name: p.detach().double() for name, p in model.named_parameters()}
     sc = P["scalars"]
@@ -404,7 +417,7 @@ def _uniform_ok(x, bound):
 def test_tiny_parameter_shapes_dtypes_and_init():
     cfg = tiny_cfg(vocab_size=1024)
     torch.manual_seed(123)
-    model = tg.GPT(cfg, torch.device("cpu"), CPU_OPS)
+    model = GPT(cfg, torch.device("cpu"), CPU_OPS)
     D, H, L, V, hd = 64, 4, 6, 1024, 16
     P = dict(model.named_parameters())
     assert {id(p) for p in P.values()} == {id(p) for p in model.parameters()}
@@ -457,16 +470,16 @@ def test_tiny_parameter_shapes_dtypes_and_init():
     assert torch.equal(P["mlp"][:, 0], c_fc.bfloat16()) and torch.equal(P["lm_head"], lm_head)
     # seedable from outside
     torch.manual_seed(123)
-    again = tg.GPT(cfg, torch.device("cpu"), CPU_OPS)
+    again = GPT(cfg, torch.device("cpu"), CPU_OPS)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters()))
 
 
 def test_initial_weights_do_not_depend_on_the_bank_padding():
     """Every world size pads to bank_multiple = lcm(8, batch_slices): the drawn weights are the same."""
     torch.manual_seed(5)
-    a = tg.GPT(tiny_cfg(), torch.device("cpu"), CPU_OPS)
+    a = GPT(tiny_cfg(), torch.device("cpu"), CPU_OPS)
     torch.manual_seed(5)
-    b = tg.GPT(tiny_cfg(bank_multiple=48), torch.device("cpu"), CPU_OPS)
+    b = GPT(tiny_cfg(bank_multiple=48), torch.device("cpu"), CPU_OPS)
     assert b.qk.shape[0] == 48 and b.vo.shape[0] == 48 and a.qk.shape[0] == 24
     for name, p in a.named_parameters():
         q = getattr(b, name)
@@ -546,29 +559,29 @@ def test_optimizer_sees_head_pair_groups_and_whole_vo_matrices():
 
 def test_config_validation_names_the_option():
     with pytest.raises(ValueError, match="attn_layout"):
-        tg.GPT(tiny_cfg(attn_layout="PNN-N"), torch.device("cpu"), CPU_OPS)
+        GPT(tiny_cfg(attn_layout="PNN-N"), torch.device("cpu"), CPU_OPS)
     with pytest.raises(ValueError, match="ve_layout"):
-        tg.GPT(tiny_cfg(ve_layout=(-1, 0, 1, 0, 2, 3)), torch.device("cpu"), CPU_OPS)  # VE on the attention-free layer
+        GPT(tiny_cfg(ve_layout=(-1, 0, 1, 0, 2, 3)), torch.device("cpu"), CPU_OPS)  # VE on the attention-free layer
     with pytest.raises(ValueError, match=r"table\(s\) \[4\].*--num_value_embeds=4"):
-        tg.GPT(tiny_cfg(ve_layout=(-1, 0, 1, -1, 2, 4)), torch.device("cpu"), CPU_OPS)
+        GPT(tiny_cfg(ve_layout=(-1, 0, 1, -1, 2, 4)), torch.device("cpu"), CPU_OPS)
     with pytest.raises(ValueError, match="num_heads"):
-        tg.GPT(tiny_cfg(num_heads=3), torch.device("cpu"), CPU_OPS)
+        GPT(tiny_cfg(num_heads=3), torch.device("cpu"), CPU_OPS)
     with pytest.raises(ValueError, match="even --num_heads"):                       # no P layer, still head pairs
-        tg.GPT(tiny_cfg(num_heads=1, head_dim=64, attn_layout="NNN-NN"), torch.device("cpu"), CPU_OPS)
+        GPT(tiny_cfg(num_heads=1, head_dim=64, attn_layout="NNN-NN"), torch.device("cpu"), CPU_OPS)
     for bad in (6, -1):
         with pytest.raises(ValueError, match="--cached_input_layer"):
-            tg.GPT(tiny_cfg(cached_input_layer=bad), torch.device("cpu"), CPU_OPS)
+            GPT(tiny_cfg(cached_input_layer=bad), torch.device("cpu"), CPU_OPS)
     with pytest.raises(ValueError, match="--bigram_vocab_size"):
-        tg.GPT(tiny_cfg(bigram_vocab_size=1), torch.device("cpu"), CPU_OPS)
+        GPT(tiny_cfg(bigram_vocab_size=1), torch.device("cpu"), CPU_OPS)
 
 
 # ---- attention paths ---------------------------------------------------------------------------------------------
 
 def _layer_inputs(model, layer, T, seed=5):
     g = torch.Generator().manual_seed(seed)
-    u = f32_rms(torch.randn(T, model.cfg.model_dim, generator=g)).to(model.embed.dtype)
-    j = model.cfg.ve_layout[layer]
-    ve = (0.5 * torch.randn(T, model.cfg.model_dim, generator=g)).to(model.embed.dtype) if j >= 0 else None
+    u = f32_rms(torch.randn(T, model.hp.model_dim, generator=g)).to(model.embed.dtype)
+    j = model.hp.ve_layout[layer]
+    ve = (0.5 * torch.randn(T, model.hp.model_dim, generator=g)).to(model.embed.dtype) if j >= 0 else None
     return u, ve
 
 
@@ -576,7 +589,7 @@ def _model_attention(model, layer, u, ve, cu, window):
     """model.attention with the layer's weights assembled from the banks as layer_weights reads them."""
     p = model.plan[layer]
     Wq, Wk, Wv, Wo = (w.to(model.embed.dtype) for w in layer_weights(model, layer))
-    sa = model.scalars[: 2 * model.cfg.num_layers].view(-1, 2)[layer]
+    sa = model.scalars[: 2 * model.hp.num_layers].view(-1, 2)[layer]
     with torch.no_grad():
         return model.attention(p, torch.cat([Wq, Wk, Wv]), Wo, u, ve, sa, cu, 64, window)
 
@@ -585,7 +598,7 @@ def _model_attention(model, layer, u, ve, cu, window):
 @pytest.mark.parametrize("layer, ve_layout", [(0, (2, 0, 1, -1, -1, 3)), (5, (-1, 0, 1, -1, 2, -1))])
 def test_paired_attention_matches_direct(layer, ve_layout, dtype):  # with a value embedding (layer 0) and without (5)
     torch.manual_seed(0)
-    model = tg.GPT(tiny_cfg(ve_layout=ve_layout, dtype=dtype), torch.device("cpu"), CPU_OPS)
+    model = GPT(tiny_cfg(ve_layout=ve_layout, dtype=dtype), torch.device("cpu"), CPU_OPS)
     randomize(model)
     model.attn_scale = 0.3
     T, window = 32, 12   # window in doubled positions (6 tokens)
@@ -604,7 +617,7 @@ def test_paired_attention_matches_direct(layer, ve_layout, dtype):  # with a val
 @pytest.mark.parametrize("layer", [1, 2, 4])  # 1: long window + key offset + VE 0; 2: VE 1; 4: long + offset + VE 2
 def test_normal_attention_matches_direct(layer, dtype):
     torch.manual_seed(0)
-    model = tg.GPT(tiny_cfg(dtype=dtype), torch.device("cpu"), CPU_OPS)
+    model = GPT(tiny_cfg(dtype=dtype), torch.device("cpu"), CPU_OPS)
     randomize(model, seed=layer)
     model.attn_scale = 0.3
     T, window = 40, 10
@@ -616,7 +629,7 @@ def test_normal_attention_matches_direct(layer, dtype):
     if dtype == "float64" and layer in (1, 4):
         # the key offset of upstream record 61 (second and fourth quarters of the head, not its second half) is
         # measurably another function
-        hd = model.cfg.head_dim
+        hd = model.hp.head_dim
         old = [d for d in range(hd) if (d // (hd // 4)) % 2 == 1]
         assert rel_err(got, attention_direct(model, layer, u, ve, cu, window, key_offset_dims=old)) > 1e-4
 
@@ -626,7 +639,7 @@ def test_ve_gate_input_normal_layers_read_the_ve_row():
     channels of ve held);
     the gate of a paired layer reads u alone. Checked through the float64 model against the transcription."""
     torch.manual_seed(0)
-    model = tg.GPT(tiny_cfg(dtype="float64", ve_layout=(3, 0, 1, -1, 2, -1)), torch.device("cpu"), CPU_OPS)
+    model = GPT(tiny_cfg(dtype="float64", ve_layout=(3, 0, 1, -1, 2, -1)), torch.device("cpu"), CPU_OPS)
     randomize(model, seed=11)
     T, window = 24, 10
     _, _, cu = batch(T=T, docs=(0, 11))
@@ -664,7 +677,7 @@ FORWARD_CFGS = {
 @pytest.mark.parametrize("name", list(FORWARD_CFGS))
 def test_float64_forward_matches_the_transcription(name):
     torch.manual_seed(0)
-    model = tg.GPT(tiny_cfg(dtype="float64", **FORWARD_CFGS[name]), torch.device("cpu"), CPU_OPS)
+    model = GPT(tiny_cfg(dtype="float64", **FORWARD_CFGS[name]), torch.device("cpu"), CPU_OPS)
     randomize(model, seed=3)
     inputs, _, cu = batch(T=40, docs=(0, 17, 33))
     with torch.no_grad():
@@ -700,7 +713,7 @@ def test_float64_forward_matches_the_transcription(name):
 def test_bf16_forward_rounds_the_lambdas_and_each_update_once(monkeypatch):
     """The sublayer updates get bf16(lambda) scales; each update is one fp32 sum of bf16 operands, rounded once."""
     torch.manual_seed(0)
-    model = tg.GPT(tiny_cfg(), torch.device("cpu"), CPU_OPS)
+    model = GPT(tiny_cfg(), torch.device("cpu"), CPU_OPS)
     randomize(model, seed=4)
     seen = []
     real = tg.weighted_sum
@@ -719,7 +732,7 @@ def test_bf16_forward_rounds_the_lambdas_and_each_update_once(monkeypatch):
     rho, pi, chi, beta = (bf(getattr(model, n)) for n in ("resid_lambdas", "post_lambdas", "x0_lambdas",
                                                         "bigram_lambdas"))
     want = [[torch.tensor(1.0, dtype=torch.bfloat16), beta[0]]]
-    for i, kind in enumerate(model.cfg.attn_layout):
+    for i, kind in enumerate(model.hp.attn_layout):
         if kind != "-":
             want.append([rho[i, 0], pi[i, 0], chi[i]] + ([beta[i]] if i else []))
         want.append([rho[i, 1], pi[i, 1]])
@@ -749,7 +762,7 @@ def test_yarn_schedule_values_and_frequencies():
     cfg = tiny_cfg(model_dim=256, num_heads=2, head_dim=128, num_layers=2, attn_layout="NN", ve_layout=(-1, -1),
                    num_value_embeds=0, long_window_layers=(1,), skip_source_layer=0, skip_dest_layer=1,
                    backout_layer=1, cached_input_layer=1, block_size=128, vocab_size=32, rotary_max_len=64)
-    model = tg.GPT(cfg, torch.device("cpu"), CPU_OPS)
+    model = GPT(cfg, torch.device("cpu"), CPU_OPS)
     omega0 = model.rotary_omega.clone()
     f = omega_direct(128, 1024.0)
     assert torch.allclose(omega0[:64:2].double(), f, rtol=1e-6) and torch.equal(omega0[:64:2], omega0[1:64:2])
@@ -784,7 +797,7 @@ def test_yarn_schedule_values_and_frequencies():
 
 def test_full_forward_matches_direct_train_and_eval():
     torch.manual_seed(0)
-    model = tg.GPT(tiny_cfg(), torch.device("cpu"), CPU_OPS)
+    model = GPT(tiny_cfg(), torch.device("cpu"), CPU_OPS)
     randomize(model, seed=3)
     inputs, targets, cu = batch(T=48, docs=(0, 17, 40))
     weights = torch.tensor([1.0, 0.5, 0.25])
@@ -819,7 +832,7 @@ def test_full_forward_matches_direct_train_and_eval():
 @pytest.mark.parametrize("use_fp8", [False, True])
 def test_backward_gives_finite_grads_for_every_label(use_fp8):
     torch.manual_seed(0)
-    model = tg.GPT(tiny_cfg(use_fp8=use_fp8), torch.device("cpu"), CPU_OPS)
+    model = GPT(tiny_cfg(use_fp8=use_fp8), torch.device("cpu"), CPU_OPS)
     randomize(model, seed=7)
     inputs, targets, cu = batch(T=48, docs=(0, 30))
     loss = model(inputs, targets, cu, 1, 3, torch.tensor([1.0, 0.5]), 64)
@@ -829,19 +842,19 @@ def test_backward_gives_finite_grads_for_every_label(use_fp8):
         assert p.grad is not None and p.grad.dtype == p.dtype, name
         assert torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, name
     # the pad slices are never read, nor the attention sublayer's lambdas of the attention-free layer 3
-    assert (model.mlp.grad[model.cfg.num_layers:] == 0).all()
+    assert (model.mlp.grad[model.hp.num_layers:] == 0).all()
     assert (model.qk.grad[20:] == 0).all() and (model.vo.grad[10:] == 0).all()
     assert model.resid_lambdas.grad[3, 0] == 0 and model.post_lambdas.grad[3, 0] == 0
     assert model.x0_lambdas.grad[3] == 0 and model.bigram_lambdas.grad[3] == 0
     assert (model.scalars.grad[6:8] == 0).all()
     # value-embedding rows of ids never looked up get no gradient; bigram rows likewise
     ids = batch(T=48, docs=(0, 30))[0].long()
-    V = model.cfg.vocab_size
+    V = model.hp.vocab_size
     looked_up = torch.zeros(model.value_embeds.shape[0], dtype=torch.bool)
-    for j in range(model.cfg.num_value_embeds):
+    for j in range(model.hp.num_value_embeds):
         looked_up[j * V + ids] = True
     assert (model.value_embeds.grad[~looked_up] == 0).all() and (model.value_embeds.grad[looked_up] != 0).any(-1).all()
-    rows = tg.bigram_ids(batch(T=48, docs=(0, 30))[0], model.cfg.bigram_vocab_size).long()
+    rows = tg.bigram_ids(batch(T=48, docs=(0, 30))[0], model.hp.bigram_vocab_size).long()
     unused = torch.ones(model.bigram_embed.shape[0], dtype=torch.bool)
     unused[rows] = False
     assert (model.bigram_embed.grad[unused] == 0).all()
@@ -850,7 +863,7 @@ def test_backward_gives_finite_grads_for_every_label(use_fp8):
 def test_forward_traces_as_one_graph():
     """Dynamo (fullgraph, static shapes) must trace train and eval forward without graph breaks."""
     torch._dynamo.reset()
-    model = tg.GPT(tiny_cfg(use_fp8=True), torch.device("cpu"), CPU_OPS)
+    model = GPT(tiny_cfg(use_fp8=True), torch.device("cpu"), CPU_OPS)
     randomize(model)
     inputs, targets, cu = batch(T=32, docs=(0, 9))
     compiled = torch.compile(model, backend="eager", fullgraph=True, dynamic=False)
@@ -1039,7 +1052,7 @@ def test_training_loss_without_fp8_passes_the_gradient_through():
 
 def _kernels_loss(kernels: str, train: bool = True) -> tuple[tg.GPT, torch.Tensor]:
     torch.manual_seed(0)
-    model = tg.GPT(tiny_cfg(use_fp8=True), torch.device("cpu"), tg.kernel_ops(kernels, "cpu"))
+    model = GPT(tiny_cfg(use_fp8=True), torch.device("cpu"), tg.kernel_ops(kernels, "cpu"))
     randomize(model, seed=7)
     model.train(train)
     inputs, targets, cu = batch(T=48, docs=(0, 30))

@@ -4,6 +4,7 @@ torch.compile(fullgraph=True) on a 16,384-token training batch and a 262,144-tok
 Run on the device (one H100 is enough):  python3 -m pytest -q -s tests/test_model_gpu.py
 The full-model tests use the attention backend named by MODEL_GPU_ATTN_BACKEND (default "auto", as the trainer).
 """
+import dataclasses
 import gc
 import math
 import os
@@ -22,12 +23,20 @@ pytestmark = pytest.mark.gpu
 SCALES = (100 / 448, 1.6 / 448, 0.75 / 448)
 
 
-def real_cfg(**overrides) -> tg.ModelConfig:
-    hp = tg.Hyperparameters()
-    fields = {f: getattr(hp, f) for f in tg.ModelConfig.__dataclass_fields__ if hasattr(hp, f)}
+@dataclasses.dataclass
+class RecordOptions(tg.Hyperparameters):
+    """The record's options, plus the backend the GPU tests run and the rotary tables' length."""
+    attn_backend: str = "auto"
+    rotary_max_len: int = 262_144
+
+
+def real_cfg(**overrides) -> RecordOptions:
     backend = checks.resolve_attn_backend(os.environ.get("MODEL_GPU_ATTN_BACKEND", "auto"), torch.device("cuda"))
-    fields.update(attn_backend=backend, rotary_max_len=262_144)
-    return replace(tg.ModelConfig(**fields), **overrides)
+    return replace(RecordOptions(attn_backend=backend), **overrides)
+
+
+def GPT(cfg: RecordOptions, device: torch.device, ops) -> tg.GPT:
+    return tg.GPT(cfg, device, ops, cfg.attn_backend, cfg.rotary_max_len)
 
 
 def rel_err(a, b):
@@ -86,7 +95,7 @@ def _packed_batch(T, V, max_doc, n_cu, device, seed):
 def compiled_model():
     torch.manual_seed(0)
     dev = torch.device("cuda")
-    model = tg.GPT(real_cfg(), dev, tg.kernel_ops("fused", "cuda"))
+    model = GPT(real_cfg(), dev, tg.kernel_ops("fused", "cuda"))
     compiled = torch.compile(model, fullgraph=True, dynamic=False)
     yield model, compiled
     del model, compiled
@@ -159,7 +168,7 @@ def _small_real_model(kernels: str) -> tuple[tg.GPT, object]:
                    num_value_embeds=2, skip_source_layer=0, skip_dest_layer=2, backout_layer=2,
                    cached_input_layer=2, rotary_max_len=4096)
     torch.manual_seed(0)
-    model = tg.GPT(cfg, torch.device("cuda"), tg.kernel_ops(kernels, "cuda"))
+    model = GPT(cfg, torch.device("cuda"), tg.kernel_ops(kernels, "cuda"))
     with torch.no_grad():
         g = torch.Generator(device="cuda").manual_seed(2)
         for bank in (model.qk, model.vo, model.mlp):
@@ -223,7 +232,7 @@ def test_optimizer_kernels_torch_on_cuda_is_the_fused_update():
     Per op: adam:torch,normuon:torch keeps Polar Express fused, so the whole step is bitwise the fused one."""
     hp = tg.Hyperparameters()
     torch.manual_seed(0)
-    model = tg.GPT(real_cfg(rotary_max_len=16), torch.device("cuda"), tg.kernel_ops("fused", "cuda"))
+    model = GPT(real_cfg(rotary_max_len=16), torch.device("cuda"), tg.kernel_ops("fused", "cuda"))
     params = dict(model.named_parameters())
     g = torch.Generator(device="cuda").manual_seed(3)
     grads = {k: 1e-3 * torch.randn(p.shape, device="cuda", generator=g).to(p.dtype) for k, p in params.items()}

@@ -307,7 +307,7 @@ def test_cautious_update_with_mantissa_matches_float64():
     O[:, :4] = 0                                      # zero update: the NON-strict mask still decays these
     lr = torch.tensor([0.25, 0.5, 0.125], dtype=torch.float32).view(n, 1, 1)
     wd = f32(0.9)
-    tg.cautious_update_with_mantissa_(param, mantissa, O, lr=lr, wd=wd, ops=CPU_OPS)
+    CPU_OPS.cautious_update(param, mantissa, O, lr=lr, wd=wd)
     Og, lr64 = O.to(F64), lr.to(F64)
     mask = (Og * P >= 0).to(F64)
     P_ref = (P - ((P * mask) * wd) * lr64) - Og * lr64
@@ -347,7 +347,7 @@ def test_normuon_update_matches_float64_transcription(R, C, split):
     P_ref, M_ref, Q_ref = normuon_reference(param, grad, M, Q, mantissa, mu=mu, beta2=beta2, lr=f32(lr), wd=wd,
                                             split=split)
     tg.normuon_update(param, grad, M, Q, mantissa, momentum=mu, beta2=beta2, lr=f32(lr), wd=wd,
-                      split_final_product=split, ops=CPU_OPS)
+                      two_roundings=split, ops=CPU_OPS)
     torch.testing.assert_close(M.to(F64), M_ref, rtol=1e-5, atol=1e-9)
     torch.testing.assert_close(Q.to(F64), Q_ref, rtol=0.05, atol=0)
     # The orthogonalised direction carries bf16 noise (a few % relative, see the Polar Express tests), so compare the
@@ -372,13 +372,13 @@ def test_mantissa_master_equals_fp32_trajectory_bit_for_bit():
     for step in range(steps):
         grad = (torch.randn(n, R, C, generator=g) * 1e-2).bfloat16()
         mu = 0.85 + 0.1 * step / steps
-        O = tg.normuon_direction_(grad, M_ref, Q_ref, momentum=mu, beta2=0.95, split_final_product=False,
-                                  ops=CPU_OPS)
+        U = CPU_OPS.normuon_momentum(grad, M_ref, mu)           # normuon_update's direction, step by step
+        O = tg.variance_normalize_(tg.polar_express(U, False, CPU_OPS, dtype=grad.dtype), Q_ref, 0.95)
         Og = O.float()
         mask = Og * master >= 0
         master = (master - ((master * mask) * wd) * lr) - Og * lr
         tg.normuon_update(param, grad, M, Q, mantissa, momentum=mu, beta2=0.95, lr=lr, wd=wd,
-                          split_final_product=False, ops=CPU_OPS)
+                          two_roundings=False, ops=CPU_OPS)
         bits = master.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
         assert torch.equal(master_bits(param, mantissa), bits), f"step {step}"
         saw_truncation |= bool((master.bfloat16() != param).any())       # round-to-nearest would differ here
@@ -445,7 +445,7 @@ def test_class_normuon_lr_multipliers_by_global_matrix_index():
         lr = f32(2.0 * (2.0 if i % 2 else 1.0) * (0.023 * s))
         tg.normuon_update(p, grads["mlp"].view(4, H, D)[i:i + 1], torch.zeros(1, H, D), torch.zeros(1, H, 1),
                           torch.zeros(1, H, D, dtype=torch.uint16), momentum=0.9, beta2=0.95, lr=lr, wd=wd,
-                          split_final_product=False, ops=CPU_OPS)
+                          two_roundings=False, ops=CPU_OPS)
         assert torch.equal(params["mlp"].detach().view(4, H, D)[i], p[0]), i
     assert opt.buffers["mlp"]["second_moment"].shape == (4, H, 1)
     assert opt.buffers["vo"]["second_moment"].shape == (4, D, 1)
@@ -471,13 +471,13 @@ def test_class_normuon_orthogonalises_each_qk_group_alone_with_per_column_moment
             p = init[k][i:i + 1].clone()
             tg.normuon_update(p, grads[k][i:i + 1], torch.zeros(1, R, C), torch.zeros(moment),
                               torch.zeros(1, R, C, dtype=torch.uint16), momentum=0.9, beta2=0.95, lr=lr, wd=wd,
-                              split_final_product=False, ops=CPU_OPS)
+                              two_roundings=False, ops=CPU_OPS)
             assert torch.equal(params[k].detach()[i], p[0]), (k, i)
     # a whole-bank orthogonalisation (one 128x32 matrix of the 8 groups) would give another update
     whole = init["qk"].view(1, 8 * QK_ROWS, D).clone()
     tg.normuon_update(whole, grads["qk"].view(1, 8 * QK_ROWS, D), torch.zeros(1, 8 * QK_ROWS, D),
                       torch.zeros(1, 8 * QK_ROWS, 1), torch.zeros(1, 8 * QK_ROWS, D, dtype=torch.uint16),
-                      momentum=0.9, beta2=0.95, lr=lr, wd=wd, split_final_product=False, ops=CPU_OPS)
+                      momentum=0.9, beta2=0.95, lr=lr, wd=wd, two_roundings=False, ops=CPU_OPS)
     assert not torch.equal(whole.view(8, QK_ROWS, D), params["qk"].detach())
 
 

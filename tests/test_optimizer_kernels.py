@@ -86,8 +86,7 @@ def test_cautious_reference_is_train_gpt_eager_update(per_matrix_lr):
     lr = torch.tensor([0.25, 0.5, 0.125]).view(n, 1, 1) if per_matrix_lr else 0.0123
     results = []
     for fn in (lambda p, m: tk.cautious_update_with_mantissa_reference(p, m, O, lr, 0.9),
-               lambda p, m: tg.cautious_update_with_mantissa_(p, m, O, lr=lr, wd=0.9,
-                                                              ops=tg.kernel_ops("fused", "cpu"))):
+               lambda p, m: tg.kernel_ops("fused", "cpu").cautious_update(p, m, O, lr=lr, wd=0.9)):
         p, m = param.clone(), mantissa.clone()
         fn(p, m)
         results.append((p.view(torch.int16), m.view(torch.int16)))

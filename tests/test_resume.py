@@ -32,7 +32,7 @@ def test_schedule_crosses_what_the_resume_must_restore():
     hp = tg.parse_args(SCHEDULE)
     ws = [tg.schedule_at(s, hp).ws_long for s in range(hp.num_iterations)]
     batch = [tg.schedule_at(s, hp).global_batch for s in range(hp.num_iterations)]
-    assert hp.num_iterations == 8 and hp.split_step == 5
+    assert hp.num_iterations == 8 and hp.untie_step == 5
     assert ws == [3, 3, 7, 7, 11, 11, 13, 13] and batch == [512, 512, 768, 768, 1024, 1024, 1024, 1024]
     assert [tg.schedule_at(s, hp).do_adam for s in range(3)] == [False, True, False]   # grads pending after step 3
 

@@ -56,7 +56,7 @@ def record_schedule(step, ns=1440, ne=40):
 
 def test_totals():
     assert HP.num_iterations == 1480
-    assert HP.split_step == 961                                        # the last stage's first step, odd: 960 | 1
+    assert HP.untie_step == 961                                        # the last stage's first step, odd: 960 | 1
     assert tg.stage_starts(NS, 3) == [0, 480, 960]
     assert tg.train_tokens_needed(HP) == 393_216_000                   # 480, 480, 520 steps of 128, 256, 384 Ki tokens
 
@@ -196,7 +196,7 @@ def test_warmup_steps_cover_every_variant_and_the_split():
         steps = tg.warmup_steps(hp)
         shapes = {_shape(hp, s) for s in range(hp.num_iterations)}
         assert shapes == {_shape(hp, s) for s in steps}                # every compiled variant runs in the warmup
-        assert hp.split_step in steps and all(0 <= s < hp.num_iterations for s in steps)
+        assert hp.untie_step in steps and all(0 <= s < hp.num_iterations for s in steps)
     cap_only = tg.parse_args(["--preset=tiny", "--stages=512:1:3:1:1:64,512:1:3:1:1:128,768:1:3:1:1:128"])
     assert tg.variant_starts(cap_only) == [0, 20, 40, 60]               # a new document cap is a new variant
 

@@ -110,7 +110,7 @@ def test_world_size_matches_one_process_with_accumulation_in_float64(tmp_path, w
               f"--log_dir={tmp_path}/logs"]
     steps = tg.parse_args(common).num_iterations
     hp = tg.parse_args(common)
-    assert hp.split_step == 3 and steps == 6
+    assert hp.untie_step == 3 and steps == 6
     one = run_trainer([*common, "--run_id=one"], tmp_path)
     assert one.returncode == 0, one.stderr[-3000:]
     for p in run_gloo([*common, "--run_id=many"], world_size, tmp_path):
