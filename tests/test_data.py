@@ -258,7 +258,7 @@ def test_cap_messages_match_the_reference(labelled_dir, world_size):
 def test_batches_over_upstreams_capacity_are_counted(labelled_dir, monkeypatch):
     """Micro-batches (of every rank) holding more segments than record 80's cu_seqlens would are counted in
     the stream position; sizes upstream has no entry for are not counted."""
-    monkeypatch.setattr(tg, "UPSTREAM_DOC_CAPACITY", {256: 6})
+    monkeypatch.setattr(checks, "UPSTREAM_DOC_CAPACITY", {256: 6})
     files = shard_files(labelled_dir)
     world_size, over = 2, 0
     positions = [tg.TrainPosition() for _ in range(world_size)]
