@@ -97,6 +97,25 @@ def kernel_switch_lines(kernels: str, device_type: str, edited: dict[str, str],
     return lines
 
 
+def cpu_runs_bf16_natively(cpuinfo: str | None = None) -> bool:
+    """Whether this CPU has bf16 matrix instructions (AMX or AVX512-BF16), which torch's CPU matmuls
+    use; without them torch emulates bf16, about ten times slower than float32. cpuinfo: the text
+    of /proc/cpuinfo (read when None; other systems count as emulating). NANOGPT_CPU_BF16=native or
+    emulated overrides the probe (tests run both paths on any machine)."""
+    forced = os.environ.get("NANOGPT_CPU_BF16", "")
+    if forced in ("native", "emulated"):
+        return forced == "native"
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read()
+        except OSError:
+            return False
+    flags = {word for line in cpuinfo.splitlines() if line.startswith("flags")
+             for word in line.partition(":")[2].split()}
+    return bool(flags & {"amx_bf16", "avx512_bf16"})
+
+
 # ==================================================================================================
 # Attention backends: which are installed, which "auto" picks, FlashAttention-4's ops
 # ==================================================================================================
@@ -286,7 +305,7 @@ def check_model_layout(hp: Any, gate_input_dim: int) -> None:
         raise ValueError("need 0 <= --skip_source_layer < --skip_dest_layer < num_layers and "
                          "0 <= --backout_layer < num_layers")
     if hp.dtype not in ("bfloat16", "float32", "float64"):
-        raise ValueError(f"--dtype={hp.dtype}: use bfloat16 (training), float32 or float64 "
+        raise ValueError(f"--dtype={hp.dtype}: use bfloat16 (training), auto, float32 or float64 "
                          "(CPU checks)")
     if hp.use_fp8 and hp.dtype != "bfloat16":
         raise ValueError("the FP8 LM head reads bf16 weights: use --use_fp8=false with "

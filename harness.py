@@ -552,15 +552,38 @@ def environment_report() -> str:
 
 
 def progress_note(done: int, total: int, train_ms: float, tokens_done: int,
-                  tokens_total: int) -> str:
+                  tokens_total: int, untimed_left_s: float = 0.0) -> str:
     """The console's end of a step line: percent of the schedule, training tokens per second and the
-    time left at that rate. Counted in tokens, not steps, because later steps carry larger
-    batches."""
+    time left at that rate, plus untimed_left_s (the validations still to come, at the pace of
+    those so far). Counted in tokens, not steps, because later steps carry larger batches."""
     rate = tokens_done / max(train_ms / 1000, 1e-9)
-    left = round((tokens_total - tokens_done) / rate) if rate > 0 else 0
-    eta = (f"{left // 3600}h{left // 60 % 60:02d}m" if left >= 3600
-           else f"{left // 60}m{left % 60:02d}s")
-    return f"  {100 * done / total:.0f}% {rate:,.0f} tok/s ETA {eta}"
+    left = round((tokens_total - tokens_done) / rate + untimed_left_s) if rate > 0 else 0
+    return f"  {100 * done / total:.0f}% {rate:,.0f} tok/s ETA {duration(left)}"
+
+
+def duration(seconds: float) -> str:
+    """1m35s, or 1h06m from an hour on."""
+    s = round(seconds)
+    return f"{s // 3600}h{s // 60 % 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+class Progress:
+    """A console line now and then through a long untimed phase (a validation, the warmup), so a
+    slow machine shows it is working: at most one every every_s seconds, rank 0 only, the log file
+    untouched (its lines stay the fixed format)."""
+
+    def __init__(self, rank: int, what: str, total: int, every_s: float = 10.0):
+        self.rank, self.what, self.total, self.every_s = rank, what, total, every_s
+        self.t0 = self.last = time.perf_counter()
+
+    def tick(self, done: int) -> None:
+        now = time.perf_counter()
+        if self.rank != 0 or now - self.last < self.every_s or done >= self.total:
+            return
+        self.last = now
+        left = (now - self.t0) / done * (self.total - done)
+        to_console(f"  {self.what}: {done}/{self.total} after {duration(now - self.t0)}, "
+                   f"about {duration(left)} left")
 
 
 def result_line(val_loss: float, target: float, train_ms: float, steps: int, peak_mib: int | None,
@@ -1598,6 +1621,12 @@ def isolate_gpu(local_rank: int, env: dict[str, str] = os.environ) -> str | None
     return entries[local_rank]
 
 
+def device_type(opts: RunOptions) -> str:
+    """"cuda" or "cpu": where --device sends the run (auto: a GPU when one is visible)."""
+    return "cuda" if opts.device == "cuda" or (opts.device == "auto" and
+                                               torch.cuda.is_available()) else "cpu"
+
+
 def setup_distributed(hp: RunOptions) -> tuple[int, int, int, torch.device]:
     """(rank, world_size, local_rank, device): this process's GPU (or the CPU) and, with several
     processes, the process group (NCCL on GPUs, gloo on CPUs)."""
@@ -1611,7 +1640,7 @@ def setup_distributed(hp: RunOptions) -> tuple[int, int, int, torch.device]:
                           "./run.sh (torchrun sets them all), or unset WORLD_SIZE to run one "
                           "process")
     gpu = isolate_gpu(local_rank) if world_size > 1 and hp.device != "cpu" else None
-    want_cuda = hp.device == "cuda" or (hp.device == "auto" and torch.cuda.is_available())
+    want_cuda = device_type(hp) == "cuda"
     if want_cuda and not torch.cuda.is_available():
         raise ConfigError("--device=cuda but no CUDA GPU is visible: check nvidia-smi, "
                           "or run with --device=cpu")
@@ -1866,14 +1895,17 @@ class Run:
             self.log(lines[-1])
 
     def log_step(self, done: int, total: int, train_ms: float, tokens_done: int,
-                 tokens_total: int, train_loss: float | None = None) -> None:
-        """A step line: the log file keeps the fixed format, rank 0's console adds progress."""
+                 tokens_total: int, train_loss: float | None = None,
+                 untimed_left_s: float = 0.0) -> None:
+        """A step line: the log file keeps the fixed format, rank 0's console adds progress (the
+        ETA counts untimed_left_s, the validations still to come)."""
         line = f"step:{done}/{total} train_time:{train_ms:.0f}ms step_avg:{train_ms / done:.2f}ms"
         if train_loss is not None:
             line += f" train_loss:{train_loss:.6f}"
         self.log(line, console=False)
         if self.rank == 0:
-            to_console(line + progress_note(done, total, train_ms, tokens_done, tokens_total))
+            to_console(line + progress_note(done, total, train_ms, tokens_done, tokens_total,
+                                            untimed_left_s))
 
     def finish(self, val_loss: float, train_ms: float) -> dict[str, Any]:
         """Peak memory and the result line; the run's summary."""

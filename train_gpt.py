@@ -151,7 +151,9 @@ class Hyperparameters(harness.RunOptions):
     yarn_beta: float = 32.0                # the old window stretch fully, beta+ times not at all
     fp8_scales: tuple = (100 / 448, 1.6 / 448, 0.75 / 448)  # x, w, grad scales of the FP8 LM head
     use_fp8: bool = True                   # FP8 LM head in training (emulated off CUDA)
-    dtype: str = "bfloat16"                # float32 / float64: the math without bf16 (CPU only)
+    dtype: str = "bfloat16"                # float32 / float64: the math without bf16 (CPU only);
+                                           # auto: bf16 on GPUs and on CPUs with bf16 instructions,
+                                           # else float32 (bf16 is emulated there, ~10x slower)
     # ---- optimizer ----
     adam_lr: float = 0.008                 # Adam base lr (times the row's lr_mul and the schedule)
     adam_eps: float = 1e-10                # Adam epsilon (not bias corrected)
@@ -198,6 +200,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         num_extension_iterations=4, momentum_warmup_steps=10, momentum_cooldown_steps=4,
         val_loss_every=20,
         tokens_per_doc_bound=100, compile=False, use_fp8=False, attn_backend="sdpa", warmup=False,
+        dtype="auto",
     ),
 }
 
@@ -1792,6 +1795,14 @@ def validates_at(step: int, num_iterations: int, every: int) -> bool:
     return step == num_iterations or (every > 0 and step % every == 0)
 
 
+def validations_left(done: int, num_iterations: int, every: int) -> int:
+    """How many validations come after `done` steps (validates_at of the steps done..num_iterations:
+    the multiples of `every` among them, and the last)."""
+    if every <= 0 or done >= num_iterations:
+        return int(done <= num_iterations)
+    return (num_iterations - 1) // every - (done - 1) // every + 1    # floor division: done = 0 too
+
+
 @dataclass(frozen=True)
 class StepSchedule:
     step: int
@@ -1922,10 +1933,29 @@ def slices_for(hp: Hyperparameters, world_size: int) -> Hyperparameters:
     return hp
 
 
+def resolve_dtype(hp: Hyperparameters, device_type: str) -> Hyperparameters:
+    """The options with --dtype=auto made concrete for the device: bf16 on GPUs (and on the meta
+    device, which only sizes things) and on CPUs with bf16 instructions, float32 on other CPUs."""
+    if hp.dtype != "auto":
+        return hp
+    native = device_type != "cpu" or checks.cpu_runs_bf16_natively()
+    return dataclasses.replace(hp, dtype="bfloat16" if native else "float32")
+
+
+def dtype_note(asked: Hyperparameters, hp: Hyperparameters) -> list[str]:
+    """The log line that says what --dtype=auto chose on a CPU, when it chose float32."""
+    if asked.dtype != "auto" or hp.dtype == "bfloat16":
+        return []
+    return [f"note: this CPU has no bf16 instructions (AMX or AVX512-BF16), so --dtype=auto trains "
+            f"in {hp.dtype}, several times faster here than emulated bf16; --dtype=bfloat16 runs "
+            "the GPUs' precision"]
+
+
 def build_model(hp: Hyperparameters, device: torch.device, attn_backend: str,
                 ops: KernelOps | None = None) -> nn.Module:
-    """The GPT of hp on device; ops: the run's op table (None: the one --kernels, the device and the
-    edited references give, kernel_ops)."""
+    """The GPT of hp on device (--dtype=auto resolved for it); ops: the run's op table (None: the
+    one --kernels, the device and the edited references give, kernel_ops)."""
+    hp = resolve_dtype(hp, device.type)
     return GPT(hp, device, ops or kernel_ops(hp.kernels, device.type), attn_backend)
 
 
@@ -2164,12 +2194,16 @@ class Trainer:
         return mean.item()
 
     @torch.no_grad()
-    def validate(self, ws_short: int, ws_long: int, max_batches: int | None = None) -> float:
+    def validate(self, ws_short: int, ws_long: int, max_batches: int | None = None,
+                 progress: harness.Progress | None = None) -> float:
+        """The mean validation loss over every rank's batches; progress: ticked after each batch."""
         self.model.eval()
         total, count = torch.zeros((), device=self.device), 0
         for batch in self.val_batches():
             total += self.val_loss(batch, ws_short, ws_long)
             count += 1
+            if progress is not None:
+                progress.tick(count)
             if max_batches is not None and count >= max_batches:
                 break
         loss = total / count
@@ -2250,8 +2284,9 @@ def warmup_and_reset(trainer: Trainer, run: harness.Run) -> None:
                 trainer.validate(sched.ws_short, sched.ws_long, max_batches=1)
             with compile_log.during(step, "train"):
                 trainer.train_step(sched, batch_change)
-            run.log(f"  warmup {i + 1}/{len(steps)} step {step} done at "
-                    f"{time.perf_counter() - t0:.1f}s")
+            elapsed = time.perf_counter() - t0
+            run.log(f"  warmup {i + 1}/{len(steps)} step {step} done at {elapsed:.1f}s, about "
+                    f"{harness.duration(elapsed / (i + 1) * (len(steps) - i - 1))} left")
     run.log_table(compile_log.report(time.perf_counter() - t0))
     model.load_state_dict(initial["model"])
     opt.load_state_dict(initial["optimizer"])
@@ -2312,8 +2347,10 @@ def validate_in_loop(run: harness.Run, trainer: Trainer, checkpointer: harness.C
         if signum := run.agreed_signal():
             raise harness.stopped(signum, f"before the final validation{saved}")
     tv = time.perf_counter()
+    batches = trainer.grad_accum * hp.val_tokens // hp.val_batch_size
     try:
-        val_loss = trainer.validate(sched.ws_short, hp.ws_long_final_val if last else sched.ws_long)
+        val_loss = trainer.validate(sched.ws_short, hp.ws_long_final_val if last else sched.ws_long,
+                                    progress=harness.Progress(run.rank, "validation", batches))
     except harness.Interrupted as e:
         raise (harness.stopped(e.signum, f"during the final validation{saved}", e.agreed)
                if last else e)
@@ -2339,6 +2376,7 @@ def timed_loop(run: harness.Run, trainer: Trainer, checkpointer: harness.Checkpo
                                  trainer.state(start, train_ms) if saving else None)
     profiler = harness.StepProfiler(hp, run)
     clock, val_loss = TrainClock(train_ms, run.device), float("nan")
+    val_seconds = []                     # each validation's wall time, for the console's ETA
     run.log(f"phase:process_start_to_timed_loop time:{run.since_start_ms():.0f}ms")
     run.stops.defer = True               # a signal now stops the run at the next step boundary
     run.shorten_timeout()                # the ranks now run in lockstep: --loop_timeout_s
@@ -2350,7 +2388,9 @@ def timed_loop(run: harness.Run, trainer: Trainer, checkpointer: harness.Checkpo
         batch_change = trainer.advance_schedule(sched) if not last else None   # and YaRN
         if validates_at(step, total, hp.val_loss_every):
             with clock.paused(restart=not last) as ms:
+                tv = time.perf_counter()
                 val_loss = validate_in_loop(run, trainer, checkpointer, sched, step, ms, saving)
+                val_seconds.append(time.perf_counter() - tv)
             if last:
                 break
         profiler.before_step(step)
@@ -2363,8 +2403,10 @@ def timed_loop(run: harness.Run, trainer: Trainer, checkpointer: harness.Checkpo
             finite.passed(trainer.state(done, clock.now_ms()) if saving else None)
         train_loss = (trainer.mean_train_loss(loss, sched)
                       if hp.train_loss_every and done % hp.train_loss_every == 0 else None)
+        val_left = (sum(val_seconds) / len(val_seconds) if val_seconds else 0.0) * \
+            validations_left(done, total, hp.val_loss_every)
         run.log_step(done, total, clock.now_ms(), tokens_before(done, segments),
-                     tokens_before(total, segments), train_loss)
+                     tokens_before(total, segments), train_loss, val_left)
         if hp.checkpoint_every and done % hp.checkpoint_every == 0 and done < total:
             with clock.paused() as ms, run.long_timeout():
                 checkpointer.save(trainer.state(done, ms), periodic=True)
@@ -2386,12 +2428,14 @@ def train(hp: Hyperparameters, argv_text: str,
     (final val loss, train time)."""
     world_size = harness.launch_environment()[1]
     with harness.same_on_every_rank():
-        asked, hp = hp.batch_slices, slices_for(hp, world_size)
+        asked = hp
+        hp = resolve_dtype(slices_for(hp, world_size), harness.device_type(hp))
         validate_hyperparameters(hp, world_size)
-    notes = [] if hp.batch_slices == asked else [
-        f"note: {hp.batch_slices} processes, more than --batch_slices={asked}: each takes one slice "
-        f"of the batch cut {hp.batch_slices} ways, so documents are cut where {asked} slices would "
-        "not cut them (the record's exact math needs at most 8 processes; docs/multi-node.md)"]
+    notes = dtype_note(asked, hp) + ([] if hp.batch_slices == asked.batch_slices else [
+        f"note: {hp.batch_slices} processes, more than --batch_slices={asked.batch_slices}: each "
+        f"takes one slice of the batch cut {hp.batch_slices} ways, so documents are cut where "
+        f"{asked.batch_slices} slices would not cut them (the record's exact math needs at most 8 "
+        "processes; docs/multi-node.md)"])
     run = harness.open_run(hp, stops or harness.StopSignals(),
                            [*code_files(), Path(compile_split.__file__)])
     with run.failures_logged():
@@ -2414,7 +2458,7 @@ def dry_run(hp: Hyperparameters) -> None:
     """--dry_run: every check a run makes before it builds or compiles anything, printed as a
     checklist; the first failing check raises as in a real run."""
     with harness.same_on_every_rank():
-        hp = slices_for(hp, harness.launch_environment()[1])
+        hp = resolve_dtype(slices_for(hp, harness.launch_environment()[1]), harness.device_type(hp))
         validate_hyperparameters(hp, harness.launch_environment()[1])
     rank, world_size, _, device = harness.setup_distributed(hp)
     harness.dry_run_checks(hp, rank, world_size, device, checks.available_attn_backends(device),
