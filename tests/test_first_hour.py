@@ -43,8 +43,7 @@ def test_auto_dtype_is_float32_only_on_a_cpu_that_emulates_bf16(monkeypatch, pro
 def test_a_tiny_cpu_run_on_emulated_bf16_trains_in_float32_and_says_so_once(tmp_path):
     train, val = make_dataset(tmp_path / "data", train_tokens=60_000)
     args = ["--preset=tiny", f"--train_files={train}", f"--val_files={val}", "--seed=0", f"--log_dir={tmp_path}",
-            "--num_scheduled_iterations=3", "--num_extension_iterations=1", "--val_loss_every=0", "--run_id=cpu",
-            "--save_checkpoint"]
+            "--num_scheduled_iterations=3", "--num_extension_iterations=1", "--val_loss_every=0", "--run_id=cpu"]
     result = run_trainer(args, tmp_path, env={"NANOGPT_CPU_BF16": "emulated"})
     out = result.stdout + result.stderr
     assert result.returncode == 0, out
