@@ -251,7 +251,8 @@ def help_text(defaults: RunOptions, presets: dict[str, dict], script: str = "tra
         lines += textwrap.wrap(sets, 116, initial_indent=f"  {name}: ", subsequent_indent="    ")
     lines += ["",
               "exit codes: 0 done, 1 data, 2 options or environment, 3 loss not finite, "
-              "4 another rank failed, 5 a bug (the log has the traceback),",
+              "4 another rank failed, 5 a bug (the log has the traceback), 6 this rank's GPU, "
+              "driver or NCCL failed,",
               "129 SIGHUP, 130 Ctrl-C, 143 SIGTERM (docs/failures.md: When something is wrong).",
               "", f"==== the math (Hyperparameters, {script}; resume must keep these) ===="]
     lines += _field_help(type(defaults), defaults)

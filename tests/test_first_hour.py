@@ -81,3 +81,12 @@ def test_a_long_phase_ticks_on_the_console_of_rank_0_only(capsys):
     waits = harness.Progress(0, "validation", 4, every_s=3600.0)     # a phase shorter than every_s
     waits.tick(1)
     assert capsys.readouterr().out == ""
+
+
+def test_help_names_every_exit_code_the_trainer_uses():
+    text = harness.help_text(tg.Hyperparameters(), tg.PRESETS)
+    exits = " ".join(line for line in text.splitlines() if "exit codes" in line or line.startswith("129 "))
+    codes = [v for k, v in vars(harness).items() if k.startswith("EXIT_") and isinstance(v, int)]
+    assert len(codes) >= 6
+    for code in codes:
+        assert re.search(rf"(?<![0-9]){code} [a-z]", exits), (code, exits)
