@@ -369,6 +369,7 @@ def test_synthetic_determinism(vocab):
 
 
 def test_synthetic_presets(tmp_path):
+    import checks
     import train_gpt as tg
     bench = dict(train_shards=1, shard_tokens=100_000_000, val_tokens=10_485_762)
     assert syn.resolve_sizes("bench", {}) == bench
