@@ -5,6 +5,7 @@ data/cached_fineweb10B.py itself, before it looks for GPUs; offline, that downlo
 GPU check, which on a CPU (CUDA_VISIBLE_DEVICES empty) stops with its own error. With a stub Python: the process count
 refused before any download, and the torchrun arguments of several nodes."""
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -281,6 +282,39 @@ def test_train_names_the_script_torchrun_starts_and_a_missing_one_is_one_line(st
     assert result.returncode == 1 and torchrun is None and calls == "", out
     assert result.stderr.startswith("run.sh: error: TRAIN=no_such_idea.py is not a file") and \
         len(result.stderr.splitlines()) == 1, out
+
+
+# ---- the tested stack -------------------------------------------------------------------------------------------
+
+TESTED = {"torch": ("2.11", "2.13"), "triton": ("3.6", "3.9")}      # first and last tested minor versions
+
+
+def _requirements():
+    from packaging.requirements import Requirement
+    reqs = {}
+    for line in (ROOT / "requirements.txt").read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if line:
+            req = Requirement(line)
+            reqs[req.name] = req.specifier
+    return reqs
+
+
+@pytest.mark.parametrize("name", sorted(TESTED))
+def test_requirements_bound_torch_and_triton_to_the_tested_versions(name):
+    """requirements.txt (what ./run.sh installs) admits every release of the tested minor versions and nothing newer
+    or older; docs/running.md names the same range, and CI's torch pin is inside it."""
+    from packaging.version import Version
+    spec = _requirements()[name]
+    low, high = (Version(v) for v in TESTED[name])
+    inside = [f"{low}.0", f"{high}.0", f"{high}.9"]
+    outside = [f"{low.major}.{low.minor - 1}.0", f"{high.major}.{high.minor + 1}.0", f"{high.major + 1}.0.0"]
+    assert [v for v in inside if v not in spec] == [], f"requirements.txt: {name}{spec}"
+    assert [v for v in outside if v in spec] == [], f"requirements.txt: {name}{spec} admits untested versions"
+    assert f"{name} {TESTED[name][0]} to {TESTED[name][1]}" in (ROOT / "docs" / "running.md").read_text()
+    if name == "torch":
+        pin = re.search(r"pip install -q torch==(\S+)", (ROOT / ".ci" / "run").read_text()).group(1)
+        assert pin in spec, f".ci/run installs torch=={pin}, outside requirements.txt's {spec}"
 
 
 def test_run_sh_help_documents_train_and_needs_no_gpu(tree):
