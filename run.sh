@@ -4,14 +4,17 @@
 # Several nodes: the same command on each, NNODES=2 MASTER_ADDR=<an address of the first node> ./run.sh (torchrun's
 # c10d rendezvous at MASTER_ADDR:MASTER_PORT, default port 29500; every node uses NPROC GPUs, default all it has;
 # LOCAL_ADDR: this node's address as the others reach it; RDZV_TIMEOUT: seconds to wait for the slowest node).
-# Steps: check the process count, install what is missing, count the GPUs, fetch the FineWeb shards the default schedule
-# reads (unless --train_files is given), start torchrun. The data step comes before the GPU check: the download is
-# needed whatever the GPUs say, it resumes where it stopped, and a machine without a GPU can still fetch (and test) it.
+# Steps: check the process count, count the GPUs (without torch when it is not installed yet), install what is missing,
+# fetch the FineWeb shards the default schedule reads (unless --train_files is given), start torchrun. What cannot run
+# here is said first: a machine without a GPU stops before anything is installed or downloaded (the shards alone, on
+# any machine: python3 data/cached_fineweb10B.py). requirements.txt bounds torch and triton to the tested versions;
+# run.sh installs only when an import fails, so a torch installed beforehand (a newer one: untested) is used as it is.
 # TRAIN=my_idea.py ./run.sh trains a copy of train_gpt.py instead (a path from where run.sh is started, or from here).
 set -euo pipefail
 started_in=$PWD
 cd "$(dirname "$0")"
 PY=${PYTHON:-python3}
+train_named=${TRAIN:-train_gpt.py}      # as given, for the messages
 if [ -n "${TRAIN:-}" ] && [ "${TRAIN#/}" = "$TRAIN" ] && [ -f "$started_in/$TRAIN" ]; then
   TRAIN="$started_in/$TRAIN"
 fi
@@ -28,8 +31,9 @@ for arg in "$@"; do
       cat <<USAGE
 usage: [TRAIN=script.py] [NPROC=n] [NNODES=n MASTER_ADDR=host [MASTER_PORT=p] [LOCAL_ADDR=a] [RDZV_TIMEOUT=s]] \\
        ./run.sh [--name=value ...]
-Installs what is missing, fetches the FineWeb shards the default schedule reads (unless --train_files is given) and
-starts torchrun over this node's GPUs.
+Counts this node's GPUs (none: it says so and stops before it installs or fetches anything), installs what is
+missing at the tested versions (requirements.txt), fetches the FineWeb shards the default schedule reads (unless
+--train_files is given) and starts torchrun over the GPUs.
   TRAIN         the training script (default train_gpt.py; a copy of it runs itself: cp train_gpt.py my_idea.py,
                 edit, TRAIN=my_idea.py ./run.sh)
   NPROC         GPUs to use on this node (1, 2, 4 or 8; default: all, up to 8)
@@ -75,21 +79,68 @@ check_world() {
 }
 if [ -n "${NPROC:-}" ]; then check_world; fi
 
-if ! "$PY" -c "import torch, triton, numpy, tiktoken, huggingface_hub" 2>/dev/null; then
-  echo "run.sh: installing requirements ($PY -m pip install -r requirements.txt)"
-  "$PY" -m pip install -q -r requirements.txt
-fi
+# The GPUs are counted before anything is installed or downloaded: none at all ends run.sh here (a dry run too: its
+# checks are the GPU run's). With torch importable, torch counts; before torch is installed, the driver does
+# (nvidia-smi -L, else the /dev/nvidia<n> device files), CUDA_VISIBLE_DEVICES empty meaning none, and torch counts
+# again after the install. Without NPROC, the count sets the processes per node that check_world must see.
+count_gpus_with_torch() {
+  "$PY" -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)" 2>/dev/null
+}
+count_gpus_without_torch() {      # sets NGPU, and why_none for when it is 0
+  local d
+  NGPU=0
+  if command -v nvidia-smi >/dev/null 2>&1; then
+    NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ') || NGPU=0
+    why_none="nvidia-smi -L lists none"
+  else
+    for d in /dev/nvidia[0-9]*; do [ -e "$d" ] && NGPU=$((NGPU + 1)); done
+    why_none="no nvidia-smi and no /dev/nvidia<n> device"
+  fi
+  if hidden; then NGPU=0; why_none="CUDA_VISIBLE_DEVICES='$CUDA_VISIBLE_DEVICES' selects none"; fi
+}
+hidden() {        # CUDA_VISIBLE_DEVICES selects no GPU (a list of ids narrows the count: torch's count says how far)
+  [ -n "${CUDA_VISIBLE_DEVICES+set}" ] && case "$CUDA_VISIBLE_DEVICES" in ''|-*) true ;; *) false ;; esac
+}
+no_gpu() {
+  echo "run.sh: error: no CUDA GPU found ($1); to train on this machine's CPU, see the README's" \
+       "\"Try it on a CPU\": python3 $train_named --preset=tiny --train_files=... --val_files=..." >&2
+  exit 1
+}
+torch_counted=yes
+why_none="torch sees none: check nvidia-smi and CUDA_VISIBLE_DEVICES"
+if hidden; then why_none="CUDA_VISIBLE_DEVICES='$CUDA_VISIBLE_DEVICES' selects none"; fi
+if ! NGPU=$(count_gpus_with_torch); then torch_counted=no; count_gpus_without_torch; fi
+case "$NGPU" in ''|*[!0-9]*) NGPU=0 ;; esac
+if [ "$NGPU" -eq 0 ]; then no_gpu "$why_none; nothing was installed or downloaded"; fi
 
-# The GPUs are counted before the data step because, without NPROC, their count sets the processes per node that
-# check_world must see before anything is downloaded (no GPU at all is reported after the data step, as said on top).
-NGPU=$("$PY" -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)" 2>/dev/null || echo 0)
-if [ -z "${NPROC:-}" ] && [ "$NGPU" -gt 0 ]; then
+REQUIRED="torch, triton, numpy, tiktoken, huggingface_hub"
+if ! "$PY" -c "import $REQUIRED" 2>/dev/null; then
+  echo "run.sh: $PY cannot import one of $REQUIRED: installing them at the versions the project tests" \
+       "(requirements.txt bounds torch and triton; torch with its CUDA libraries is a few GB):" \
+       "$PY -m pip install -r requirements.txt"
+  "$PY" -m pip install -r requirements.txt
+  if ! "$PY" -c "import $REQUIRED" 2>/dev/null; then
+    echo "run.sh: error: after installing requirements.txt, $PY still cannot import one of $REQUIRED" \
+         "(see: $PY -c 'import $REQUIRED')" >&2
+    exit 1
+  fi
+fi
+if [ "$torch_counted" = no ]; then       # the driver's count was only 'some': torch's is the one torchrun sees
+  before=$NGPU
+  NGPU=$(count_gpus_with_torch) || NGPU=0
+  case "$NGPU" in ''|*[!0-9]*) NGPU=0 ;; esac
+  if [ "$NGPU" -eq 0 ]; then
+    no_gpu "the driver lists $before, but the torch just installed sees none: a CPU build? CUDA_VISIBLE_DEVICES?"
+  fi
+fi
+if [ -z "${NPROC:-}" ]; then
   for n in 8 4 2 1; do if [ "$NGPU" -ge "$n" ]; then NPROC=$n; break; fi; done
   if [ "$NPROC" -ne "$NGPU" ]; then
     echo "run.sh: $NGPU GPUs found; using $NPROC (the GPU count must divide 8). Set NPROC to choose."
   fi
   check_world
 fi
+if [ "$NPROC" -gt "$NGPU" ]; then echo "run.sh: error: NPROC=$NPROC but only $NGPU GPU(s) found" >&2; exit 1; fi
 
 # Data: the default globs read data/fineweb10B/; --train_files (and --val_files) point elsewhere and skip this step.
 own_data=no; fetch=yes
@@ -123,13 +174,6 @@ print(f'{len(bad)} of the {len(names)}')" 2>/dev/null) || missing="some of the"
     fi
   fi
 fi
-
-if [ "$NGPU" -eq 0 ]; then
-  echo "run.sh: error: no CUDA GPU found (check nvidia-smi and CUDA_VISIBLE_DEVICES)." >&2
-  echo "  To try the trainer on a CPU: python3 train_gpt.py --preset=tiny --train_files=... --val_files=... (see README)" >&2
-  exit 1
-fi
-if [ "$NPROC" -gt "$NGPU" ]; then echo "run.sh: error: NPROC=$NPROC but only $NGPU GPU(s) found" >&2; exit 1; fi
 
 export PYTORCH_ALLOC_CONF=${PYTORCH_ALLOC_CONF:-expandable_segments:True}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}   # what torchrun gives its processes anyway, without its banner

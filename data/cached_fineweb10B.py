@@ -119,9 +119,15 @@ def fetch_shard(name: str, out_dir: str, fetch: Callable[[str, str], str], attem
     raise DownloadError(f"could not download {name} after {attempts} attempts: {last_error}. {hint}")
 
 
+def log_now(line: str) -> None:
+    """A progress line, shown at once even when stdout is a pipe (./run.sh | tee out.txt)."""
+    print(line, flush=True)
+
+
 def download(num_train: int, out_dir: str, fetch: Callable[[str, str], str] = hf_fetch, attempts: int = 3,
-             sleep: Callable[[float], None] | None = None, log: Callable[[str], None] = print) -> list[str]:
-    """Make out_dir hold valid copies of the val shard and train shards 1..num_train; returns their paths.
+             sleep: Callable[[float], None] | None = None, log: Callable[[str], None] = log_now) -> list[str]:
+    """Make out_dir hold valid copies of the val shard and train shards 1..num_train; returns their paths. Says one
+    line per shard before it (present, replaced or downloading) and one after each download (its size and time).
     fetch, sleep and log are injectable for tests (no network)."""
     sleep = sleep or time.sleep
     try:
@@ -146,7 +152,10 @@ def download(num_train: int, out_dir: str, fetch: Callable[[str, str], str] = hf
             os.remove(final)
         else:
             log(f"[{i}/{len(names)}] {name}: downloading")
+        t0 = time.perf_counter()
         fetch_shard(name, out_dir, fetch, attempts, sleep, log)
+        log(f"[{i}/{len(names)}] {name}: done ({os.path.getsize(final) / 1e6:.0f} MB in "
+            f"{time.perf_counter() - t0:.0f}s)")
     return [os.path.join(out_dir, name) for name in names]
 
 

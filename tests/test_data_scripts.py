@@ -3,6 +3,7 @@
 import errno
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -143,6 +144,18 @@ def test_download_all(tmp_path):
     for name in names:
         assert (tmp_path / name).read_bytes() == shard_bytes(100, seed=len(name))
     assert sleeps == []
+
+
+def test_download_says_a_line_per_shard_as_it_starts_and_ends(tmp_path, capsys):
+    """The progress a download shows (./run.sh runs it): a line before each shard and one after each download."""
+    write_shard(str(tmp_path / "fineweb_val_000000.bin"), [1, 2, 3])
+    assert fineweb.main(["2", "--dir", str(tmp_path)], fetch=FakeHub()) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "[1/3] fineweb_val_000000.bin: present and valid, skipped"
+    for i, name in ((2, "fineweb_train_000001.bin"), (3, "fineweb_train_000002.bin")):
+        at = lines.index(f"[{i}/3] {name}: downloading")
+        assert re.fullmatch(rf"\[{i}/3\] {name}: done \(0 MB in \d+s\)", lines[at + 1]), lines
+    assert lines[-1].startswith(f"3 shards ready in {tmp_path}")
 
 
 def test_skip_valid_and_replace_invalid(tmp_path):
@@ -369,6 +382,7 @@ def test_synthetic_determinism(vocab):
 
 
 def test_synthetic_presets(tmp_path):
+    import checks
     import train_gpt as tg
     bench = dict(train_shards=1, shard_tokens=100_000_000, val_tokens=10_485_762)
     assert syn.resolve_sizes("bench", {}) == bench

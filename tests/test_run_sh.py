@@ -1,10 +1,14 @@
-"""run.sh's data step, on a CPU and without network: run.sh and the data scripts are copied into a temporary folder
-(so the checkout's data/fineweb10B/ is never touched) and run there. With the default data missing, run.sh runs
-data/cached_fineweb10B.py itself, before it looks for GPUs; offline, that download fails and run.sh ends with one
-`run.sh: error:` line naming the synthetic smoke run. With the shards present it downloads nothing and goes on to the
-GPU check, which on a CPU (CUDA_VISIBLE_DEVICES empty) stops with its own error. With a stub Python: the process count
-refused before any download, and the torchrun arguments of several nodes."""
+"""run.sh on a CPU and without network: run.sh and the data scripts are copied into a temporary folder (so the
+checkout's data/fineweb10B/ is never touched) and run there. What cannot run here is said first: a machine without a
+GPU (CUDA_VISIBLE_DEVICES empty, or no driver and no torch yet) is refused with one `run.sh: error:` line naming "Try
+it on a CPU", before anything is installed or downloaded. With GPUs (a PYTHON whose GPU count says so) and the default
+data missing, run.sh runs data/cached_fineweb10B.py itself; offline, that download fails and run.sh ends with one
+`run.sh: error:` line naming the synthetic smoke run. With a stub Python: the install of a bare machine (with
+progress, the tested versions), the process count refused before any download, and the torchrun arguments of several
+nodes. requirements.txt bounds torch and triton to the tested versions."""
+import glob
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -53,8 +57,11 @@ def write_default_shards(tree, names):
         write_shard(folder / name, tokens)
 
 
-def run_sh(tree, *args):
-    env = dict(os.environ, PYTHON=sys.executable, CUDA_VISIBLE_DEVICES="", HF_HUB_OFFLINE="1",
+def run_sh(tree, *args, gpus=None):
+    """run.sh offline on a CPU; gpus: a PYTHON whose GPU count says that many (the real Python for the rest)."""
+    from _shards import python_with_gpus
+    python = sys.executable if gpus is None else str(python_with_gpus(tree, gpus))
+    env = dict(os.environ, PYTHON=python, CUDA_VISIBLE_DEVICES="", HF_HUB_OFFLINE="1",
                HF_ENDPOINT="http://127.0.0.1:9", PYTHONUNBUFFERED="1")
     env.pop("NPROC", None)
     result = subprocess.run(["bash", str(tree / "run.sh"), *args], cwd=tree, env=env, capture_output=True, text=True,
@@ -63,7 +70,7 @@ def run_sh(tree, *args):
 
 
 def test_offline_download_fails_with_one_error_line_naming_the_synthetic_run(tree):
-    result, out = run_sh(tree)
+    result, out = run_sh(tree, gpus=1)
     assert result.returncode == 1, out
     assert "Traceback" not in out
     errors = [line for line in out.splitlines() if line.startswith("run.sh: error:")]
@@ -72,7 +79,7 @@ def test_offline_download_fails_with_one_error_line_naming_the_synthetic_run(tre
     for command in SYNTHETIC_RUN:
         assert command in errors[0]
     assert "data/cached_fineweb10B.py" in out         # run.sh said what it runs
-    assert "no CUDA GPU" not in out                   # the data step came first
+    assert "no CUDA GPU" not in out
     # nothing under a shard's name, no temporary folder left behind
     assert [p.name for p in (tree / "data" / "fineweb10B").iterdir()] == []
 
@@ -80,29 +87,21 @@ def test_offline_download_fails_with_one_error_line_naming_the_synthetic_run(tre
 def test_partial_data_fetches_only_what_is_missing(tree):
     names = default_shard_names()
     write_default_shards(tree, names[:3])               # the val shard and train shards 1 and 2
-    result, out = run_sh(tree)
+    result, out = run_sh(tree, gpus=1)
     assert result.returncode == 1, out
     assert f"lacks {len(names) - 3} of the {len(names)} shards" in out
     assert f"{names[0]}: present and valid, skipped" in out
-    assert f"{names[3]}: downloading" in out
+    assert f"[4/{len(names)}] {names[3]}: downloading" in out     # a line per shard, as it starts
     assert sum(line.startswith("run.sh: error:") for line in out.splitlines()) == 1, out
     assert "Traceback" not in out
 
 
-def test_data_present_goes_on_to_the_gpu_check_without_downloading(tree):
-    write_default_shards(tree, default_shard_names())
-    result, out = run_sh(tree)
+def test_a_cpu_machine_with_torch_is_refused_before_the_data_step(tree):
+    """torch installed, CUDA_VISIBLE_DEVICES empty: one line pointing at Try it on a CPU; nothing is fetched."""
+    result, out = run_sh(tree)                        # no shards at all
     assert result.returncode == 1, out
-    assert "run.sh: error: no CUDA GPU found" in out
-    assert "cached_fineweb10B" not in out and "downloading" not in out
-    assert "Traceback" not in out
-
-
-@pytest.mark.parametrize("args", [("--train_files=elsewhere/fineweb_train_*.bin",), ("--dry_run",)])
-def test_own_data_or_a_dry_run_skips_the_data_step(tree, args):
-    result, out = run_sh(tree, *args)                 # no shards at all
-    assert result.returncode == 1, out
-    assert "run.sh: error: no CUDA GPU found" in out
+    assert out.splitlines() == [out.strip()] and out.startswith("run.sh: error: no CUDA GPU found ("), out
+    assert "\"Try it on a CPU\": python3 train_gpt.py --preset=tiny" in out
     assert "cached_fineweb10B" not in out and "downloading" not in out
     assert not (tree / "data" / "fineweb10B").exists()
 
@@ -275,11 +274,174 @@ def test_train_names_the_script_torchrun_starts_and_a_missing_one_is_one_line(st
                                                TRAIN="my_idea.py")
     assert result.returncode == 0 and torchrun is not None, out
     assert torchrun[-2:] == [str(stub_python / "my_idea.py"), "--train_files=elsewhere/fineweb_train_*.bin"]
-    (stub_python / "calls.txt").unlink(missing_ok=True)
+    for left in ("calls.txt", "torchrun.txt"):                  # the first run's
+        (stub_python / left).unlink(missing_ok=True)
     result, out, calls, torchrun = run_stubbed(stub_python, 8, TRAIN="no_such_idea.py")
     assert result.returncode == 1 and torchrun is None and calls == "", out
     assert result.stderr.startswith("run.sh: error: TRAIN=no_such_idea.py is not a file") and \
         len(result.stderr.splitlines()) == 1, out
+
+
+def test_data_present_starts_torchrun_without_downloading(stub_python):
+    write_default_shards(stub_python, default_shard_names())
+    result, out, calls, torchrun = run_stubbed(stub_python, 1)
+    assert result.returncode == 0 and torchrun is not None, out
+    assert "data/cached_fineweb10B.py" not in calls and "downloading" not in out and "fetching" not in out
+    assert "--nproc_per_node=1" in torchrun and torchrun[-1] == "train_gpt.py"
+
+
+@pytest.mark.parametrize("args", [("--train_files=elsewhere/fineweb_train_*.bin",), ("--dry_run",)])
+def test_own_data_or_a_dry_run_skips_the_data_step(stub_python, args):
+    result, out, calls, torchrun = run_stubbed(stub_python, 1, *args)      # no shards at all
+    assert result.returncode == 0 and torchrun is not None, out
+    assert torchrun[-1] == args[0]
+    assert "cached_fineweb10B" not in calls and "downloading" not in out
+    assert not (stub_python / "data" / "fineweb10B").exists()
+
+
+# ---- a bare machine: no torch yet (a stub Python whose torch imports fail until its pip has run) -------------------
+
+NO_DRIVER = ("NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. Make sure that the "
+             "latest NVIDIA driver is installed and running.", 9)
+TWO_GPUS = ("GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-0)\nGPU 1: NVIDIA H100 80GB HBM3 (UUID: GPU-1)", 0)
+
+
+@pytest.fixture
+def bare_python(tree):
+    """A PYTHON without torch: every `-c` that imports torch fails until `-m pip` has run (which records itself and
+    "installs"); after it, the GPU count says FAKE_GPUS. It records each call in calls.txt, fails the download and,
+    as torchrun, writes its arguments to torchrun.txt; anything else runs in the real Python."""
+    stub = tree / "python"
+    stub.write_text("#!/usr/bin/env bash\n"
+                    f'echo "$*" >> {tree / "calls.txt"}\n'
+                    f'if [ "$1" = -m ] && [ "$2" = pip ]; then touch {tree / "installed"}; exit 0; fi\n'
+                    'if [ "$1" = -c ] && [[ "$2" == *"import torch"* ]]; then\n'
+                    f'  [ -e {tree / "installed"} ] || exit 1\n'
+                    '  if [[ "$2" == *device_count* ]]; then echo "$FAKE_GPUS"; fi; exit 0\n'
+                    'fi\n'
+                    'if [ "$1" = data/cached_fineweb10B.py ]; then exit 1; fi\n'
+                    f'if [ "$1" = -m ] && [ "$2" = torch.distributed.run ]; then shift 2; '
+                    f'printf "%s\\n" "$@" > {tree / "torchrun.txt"}; exit 0; fi\n'
+                    f'exec {sys.executable} "$@"\n')
+    stub.chmod(0o755)
+    return tree
+
+
+def run_bare(tree, nvidia_smi, *args, gpus_after_install=0, **env):
+    """run.sh with the bare stub Python; nvidia_smi: (its output, exit code) for a fake nvidia-smi first on PATH, or
+    None for none at all (skipped where the machine has one, or /dev/nvidia<n> devices). CUDA_VISIBLE_DEVICES only
+    as env says. Returns what run_stubbed returns."""
+    bin_dir = tree / "bin"
+    bin_dir.mkdir()
+    if nvidia_smi is None:
+        if shutil.which("nvidia-smi") or glob.glob("/dev/nvidia[0-9]*"):
+            pytest.skip("this machine has nvidia-smi or an NVIDIA device")
+    else:
+        text, code = nvidia_smi
+        (bin_dir / "nvidia-smi").write_text(f"#!/usr/bin/env bash\nprintf '%b\\n' '{text}'\nexit {code}\n")
+        (bin_dir / "nvidia-smi").chmod(0o755)
+    env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", **env}
+    if "CUDA_VISIBLE_DEVICES" not in env:
+        env["CUDA_VISIBLE_DEVICES"] = None
+    full = dict(os.environ, PYTHON=str(tree / "python"), FAKE_GPUS=str(gpus_after_install))
+    for name in ("NPROC", "NNODES", "MASTER_ADDR", "MASTER_PORT", "LOCAL_ADDR", "RDZV_TIMEOUT", "RDZV_ID", "TRAIN"):
+        full.pop(name, None)
+    for name, value in env.items():
+        if value is None:
+            full.pop(name, None)
+        else:
+            full[name] = value
+    result = subprocess.run(["bash", str(tree / "run.sh"), *args], cwd=tree, env=full, capture_output=True, text=True,
+                            timeout=HANG_GUARD_S)
+    calls = (tree / "calls.txt").read_text() if (tree / "calls.txt").exists() else ""
+    torchrun = (tree / "torchrun.txt").read_text().splitlines() if (tree / "torchrun.txt").exists() else None
+    return result, result.stdout + result.stderr, calls, torchrun
+
+
+@pytest.mark.parametrize("nvidia_smi, env, args, why, script", [
+    (NO_DRIVER, {}, (), "nvidia-smi -L lists none", "train_gpt.py"),
+    (None, {}, (), "no nvidia-smi and no /dev/nvidia<n> device", "train_gpt.py"),
+    (TWO_GPUS, {"CUDA_VISIBLE_DEVICES": ""}, (), "CUDA_VISIBLE_DEVICES='' selects none", "train_gpt.py"),
+    (NO_DRIVER, {}, ("--dry_run",), "nvidia-smi -L lists none", "train_gpt.py"),     # a dry run's checks need GPUs
+    (NO_DRIVER, {"TRAIN": "my_idea.py"}, (), "nvidia-smi -L lists none", "my_idea.py"),
+])
+def test_a_bare_machine_without_a_gpu_is_refused_before_any_install_or_download(bare_python, nvidia_smi, env, args,
+                                                                                 why, script):
+    if "TRAIN" in env:
+        shutil.copy2(bare_python / "train_gpt.py", bare_python / script)
+    result, out, calls, torchrun = run_bare(bare_python, nvidia_smi, *args, **env)
+    assert result.returncode == 1, out
+    assert out.splitlines() == [out.strip()], out                   # one line, and nothing else
+    assert out.startswith(f"run.sh: error: no CUDA GPU found ({why}; nothing was installed or downloaded); "), out
+    assert out.rstrip().endswith(f"see the README's \"Try it on a CPU\": python3 {script} --preset=tiny "
+                                 f"--train_files=... --val_files=..."), out
+    assert "pip" not in calls and "cached_fineweb10B" not in calls and torchrun is None, calls
+    assert not (bare_python / "data" / "fineweb10B").exists()
+
+
+def test_a_bare_machine_with_gpus_installs_the_requirements_with_progress_then_fetches(bare_python):
+    """The driver lists 2 GPUs, torch is missing: run.sh says what it installs and why, runs pip without -q (its
+    progress shows), counts again with torch, and only then goes on to the data step."""
+    result, out, calls, torchrun = run_bare(bare_python, TWO_GPUS, gpus_after_install=2)
+    assert result.returncode == 1 and torchrun is None, out                  # the stub's download fails
+    calls = calls.splitlines()
+    pips = [c for c in calls if c.startswith("-m pip")]
+    assert pips == ["-m pip install -r requirements.txt"], calls              # once, and not quiet
+    assert calls.index(pips[0]) < calls.index("data/cached_fineweb10B.py"), calls
+    said = [line for line in out.splitlines() if "pip install -r requirements.txt" in line]
+    assert len(said) == 1 and said[0].startswith("run.sh: ") and "cannot import" in said[0] \
+        and "the versions the project tests" in said[0], out
+    errors = [line for line in out.splitlines() if line.startswith("run.sh: error:")]
+    assert len(errors) == 1 and "could not be downloaded" in errors[0], out
+
+
+def test_a_cpu_build_installed_on_a_gpu_machine_is_one_line(bare_python):
+    result, out, calls, torchrun = run_bare(bare_python, TWO_GPUS, "--train_files=elsewhere/fineweb_train_*.bin",
+                                            gpus_after_install=0)
+    assert result.returncode == 1 and torchrun is None, out
+    errors = [line for line in out.splitlines() if "error:" in line]
+    assert len(errors) == 1 and errors[0].startswith("run.sh: error: no CUDA GPU found (the driver lists 2, but the "
+                                                     "torch just installed sees none"), out
+
+
+def test_a_bare_machine_with_gpus_and_its_own_data_starts_torchrun_on_torchs_count(bare_python):
+    result, out, calls, torchrun = run_bare(bare_python, TWO_GPUS, "--train_files=elsewhere/fineweb_train_*.bin",
+                                            gpus_after_install=2)
+    assert result.returncode == 0 and torchrun is not None, out
+    assert "--nproc_per_node=2" in torchrun and "-m pip install -r requirements.txt" in calls
+
+
+# ---- the tested stack -------------------------------------------------------------------------------------------
+
+TESTED = {"torch": ("2.11", "2.13"), "triton": ("3.6", "3.9")}      # first and last tested minor versions
+
+
+def _requirements():
+    from packaging.requirements import Requirement
+    reqs = {}
+    for line in (ROOT / "requirements.txt").read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if line:
+            req = Requirement(line)
+            reqs[req.name] = req.specifier
+    return reqs
+
+
+@pytest.mark.parametrize("name", sorted(TESTED))
+def test_requirements_bound_torch_and_triton_to_the_tested_versions(name):
+    """requirements.txt (what ./run.sh installs) admits every release of the tested minor versions and nothing newer
+    or older; docs/running.md names the same range, and CI's torch pin is inside it."""
+    from packaging.version import Version
+    spec = _requirements()[name]
+    low, high = (Version(v) for v in TESTED[name])
+    inside = [f"{low}.0", f"{high}.0", f"{high}.9"]
+    outside = [f"{low.major}.{low.minor - 1}.0", f"{high.major}.{high.minor + 1}.0", f"{high.major + 1}.0.0"]
+    assert [v for v in inside if v not in spec] == [], f"requirements.txt: {name}{spec}"
+    assert [v for v in outside if v in spec] == [], f"requirements.txt: {name}{spec} admits untested versions"
+    assert f"{name} {TESTED[name][0]} to {TESTED[name][1]}" in (ROOT / "docs" / "running.md").read_text()
+    if name == "torch":
+        pin = re.search(r"pip install -q torch==(\S+)", (ROOT / ".ci" / "run").read_text()).group(1)
+        assert pin in spec, f".ci/run installs torch=={pin}, outside requirements.txt's {spec}"
 
 
 def test_run_sh_help_documents_train_and_needs_no_gpu(tree):
