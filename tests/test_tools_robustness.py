@@ -663,6 +663,8 @@ def test_repeat_default_launcher_is_run_sh_only_where_there_are_gpus(tmp_path, c
     assert repeat.default_launcher(0, "my_idea.py", str(tmp_path)) == (
         [sys.executable, str(tmp_path / "my_idea.py")], note.replace("train_gpt.py", str(tmp_path / "my_idea.py")))
     assert repeat.default_launcher(0, "copies/b.py", str(tmp_path))[0] == [sys.executable, "copies/b.py"]
+    (tmp_path / "train_gpt.py").write_text("")              # without TRAIN, the repository's trainer, as in run.sh
+    assert repeat.default_launcher(0, "", str(tmp_path)) == (launcher, note)
 
     def no_probe():
         raise AssertionError("a --launcher given: no GPU count needed")

@@ -72,8 +72,8 @@ def default_launcher(gpus: int, train: str, cwd: str) -> tuple[list[str], str]:
     if gpus > 0:
         return ["./run.sh"], ""
     script = train or "train_gpt.py"
-    if not os.path.isabs(script) and os.path.isfile(os.path.join(cwd, script)):
-        script = os.path.abspath(os.path.join(cwd, script))
+    if train and not os.path.isabs(train) and os.path.isfile(os.path.join(cwd, train)):
+        script = os.path.abspath(os.path.join(cwd, train))
     launcher = [sys.executable, script]
     return launcher, (f"repeat: note: no CUDA GPU found, so each run starts as `{shlex.join(launcher)}` (one "
                       f"process) rather than ./run.sh, which needs GPUs; --launcher chooses the command")
