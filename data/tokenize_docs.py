@@ -22,7 +22,8 @@ Validation split: --val_docs K puts the first K documents in val; otherwise --va
 document i in val when floor((i+1)*F) > floor(i*F), i.e. every 1/F-th document, spread evenly and deterministic.
 
 Encodings: gpt2 (tiktoken; its BPE files are downloaded once into tiktoken's cache, so it needs the network or a
-filled TIKTOKEN_CACHE_DIR) or bytes (offline: ids 0..255 are the UTF-8 bytes, 50256 is <|endoftext|>).
+folder holding them as TIKTOKEN_CACHE_DIR; offline, one error line names the folder and the files it lacks) or bytes
+(offline: ids 0..255 are the UTF-8 bytes, 50256 is <|endoftext|>).
 """
 import argparse
 import glob
@@ -43,6 +44,45 @@ ENCODE_BATCH_DOCS = 512           # documents handed to tiktoken per call (it en
 _GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
 
+# tiktoken's gpt2 encoding is two files, downloaded once into tiktoken's cache folder under the sha1 of their address
+# (tiktoken_ext/openai_public.py gpt2, tiktoken/load.py read_file_cached)
+GPT2_FILES = {"vocab.bpe": "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/vocab.bpe",
+              "encoder.json": "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/encoder.json"}
+
+
+def tiktoken_cache_dir() -> str:
+    """The folder tiktoken caches its downloads in, as tiktoken/load.py picks it: $TIKTOKEN_CACHE_DIR, else
+    $DATA_GYM_CACHE_DIR, else <the temporary folder>/data-gym-cache ("" turns the cache off)."""
+    import tempfile
+    for var in ("TIKTOKEN_CACHE_DIR", "DATA_GYM_CACHE_DIR"):
+        if var in os.environ:
+            return os.environ[var]
+    return os.path.join(tempfile.gettempdir(), "data-gym-cache")
+
+
+def gpt2_unavailable(e: BaseException) -> str:
+    """The one error line for a gpt2 encoding tiktoken could not load (offline: not cached, no download): what is
+    missing where, and the fixes."""
+    import hashlib
+    first = (f"{type(e).__name__}: {e}".strip().splitlines() or [""])[0]
+    cause = first if len(first) <= 120 else first[:117] + "..."
+    cache = tiktoken_cache_dir()
+    if not cache:
+        return (f"error: cannot load tiktoken's gpt2 encoding ({cause}): TIKTOKEN_CACHE_DIR is empty, which turns "
+                f"tiktoken's cache off; set it to a folder holding the cached files, or use --encoding=bytes "
+                f"(offline, byte-level ids)")
+    missing = [f"{key} ({name})" for name, key in ((name, hashlib.sha1(url.encode()).hexdigest())
+                                                   for name, url in GPT2_FILES.items())
+               if not os.path.isfile(os.path.join(cache, key))]
+    if not missing:
+        return (f"error: cannot load tiktoken's gpt2 encoding ({cause}) although its cache {cache} holds its files; "
+                f"delete them and run this once with the network on, or use --encoding=bytes (offline, byte-level ids)")
+    return (f"error: cannot load tiktoken's gpt2 encoding ({cause}): it is downloaded once into tiktoken's cache, "
+            f"and {cache} lacks {' and '.join(missing)}; run this once with the network on, or set "
+            f"TIKTOKEN_CACHE_DIR to a folder holding those files (copied from a machine's filled cache), or use "
+            f"--encoding=bytes (offline, byte-level ids)")
+
+
 def get_encoding(name: str):
     """A tiktoken Encoding: "gpt2" (needs its BPE files) or "bytes" (256 byte tokens + <|endoftext|> = 50256)."""
     import tiktoken
@@ -55,9 +95,7 @@ def get_encoding(name: str):
     try:
         return tiktoken.get_encoding("gpt2")
     except Exception as e:  # noqa: BLE001 (network errors come in many types)
-        raise SystemExit(f"error: could not load tiktoken's gpt2 encoding ({type(e).__name__}: {e}). It is "
-                         f"downloaded once into tiktoken's cache: connect to the network, or copy a filled cache and "
-                         f"set TIKTOKEN_CACHE_DIR, or use --encoding=bytes (offline, byte-level ids)") from None
+        raise SystemExit(gpt2_unavailable(e)) from None
 
 
 def input_files(paths: Iterable[str]) -> list[str]:

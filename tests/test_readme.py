@@ -119,3 +119,14 @@ def test_the_readme_tool_commands_name_the_tools_options(tool):
         assert unknown == [], f"tools/{tool}.py has no {unknown} (its options: {sorted(known)})"
         if trainer:
             tg.parse_args(trainer)
+
+
+def test_the_tools_section_installs_the_tools_dependencies_in_one_line():
+    """README, Tools: one command installs what tools/*.py need (tools/requirements.txt, which
+    tests/test_tools_robustness.py checks against the tools' imports), and docs/tools.md gives the same line."""
+    line = "python3 -m pip install -r tools/requirements.txt"
+    text = README.read_text(encoding="utf-8")
+    tools = text[text.index("\n## Tools\n"):].split("\n## ")[1]
+    assert f"\n{line}\n" in tools, "README.md, Tools: the tools' install line, alone on a line of a code block"
+    assert (ROOT / "tools" / "requirements.txt").is_file()
+    assert line in (ROOT / "docs" / "tools.md").read_text(encoding="utf-8")

@@ -143,3 +143,68 @@ def test_sampler_refuses_a_seed_torch_cannot_take(tmp_path, capsys):
         sample.main([f"--checkpoint={tmp_path}/x.pt", f"--seed={2**64}"])
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: --seed="), err
+
+
+OFFLINE = '''
+import socket
+def _offline(*args, **kwargs):
+    raise socket.gaierror(-2, "Name or service not known (offline: simulated by the test)")
+socket.getaddrinfo = _offline
+socket.create_connection = _offline
+socket.socket.connect = _offline
+'''
+
+
+# tiktoken's names for the gpt2 encoding's two files (vocab.bpe, encoder.json) in its cache: the sha1 of each one's
+# address (https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/<file>, tiktoken_ext/openai_public.py)
+GPT2_CACHE_NAMES = ["6d1cbeee0f20b3d9449abfede4726ed8212e3aee", "6c7ea1a7e38e3a7f062df639a5b80947f075ffe6"]
+
+
+def test_sampler_offline_names_the_cache_folder_its_files_and_the_fixes(tmp_path):
+    """No network (a sitecustomize refuses every connection) and an empty tiktoken cache: the gpt2 encoding cannot
+    load. One error line (exit 1, no traceback) names the cache folder, the two files it lacks, and the fixes: run
+    once online, TIKTOKEN_CACHE_DIR, --encoding=bytes."""
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(OFFLINE)
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", TIKTOKEN_CACHE_DIR=str(cache),
+               PYTHONPATH=os.pathsep.join([str(tmp_path / "site"), os.environ.get("PYTHONPATH", "")]))
+    tiny_state(tmp_path / "s.pt")
+    p = subprocess.run([sys.executable, str(ROOT / "tools" / "sample.py"), f"--checkpoint={tmp_path}/s.pt",
+                        "--max_new_tokens=1"], cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
+    assert "Traceback" not in p.stderr and p.stdout == "", p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 1 and len(lines) == 1, (p.returncode, p.stderr)
+    line = lines[0]
+    vocab, encoder = GPT2_CACHE_NAMES
+    for words in (f"{cache} lacks {vocab} (vocab.bpe) and {encoder} (encoder.json)",
+                  "run this once with the network", "set TIKTOKEN_CACHE_DIR to a folder holding those files",
+                  "--encoding=bytes"):
+        assert words in line, (words, line)
+    assert line.startswith("error: cannot load tiktoken's gpt2 encoding (ConnectionError: "), line
+
+
+def test_the_offline_error_names_the_files_tiktoken_reads(tmp_path, monkeypatch):
+    """The cache names the error gives are the ones the installed tiktoken looks for: it reads GPT2_FILES' addresses
+    and keeps each under the sha1 of its address in TIKTOKEN_CACHE_DIR."""
+    import hashlib
+    import tiktoken
+    import tiktoken.load
+    import tokenize_docs
+    read = []
+
+    def offline(blobpath):
+        read.append(blobpath)
+        raise ConnectionError("offline")
+    monkeypatch.setattr(tiktoken.load, "read_file", offline)
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))
+    with pytest.raises(SystemExit) as e:
+        tokenize_docs.get_encoding("gpt2")
+    assert read and set(read) <= set(tokenize_docs.GPT2_FILES.values()), read
+    assert [hashlib.sha1(url.encode()).hexdigest() for url in tokenize_docs.GPT2_FILES.values()] == GPT2_CACHE_NAMES
+    assert str(e.value).startswith("error: cannot load tiktoken's gpt2 encoding (ConnectionError: offline)")
+    assert f"{tmp_path} lacks {' (vocab.bpe) and '.join(GPT2_CACHE_NAMES)} (encoder.json)" in str(e.value)
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", "")                       # tiktoken's cache turned off
+    with pytest.raises(SystemExit, match="TIKTOKEN_CACHE_DIR is empty, which turns tiktoken's cache off"):
+        tokenize_docs.get_encoding("gpt2")

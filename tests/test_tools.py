@@ -208,3 +208,62 @@ def test_tools_reject_bad_input_with_one_error_line(tmp_path, capsys):
     assert plot.main([log, f"--out={tmp_path / 'c.svg'}"]) == 0 and (tmp_path / "c.svg").read_text().count("<svg")
     assert repeat.main(["--runs=1", "--launcher=/nonexistent/launcher", "--", "--preset=tiny"]) == 2
     assert capsys.readouterr().err.splitlines()[-1].startswith("error: cannot start /nonexistent/launcher")
+
+
+def tiny_run_log(tmp_path, name="tiny"):
+    """A tiny CPU run's log (README, Try it on a CPU): 10.8 untrained, then 9.5 down to 7.0, far above 3.28."""
+    return write_log(tmp_path / f"{name}.txt", [(0, 10.8258, 0.0), (8, 9.5, 12.0), (16, 8.4, 24.0), (24, 7.6, 36.0),
+                                               (26, 7.0, 39.0)], total=26)
+
+
+def target_lines(ax, target):
+    return [line for line in ax.get_lines() if len(line.get_ydata()) and set(line.get_ydata()) == {target}]
+
+
+def legend_texts(fig):
+    return [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+
+
+def test_plot_scales_to_a_tiny_runs_losses_and_says_the_target_is_off_the_scale(tmp_path):
+    """9.5 -> 7.0 fills the loss axis: 3.28 is neither in its range nor drawn, and the legend says it is off the
+    scale. The untrained first validation (10.8) stays above the axis, as before."""
+    import matplotlib.pyplot as plt
+    data = plot.curves([runlogs.read_run(tiny_run_log(tmp_path))])
+    fig = plot.figure(data, 3.28, "tiny")
+    try:
+        for ax in fig.axes:
+            low, high = ax.get_ylim()
+            assert 6.5 < low <= 7.0 and 9.5 <= high < 10.0, (low, high)
+            assert target_lines(ax, 3.28) == []
+        assert "target 3.28: off the scale (below these losses)" in legend_texts(fig)
+    finally:
+        plt.close(fig)
+    assert plot.y_range(data, 3.28) == (pytest.approx(6.9), pytest.approx(9.6), False)
+    # a target above every loss is off the scale the other way
+    fig = plot.figure(data, 20.0, "t")
+    assert "target 20.0: off the scale (above these losses)" in legend_texts(fig)
+    plt.close(fig)
+    out = tmp_path / "tiny.png"
+    assert plot.main([str(tmp_path / "tiny.txt"), f"--out={out}"]) == 0 and out.stat().st_size > 10_000
+
+
+def test_plot_draws_the_target_line_where_the_losses_come_near_it(tmp_path):
+    """Record runs end near 3.28: the axis reaches the target, drawn as a dashed line on both panels."""
+    import matplotlib.pyplot as plt
+    runs = [runlogs.read_run(finished_log(tmp_path, name, loss, 88.0)) for name, loss in (("a", 3.2771),
+                                                                                            ("b", 3.3512))]
+    fig = plot.figure(plot.curves(runs), 3.28, "record")
+    try:
+        for ax in fig.axes:
+            low, high = ax.get_ylim()
+            assert low < 3.28 < 3.61 < high < 4.0, (low, high)
+            assert len(target_lines(ax, 3.28)) == 1
+        assert "target 3.28" in legend_texts(fig) and not any("off the scale" in t for t in legend_texts(fig))
+    finally:
+        plt.close(fig)
+    # near: within half the losses' span of them (at least 0.25 nats), on either side
+    one = [("a", [100], [3.5], [10.0])]
+    assert plot.y_range(one, 3.28)[2] and plot.y_range(one, 3.74)[2]
+    assert not plot.y_range(one, 3.2)[2] and not plot.y_range(one, 3.8)[2]
+    spread = [("a", [0, 1, 2], [10.8, 5.0, 4.0], [0, 1, 2])]          # span 1.0 (the first validation aside)
+    assert plot.y_range(spread, 3.5)[2] and not plot.y_range(spread, 3.4)[2]

@@ -4,7 +4,9 @@ for train_gpt.py where a run is needed)."""
 import json
 import os
 import pty
+import re
 import select
+import shlex
 import signal
 import subprocess
 import sys
@@ -212,18 +214,65 @@ def test_stats_counts_a_resumed_run_and_its_continuation_once(tmp_path, capsys):
     assert [x["reason"].split(" (")[0] for x in r["excluded"]] == [f"continued by {cont}", f"continued by {tip}"]
 
 
-# ---- fault 4: no matplotlib -----------------------------------------------------------------------------------
+# ---- fault 4: a missing dependency (scipy, matplotlib, ...) ---------------------------------------------------
 
-def test_plot_without_matplotlib_names_the_install(tmp_path):
-    fake = tmp_path / "fake" / "matplotlib"
-    fake.mkdir(parents=True)
-    (fake / "__init__.py").write_text("raise ImportError(\"No module named 'matplotlib'\")\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(fake.parent), os.environ.get("PYTHONPATH", "")]))
+INSTALL = "python3 -m pip install -r tools/requirements.txt"
+
+
+def without(tmp_path, *modules):
+    """An environment in which `import <module>` fails as for a package never installed: a stub package of that
+    name, first on PYTHONPATH, raises ImportError."""
+    for name in modules:
+        fake = tmp_path / "without" / name
+        fake.mkdir(parents=True)
+        (fake / "__init__.py").write_text(f"raise ImportError(\"No module named '{name}'\")\n")
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path / "without"), os.environ.get("PYTHONPATH", "")]))
+
+
+@pytest.mark.parametrize("name,module", [("stats", "scipy"), ("stats", "numpy"), ("plot", "matplotlib"),
+                                         ("repeat", "scipy"), ("sample", "tiktoken")])
+def test_a_missing_dependency_is_one_error_line_naming_the_install_line(tmp_path, name, module):
+    """Each tool without a module it needs: exit 2 and one `error:` line naming the module and the README's install
+    line (tools/requirements.txt from the repository root, its whole path from elsewhere); no traceback, no output
+    file, no run started; --help still works."""
+    env = without(tmp_path, module)
     log = finished(tmp_path, "a")
-    p = tool("plot", log, f"--out={tmp_path / 'c.png'}", env=env)
-    assert_one_error_line(p, 2, "matplotlib", "pip install matplotlib")
-    assert not (tmp_path / "c.png").exists()
-    assert tool("plot", "--help", env=env).returncode == 0    # the help needs no matplotlib
+    marker = tmp_path / "a_run_started"
+    starts_a_run = shlex.join([sys.executable, "-c", f"open({str(marker)!r}, 'w')"])     # a run would leave it
+    args = {"stats": [log],
+            "plot": [log, f"--out={tmp_path / 'c.png'}"],
+            "repeat": ["--runs=1", f"--launcher={starts_a_run}", "--", "--preset=tiny"],
+            "sample": [f"--checkpoint={tmp_path / 'state_step000001.pt'}", "--encoding=bytes"]}[name]
+    err = assert_one_error_line(tool(name, *args, env=env, cwd=ROOT), 2, f"tools/{name}.py needs {module}",
+                                "cannot be imported", f"No module named '{module}'")
+    assert err.endswith(f"; install the tools' dependencies: {INSTALL}"), err
+    elsewhere = assert_one_error_line(tool(name, *args, env=env, cwd=tmp_path), 2, module)
+    assert elsewhere.endswith(f"python3 -m pip install -r {ROOT / 'tools' / 'requirements.txt'}"), elsewhere
+    assert not (tmp_path / "c.png").exists() and not marker.exists()
+    if name == "repeat":
+        assert "no run started" in err
+    assert tool(name, "--help", env=env).returncode == 0    # the help needs none of them
+
+
+def test_tools_requirements_hold_every_package_the_tools_import():
+    """tools/requirements.txt (the README's one install line) names each third-party module tools/*.py import,
+    torch aside (its build depends on the machine: the README installs it), and tiktoken, which sample.py loads
+    through data/tokenize_docs.py."""
+    import ast
+    own = {p.stem for p in (ROOT / "tools").glob("*.py")} | {p.stem for p in ROOT.glob("*.py")} | {
+        p.stem for p in (ROOT / "data").glob("*.py")}
+    imported = {"tiktoken"}
+    for path in (ROOT / "tools").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                imported |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                imported.add(node.module.split(".")[0])
+    third_party = imported - set(sys.stdlib_module_names) - own - {"__future__", "torch"}
+    assert {"numpy", "scipy", "matplotlib", "tiktoken"} <= third_party, third_party   # the walk sees them
+    listed = {re.split(r"[\s<>=!~;\[#]", line.strip(), maxsplit=1)[0].lower() for line in
+              (ROOT / "tools" / "requirements.txt").read_text(encoding="utf-8").splitlines()} - {""}
+    assert third_party <= listed, f"tools/requirements.txt lacks {sorted(third_party - listed)}"
 
 
 # ---- fault 5: runlogs.py as a program -------------------------------------------------------------------------
@@ -582,3 +631,67 @@ def test_plot_leaves_out_losses_too_large_to_draw_and_says_so(tmp_path):
     p = tool("plot", only, f"--out={tmp_path / 'x.png'}")
     assert_one_error_line(p, 2, "no validation line", "too large to draw")
     assert not (tmp_path / "x.png").exists()
+
+
+# ---- fault 7: tools/repeat.py on a machine without a GPU -------------------------------------------------------
+
+def test_repeat_without_a_gpu_runs_the_trainer_directly(tmp_path):
+    """No CUDA GPU visible: the default launcher is this Python running train_gpt.py in the repository root, not
+    ./run.sh (which needs GPUs), and one note line says so. The trainer's option error stops the series at its
+    first run, so nothing trains (and the data paths, which do not exist, are never read)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRAIN"}
+    env["CUDA_VISIBLE_DEVICES"] = ""                                  # torch sees no GPU, whatever the machine has
+    trainer = [f"--train_files={tmp_path}/none_*.bin", f"--val_files={tmp_path}/none_*.bin",
+               f"--log_dir={tmp_path}/logs", "--no_such_option=1"]
+    p = tool("repeat", "--runs=2", "--name=cpu", "--", *trainer, env=env, cwd=tmp_path)
+    launcher = shlex.join([sys.executable, "train_gpt.py"])
+    notes = [line for line in p.stdout.splitlines() if line.startswith("repeat: note:")]
+    assert notes == [f"repeat: note: no CUDA GPU found, so each run starts as `{launcher}` (one process) rather "
+                     f"than ./run.sh, which needs GPUs; --launcher chooses the command"], p.stdout
+    started = [line for line in p.stdout.splitlines() if line.startswith("repeat: run ")]
+    assert started[0] == f"repeat: run 1/2: {launcher} {shlex.join(trainer)} --seed=0 --run_id=cpu-seed0", started
+    assert p.returncode == 2 and "unknown option --no_such_option" in p.stderr, (p.returncode, p.stderr)
+    assert "stopped at run 1 of 2" in p.stderr and "run.sh" not in p.stderr
+
+
+def test_repeat_default_launcher_is_run_sh_only_where_there_are_gpus(tmp_path, capsys, monkeypatch):
+    assert repeat.default_launcher(1, "", str(tmp_path)) == (["./run.sh"], "")
+    launcher, note = repeat.default_launcher(0, "", str(tmp_path))
+    assert launcher == [sys.executable, "train_gpt.py"] and note.startswith("repeat: note: no CUDA GPU found")
+    # TRAIN as run.sh reads it: a file in the folder the command runs in, else a path from the repository root
+    (tmp_path / "my_idea.py").write_text("")
+    assert repeat.default_launcher(0, "my_idea.py", str(tmp_path)) == (
+        [sys.executable, str(tmp_path / "my_idea.py")], note.replace("train_gpt.py", str(tmp_path / "my_idea.py")))
+    assert repeat.default_launcher(0, "copies/b.py", str(tmp_path))[0] == [sys.executable, "copies/b.py"]
+    (tmp_path / "train_gpt.py").write_text("")              # without TRAIN, the repository's trainer, as in run.sh
+    assert repeat.default_launcher(0, "", str(tmp_path)) == (launcher, note)
+
+    def no_probe():
+        raise AssertionError("a --launcher given: no GPU count needed")
+    monkeypatch.setattr(repeat, "gpu_count", no_probe)
+    assert repeat.main(["--runs=1", "--launcher=/nonexistent/launcher"]) == 2
+    out = capsys.readouterr()
+    assert "note:" not in out.out and out.err.startswith("error: cannot start /nonexistent/launcher")
+
+
+def test_repeat_counts_gpus_as_run_sh_does(monkeypatch):
+    """torch.cuda.device_count() in a fresh Python; where torch cannot tell, the GPUs nvidia-smi -L lists; else 0."""
+    answers = {}
+
+    def fake_run(cmd, **kw):
+        answer = answers[cmd[0]]
+        if isinstance(answer, Exception):
+            raise answer
+        return subprocess.CompletedProcess(cmd, answer[0], answer[1], "")
+    monkeypatch.setattr(repeat.subprocess, "run", fake_run)
+    answers.update({sys.executable: (0, "2\n"), "nvidia-smi": OSError("not found")})
+    assert repeat.gpu_count() == 2
+    answers.update({sys.executable: (0, "0\n")})
+    assert repeat.gpu_count() == 0
+    smi = "GPU 0: NVIDIA H100 (UUID: GPU-1)\nGPU 1: NVIDIA H100 (UUID: GPU-2)\n"
+    answers.update({sys.executable: (1, ""), "nvidia-smi": (0, smi)})   # torch missing or broken
+    assert repeat.gpu_count() == 2
+    answers.update({"nvidia-smi": OSError("not found")})
+    assert repeat.gpu_count() == 0
+    answers.update({"nvidia-smi": (9, "NVIDIA-SMI has failed")})
+    assert repeat.gpu_count() == 0

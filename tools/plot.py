@@ -3,12 +3,14 @@
     python3 tools/plot.py logs/*.txt --out=curves.png [--target=3.28] [--title=TEXT]
 
 Two panels (loss vs step, loss vs train time in seconds), one line per run labelled by its run id, the target as a
-dashed horizontal line. Unfinished, failed and diverged runs are drawn too (their label says so; a NaN or infinite
-validation loss is left out of the curve, and so is one above 1e6, too large to draw: "left out of <log>: ...").
+dashed horizontal line. The loss axis spans the runs' losses (but the untrained first validation); the target line is
+drawn when it lies near them, else the legend says it is off the scale (a tiny run's 9.5 -> 7.0 against 3.28).
+Unfinished, failed and diverged runs are drawn too (their label says so; a NaN or infinite validation loss is left
+out of the curve, and so is one above 1e6, too large to draw: "left out of <log>: ...").
 Logs with nothing to draw (no validation line, not a train_gpt.py log, unreadable, named twice, only losses too large)
 are listed as "skipped <log>: <reason>". The image is written atomically. Needs matplotlib
-(pip install matplotlib). Exit codes: 0 written, 2 bad arguments, a log that does not exist, no validation line in any
-log, or matplotlib missing.
+(python3 -m pip install -r tools/requirements.txt). Exit codes: 0 written, 2 bad arguments, a log that does not
+exist, no validation line in any log, or matplotlib missing.
 """
 from __future__ import annotations
 
@@ -18,13 +20,15 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from runlogs import Run, ToolArgumentParser, finite_float, load_runs, user_path  # noqa: E402
+from runlogs import Run, ToolArgumentParser, finite_float, load_runs, missing_dependencies, user_path  # noqa: E402
 
 
 IMAGE_SUFFIXES = (".png", ".pdf", ".svg")
 # Validation losses above this are left out of the curve and listed: an axis that reaches 1.7e308 cannot be drawn
 # (matplotlib's tick arithmetic overflows), and no run that far gone says anything a 1e6 point would not.
 DRAWABLE_LOSS = 1e6
+# The target line is drawn when it lies within half the plotted losses' span of them, or within this many nats.
+TARGET_NEAR = 0.25
 
 
 def drawable(x: float) -> bool:
@@ -72,7 +76,25 @@ def plain(text: str) -> str:
     return text.replace("$", r"\$")
 
 
-def plot(data, out: str, target: float, title: str) -> None:
+def y_range(data, target: float) -> tuple[float, float, bool]:
+    """(bottom, top, whether the target line is drawn) of the loss axis, for curves that `finite` kept. The axis
+    spans the losses from the lowest one to the highest but each run's first validation (the untrained ~10.8 nats,
+    which would squeeze the rest; a run with one validation keeps it). The target widens it only when it lies near
+    them, within half their span (at least TARGET_NEAR nats): record runs show the target, a tiny run's 9.5 -> 7.0
+    is not squeezed into the top of an axis reaching down to 3.28, and its legend says the target is off the
+    scale."""
+    low = min(x for _, _, losses, _ in data for x in losses)
+    high = max(x for _, _, losses, _ in data for x in (losses[1:] or losses))
+    near = max(0.5 * (high - low), TARGET_NEAR)
+    shown = low - near <= target <= high + near
+    if shown:
+        low, high = min(low, target), max(high, target)
+    pad = max(0.05, 0.04 * (high - low))
+    return low - pad, high + pad, shown
+
+
+def figure(data, target: float, title: str):
+    """The two panels of the curves that `finite` keeps, as a matplotlib Figure (the Agg backend: files only)."""
     import matplotlib
     matplotlib.use("Agg")  # files only: no display needed
     import matplotlib.pyplot as plt
@@ -82,18 +104,27 @@ def plot(data, out: str, target: float, title: str) -> None:
     for label, steps, losses, times in data:
         line, = by_step.plot(steps, losses, marker=".", label=plain(label))
         by_time.plot(times, losses, marker=".", color=line.get_color(), label=plain(label))
-    finals = [losses[-1] for _, _, losses, _ in data]
-    # the interesting part is near the target: show every validation but the untrained first one (~10.8 nats)
-    later = [x for _, _, losses, _ in data for x in losses[1:]] or finals
-    top = max(later + [target]) + 0.05
+    bottom, top, shown = y_range(data, target)
     for ax, xlabel in ((by_step, "step"), (by_time, "train time (s)")):
-        ax.axhline(target, color="k", linestyle="--", linewidth=1, label=f"target {target}")
+        if shown:
+            ax.axhline(target, color="k", linestyle="--", linewidth=1, label=f"target {target}")
         ax.set_xlabel(xlabel)
         ax.set_ylabel("validation loss")
-        ax.set_ylim(min(finals + [target]) - 0.05, top)
+        ax.set_ylim(bottom, top)
         ax.grid(alpha=0.3)
+    if not shown:  # a legend entry without a line on the axes
+        side = "below" if target < bottom else "above"
+        by_step.plot([], [], color="k", linestyle="--", linewidth=1,
+                     label=f"target {target}: off the scale ({side} these losses)")
     by_step.legend(fontsize=8)
     fig.suptitle(plain(title))
+    return fig
+
+
+def plot(data, out: str, target: float, title: str) -> None:
+    import matplotlib.pyplot as plt
+
+    fig = figure(data, target, title)
     path = Path(out)
     tmp = path.with_name(f".{path.stem}.tmp{os.getpid()}{path.suffix}")  # same suffix: it sets the format
     try:
@@ -104,15 +135,6 @@ def plot(data, out: str, target: float, title: str) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def matplotlib_missing() -> str:
-    """Why matplotlib cannot be imported ("" if it can)."""
-    try:
-        import matplotlib  # noqa: F401
-    except Exception as e:  # noqa: BLE001 (ImportError, or a broken install failing in its own way)
-        return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else 'no message'}"
-    return ""
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = ToolArgumentParser(prog="tools/plot.py", description=__doc__.split("\n")[0])
     ap.add_argument("logs", nargs="+", type=user_path, help="run logs (logs/<run_id>.txt)")
@@ -120,10 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target", type=finite_float, default=3.28, help="validation loss drawn as the target line")
     ap.add_argument("--title", default="validation loss", help="figure title")
     args = ap.parse_args(argv)
-    missing = matplotlib_missing()
+    missing = missing_dependencies("tools/plot.py", "matplotlib")
     if missing:
-        print(f"error: tools/plot.py needs matplotlib, which cannot be imported ({missing}): "
-              f"pip install matplotlib", file=sys.stderr)
+        print(missing, file=sys.stderr)
         return 2
     try:
         runs, repeats = load_runs(args.logs)

@@ -1,14 +1,19 @@
 """Run the trainer several times with consecutive seeds, then print the statistics of the runs (tools/stats.py).
 
     python3 tools/repeat.py --runs=4 [--first_seed=0] [--name=NAME] [--target=3.28] -- [train_gpt options]
-    python3 tools/repeat.py --runs=3 --launcher="python3 train_gpt.py" -- --preset=tiny ...   # one process, e.g. CPU
+    python3 tools/repeat.py --runs=3 --launcher="python3 my_idea.py" -- --preset=tiny ...   # one process, a copy
 
 Run i gets --seed=<first_seed + i> and --run_id=<name>-seed<seed>; everything after `--` goes to every run. The
-launcher runs in the repository root; relative paths in the trainer's path options (--train_files, --val_files,
---log_dir, --resume, --compile_cache) are made absolute from the folder this command runs in, and `~` is expanded.
+launcher is ./run.sh (torchrun over this node's GPUs; TRAIN=copy.py trains a copy) unless --launcher names another.
+Where no CUDA GPU is found (counted as run.sh counts them: torch.cuda.device_count() in a fresh Python, else the GPUs
+`nvidia-smi -L` lists), ./run.sh cannot train, so the default is this Python running train_gpt.py (or the copy TRAIN
+names) in one process, and one "repeat: note: ..." line says so. The launcher runs in the repository root; relative
+paths in the trainer's path options (--train_files, --val_files, --log_dir, --resume, --compile_cache) are made
+absolute from the folder this command runs in, and `~` is expanded.
 
-A run that fails is reported and left out of the statistics, and the next one starts; an option error (exit 2)
-stops the series, since every later run would fail the same way.
+The statistics need numpy and scipy: without them no run starts (one error line names the install line, exit 2). A
+run that fails is reported and left out of the statistics, and the next one starts; an option error (exit 2) stops
+the series, since every later run would fail the same way.
 
 Ctrl-C or SIGTERM: the trainer stops at its next step boundary (saving its state with --save_checkpoint or
 --checkpoint_every) and exits with 128 + the signal number. This wrapper passes the signal on to the run (a SIGINT
@@ -32,12 +37,46 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import stats  # noqa: E402
-from runlogs import ToolArgumentParser, finite_float  # noqa: E402
+from runlogs import ToolArgumentParser, finite_float, missing_dependencies  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 # the trainer's options that name files or folders (train_gpt.py Hyperparameters)
 PATH_OPTIONS = ("train_files", "val_files", "log_dir", "resume", "compile_cache")
 FORWARDED = (signal.SIGINT, signal.SIGTERM)
+GPU_COUNT_TIMEOUT_S = 300     # a first `import torch` on a slow disk; a hung driver must not hang the series start
+
+
+def gpu_count() -> int:
+    """The CUDA GPUs ./run.sh would find: torch.cuda.device_count() in a fresh Python (CUDA_VISIBLE_DEVICES
+    applies; nothing of torch stays loaded here); where torch cannot tell, the GPUs `nvidia-smi -L` lists; 0 if
+    neither can."""
+    probe = "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)"
+    try:
+        p = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                           timeout=GPU_COUNT_TIMEOUT_S)
+        if p.returncode == 0 and p.stdout.strip().isdigit():
+            return int(p.stdout.strip())
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    try:
+        p = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=GPU_COUNT_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired):  # no driver tools: no GPU
+        return 0
+    return sum(line.startswith("GPU ") for line in p.stdout.splitlines()) if p.returncode == 0 else 0
+
+
+def default_launcher(gpus: int, train: str, cwd: str) -> tuple[list[str], str]:
+    """(the launcher, a note line or "") when --launcher is not given: ./run.sh on a node with GPUs; with none, this
+    Python running the trainer (TRAIN, as run.sh reads it: a path from `cwd` if that file exists, else from the
+    repository root; default train_gpt.py) directly, which a CPU can run, and a note that says so."""
+    if gpus > 0:
+        return ["./run.sh"], ""
+    script = train or "train_gpt.py"
+    if train and not os.path.isabs(train) and os.path.isfile(os.path.join(cwd, train)):
+        script = os.path.abspath(os.path.join(cwd, train))
+    launcher = [sys.executable, script]
+    return launcher, (f"repeat: note: no CUDA GPU found, so each run starts as `{shlex.join(launcher)}` (one "
+                      f"process) rather than ./run.sh, which needs GPUs; --launcher chooses the command")
 
 
 def split_option(arg: str) -> tuple[str, str] | None:
@@ -131,8 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs", type=int, required=True, help="number of runs")
     ap.add_argument("--first_seed", type=int, default=0, help="seed of the first run; the others count up")
     ap.add_argument("--name", default=time.strftime("repeat-%Y%m%d-%H%M%S"), help="run id prefix")
-    ap.add_argument("--launcher", default="./run.sh",
-                    help="command that starts one run, in the repository root (default ./run.sh)")
+    ap.add_argument("--launcher", default=None,
+                    help="command that starts one run, in the repository root (default ./run.sh; where no CUDA GPU "
+                         "is found, python3 train_gpt.py)")
     ap.add_argument("--target", type=finite_float, default=3.28, help="validation loss target of the statistics")
     args = ap.parse_args(ours)
     if args.runs < 1:
@@ -152,15 +192,26 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {clash[0]} is set per run by tools/repeat.py; use --first_seed and --name instead",
               file=sys.stderr)
         return 2
-    try:
-        launcher = shlex.split(args.launcher)
-    except ValueError as e:
-        print(f"error: --launcher={args.launcher}: {e}; quote it as a shell would", file=sys.stderr)
+    missing = missing_dependencies("tools/repeat.py", *stats.DEPENDENCIES,
+                                   note="no run started, as the statistics after the runs (tools/stats.py) could not "
+                                        "be computed")
+    if missing:
+        print(missing, file=sys.stderr)
         return 2
-    if not launcher:
-        print("error: --launcher is empty; give the command that starts one run, e.g. ./run.sh", file=sys.stderr)
-        return 2
-    launcher[0] = os.path.expanduser(launcher[0])
+    if args.launcher is None:
+        launcher, note = default_launcher(gpu_count(), os.environ.get("TRAIN", ""), os.getcwd())
+        if note:
+            print(note, flush=True)
+    else:
+        try:
+            launcher = shlex.split(args.launcher)
+        except ValueError as e:
+            print(f"error: --launcher={args.launcher}: {e}; quote it as a shell would", file=sys.stderr)
+            return 2
+        if not launcher:
+            print("error: --launcher is empty; give the command that starts one run, e.g. ./run.sh", file=sys.stderr)
+            return 2
+        launcher[0] = os.path.expanduser(launcher[0])
     trainer = absolute_paths(trainer, os.getcwd())
     log_dir = Path(option(trainer, "log_dir", "logs"))
     if not log_dir.is_absolute():

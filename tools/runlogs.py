@@ -16,6 +16,7 @@ arguments or a log that does not exist.
 from __future__ import annotations
 
 import argparse
+import importlib
 import io
 import math
 import os
@@ -246,6 +247,38 @@ def finite_float(text: str) -> float:
 def user_path(text: str) -> str:
     """argparse type: a path with `~` expanded."""
     return os.path.expanduser(text)
+
+
+TOOLS_REQUIREMENTS = Path(__file__).resolve().parent / "requirements.txt"
+
+
+def install_line() -> str:
+    """The command that installs the tools' dependencies (the README's Tools section), its file named from the
+    folder this command runs in: tools/requirements.txt in the repository root, else the whole path."""
+    root = TOOLS_REQUIREMENTS.parent.parent
+    try:
+        here = Path.cwd().resolve() == root
+    except OSError:  # the current folder was removed
+        here = False
+    return f"python3 -m pip install -r {'tools/requirements.txt' if here else TOOLS_REQUIREMENTS}"
+
+
+def missing_dependencies(prog: str, *modules: str, note: str = "") -> str:
+    """The one error line saying which of `modules` (e.g. "scipy.stats") `prog` cannot import (then `note`, if
+    given) and the install line that brings them, or "" when every one imports."""
+    missing = []
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except Exception as e:  # noqa: BLE001 (ImportError, or a broken install failing in its own way)
+            first = (str(e).strip().splitlines() or ["no message"])[0]
+            missing.append((name.split(".")[0], f"{type(e).__name__}: {first}"))
+    if not missing:
+        return ""
+    names = " and ".join(name for name, _ in missing)
+    reasons = "; ".join(reason for _, reason in missing)
+    return (f"error: {prog} needs {names}, which cannot be imported ({reasons}){'; ' + note if note else ''}; "
+            f"install the tools' dependencies: {install_line()}")
 
 
 class ToolArgumentParser(argparse.ArgumentParser):

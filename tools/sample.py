@@ -4,9 +4,11 @@
 
 Reads any state the trainer saved (--save_checkpoint, --checkpoint_every; with several GPUs any rank's file: the
 weights are on every rank) and builds the model with train_gpt.py's own code, its rotary (YaRN) state brought to where
-training left it. GPT-2 BPE needs tiktoken's tables (downloaded once); --encoding=bytes works offline for models
-trained on data/tokenize_docs.py --encoding=bytes shards. Runs on a GPU when there is one, else on the CPU.
-Exit codes: 0 done, 1 the gpt2 tables cannot be loaded, 2 bad arguments or an unusable checkpoint.
+training left it. GPT-2 BPE needs tiktoken's two table files, downloaded once into its cache folder (TIKTOKEN_CACHE_DIR
+chooses it); offline without them, one error line names the folder, the files it lacks and the fixes.
+--encoding=bytes works offline for models trained on data/tokenize_docs.py --encoding=bytes shards. Runs on a GPU when
+there is one, else on the CPU. Needs torch (the README) and tiktoken (python3 -m pip install -r tools/requirements.txt).
+Exit codes: 0 done, 1 the gpt2 tables cannot be loaded, 2 bad arguments, an unusable checkpoint or tiktoken missing.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "data"), str(ROOT / "tools")]
-from runlogs import ToolArgumentParser, finite_float, user_path  # noqa: E402
+from runlogs import ToolArgumentParser, finite_float, missing_dependencies, user_path  # noqa: E402
 
 
 def load_model(path: str, device):
@@ -124,6 +126,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--max_new_tokens and --num_samples must be >= 1, --temperature and --top_k >= 0")
     if not 0 <= args.seed < 2**63:
         ap.error(f"--seed={args.seed} must be 0 .. 2**63 - 1")
+    missing = missing_dependencies("tools/sample.py", "tiktoken")
+    if missing:
+        print(missing, file=sys.stderr)
+        return 2
 
     import torch
     import train_gpt as tg
@@ -132,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--device=cuda but no CUDA GPU is visible; use --device=cpu")
     device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
                           else "cpu")
-    enc = get_encoding(args.encoding)                 # a SystemExit("error: ...") that names the fix if unavailable
+    enc = get_encoding(args.encoding)                 # offline: a SystemExit("error: ...") that names the fixes
     try:
         model, hp, ws_short, ws_long = load_model(args.checkpoint, device)
     except tg.ConfigError as e:

@@ -19,7 +19,9 @@ Each run counts once:
     train_time, since the clock is saved with the state. Every other log of that run is excluded, as "continued by
     <log>" (or "same run as <log>" for a second continuation of one checkpoint folder), even if it finished.
     The runs and the --baseline runs are grouped separately.
-Exit codes: 0 done, 2 bad arguments, a log that does not exist, or no finished run to summarise.
+Needs numpy and scipy (python3 -m pip install -r tools/requirements.txt); without them, one error line says so.
+Exit codes: 0 done, 2 bad arguments, a log that does not exist, no finished run to summarise, or numpy or scipy
+missing.
 """
 from __future__ import annotations
 
@@ -28,11 +30,16 @@ import math
 import sys
 from pathlib import Path
 
-import numpy as np
-from scipy import stats as sps
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from runlogs import Run, ToolArgumentParser, checkpoint_folder, finite_float, load_runs, user_path  # noqa: E402
+from runlogs import (Run, ToolArgumentParser, checkpoint_folder, finite_float, load_runs,  # noqa: E402
+                     missing_dependencies, user_path)
+
+try:
+    import numpy as np
+    from scipy import stats as sps
+except Exception:  # noqa: BLE001 (missing or broken: main() says which, in one line, with the install line)
+    np = sps = None
+DEPENDENCIES = ("numpy", "scipy.stats")
 
 
 def summary(values: list[float]) -> dict[str, float]:
@@ -199,6 +206,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="logs of the runs to compare times with")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the markdown")
     args = ap.parse_args(argv)
+    missing = missing_dependencies("tools/stats.py", *DEPENDENCIES)
+    if missing:
+        print(missing, file=sys.stderr)
+        return 2
     try:
         done, excluded = load(args.logs)
         base = None
