@@ -85,8 +85,11 @@ def test_the_digest_cache_is_trusted_only_while_the_shard_is_unchanged(tmp_path,
     replaced = harness.shard_digest(path)
     assert replaced[3] == "hashed" and replaced[2] == _sha256(path) != again[2]
 
-    cache.write_text("not a digest cache\n")
-    assert harness.shard_digest(path) == (*replaced[:3], "hashed")
+    key = cache.read_text().split("\n")[1].rsplit(" ", 1)[0]
+    for garbage in ("not a digest cache\n", f"nanogpt shard sha256 0\n{key} {'0' * 64}\n",
+                    f"{harness.DIGEST_CACHE_FORMAT}\n{key} {'0' * 63}\n"):    # another format; a cut digest
+        cache.write_text(garbage)
+        assert harness.shard_digest(path) == (*replaced[:3], "hashed"), garbage
     assert [p.name for p in tmp_path.iterdir() if ".tmp" in p.name] == []
 
 
