@@ -685,6 +685,8 @@ def log_start(run: Any, sources: dict[str, str], argv_text: str) -> None:
     run.log(f"command: {argv_text}")
     if run.node_note is not None:
         run.log(run.node_note)
+    if run.digests_note is not None:
+        run.log(run.digests_note)
     run.log("hyperparameters:\n" + "\n".join(f"  {f.name} = {getattr(run.hp, f.name)!r}"
                                               for f in dataclasses.fields(run.hp)), console=False)
 
@@ -1829,6 +1831,7 @@ class Run:
     made_folder: Path | None = None      # the checkpoint folder this run created: a failed run
                                          # that saved nothing there removes it
     node_note: str | None = None         # rank 0's node_line, which log_start logs (several nodes)
+    digests_note: str | None = None      # rank 0's note on slow shard digests (log_start logs it)
     short_timeout: bool = False          # collectives time out after --loop_timeout_s (the loop)
     votes: StopVote = dataclasses.field(init=False)
 
@@ -1956,8 +1959,9 @@ def open_run(hp: Any, stops: StopSignals, code: Sequence[Path] = ()) -> Run:
     t_process = time.perf_counter()
     rank, world_size, local_rank, device = setup_distributed(hp)
     stops.announce = rank == 0
+    digests = None                      # rank 0's note on a slow shard comparison, for the log
     if world_size > 1:
-        check_same_everywhere(hp, [*code, Path(__file__)], world_size, device)
+        digests = check_same_everywhere(hp, [*code, Path(__file__)], world_size, device)
     resumed = load_resume(hp, rank, world_size) if hp.resume else None
     run_id = hp.run_id or default_run_id(hp.log_dir, resumed)
     host0, log0 = socket.gethostname(), os.path.abspath(log_file(hp, run_id))
@@ -1980,36 +1984,106 @@ def open_run(hp: Any, stops: StopSignals, code: Sequence[Path] = ()) -> Run:
                                         # does not exist before rank 0 makes it
     log = RunLogger(log_path if rank == 0 else None)
     return Run(hp, rank, world_size, device, run_id, log, stops, t_process, resumed,
-               made_folder=made, node_note=node_note if rank == 0 else None)
+               made_folder=made, node_note=node_note if rank == 0 else None,
+               digests_note=digests if rank == 0 else None)
 
 
-def node_facts(hp: Any, files: Sequence[Path], device: torch.device) -> dict[str, Any]:
-    """What must be the same on every node, as this rank sees it: the code's digest, the resolved
-    options, the versions and GPU model, and every shard's name, size and header (or the error its
-    glob met). Every rank plans all ranks' document cursors from its own copy of the shards, so a
-    node with other shards would silently overlap or skip documents."""
+DIGEST_CACHE_FORMAT = "nanogpt shard sha256 1"    # a digest cache file's first line
+DIGEST_SETTLE_S = 2.0           # a shard changed less than this before its hash began is hashed but
+                                # not cached: a change within the same clock tick would keep its key
+
+
+def digest_cache(path: str) -> Path:
+    """Where a shard's contents digest is cached: .<name>.sha256 beside it, hidden, so that no shard
+    glob (fineweb_train_*) matches it."""
+    return Path(path).with_name(f".{Path(path).name}.sha256")
+
+
+def _stat_key(st: os.stat_result) -> str:
+    return f"{st.st_size} {st.st_mtime_ns} {st.st_ctime_ns} {st.st_ino}"
+
+
+def shard_digest(path: str) -> tuple[int, str, str, str]:
+    """A shard's size, its header's digest (16 hex digits), the sha256 of the whole file (what
+    `sha256sum` prints) and how that was had: "cached", "hashed" (and now cached) or "not cached"
+    (hashed; the folder is read-only, or the shard changed just before or while it was read). The
+    cache (digest_cache) is trusted only while the shard's size, mtime, ctime and inode are those it
+    was written with: any rewrite changes ctime, which nothing sets back (cp -p, rsync -t and touch
+    restore mtime only), a rename-over also the inode. Hashing takes 0.2-0.3 s per 200 MB shard."""
     import hashlib
+    with open(path, "rb") as f:
+        before = os.fstat(f.fileno())
+        header = f.read(1024)
+        head = hashlib.sha256(header).hexdigest()[:16]
+        key = _stat_key(before)
+        with contextlib.suppress(OSError, ValueError):
+            form, saved = digest_cache(path).read_text().split("\n")[:2]
+            fields = saved.rsplit(" ", 1)
+            if form == DIGEST_CACHE_FORMAT and fields[0] == key and re.fullmatch("[0-9a-f]{64}",
+                                                                                 fields[1]):
+                return before.st_size, head, fields[1], "cached"
+        started = time.time_ns()
+        whole = hashlib.sha256(header)
+        view = memoryview(bytearray(1 << 20))
+        while n := f.readinto(view):
+            whole.update(view[:n])      # hashlib lets go of the GIL: threads hash shards at once
+        after = os.fstat(f.fileno())
+    digest, how = whole.hexdigest(), "not cached"
+    if _stat_key(after) == key and before.st_ctime_ns < started - DIGEST_SETTLE_S * 1e9:
+        with contextlib.suppress(OSError):         # a read-only or full folder: compare, uncached
+            atomic_write(digest_cache(path), f"{DIGEST_CACHE_FORMAT}\n{key} {digest}\n".encode())
+            how = "hashed"
+    return before.st_size, head, digest, how
+
+
+def _digest_or_error(path: str) -> tuple[int, str, str, str] | OSError:
+    try:
+        return shard_digest(path)
+    except OSError as e:
+        return e
+
+
+def node_facts(hp: Any, files: Sequence[Path], device: torch.device,
+               world_size: int = 1) -> dict[str, Any]:
+    """What must be the same on every node, as this rank sees it: the code's digest, the resolved
+    options, the versions and GPU model, and every shard's name, size, header and contents digest
+    (shard_digest: cached beside the shard, or hashed in threads, this node's cores shared among its
+    processes), or the error its glob met. Every rank plans all ranks' document cursors from its own
+    copy of the shards, so a node with other shards, even other tokens in one, would silently
+    overlap or skip documents or train on other data. "digests" says how long the shards took."""
+    import hashlib
+    from concurrent.futures import ThreadPoolExecutor
     import triton
     env = {"torch": torch.__version__, "triton": triton.__version__,
            "CUDA": str(torch.version.cuda), "GPU": "CPU"}
     if device.type == "cuda":
         env["GPU"] = torch.cuda.get_device_properties(device).name
         env["NCCL"] = ".".join(str(v) for v in torch.cuda.nccl.version())
-    shards: dict[str, Any] = {}
+    found: dict[str, list[str] | str] = {}
     for kind, pattern in (("train", hp.train_files), ("val", hp.val_files)):
         try:
-            listing = []
-            for path in resolve_shards(pattern, kind):
-                with open(path, "rb") as f:
-                    head = hashlib.sha256(f.read(1024)).hexdigest()[:16]
-                listing.append((os.path.basename(path), os.path.getsize(path), head))
-            shards[kind] = listing
-        except (DataError, OSError) as e:
-            shards[kind] = f"error: {e}"
+            found[kind] = resolve_shards(pattern, kind)
+        except DataError as e:
+            found[kind] = f"error: {e}"
+    paths = sorted({p for listing in found.values() if isinstance(listing, list) for p in listing})
+    t0 = time.perf_counter()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    threads = max(1, min(len(paths), (cores or 1) // max(1, local_world_size(world_size))))
+    with ThreadPoolExecutor(threads) as pool:
+        digests = dict(zip(paths, pool.map(_digest_or_error, paths)))
+    shards: dict[str, Any] = {}
+    for kind, listing in found.items():
+        failed = [] if isinstance(listing, str) else [digests[p] for p in listing
+                                                       if isinstance(digests[p], OSError)]
+        shards[kind] = (listing if isinstance(listing, str) else f"error: {failed[0]}" if failed
+                        else [(os.path.basename(p), *digests[p][:3]) for p in listing])
+    hows = [d[3] for d in digests.values() if not isinstance(d, OSError)]
     return {"host": socket.gethostname(),
             "code": hashlib.sha256(b"".join(Path(f).read_bytes() for f in files)).hexdigest(),
             "options": {f.name: repr(getattr(hp, f.name)) for f in dataclasses.fields(hp)},
-            "env": env, "shards": shards}
+            "env": env, "shards": shards,
+            "digests": {"seconds": time.perf_counter() - t0, "shards": len(paths),
+                        **{how: hows.count(how) for how in ("cached", "hashed", "not cached")}}}
 
 
 def first_difference(every: Sequence[dict[str, Any]], names: str) -> Exception | None:
@@ -2054,23 +2128,50 @@ def first_difference(every: Sequence[dict[str, Any]], names: str) -> Exception |
                 return DataError(f"{who} {what} ({len(ours)} {kind} shards against rank 0's "
                                  f"{len(theirs)}): {fix}")
             name = next(n for n in sorted(named) if named[n] != named0[n])
-            (_, size, _), (_, size0, _) = named[name], named0[name]
-            what = (f"{size:,} bytes (rank 0: {size0:,})" if size != size0
-                    else "another header than rank 0's")
+            (_, size, head, *whole), (_, size0, head0, *whole0) = named[name], named0[name]
+            if size != size0:
+                what = f"{size:,} bytes (rank 0: {size0:,})"
+            elif head != head0:
+                what = "another header than rank 0's"
+            else:
+                what = (f"other tokens than rank 0's at the same size and header (sha256 "
+                        f"{whole[0][:16]}..., rank 0: {whole0[0][:16]}...)")
+                fix = (f"give every node the same shards ({option}): find the wrong copy with "
+                       f"`sha256sum {name}`, delete it and fetch it again "
+                       "(data/cached_fineweb10B.py keeps a file whose size and header are valid)")
             return DataError(f"{who} has another {name}: {what}: {fix}")
     return None
 
 
 def check_same_everywhere(hp: Any, files: Sequence[Path], world_size: int,
-                          device: torch.device) -> None:
+                          device: torch.device) -> str | None:
     """ConfigError or DataError, on every rank, when a rank (a node set up differently) runs other
     code, was started with other options, has other versions or GPUs, or has other shards than
-    rank 0: node_facts gathered from every rank and compared."""
+    rank 0, down to one token: node_facts gathered from every rank and compared. Returns the note
+    for rank 0's log when the shards' digests took the slowest rank over a second (digests_note)."""
     every: list[Any] = [None] * world_size
-    dist.all_gather_object(every, node_facts(hp, files, device))
+    dist.all_gather_object(every, node_facts(hp, files, device, world_size))
     problem = first_difference(every, ", ".join(Path(f).name for f in files))
     if problem is not None:
         raise problem
+    return digests_note(every)
+
+
+def digests_note(every: Sequence[dict[str, Any]]) -> str | None:
+    """How long the slowest rank took to digest its shards' contents, if over a second, and whether
+    the next start will be quick (the digests cached beside the shards) or pay again."""
+    times = [facts.get("digests", {}).get("seconds", 0.0) for facts in every]
+    slowest = max(range(len(every)), key=times.__getitem__)
+    if times[slowest] <= 1.0:
+        return None
+    d = every[slowest]["digests"]
+    again = (f"{d['not cached']} could not be cached (a read-only folder, or changed just now), so "
+             "the next start hashes them again" if d["not cached"] else
+             "the digests are cached beside the shards (.<name>.sha256), so the next start reads "
+             "those")
+    return (f"note: comparing the shards' contents across ranks took {times[slowest]:.1f} s "
+            f"(rank {slowest}, host {every[slowest]['host']}: {d['shards']} shards, "
+            f"{d['hashed'] + d['not cached']} hashed); {again}")
 
 
 class FiniteWatch:
