@@ -78,8 +78,9 @@ class RunOptions:
     checkpoint_keep: int = 2               # any of these states (and a stopped run's) continues
                                            # with --resume
     resume: str = ""                       # a state_step<step>.pt file, or a run's folder
-                                           # (its newest state): continue that run bit for bit (same
-                                           # processes and math options, checked)
+                                           # (its newest state): continue that run bit for bit; the
+                                           # options not given are its own (a math one given must
+                                           # match, a run-control one may differ; same processes)
     # ---- processes, devices and compiling ----
     device: str = "auto"                   # auto | cuda | cpu
     attn_backend: str = "auto"             # auto | triton | fa4 | fa3 | varlen | sdpa (auto: the
