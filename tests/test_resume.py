@@ -258,6 +258,13 @@ def test_each_rank_takes_the_options_of_its_own_file_and_a_rewritten_batch_slice
                                "--preset=tiny ")
         assert " --val_loss_every=3 " in line and "--resume" not in line and "--run_id" not in line
     assert harness.state_options(str(tmp_path / "nothing"), 0, 1) is None      # load_resume then says why
+    # a state of another optimizer table: no command line sets the table, so the code's stays and is compared
+    table = {**saved["hyperparameters"]["param_table"], "new": {"optim": "adam"}}
+    edited = {**saved, "hyperparameters": {**saved["hyperparameters"], "param_table": table}}
+    hp, _ = harness.reuse_state_options(tg.parse_args(argv), {"resume"}, edited, tg.PRESETS)
+    assert hp.param_table == tg.Hyperparameters().param_table
+    diffs = harness.resume_differences(edited, tg.slices_for(hp, 2), facts)
+    assert [d.split("=")[0] for d in diffs] == ["--param_table"], diffs
 
 
 def test_the_command_a_refusal_gives_has_the_launcher_and_the_changed_run_control_only():
