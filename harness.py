@@ -78,8 +78,9 @@ class RunOptions:
     checkpoint_keep: int = 2               # any of these states (and a stopped run's) continues
                                            # with --resume
     resume: str = ""                       # a state_step<step>.pt file, or a run's folder
-                                           # (its newest state): continue that run bit for bit (same
-                                           # processes and math options, checked)
+                                           # (its newest state): continue that run bit for bit; the
+                                           # options not given are its own (a math one given must
+                                           # match, a run-control one may differ; same processes)
     # ---- processes, devices and compiling ----
     device: str = "auto"                   # auto | cuda | cpu
     attn_backend: str = "auto"             # auto | triton | fa4 | fa3 | varlen | sdpa (auto: the
@@ -294,6 +295,33 @@ def parse_args(argv: Sequence[str], defaults: RunOptions, presets: dict[str, dic
         if name != "preset":       # parsed as the class default's type: an earlier value may be ()
             setattr(hp, name, _parse_value(value, getattr(defaults, name), name))
     return hp
+
+
+# The options a command sets for itself, never taken from the state it resumes: which state, whether
+# to dry run, the new run's id (the resume's default <id>-from<step> is free; the state's own is
+# taken by its log) and --debug.
+PER_COMMAND = ("resume", "dry_run", "run_id", "debug")
+
+
+def given_options(argv: Sequence[str], presets: dict[str, dict]) -> set[str]:
+    """The names of the options the command line `argv` (which parse_args took) sets: each --name,
+    and with --preset=NAME the math fields that preset sets (typing a preset asks for its math; its
+    run-control values are a new run's defaults, which a resume takes from its state instead)."""
+    run = {f.name for f in dataclasses.fields(RunOptions)}
+    given = set()
+    for arg in argv:
+        name, _, value = arg[2:].partition("=")
+        name = name.replace("-", "_")
+        given.add(name)
+        if name == "preset":
+            given.update(set(presets.get(value, {})) - run)
+    return given
+
+
+def as_argument(name: str, value: Any) -> str:
+    """--name=value as a shell takes it (quoted where needed); a true boolean as a bare --name."""
+    import shlex
+    return shlex.quote(f"--{name}" if value is True else f"--{name}={show(value)}")
 
 
 def from_dict(defaults: RunOptions, saved: dict) -> Any:
@@ -704,7 +732,7 @@ def begin_run(run: Run, sources: dict[str, str], argv_text: str,
                                                                                      "val")
     facts = run_facts(run.world_size, device, attn_backend, train_files)
     if run.resumed is not None:
-        check_resume(run.resumed, hp, facts)
+        check_resume(run.resumed, hp, facts, next(iter(sources)))
     script = next(iter(sources.values()))
     return train_files, val_files, Checkpointer(hp, run.run_id, run.rank, run.world_size, facts,
                                                 run.log, script)
@@ -1530,22 +1558,123 @@ def _read_state(file: Path, step: int,
     return state, None
 
 
-def load_resume(hp: Any, rank: int, world_size: int) -> dict:
+def state_options(path: str, rank: int, world_size: int) -> dict | None:
+    """{"path", "hyperparameters", "facts"} of the state `path` (a --resume value) names for this
+    rank, read without its tensors: torch.load with mmap reads the pickle, the weights stay on
+    disk. Each rank reads its own file, before any process group exists: the files of one run's
+    states hold the same options. From a folder, the newest state whose file for this rank reads.
+    None where none reads: load_resume, whose checks come later, then says why."""
+    p = Path(expand_path(path))
+    if p.is_dir():
+        try:
+            steps = find_checkpoint(str(p), world_size)[1]
+        except ConfigError:
+            return None
+        folder = p
+    elif (m := CHECKPOINT_NAME.fullmatch(p.name)) is not None:
+        folder, steps = p.parent, [int(m[1])]
+    else:
+        return None
+    for step in steps:
+        file = checkpoint_path(folder, step, rank, world_size)
+        try:
+            state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        except Exception:  # noqa: BLE001 (missing, cut short or foreign: load_resume names it)
+            continue
+        if (isinstance(state, dict) and state.get("format") == CHECKPOINT_FORMAT
+                and isinstance(state.get("hyperparameters"), dict)
+                and isinstance(state.get("facts"), dict)):
+            return {"path": str(file), "hyperparameters": state["hyperparameters"],
+                    "facts": state["facts"]}
+    return None
+
+
+def reuse_state_options(hp: Any, given: set[str], saved: dict,
+                        presets: dict[str, dict]) -> tuple[Any, str | None]:
+    """(hp with every option the command line leaves out taken from the state, the line that names
+    them) for `saved` (state_options) and `given` (given_options). Kept as given: the options on the
+    command line (a math one that differs is then refused by check_resume, a run-control one
+    changes), the per-command ones (PER_COMMAND) and those no command line sets (a table: the
+    code's, compared as math). The line lists the state's values as a command line would: its
+    --preset, then those that are not the preset's or the defaults; None where there are none
+    (the command line gives every option the state sets)."""
+    old = from_dict(type(hp)(), saved["hyperparameters"])
+    taken = {f.name: getattr(old, f.name) for f in dataclasses.fields(hp)
+             if f.name not in given and f.name not in PER_COMMAND
+             and not isinstance(getattr(old, f.name), dict)}
+    if not taken:
+        return hp, None
+    new = dataclasses.replace(hp, **copy.deepcopy(taken))
+    defaults = dataclasses.replace(type(hp)(), **copy.deepcopy(presets.get(new.preset, {})))
+    shown = [as_argument(name, value) for name, value in taken.items()
+             if value != getattr(defaults, name) or (name == "preset" and value)]
+    shown.sort(key=lambda arg: not arg.startswith("--preset="))
+    return new, (f"resume: the options the command line leaves out are the state's "
+                 f"({saved['path']}): {' '.join(shown)}" if shown else None)
+
+
+def resume_options(hp: Any, argv: Sequence[str], presets: dict[str, dict]) -> tuple[Any, list[str]]:
+    """The options of a command line with --resume: those it leaves out are the state's
+    (state_options, reuse_state_options), read before they are checked and the run is built; and
+    the line that names them (for the log and the dry run). hp and [] without --resume, or where
+    no state reads (the resume's own checks then say why)."""
+    if not hp.resume:
+        return hp, []
+    rank, world_size, _ = launch_environment()
+    saved = state_options(hp.resume, rank, world_size)
+    if saved is None:
+        return hp, []
+    try:
+        hp, line = reuse_state_options(hp, given_options(argv, presets), saved, presets)
+    except (TypeError, ValueError):     # options this code cannot read (a table row's fields
+        return hp, []                   # changed): the resume's checks compare them as today
+    return hp, [line] if line else []
+
+
+# the run-control option a fact (run_facts) comes from: a resume that differs there leaves it out
+FACT_OPTIONS = {"device": "device", "attention backend": "attn_backend",
+                "training shards": "train_files"}
+
+
+def resume_command(saved: dict, hp: Any, script: str = "train_gpt.py",
+                   leave_out: Sequence[str] = ()) -> str:
+    """The command that continues the state `saved` (its "hyperparameters" and "facts") with its
+    own options: its process count's launcher, --resume as given, and the run-control options of
+    `hp` that are not the state's (a resume may change them; not those in leave_out); no math
+    option, since a resume takes the state's. script: the file the trainer runs as."""
+    old, defaults = from_dict(type(hp)(), saved["hyperparameters"]), type(hp)()
+    args = [as_argument("resume", hp.resume)]
+    for f in dataclasses.fields(RunOptions):
+        if f.name == "resume" or f.name in leave_out:
+            continue
+        then = getattr(defaults if f.name in PER_COMMAND else old, f.name)
+        if getattr(hp, f.name) != then:
+            args.append(as_argument(f.name, getattr(hp, f.name)))
+    n = saved["facts"].get("processes", 1)
+    train = "" if script == "train_gpt.py" else f"TRAIN={script} "
+    launcher = (f"python3 {script}" if n == 1 else f"{train}NPROC={n} ./run.sh" if n <= 8
+                else f"{train}NNODES={n // 8} MASTER_ADDR=<the first node> ./run.sh")
+    command = " ".join([launcher, *args])
+    return command if n <= 8 else f"{command} (on every node)"
+
+
+def load_resume(hp: Any, rank: int, world_size: int, script: str = "train_gpt.py") -> dict:
     """The state --resume names, for this rank; ConfigError when it cannot continue (see
     load_checkpoint), or when it lies past the end of these options' schedule. The state after the
     last step (saved when a signal came before or during the final validation, or at the end) is
-    taken: that resume runs only the final validation and writes the result line."""
+    taken: that resume runs only the final validation and writes the result line. script: the
+    file the trainer runs as, for the command a refusal gives."""
     state = load_checkpoint(expand_path(hp.resume), rank, world_size)
     if state["step"] >= hp.num_iterations:
         try:
             total = from_dict(type(hp)(), state["hyperparameters"]).num_iterations
+            command = resume_command(state, hp, script)
         except Exception:  # noqa: BLE001 (an unreadable record: the message below stands)
-            total = hp.num_iterations
+            total, command = hp.num_iterations, "its log's command line"
         if total != hp.num_iterations or state["step"] > total:
             raise ConfigError(f"--resume: {state['path']} is the state after step {state['step']} "
                               f"of a run of {total} steps, and these options give "
-                              f"{hp.num_iterations}: resume with that run's options (its log's "
-                              "command line)")
+                              f"{hp.num_iterations}: continue it with its own options: {command}")
     return state
 
 
@@ -1567,10 +1696,17 @@ def resume_differences(saved: dict, hp: Any, facts: dict) -> list[str]:
     return diffs
 
 
-def check_resume(saved: dict, hp: Any, facts: dict) -> None:
+def check_resume(saved: dict, hp: Any, facts: dict, script: str = "train_gpt.py") -> None:
+    """ConfigError, with the command that continues the state, when this run's math options or
+    facts (run_facts) differ from those of the state `saved`."""
     if diffs := resume_differences(saved, hp, facts):
+        differ = [option for key, option in FACT_OPTIONS.items()
+                  if saved["facts"].get(key) != facts.get(key)]
+        n = saved["facts"].get("processes", 1)
         raise ConfigError(f"--resume: {saved['path']} was written by a run with other math: "
-                          f"{'; '.join(diffs)}. Resume with the same options and processes")
+                          f"{'; '.join(diffs)}. A resume takes the state's options where the "
+                          f"command line gives none; continue it with its {n} process(es): "
+                          f"{resume_command(saved, hp, script, differ)}")
 
 
 # ==================================================================================================
@@ -1962,7 +2098,8 @@ def open_run(hp: Any, stops: StopSignals, code: Sequence[Path] = ()) -> Run:
     digests = None                      # rank 0's note on a slow shard comparison, for the log
     if world_size > 1:
         digests = check_same_everywhere(hp, [*code, Path(__file__)], world_size, device)
-    resumed = load_resume(hp, rank, world_size) if hp.resume else None
+    script = Path(code[0]).name if code else "train_gpt.py"
+    resumed = load_resume(hp, rank, world_size, script) if hp.resume else None
     run_id = hp.run_id or default_run_id(hp.log_dir, resumed)
     host0, log0 = socket.gethostname(), os.path.abspath(log_file(hp, run_id))
     if world_size > 1:                  # one name for every rank's checkpoints and traces, and
@@ -2263,17 +2400,21 @@ def _debug_requested(argv: Sequence[str]) -> bool:
 
 
 def dry_run_checks(hp: Any, rank: int, world_size: int, device: torch.device,
-                   available: Sequence[str], chosen: str) -> None:
+                   available: Sequence[str], chosen: str, script: str = "train_gpt.py",
+                   notes: Sequence[str] = ()) -> None:
     """The run-control half of --dry_run's checklist, printed on rank 0: the process placement, the
-    environment and attention backends (available, chosen: the script's), the output folder and a
-    resume. The first failing check raises, as in a real run."""
+    options a resume takes from its state (notes: resume_options' line), the environment and
+    attention backends (available, chosen: the script's), the output folder and a resume. The
+    first failing check raises, as in a real run. script: the file the trainer runs as."""
     say = print if rank == 0 else (lambda *a, **k: None)
     say(f"dry run: the checks before compiling, for {world_size} process(es)")
     say(f"  ok  options: valid for {world_size} process(es) x {hp.batch_slices // world_size} "
         "accumulation steps")
+    for line in notes:
+        say(f"  ok  {line}")
     say(f"  ok  environment: {short_environment(device)}; attention backends "
         f"{', '.join(available)} (--attn_backend={hp.attn_backend} runs {chosen})")
-    saved = load_resume(hp, rank, world_size) if hp.resume else None
+    saved = load_resume(hp, rank, world_size, script) if hp.resume else None
     for line in saved["notes"] if saved is not None else ():
         say(f"  !!  {line}")
     run_id = hp.run_id or (default_run_id(hp.log_dir, saved) if saved else "<a new run id>")
@@ -2289,7 +2430,7 @@ def dry_run_checks(hp: Any, rank: int, world_size: int, device: torch.device,
     say(f"  ok  output: {hp.log_dir}/ is writable; the log would be {hp.log_dir}/{run_id}.txt")
     if saved is not None:
         check_resume(saved, hp, run_facts(world_size, device, chosen,
-                                          resolve_shards(hp.train_files, "train")))
+                                          resolve_shards(hp.train_files, "train")), script)
         say(f"  ok  resume: {saved['path']} continues after step {saved['step']} of "
             f"{hp.num_iterations}; the math options match")
 

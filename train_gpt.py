@@ -2422,20 +2422,22 @@ def timed_loop(run: harness.Run, trainer: Trainer, checkpointer: harness.Checkpo
     return run.finish(val_loss, clock.ms)
 
 
-def train(hp: Hyperparameters, argv_text: str,
-          stops: harness.StopSignals | None = None) -> dict[str, Any]:
+def train(hp: Hyperparameters, argv_text: str, stops: harness.StopSignals | None = None,
+          resume_notes: Sequence[str] = ()) -> dict[str, Any]:
     """The whole run: checks, setup, warmup and reset, then the timed loop. Returns a summary
-    (final val loss, train time)."""
+    (final val loss, train time). resume_notes: the line naming the options a resume took from its
+    state (harness.resume_options), for the log."""
     world_size = harness.launch_environment()[1]
     with harness.same_on_every_rank():
         asked = hp
         hp = resolve_dtype(slices_for(hp, world_size), harness.device_type(hp))
         validate_hyperparameters(hp, world_size)
-    notes = dtype_note(asked, hp) + ([] if hp.batch_slices == asked.batch_slices else [
-        f"note: {hp.batch_slices} processes, more than --batch_slices={asked.batch_slices}: each "
-        f"takes one slice of the batch cut {hp.batch_slices} ways, so documents are cut where "
-        f"{asked.batch_slices} slices would not cut them (the record's exact math needs at most 8 "
-        "processes; docs/multi-node.md)"])
+    notes = [*resume_notes, *dtype_note(asked, hp)]
+    if hp.batch_slices != asked.batch_slices:
+        notes.append(f"note: {hp.batch_slices} processes, more than --batch_slices="
+                     f"{asked.batch_slices}: each takes one slice of the batch cut {hp.batch_slices} "
+                     f"ways, so documents are cut where {asked.batch_slices} slices would not cut "
+                     "them (the record's exact math needs at most 8 processes; docs/multi-node.md)")
     run = harness.open_run(hp, stops or harness.StopSignals(),
                            [*code_files(), Path(compile_split.__file__)])
     with run.failures_logged():
@@ -2454,15 +2456,16 @@ def train(hp: Hyperparameters, argv_text: str,
         return timed_loop(run, trainer, checkpointer, start, train_ms)
 
 
-def dry_run(hp: Hyperparameters) -> None:
+def dry_run(hp: Hyperparameters, resume_notes: Sequence[str] = ()) -> None:
     """--dry_run: every check a run makes before it builds or compiles anything, printed as a
-    checklist; the first failing check raises as in a real run."""
+    checklist; the first failing check raises as in a real run. resume_notes: as train's."""
     with harness.same_on_every_rank():
         hp = resolve_dtype(slices_for(hp, harness.launch_environment()[1]), harness.device_type(hp))
         validate_hyperparameters(hp, harness.launch_environment()[1])
     rank, world_size, _, device = harness.setup_distributed(hp)
     harness.dry_run_checks(hp, rank, world_size, device, checks.available_attn_backends(device),
-                           checks.resolve_attn_backend(hp.attn_backend, device))
+                           checks.resolve_attn_backend(hp.attn_backend, device),
+                           code_files()[0].name, resume_notes)
     harness.dry_run_notes(rank, preflight(hp, world_size, device, rank))
 
 
@@ -2476,10 +2479,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     with harness.command_line(argv) as outcome:
         with harness.same_on_every_rank():
             hp = parse_args(argv)
+        hp, resume_notes = harness.resume_options(hp, argv, PRESETS)   # the state's options
         if hp.dry_run:
-            dry_run(hp)
+            dry_run(hp, resume_notes)
         else:
-            train(hp, " ".join(argv), outcome.stops)
+            train(hp, " ".join(argv), outcome.stops, resume_notes)
     return outcome.code
 
 
