@@ -202,7 +202,7 @@ def test_an_op_asked_both_ways_is_one_error_naming_the_flag():
 
 
 def test_the_recorded_reference_digests_are_those_of_the_code():
-    assert checks.edited_references() == {}
+    assert checks.edited_references(tg.KERNEL_REFERENCES) == {}
 
 
 def _edited_version(definition):
@@ -217,7 +217,7 @@ def _edited_version(definition):
 def test_an_edited_reference_runs_on_a_gpu_and_says_so_unless_its_kernel_is_forced(monkeypatch, op):
     definitions, digest = tg.KERNEL_REFERENCES[op]
     monkeypatch.setitem(tg.KERNEL_REFERENCES, op, ((_edited_version(definitions[0]), *definitions[1:]), digest))
-    edited = checks.edited_references()
+    edited = checks.edited_references(tg.KERNEL_REFERENCES)
     assert list(edited) == [op] and edited[op] != digest
     names = ", ".join(d.__name__ for d in definitions)
     assert fused_in(tg.kernel_ops("fused", "cuda", edited)) == set(tg.KERNEL_OPS) - {op}
