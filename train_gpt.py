@@ -1998,6 +1998,7 @@ def preflight(hp: Hyperparameters, world_size: int, device: torch.device,
               rank: int = 0) -> list[str]:
     """checks.preflight on this run's values (data, schedule, memory), then a walk through every
     validation batch this rank will read; returns the notes for the log."""
+    hp = resolve_dtype(hp, device.type)
     meta = build_model(hp, torch.device("meta"), "sdpa")
     caps = {(micro_batch_tokens(st.batch, hp.batch_slices), st.max_doc_len) for st in hp.stages}
     _, val_files, notes = checks.preflight(
@@ -2194,16 +2195,17 @@ class Trainer:
         return mean.item()
 
     @torch.no_grad()
-    def validate(self, ws_short: int, ws_long: int, max_batches: int | None = None,
-                 progress: harness.Progress | None = None) -> float:
-        """The mean validation loss over every rank's batches; progress: ticked after each batch."""
+    def validate(self, ws_short: int, ws_long: int, max_batches: int | None = None) -> float:
+        """The mean validation loss over every rank's batches (a whole validation shows progress on
+        a slow machine)."""
         self.model.eval()
         total, count = torch.zeros((), device=self.device), 0
+        batches = self.grad_accum * self.hp.val_tokens // self.hp.val_batch_size
+        progress = harness.Progress(self.rank, "validation", batches)
         for batch in self.val_batches():
             total += self.val_loss(batch, ws_short, ws_long)
             count += 1
-            if progress is not None:
-                progress.tick(count)
+            progress.tick(count)
             if max_batches is not None and count >= max_batches:
                 break
         loss = total / count
@@ -2347,10 +2349,8 @@ def validate_in_loop(run: harness.Run, trainer: Trainer, checkpointer: harness.C
         if signum := run.agreed_signal():
             raise harness.stopped(signum, f"before the final validation{saved}")
     tv = time.perf_counter()
-    batches = trainer.grad_accum * hp.val_tokens // hp.val_batch_size
     try:
-        val_loss = trainer.validate(sched.ws_short, hp.ws_long_final_val if last else sched.ws_long,
-                                    progress=harness.Progress(run.rank, "validation", batches))
+        val_loss = trainer.validate(sched.ws_short, hp.ws_long_final_val if last else sched.ws_long)
     except harness.Interrupted as e:
         raise (harness.stopped(e.signum, f"during the final validation{saved}", e.agreed)
                if last else e)
