@@ -1576,6 +1576,7 @@ def _train_batch_stream(files: list[str], global_batch: int, grad_accum: int, ra
     while True:
         if message is not None:                  # applies to the batch answering it
             global_batch, max_doc_len, grad_accum = message
+            checks.check_batch_split(global_batch, grad_accum, world_size)
             tokens_per_rank = micro_batch_tokens(global_batch, grad_accum * world_size)
         shards.poll()
         while (cursors := _plan_joint_batch(shards.current.cum_lens(max_doc_len), cursor,
