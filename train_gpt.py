@@ -2199,10 +2199,11 @@ class Trainer:
     def validate(self, ws_short: int, ws_long: int, max_batches: int | None = None) -> float:
         """The mean validation loss over every rank's batches (a whole validation shows progress on
         a slow machine)."""
+        hp, rank = self.hp, self.rank
         self.model.eval()
         total, count = torch.zeros((), device=self.device), 0
-        batches = self.grad_accum * self.hp.val_tokens // self.hp.val_batch_size
-        progress = harness.Progress(self.rank, "validation", batches)
+        batches = self.grad_accum * hp.val_tokens // hp.val_batch_size
+        progress = harness.Progress(rank, "validation", batches)
         for batch in self.val_batches():
             total += self.val_loss(batch, ws_short, ws_long)
             count += 1
@@ -2224,9 +2225,11 @@ def compile_model(model: nn.Module) -> Callable:
 
 def code_files() -> list[Path]:
     """What a run's log embeds and every rank checks is the same: this file (under whatever name it
-    runs), its checks and its kernels."""
+    runs), its checks, its kernels and the run machinery (whose console progress a validation
+    ticks)."""
     here = Path(__file__).resolve()
-    return [here, here.with_name("checks.py"), Path(tk.__file__).resolve()]
+    return [here, here.with_name("checks.py"), Path(tk.__file__).resolve(),
+            Path(harness.__file__).resolve()]
 
 
 def prepare_training(run: harness.Run, argv_text: str,
@@ -2404,8 +2407,8 @@ def timed_loop(run: harness.Run, trainer: Trainer, checkpointer: harness.Checkpo
             finite.passed(trainer.state(done, clock.now_ms()) if saving else None)
         train_loss = (trainer.mean_train_loss(loss, sched)
                       if hp.train_loss_every and done % hp.train_loss_every == 0 else None)
-        val_left = (sum(val_seconds) / len(val_seconds) if val_seconds else 0.0) * \
-            validations_left(done, total, hp.val_loss_every)
+        val_left = (sum(val_seconds) / len(val_seconds) if val_seconds and done < total else 0.0) \
+            * validations_left(done, total, hp.val_loss_every)
         run.log_step(done, total, clock.now_ms(), tokens_before(done, segments),
                      tokens_before(total, segments), train_loss, val_left)
         if hp.checkpoint_every and done % hp.checkpoint_every == 0 and done < total:
