@@ -1962,7 +1962,7 @@ class Run:
     compile_cache: tuple | None = None   # (path, key, versions) to save after the warmup
     cache_loaded: bool = False           # the compile cache file filled torch's caches
     compiling: bool = False              # torch.compile is on (CUDA and --compile)
-    accepted: bool = False               # the checks passed (begin_run): a resume refused before
+    accepted: bool = False               # the checks passed (accept_run): a run refused before
                                          # this leaves no log, so the corrected command can follow
     made_folder: Path | None = None      # the checkpoint folder this run created: a failed run
                                          # that saved nothing there removes it
@@ -2073,8 +2073,9 @@ class Run:
             failed = True
             if not isinstance(e, SystemExit):
                 end = ending(e, self.rank, self.world_size, self.stops)
-                refused = (self.resumed is not None and not self.accepted
-                           and end.code in (EXIT_CONFIG, EXIT_DATA))
+                # refused by its checks: the console's error line says all the log would, and a
+                # kept log would take the run id from the corrected command
+                refused = not self.accepted and end.code in (EXIT_CONFIG, EXIT_DATA)
                 if end.code in (EXIT_BUG, EXIT_PEER, EXIT_DEVICE):
                     import traceback
                     self.log(traceback.format_exc().rstrip(), console=False)
