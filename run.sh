@@ -42,7 +42,15 @@ missing at the tested versions (requirements.txt), fetches the FineWeb shards th
   PYTHON        the Python to use (default python3)
 The script's own options (--name=value) follow.
 USAGE
-      exec "$PY" "$TRAIN" --help ;;
+      # The script imports its requirements before it can list its options: on a bare machine, say how to get them.
+      if help=$("$PY" "$TRAIN" --help 2>&1); then printf '%s\n' "$help"; exit 0; fi
+      if printf '%s\n' "$help" | grep -q '^ModuleNotFoundError'; then
+        echo "(they are listed once its requirements are installed, $PY -m pip install -r requirements.txt, by" \
+             "$PY $train_named --help; here: $(printf '%s\n' "$help" | tail -n 1))"
+        exit 0
+      fi
+      printf '%s\n' "$help" >&2
+      exit 1 ;;
   esac
 done
 

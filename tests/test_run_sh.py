@@ -449,3 +449,20 @@ def test_run_sh_help_documents_train_and_needs_no_gpu(tree):
     assert result.returncode == 0, out
     assert "TRAIN=my_idea.py ./run.sh" in out and "usage: python3 train_gpt.py" in out
     assert "no CUDA GPU" not in out and "downloading" not in out
+
+
+def test_run_sh_help_on_a_bare_machine_gives_its_usage_and_how_to_list_the_options(tree):
+    """Without the requirements the script cannot import to list its options: run.sh --help still prints its own
+    usage, then one line naming the install and the missing module, never a traceback."""
+    bare = tree / "python"
+    bare.write_text(f'#!/usr/bin/env bash\nexec {sys.executable} -S "$@"\n')     # -S: no site packages (no numpy)
+    bare.chmod(0o755)
+    env = dict(os.environ, PYTHON=str(bare), CUDA_VISIBLE_DEVICES="")
+    result = subprocess.run(["bash", str(tree / "run.sh"), "--help"], cwd=tree, env=env, capture_output=True,
+                            text=True, timeout=HANG_GUARD_S)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0 and "Traceback" not in out, out
+    assert "TRAIN=my_idea.py ./run.sh" in out and "usage: python3 train_gpt.py" not in out
+    assert out.splitlines()[-1] == (f"(they are listed once its requirements are installed, {bare} -m pip install "
+                                    f"-r requirements.txt, by {bare} train_gpt.py --help; here: "
+                                    "ModuleNotFoundError: No module named 'numpy')"), out
