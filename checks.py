@@ -97,13 +97,19 @@ def kernel_switch_lines(kernels: str, device_type: str, edited: dict[str, str],
     return lines
 
 
+def cpu_bf16_override() -> str | None:
+    """NANOGPT_CPU_BF16 when it is native or emulated (it then decides cpu_runs_bf16_natively), else
+    None."""
+    forced = os.environ.get("NANOGPT_CPU_BF16", "")
+    return forced if forced in ("native", "emulated") else None
+
+
 def cpu_runs_bf16_natively(cpuinfo: str | None = None) -> bool:
     """Whether this CPU has bf16 matrix instructions (AMX or AVX512-BF16), which torch's CPU matmuls
     use; without them torch emulates bf16, about ten times slower than float32. cpuinfo: the text
     of /proc/cpuinfo (read when None; other systems count as emulating). NANOGPT_CPU_BF16=native or
     emulated overrides the probe (tests run both paths on any machine)."""
-    forced = os.environ.get("NANOGPT_CPU_BF16", "")
-    if forced in ("native", "emulated"):
+    if forced := cpu_bf16_override():
         return forced == "native"
     if cpuinfo is None:
         try:

@@ -1947,9 +1947,11 @@ def dtype_note(asked: Hyperparameters, hp: Hyperparameters) -> list[str]:
     """The log line that says what --dtype=auto chose on a CPU, when it chose float32."""
     if asked.dtype != "auto" or hp.dtype == "bfloat16":
         return []
-    return [f"note: this CPU has no bf16 instructions (AMX or AVX512-BF16), so --dtype=auto trains "
-            f"in {hp.dtype}, several times faster here than emulated bf16; --dtype=bfloat16 runs "
-            "the GPUs' precision"]
+    forced = checks.cpu_bf16_override()      # the probe's override, named where it decided
+    why = (f"NANOGPT_CPU_BF16={forced} is set" if forced else
+           "this CPU has no bf16 instructions (AMX or AVX512-BF16)")
+    return [f"note: {why}, so --dtype=auto trains in {hp.dtype}, faster here than emulated bf16; "
+            "--dtype=bfloat16 runs the GPUs' precision"]
 
 
 def build_model(hp: Hyperparameters, device: torch.device, attn_backend: str,
