@@ -1995,19 +1995,26 @@ def mlp_kernel_step(hp: Hyperparameters, device: torch.device) -> int | None:
     return tk._MLP_TILES[2] if fused else None
 
 
+def memory_parts(hp: Hyperparameters, world_size: int) -> dict[str, int]:
+    """checks.memory_parts for the last rank's model and optimizer, built on the meta device (no
+    memory), so every parameter and optimizer buffer is counted as the run will allocate it.
+    ConfigError for options check_options refuses (the memory check tries smaller sizes)."""
+    checks.check_options(hp, world_size, KERNEL_OPS, BOS_ID)
+    meta = build_model(hp, torch.device("meta"), "sdpa")
+    opt = build_optimizer(hp, meta, world_size - 1, world_size)
+    return checks.memory_parts(hp, dict(meta.named_parameters()), opt.buffers)
+
+
 def preflight(hp: Hyperparameters, world_size: int, device: torch.device,
               rank: int = 0) -> list[str]:
     """checks.preflight on this run's values (data, schedule, memory), then a walk through every
     validation batch this rank will read; returns the notes for the log."""
     hp = resolve_dtype(hp, device.type)
-    meta = build_model(hp, torch.device("meta"), "sdpa")
     caps = {(micro_batch_tokens(st.batch, hp.batch_slices), st.max_doc_len) for st in hp.stages}
     _, val_files, notes = checks.preflight(
         hp, world_size, device, trained_tokens=train_tokens_needed(hp), bos_id=BOS_ID,
         doc_rooms={(n, cap): max_num_docs(n, hp.tokens_per_doc_bound) - 1 for n, cap in caps},
-        memory_gib=checks.estimate_gpu_memory_gib(
-            hp, world_size, {label: p.numel() for label, p in meta.named_parameters()},
-            meta.bank_matrix_shapes),
+        memory=lambda asked: memory_parts(asked, world_size),
         mlp_k_step=mlp_kernel_step(hp, device))
     for _ in val_batches(val_files, hp.val_batch_size, hp.val_tokens, hp.batch_slices // world_size,
                          rank, world_size, torch.device("cpu"), hp.tokens_per_doc_bound,
