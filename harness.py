@@ -1624,6 +1624,7 @@ def resume_options(hp: Any, argv: Sequence[str], presets: dict[str, dict]) -> tu
     saved = state_options(hp.resume, rank, world_size)
     if saved is None:
         return hp, []
+    check_state_options(saved, hp)      # another recipe's state: refused before its options are read
     try:
         hp, line = reuse_state_options(hp, given_options(argv, presets), saved, presets)
     except (TypeError, ValueError):     # options this code cannot read (a table row's fields
@@ -1658,6 +1659,108 @@ def resume_command(saved: dict, hp: Any, script: str = "train_gpt.py",
     return command if n <= 8 else f"{command} (on every node)"
 
 
+def option_differences(saved: dict, hp: Any) -> list[str]:
+    """How the options a state stored (its "hyperparameters") differ in kind from this code's: a
+    name this code has no option for, a math option (math_fields) the state lacks, a table row
+    (e.g. a Stage) with a field this code's row lacks or without one it has. Empty where from_dict
+    reads them (a run-control option this code added takes its default)."""
+    names = {f.name for f in dataclasses.fields(hp)}
+    diffs = [f"--{name} (an option this code does not have)" for name in saved
+             if name not in names]
+    diffs += [f"--{name} (an option of this code the state has no value for)"
+              for name in math_fields(hp) if name not in saved]
+    for f in dataclasses.fields(hp):
+        like = getattr(hp, f.name)
+        if (f.name not in saved or not isinstance(like, tuple) or not like
+                or not dataclasses.is_dataclass(like[0])):
+            continue
+        row, rows = type(like[0]), saved[f.name]
+        want = [g.name for g in dataclasses.fields(row)]
+        if not isinstance(rows, (list, tuple)) or not all(isinstance(r, dict) for r in rows):
+            diffs.append(f"--{f.name} (not a table of {row.__name__} rows)")
+            continue
+        have = [name for r in rows for name in r]
+        diffs += [f"--{f.name} rows with the field {name} that this code's {row.__name__} lacks"
+                  for name in dict.fromkeys(have) if name not in want]
+        diffs += [f"--{f.name} rows without the field {name} that this code's {row.__name__} has"
+                  for name in want if not all(name in r for r in rows)]
+    return diffs
+
+
+def written_by(saved: dict) -> str:
+    """Where the code that wrote the state `saved` is, and how many processes wrote it: the advice
+    of every refusal of a state from other code."""
+    folder = Path(saved["path"]).parent
+    n = saved.get("facts", {}).get("processes", 1) if isinstance(saved.get("facts"), dict) else 1
+    return (f"resume it with the code that wrote it (its log {folder.parent / folder.name}.txt, "
+            f"and the state's 'code' entry, hold that script), with {n} process(es)")
+
+
+def check_state_options(saved: dict, hp: Any) -> None:
+    """ConfigError naming each option or table field that the state `saved` (a --resume state, or
+    state_options' record of one) stores and this code lacks, or lacks and this code has: a state
+    of another recipe, refused before anything is read into a model."""
+    options = saved.get("hyperparameters")
+    diffs = (option_differences(options, hp) if isinstance(options, dict)
+             else ["no options stored (a state of an older format)"])
+    if diffs:
+        raise ConfigError(f"--resume: {saved['path']} was written by other code than this: "
+                          f"{'; '.join(diffs)}. {written_by(saved).capitalize()}")
+
+
+def state_layout(tree: Any, prefix: str = "") -> dict[str, tuple[tuple[int, ...], str]]:
+    """{dotted path: (shape, dtype)} of every tensor in a nested dict (a state's "model",
+    "optimizer" or "grads", or the same built on the meta device)."""
+    if isinstance(tree, Tensor):
+        return {prefix: (tuple(tree.shape), str(tree.dtype).removeprefix("torch."))}
+    if isinstance(tree, dict):
+        return {path: layout for key, value in tree.items()
+                for path, layout in state_layout(value, f"{prefix}.{key}" if prefix
+                                                 else str(key)).items()}
+    return {}
+
+
+def layout_differences(saved: dict, expected: dict[str, Any]) -> list[str]:
+    """The tensors whose names, shapes or dtypes differ between the state `saved` and `expected`
+    (what this code would save: {"model": ..., "optimizer": ...}, built on the meta device);
+    each gradient the state holds must be shaped as its parameter."""
+    def name(path: str) -> str:
+        return (f"parameter {path.removeprefix('model.')}" if path.startswith("model.")
+                else f"gradient of {path.removeprefix('grads.')}" if path.startswith("grads.")
+                else path.replace("optimizer.buffers.", "optimizer buffer "))
+
+    def shown(layout: tuple) -> str:
+        return f"{'x'.join(map(str, layout[0])) or 'a scalar'} {layout[1]}"
+
+    here = state_layout({key: expected[key] for key in ("model", "optimizer")})
+    here.update({f"grads.{path.removeprefix('model.')}": layout for path, layout in here.items()
+                 if path.startswith("model.")})
+    there = state_layout({key: saved.get(key, {}) for key in ("model", "optimizer", "grads")})
+    diffs = []
+    for path in dict.fromkeys([*here, *there]):
+        if path.startswith("grads.") and path not in there:
+            continue                                # a gradient not pending at that step
+        if path not in there:
+            diffs.append(f"{name(path)} is not in the state")
+        elif path not in here:
+            diffs.append(f"{name(path)} is in the state but not in this model")
+        elif there[path] != here[path]:
+            diffs.append(f"{name(path)} is {shown(there[path])} there, {shown(here[path])} here")
+    return diffs
+
+
+def check_state_layout(saved: dict, expected: dict[str, Any], hp: Any,
+                       script: str = "train_gpt.py") -> None:
+    """ConfigError naming the tensors of the state `saved` that this code's model and optimizer
+    (expected: layout_differences') do not have as it holds them, before any is loaded: a state of
+    another recipe whose options this code reads alike."""
+    if diffs := layout_differences(saved, expected):
+        more = f" (and {len(diffs) - 3} more)" if len(diffs) > 3 else ""
+        raise ConfigError(f"--resume: {saved['path']} holds another model than this code builds "
+                          f"from its options: {'; '.join(diffs[:3])}{more}. "
+                          f"{written_by(saved).capitalize()}: {resume_command(saved, hp, script)}")
+
+
 def load_resume(hp: Any, rank: int, world_size: int, script: str = "train_gpt.py") -> dict:
     """The state --resume names, for this rank; ConfigError when it cannot continue (see
     load_checkpoint), or when it lies past the end of these options' schedule. The state after the
@@ -1665,6 +1768,7 @@ def load_resume(hp: Any, rank: int, world_size: int, script: str = "train_gpt.py
     taken: that resume runs only the final validation and writes the result line. script: the
     file the trainer runs as, for the command a refusal gives."""
     state = load_checkpoint(expand_path(hp.resume), rank, world_size)
+    check_state_options(state, hp)
     if state["step"] >= hp.num_iterations:
         try:
             total = from_dict(type(hp)(), state["hyperparameters"]).num_iterations
@@ -1698,7 +1802,9 @@ def resume_differences(saved: dict, hp: Any, facts: dict) -> list[str]:
 
 def check_resume(saved: dict, hp: Any, facts: dict, script: str = "train_gpt.py") -> None:
     """ConfigError, with the command that continues the state, when this run's math options or
-    facts (run_facts) differ from those of the state `saved`."""
+    facts (run_facts) differ from those of the state `saved` (or it stores options of other code:
+    check_state_options)."""
+    check_state_options(saved, hp)
     if diffs := resume_differences(saved, hp, facts):
         differ = [option for key, option in FACT_OPTIONS.items()
                   if saved["facts"].get(key) != facts.get(key)]

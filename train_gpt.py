@@ -2067,6 +2067,13 @@ def snapshot_state(model: nn.Module, opt: Any) -> dict[str, Any]:
             "optimizer": copy.deepcopy(opt.state_dict())}
 
 
+def meta_state(hp: Hyperparameters, rank: int, world_size: int) -> dict[str, Any]:
+    """snapshot_state of this rank's model and optimizer built on the meta device (no memory): the
+    names, shapes and dtypes a state this code resumes must hold."""
+    model = build_model(hp, torch.device("meta"), "sdpa")
+    return snapshot_state(model, build_optimizer(hp, model, rank, world_size))
+
+
 class Trainer:
     """The schedule state (windows, batch size, document cap) and the step/validation routines
     shared by warmup and the timed loop."""
@@ -2249,6 +2256,9 @@ def prepare_training(run: harness.Run, argv_text: str,
     edited = checks.edited_references(KERNEL_REFERENCES)
     ops = kernel_ops(hp.kernels, device.type, edited)
     train_files, val_files, checkpointer = harness.begin_run(run, sources, argv_text, attn_backend)
+    if run.resumed is not None:   # another recipe's tensors are refused before anything is built
+        harness.check_state_layout(run.resumed, meta_state(hp, run.rank, run.world_size), hp,
+                                   next(iter(sources)))
     preflight_notes = preflight(hp, run.world_size, device, run.rank)
     switch_notes = checks.kernel_switch_lines(hp.kernels, device.type, edited, KERNEL_REFERENCES)
     harness.accept_run(run, sources, attn_backend, [*preflight_notes, *notes, *switch_notes])
