@@ -1931,6 +1931,20 @@ def node_line(host: str, first: int, count: int, world_size: int, host0: str,
             f"on its console), its log: {log_path}")
 
 
+def follow_the_launcher() -> bool:
+    """Ask Linux to send this process SIGTERM when its parent (torchrun) dies (prctl
+    PR_SET_PDEATHSIG), so that a launcher killed outright does not leave its workers training: they
+    stop as on the launcher's own SIGTERM, saving the last step where --save_checkpoint asks. False
+    where there is no prctl (not Linux); the stop vote's launcher_gone check covers those."""
+    import ctypes
+    import signal
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(1, int(signal.SIGTERM), 0, 0, 0) == 0   # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return False
+
+
 class StopSignals:
     """Ctrl-C (SIGINT), SIGTERM and SIGHUP (a closed terminal or ssh session). Inside the timed loop
     (`defer` is set) the first signal asks the run to stop at a step boundary that every rank agrees
@@ -1948,11 +1962,30 @@ class StopSignals:
         self.announce = announce
         self._at = 0.0
         self._previous: dict[int, Any] = {}
+        self.launcher: int | None = None         # torchrun's pid, for a worker it started
 
     def install(self) -> None:
         import signal
         for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # SIGHUP: a closed terminal
             self._previous[signum] = signal.signal(signum, self._on_signal)
+        if "TORCHELASTIC_RUN_ID" in os.environ:     # a torchrun worker: the launcher is the parent
+            self.launcher = os.getppid()
+            follow_the_launcher()
+
+    def launcher_gone(self) -> int:
+        """SIGTERM once the launcher that started this worker has died (it is no longer the
+        parent: the process was handed to init or a subreaper), else 0; the stop vote asks it at
+        every step boundary, so a launcher killed outright (SIGKILL, the OOM killer) stops its
+        workers as its SIGTERM would, where the parent-death signal is unavailable or came before
+        it was set."""
+        import signal
+        if self.launcher is None or os.getppid() == self.launcher:
+            return 0
+        if self.requested is None and self.announce:
+            to_console(f"the launcher (pid {self.launcher}) is gone: stopping at the next step "
+                       "boundary", sys.stderr)
+        self.requested = self.requested or signal.SIGTERM
+        return self.requested
 
     def uninstall(self) -> None:
         import signal
@@ -2126,12 +2159,12 @@ class Run:
     def agreed_signal(self) -> int:
         """The signal that asked for a stop on any rank (0 if none), the same on every rank: with
         several processes one tiny all-reduce, waited for (the final validation's check)."""
-        return self.votes.now(self.stops.requested or 0)
+        return self.votes.now(self.stops.requested or self.stops.launcher_gone())
 
     def vote_to_stop(self) -> int:
         """At a step boundary: the signal that asked for a stop on any rank by the boundary before
         this one (0 if none), the same on every rank, without waiting for the device (StopVote)."""
-        return self.votes.at_boundary(self.stops.requested or 0)
+        return self.votes.at_boundary(self.stops.requested or self.stops.launcher_gone())
 
     def log_table(self, lines: Sequence[str]) -> None:
         """A table into the log file, its last (summary) line on the console too."""
