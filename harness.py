@@ -1371,8 +1371,44 @@ def inspect_state(file: Path, step: int, rank: int, world_size: int) -> tuple[di
     have = (record.get("step"), record.get("rank"), record.get("world_size"))
     if have != (step, rank, world_size):
         return record, (f"holds rank {have[1]} of {have[2]} after step {have[0]}, not rank {rank} "
-                        f"of {world_size} after step {step} (a renamed file)")
+                        f"of {world_size} after step {step} "
+                        f"({'a renamed file' if have[2] == world_size else 'another process count'})")
     return record, None
+
+
+def seal_record(file: Path) -> dict:
+    """The record a state file's seal holds (run id, step, rank, world size), read from its tail
+    without checking its digest; {} where it has none that reads."""
+    import json
+    try:
+        size = file.stat().st_size
+        with open(file, "rb") as f:
+            f.seek(max(0, size - _ZIP_END_SIZE - 65535))
+            comment = _zip_comment(f.read())
+        record = json.loads(comment[len(STATE_SEAL):]) if comment and comment.startswith(
+            STATE_SEAL) else {}
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def writers_of(folder: Path, step: int) -> int | None:
+    """How many processes wrote the step-`step` state in `folder`: the world size a seal of one of
+    its files records, else the count their names give (one unranked file: 1; rank files: the
+    highest rank + 1); None where the step has no file."""
+    found = [m for f in sorted(folder.glob(f"state_step{step:06d}*.pt"))
+             if (m := CHECKPOINT_NAME.fullmatch(f.name))]
+    for m in found:
+        if isinstance(n := seal_record(folder / m[0]).get("world_size"), int) and n >= 1:
+            return n
+    return max((int(m[2]) + 1 if m[2] is not None else 1 for m in found), default=None)
+
+
+def resume_with(n: int) -> str:
+    """The advice of every refusal of a state written by another process count than this run's."""
+    return ("resume with 1 process" if n == 1 else
+            f"resume with {n} processes ({f'NPROC={n} ./run.sh, or ' if n <= 8 else ''}NNODES x "
+            f"NPROC = {n} on several nodes)")
 
 
 def _zip_comment(tail: bytes) -> bytes | None:
@@ -1456,8 +1492,7 @@ def find_checkpoint(path: str, world_size: int) -> tuple[Path, list[int]]:
             counts = sorted(set(written.values()))
             found = (f"states of {' or '.join(map(str, counts))} process(es) (steps "
                      f"{sorted(written)})" if written else "no states")
-            fix = (f"resume with {counts[-1]} processes (NNODES x NPROC = {counts[-1]} on "
-                   "several nodes), or give " if written else "give ")
+            fix = (f"{resume_with(counts[-1])}, or give " if written else "give ")
             raise ConfigError(f"--resume={path}: the folder holds {found}, none written by "
                               f"{world_size} process(es): {fix}a run's folder (logs/<run_id>) or "
                               "one of its state_step*.pt files")
@@ -1514,6 +1549,7 @@ def load_checkpoint(path: str, rank: int, world_size: int,
     notes = [f"note: removed {f}, the temporary file of a write that was cut short"
              for f in remove_stale_temporaries(folder)] if not named else []
     skipped: list[str] = []
+    others: set[int | None] = set()      # the process counts that wrote the states skipped
     for step in steps:
         file = checkpoint_path(folder, step, rank, world_size)
         record, problem = inspect_state(file, step, rank, world_size)
@@ -1524,15 +1560,22 @@ def load_checkpoint(path: str, rank: int, world_size: int,
                                         world_size))
         if why is None:
             break
+        writers = writers_of(folder, step)
         if named:
-            raise ConfigError(f"--resume: {folder / why[0]}: {why[1]}. Resume from an earlier "
-                              "state (written by as many processes as this run has), or give the "
-                              f"folder (--resume={folder}) to take its newest whole one")
+            fix = (f"It was written by {writers} processes, this run has {world_size}: "
+                   f"{resume_with(writers)}" if writers not in (None, world_size) else
+                   "Resume from an earlier state (written by as many processes as this run has), "
+                   f"or give the folder (--resume={folder}) to take its newest whole one")
+            raise ConfigError(f"--resume: {folder / why[0]}: {why[1]}. {fix}")
         skipped.append(f"{why[0]}: {why[1]}")
+        others.add(writers)
     else:
+        fix = (f"They were written by {others_n} processes, this run has {world_size}: "
+               f"{resume_with(others_n)}" if len(others) == 1
+               and (others_n := next(iter(others))) not in (None, world_size)
+               else "Start a new run, or give another run's folder")
         raise ConfigError(f"--resume={path}: no state in the folder is whole on all {world_size} "
-                          f"process(es): {'; '.join(skipped)}. Start a new run, or give another "
-                          "run's folder")
+                          f"process(es): {'; '.join(skipped)}. {fix}")
     state["path"] = str(file)
     chosen = f"state_step{step:06d}{'_rank*' if world_size > 1 else ''}.pt"
     state["notes"] = notes + [f"note: skipped {line}; resuming from {chosen}" for line in skipped]
@@ -1809,9 +1852,11 @@ def check_resume(saved: dict, hp: Any, facts: dict, script: str = "train_gpt.py"
         differ = [option for key, option in FACT_OPTIONS.items()
                   if saved["facts"].get(key) != facts.get(key)]
         n = saved["facts"].get("processes", 1)
+        count = (f" ({resume_with(n).partition(' (')[0]}; this run has {facts['processes']})"
+                 if facts.get("processes", n) != n else "")
         raise ConfigError(f"--resume: {saved['path']} was written by a run with other math: "
                           f"{'; '.join(diffs)}. A resume takes the state's options where the "
-                          f"command line gives none; continue it with its {n} process(es): "
+                          f"command line gives none; continue it with its {n} process(es){count}: "
                           f"{resume_command(saved, hp, script, differ)}")
 
 
