@@ -28,7 +28,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Collection, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -1599,6 +1599,36 @@ def _read_state(file: Path, step: int,
     if state["step"] != step:
         return None, f"the state after step {state['step']}, not {step} (a renamed file)"
     return state, None
+
+
+def read_sealed_state(path: str, needs: Collection[str] = STATE_KEYS) -> dict:
+    """A state file as a tool reads it (any rank's, under any name), on the CPU: its seal checked as
+    --resume checks it (inspect_state, for the step, rank and process count the seal records)
+    before anything is unpickled, then loaded, with the entries `needs` names. ConfigError naming
+    the file and why where it is missing, damaged, cut short, foreign or lacks one of them."""
+    file = Path(expand_path(path))
+    if not file.is_file():
+        raise ConfigError(f"{path} is {'not a file' if file.exists() else 'missing'}: give a "
+                          "state_step*.pt file written by train_gpt.py")
+    record = seal_record(file)
+    name = CHECKPOINT_NAME.fullmatch(file.name)
+    step = record.get("step", int(name[1]) if name else 0)
+    _, problem = inspect_state(file, step, record.get("rank", 0), record.get("world_size", 1))
+    state = None
+    if problem is None:
+        try:
+            state = torch.load(file, map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001 (a truncated or foreign file, reported as such)
+            problem = (f"unreadable as a training state (torch.load: {type(e).__name__}; the file is "
+                       "cut short or foreign)")
+    if problem is None and (not isinstance(state, dict)
+                            or state.get("format") != CHECKPOINT_FORMAT):
+        problem = "not a training state written by this trainer"
+    if problem is None and (missing := sorted(set(needs) - set(state))):
+        problem = f"not a whole training state (no {', '.join(missing)})"
+    if problem is not None:
+        raise ConfigError(f"{path}: {problem}; give a state_step*.pt file that --resume takes")
+    return state
 
 
 def state_options(path: str, rank: int, world_size: int) -> dict | None:
