@@ -717,7 +717,8 @@ PREFLIGHT_SAMPLE_TOKENS = 1 << 20   # tokens of each training shard checked
 
 def preflight(hp: Any, world_size: int, device: torch.device, *, trained_tokens: int,
               bos_id: int, doc_rooms: dict[tuple[int, int], int],
-              memory: Callable[[Any], dict[str, int]], mlp_k_step: int | None) -> tuple[list[str], list[str], list[str]]:
+              memory: Callable[[Any], dict[str, int]],
+              mlp_k_step: int | None) -> tuple[list[str], list[str], list[str]]:
     """Check data, schedule and memory before anything compiles. Raises DataError / ConfigError;
     returns the training and validation shards and notes for the log.
 

@@ -1370,9 +1370,9 @@ def inspect_state(file: Path, step: int, rank: int, world_size: int) -> tuple[di
         return record, "damaged (its sha256 does not match its contents)"
     have = (record.get("step"), record.get("rank"), record.get("world_size"))
     if have != (step, rank, world_size):
+        why = "a renamed file" if have[2] == world_size else "another process count"
         return record, (f"holds rank {have[1]} of {have[2]} after step {have[0]}, not rank {rank} "
-                        f"of {world_size} after step {step} "
-                        f"({'a renamed file' if have[2] == world_size else 'another process count'})")
+                        f"of {world_size} after step {step} ({why})")
     return record, None
 
 
@@ -1619,8 +1619,8 @@ def read_sealed_state(path: str, needs: Collection[str] = STATE_KEYS) -> dict:
         try:
             state = torch.load(file, map_location="cpu", weights_only=True)
         except Exception as e:  # noqa: BLE001 (a truncated or foreign file, reported as such)
-            problem = (f"unreadable as a training state (torch.load: {type(e).__name__}; the file is "
-                       "cut short or foreign)")
+            problem = (f"unreadable as a training state (torch.load: {type(e).__name__}; the "
+                       "file is cut short or foreign)")
     if problem is None and (not isinstance(state, dict)
                             or state.get("format") != CHECKPOINT_FORMAT):
         problem = "not a training state written by this trainer"
@@ -1697,7 +1697,7 @@ def resume_options(hp: Any, argv: Sequence[str], presets: dict[str, dict]) -> tu
     saved = state_options(hp.resume, rank, world_size)
     if saved is None:
         return hp, []
-    check_state_options(saved, hp)      # another recipe's state: refused before its options are read
+    check_state_options(saved, hp)      # another recipe's: refused before its options are read
     try:
         hp, line = reuse_state_options(hp, given_options(argv, presets), saved, presets)
     except (TypeError, ValueError):     # options this code cannot read (a table row's fields

@@ -3,9 +3,10 @@
     python3 tools/sample.py --checkpoint=logs/<run_id>/state_step001480.pt --prompt="The meaning of life is"
 
 Reads any state the trainer saved (--save_checkpoint, --checkpoint_every; with several GPUs any rank's file: the
-weights are on every rank; a damaged one is refused by its seal, as --resume refuses it) and builds the model with train_gpt.py's own code, its rotary (YaRN) state brought to where
-training left it. GPT-2 BPE needs tiktoken's two table files, downloaded once into its cache folder (TIKTOKEN_CACHE_DIR
-chooses it); offline without them, one error line names the folder, the files it lacks and the fixes.
+weights are on every rank; a damaged one is refused by its seal, as --resume refuses it) and builds the model with
+train_gpt.py's own code, its rotary (YaRN) state brought to where training left it. GPT-2 BPE needs tiktoken's two
+table files, downloaded once into its cache folder (TIKTOKEN_CACHE_DIR chooses it); offline without them, one error
+line names the folder, the files it lacks and the fixes.
 --encoding=bytes works offline for models trained on data/tokenize_docs.py --encoding=bytes shards. Runs on a GPU when
 there is one, else on the CPU. Needs torch (the README) and tiktoken (python3 -m pip install -r tools/requirements.txt).
 Exit codes: 0 done, 1 the gpt2 tables cannot be loaded, 2 bad arguments, an unusable checkpoint or tiktoken missing.
