@@ -728,6 +728,8 @@ def begin_run(run: Run, sources: dict[str, str], argv_text: str,
     log_start(run, sources, argv_text)
     for line in run.resumed["notes"] if run.resumed is not None else ():
         run.log(line)                   # the states a --resume=<folder> skipped
+    for line in run.resumed.get("log_notes", ()) if run.resumed is not None else ():
+        run.log(line, console=False)    # another rank's removals, said on its console
     train_files, val_files = resolve_shards(hp.train_files, "train"), resolve_shards(hp.val_files,
                                                                                      "val")
     facts = run_facts(run.world_size, device, attn_backend, train_files)
@@ -1534,7 +1536,8 @@ def load_checkpoint(path: str, rank: int, world_size: int,
     every rank: each state, newest first, is checked as a set (every rank's file there, whole,
     sealed by the same run for that step) before any rank loads it. A named state that fails is a
     ConfigError naming the file; a folder's newest whole set is taken, and state["notes"] has a
-    line for each state skipped (and for each stale temporary removed)."""
+    line for each state skipped (and for each stale temporary this rank removed; another rank says
+    its own on its console, and rank 0's state["log_notes"] has them for the log)."""
     try:
         mine: list[int] | str = find_checkpoint(path, world_size)[1]
     except ConfigError as e:
@@ -1548,6 +1551,15 @@ def load_checkpoint(path: str, rank: int, world_size: int,
                    reverse=True)                                                # another's
     notes = [f"note: removed {f}, the temporary file of a write that was cut short"
              for f in remove_stale_temporaries(folder)] if not named else []
+    # Every rank tries and one removes each file: the remover says so, once, on its own console;
+    # rank 0's log gets every rank's (rank 0's own come with the other notes, on its console too).
+    by_rank = _everyone(notes, world_size) if not named else [notes]
+    if rank != 0:
+        for line in notes:
+            to_console(f"{line} (by rank {rank})")
+        notes = []
+    theirs = [f"{line} (by rank {r})" for r, lines in enumerate(by_rank) if r != 0
+              for line in lines]
     skipped: list[str] = []
     others: set[int | None] = set()      # the process counts that wrote the states skipped
     for step in steps:
@@ -1579,7 +1591,8 @@ def load_checkpoint(path: str, rank: int, world_size: int,
     state["path"] = str(file)
     chosen = f"state_step{step:06d}{'_rank*' if world_size > 1 else ''}.pt"
     state["notes"] = notes + [f"note: skipped {line}; resuming from {chosen}" for line in skipped]
-    return state
+    state["log_notes"] = theirs if rank == 0 else []      # for the log alone: said on their
+    return state                                            # ranks' consoles
 
 
 def _read_state(file: Path, step: int,
