@@ -2628,11 +2628,13 @@ def _debug_requested(argv: Sequence[str]) -> bool:
 
 def dry_run_checks(hp: Any, rank: int, world_size: int, device: torch.device,
                    available: Sequence[str], chosen: str, script: str = "train_gpt.py",
-                   notes: Sequence[str] = ()) -> None:
+                   notes: Sequence[str] = (), expected_state: dict | None = None) -> None:
     """The run-control half of --dry_run's checklist, printed on rank 0: the process placement, the
     options a resume takes from its state (notes: resume_options' line), the environment and
-    attention backends (available, chosen: the script's), the output folder and a resume. The
-    first failing check raises, as in a real run. script: the file the trainer runs as."""
+    attention backends (available, chosen: the script's), the output folder and a resume (its
+    tensors against expected_state, the script's model and optimizer on the meta device:
+    check_state_layout). The first failing check raises, as in a real run. script: the file the
+    trainer runs as."""
     say = print if rank == 0 else (lambda *a, **k: None)
     say(f"dry run: the checks before compiling, for {world_size} process(es)")
     say(f"  ok  options: valid for {world_size} process(es) x {hp.batch_slices // world_size} "
@@ -2658,6 +2660,8 @@ def dry_run_checks(hp: Any, rank: int, world_size: int, device: torch.device,
     if saved is not None:
         check_resume(saved, hp, run_facts(world_size, device, chosen,
                                           resolve_shards(hp.train_files, "train")), script)
+        if expected_state is not None:
+            check_state_layout(saved, expected_state, hp, script)
         say(f"  ok  resume: {saved['path']} continues after step {saved['step']} of "
             f"{hp.num_iterations}; the math options match")
 

@@ -2486,7 +2486,8 @@ def dry_run(hp: Hyperparameters, resume_notes: Sequence[str] = ()) -> None:
     rank, world_size, _, device = harness.setup_distributed(hp)
     harness.dry_run_checks(hp, rank, world_size, device, checks.available_attn_backends(device),
                            checks.resolve_attn_backend(hp.attn_backend, device),
-                           code_files()[0].name, resume_notes)
+                           code_files()[0].name, resume_notes,
+                           meta_state(hp, rank, world_size) if hp.resume else None)
     harness.dry_run_notes(rank, preflight(hp, world_size, device, rank))
 
 

@@ -110,8 +110,9 @@ def test_optimizer_buffers_of_another_table_are_named():
     assert "python3 train_gpt.py --resume=logs/r/state_step000002.pt" in str(e.value)
 
 
+@pytest.mark.parametrize("dry_run", [False, True])
 @pytest.mark.parametrize("change", ["stage field", "table shape"])
-def test_the_trainer_refuses_a_state_of_another_recipe_with_one_line(tmp_path, change):
+def test_the_trainer_refuses_a_state_of_another_recipe_with_one_line(tmp_path, change, dry_run):
     train, val = make_dataset(tmp_path / "data")
     opts = ["--preset=tiny", f"--train_files={train}", f"--val_files={val}", f"--log_dir={tmp_path / 'logs'}"]
     hp = _tiny(*opts)
@@ -125,7 +126,7 @@ def test_the_trainer_refuses_a_state_of_another_recipe_with_one_line(tmp_path, c
         saver.header["hyperparameters"]["stages"] = [dict(row, cooldown=0.5)
                                                      for row in saver.header["hyperparameters"]["stages"]]
     path = saver.save(state)
-    r = run_trainer([*opts, f"--resume={path}"], cwd=tmp_path, timeout=300)
+    r = run_trainer([*opts, f"--resume={path}", *(["--dry_run"] if dry_run else [])], cwd=tmp_path, timeout=300)
     errors = [line for line in (r.stdout + r.stderr).splitlines() if line.startswith("error:")]
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stdout + r.stderr
     assert len(errors) == 1 and str(path) in errors[0] and "with 1 process(es)" in errors[0], errors
