@@ -2,7 +2,6 @@
 has), or whose tensors differ from this model's, is one error line naming the difference and saying what resumes it
 (exit 2), checked before anything is loaded into a model; never a traceback."""
 import dataclasses
-from pathlib import Path
 
 import pytest
 import torch
