@@ -525,7 +525,7 @@ def test_dry_run_passes_on_good_data_and_writes_nothing(capsys, tmp_path, data):
     lines = out.splitlines()
     assert lines[0].startswith("dry run:") and lines[-1].startswith("dry run passed")
     checks = [x.split()[1].rstrip(":") for x in lines[1:-1]]
-    assert checks == ["options", "environment", "output", "data"], lines
+    assert checks == ["options", "environment", "output", "memory", "data"], lines   # memory: the host's, on a CPU
     assert all(x.startswith("  ok  ") for x in lines[1:-1])
     assert f"the log would be {tmp_path}/logs/run.txt" in out
     assert list((tmp_path / "logs").iterdir()) == []
