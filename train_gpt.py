@@ -2212,15 +2212,21 @@ class Trainer:
         return mean.item()
 
     @torch.no_grad()
-    def validate(self, ws_short: int, ws_long: int, max_batches: int | None = None) -> float:
+    def validate(self, ws_short: int, ws_long: int, max_batches: int | None = None,
+                 stop: Callable[[], int] | None = None) -> float:
         """The mean validation loss over every rank's batches (a whole validation shows progress on
-        a slow machine)."""
+        a slow machine). stop: asked before each batch (every rank asks at the same batches, as the
+        loop's step boundaries: Run.vote_to_stop); a signal it returns abandons the validation
+        (harness.Interrupted, agreed), so a stop asked for during it waits for no more batches."""
         hp, rank = self.hp, self.rank
         self.model.eval()
         total, count = torch.zeros((), device=self.device), 0
         batches = self.grad_accum * hp.val_tokens // hp.val_batch_size
         progress = harness.Progress(rank, "validation", batches)
         for batch in self.val_batches():
+            if stop is not None and (signum := stop()):
+                self.model.train()
+                raise harness.stopped(signum, "during a validation")
             total += self.val_loss(batch, ws_short, ws_long)
             count += 1
             progress.tick(count)
@@ -2373,10 +2379,19 @@ def validate_in_loop(run: harness.Run, trainer: Trainer, checkpointer: harness.C
             raise harness.stopped(signum, f"before the final validation{saved}")
     tv = time.perf_counter()
     try:
-        val_loss = trainer.validate(sched.ws_short, hp.ws_long_final_val if last else sched.ws_long)
+        val_loss = trainer.validate(sched.ws_short, hp.ws_long_final_val if last else sched.ws_long,
+                                    stop=None if last else run.vote_to_stop)
     except harness.Interrupted as e:
-        raise (harness.stopped(e.signum, f"during the final validation{saved}", e.agreed)
-               if last else e)
+        if last:
+            raise harness.stopped(e.signum, f"during the final validation{saved}", e.agreed) from e
+        if not e.agreed:
+            raise
+        # A mid-run validation abandoned at a vote every rank took: the stop a step boundary
+        # would take, with the state of the step just finished, well inside torchrun's grace.
+        if saving:
+            saved = (f"; the state after step {step} is saved: "
+                     f"--resume={checkpointer.save(trainer.state(step, train_ms))}")
+        raise harness.stopped(e.signum, f"after step {step} of {total}{saved}") from e
     run.log(f"step:{step}/{total} val_loss:{val_loss:.4f} train_time:{train_ms:.0f}ms "
             f"step_avg:{train_ms / max(step, 1):.2f}ms")
     run.log(f"phase:validation time:{1000 * (time.perf_counter() - tv):.0f}ms", console=False)

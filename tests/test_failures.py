@@ -398,10 +398,32 @@ class _Trainer:
         self.done += 1
         return torch.ones(())
 
-    def validate(self, ws_short, ws_long):
+    def validate(self, ws_short, ws_long, stop=None):
         if self.signal_in_final_validation and self.done == self.hp.num_iterations:
             os.kill(os.getpid(), signal.SIGINT)                     # no boundary follows: the handler raises
         return 3.5
+
+
+class _ValidatingTrainer(_Trainer):
+    """The same, with a validation of real batches (tg.Trainer.validate over a stand-in model): a signal arrives
+    during the validation after step `signal_in_validation_after`, at its second batch."""
+
+    def __init__(self, hp, signal_in_validation_after):
+        super().__init__(hp)
+        self.after, self.batches_seen = signal_in_validation_after, 0
+        self.model, self.device, self.rank, self.world_size, self.grad_accum = torch.nn.Identity(), "cpu", 0, 1, 1
+
+    def val_batches(self):
+        for i in range(4):
+            if self.done == self.after and i == 1:
+                os.kill(os.getpid(), signal.SIGINT)                 # deferred: the loop takes it
+            yield i
+
+    def val_loss(self, batch, ws_short, ws_long):
+        self.batches_seen += 1
+        return torch.tensor(3.5)
+
+    validate = tg.Trainer.validate
 
 
 @pytest.mark.parametrize("when", ["during the last step", "during the final validation"])
@@ -427,6 +449,31 @@ def test_a_signal_after_the_last_step_stops_with_the_final_state_saved(tmp_path,
     place = "before" if when == "during the last step" else "during"
     assert str(info.value) == f"stopped by SIGINT {place} the final validation; the final state is saved: state_4"
     assert info.value.signum == signal.SIGINT and saved == [4] and trainer.done == 4
+
+
+def test_a_signal_during_a_validation_abandons_it_and_stops_as_between_steps(tmp_path):
+    """A signal during a mid-run validation stops the run as a step boundary would (the same line, the state of
+    the step just finished saved), and the validation's remaining batches are not run: a long validation would
+    otherwise hold the stop (and the next step) past torchrun's 30 s grace."""
+    hp = tg.parse_args(["--preset=tiny", "--num_scheduled_iterations=6", "--num_extension_iterations=0",
+                        "--val_loss_every=2", "--save_checkpoint", f"--log_dir={tmp_path}"])
+    stops = harness.StopSignals(announce=False)
+    run = harness.Run(hp, 0, 1, torch.device("cpu"), "val", harness.RunLogger(None), stops, time.perf_counter(),
+                      None)
+    saved = []
+    checkpointer = types.SimpleNamespace(save=lambda state, periodic=False: saved.append(state["step"])
+                                         or f"state_{state['step']}")
+    trainer = _ValidatingTrainer(hp, signal_in_validation_after=2)
+    stops.install()
+    try:
+        with pytest.raises(harness.Interrupted) as info:
+            tg.timed_loop(run, trainer, checkpointer, 0, 0.0)
+    finally:
+        stops.uninstall()
+    total = hp.num_iterations
+    assert str(info.value) == f"stopped by SIGINT after step 2 of {total}; the state after step 2 is saved: --resume=state_2"
+    assert info.value.agreed and saved == [2] and trainer.done == 2
+    assert trainer.batches_seen == 4 + 1               # step 0's whole validation, then one batch of step 2's
 
 
 @pytest.mark.slow
