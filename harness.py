@@ -18,6 +18,7 @@ import contextlib
 import copy
 import dataclasses
 import glob
+import logging
 import math
 import os
 import re
@@ -1020,7 +1021,19 @@ def load_compile_cache(path: Path, key: str) -> tuple[bool, str]:
         if len(payload) != header.get("bytes") or (
                 hashlib.sha256(payload).hexdigest() != header.get("sha256")):
             raise ValueError("truncated or damaged")
-        torch.compiler.load_cache_artifacts(payload)
+        # torch rejects a payload it cannot unpickle (another torch build) with a logged
+        # traceback and None, not an exception: verified here, so the file is replaced.
+        torch_log = logging.getLogger("torch.compiler._cache")
+        level = torch_log.level
+        torch_log.setLevel(logging.ERROR)
+        try:
+            info = torch.compiler.load_cache_artifacts(payload)
+        finally:
+            torch_log.setLevel(level)
+        if info is None or not getattr(info, "artifacts", True):
+            return False, (f"compile cache: torch rejected the artifacts in {path} (made by "
+                           f"another torch build, or damaged before it was sealed); ignored, "
+                           f"replaced after the warmup")
     except Exception as e:    # anything wrong in the file: compile as if it were absent
         reason = type(e).__name__ + (f": {str(e).splitlines()[0][:120]}" if str(e) else "")
         return False, (f"compile cache: {path} is unreadable ({reason}); ignored, replaced after "

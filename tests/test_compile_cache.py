@@ -2,6 +2,8 @@
 and ignored, never fatal. torch's own save/load of compiled artifacts is replaced by a recorder here (a CPU
 compiles nothing worth caching); the GPU side is measured by bench runs."""
 import dataclasses
+import logging
+import types
 from pathlib import Path
 
 import pytest
@@ -20,8 +22,12 @@ def artifacts(monkeypatch):
     loaded = []
     payload = bytes(range(256)) * 40 + b"\n\x00tail"          # newlines and zeros inside, like real data
     monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (payload, None))
-    monkeypatch.setattr(torch.compiler, "load_cache_artifacts", loaded.append)
+    monkeypatch.setattr(torch.compiler, "load_cache_artifacts",
+                        lambda data: loaded.append(data) or ACCEPTED)
     return payload, loaded
+
+
+ACCEPTED = torch.compiler._cache.CacheInfo({"inductor": ["a key"]})    # what torch returns for what it took
 
 
 def test_key_depends_on_each_source_and_the_versions():
@@ -92,6 +98,32 @@ def test_torch_rejecting_the_artifacts_is_not_fatal(tmp_path, monkeypatch, artif
     monkeypatch.setattr(torch.compiler, "load_cache_artifacts", reject)
     ok, note = harness.load_compile_cache(path, "k1")
     assert not ok and "RuntimeError: artifacts from another torch build" in note
+
+
+def test_artifacts_torch_silently_rejects_are_not_reported_as_loaded_and_are_replaced(tmp_path, monkeypatch):
+    """torch's own load (not the recorder) of a sealed payload it cannot unpickle (another torch build) logs a
+    traceback and returns None: the file is then not loaded, and the run saves a new one after the warmup."""
+    path = tmp_path / "compile_cache.bin"
+    hp = tg.parse_args(["--preset=tiny", f"--compile_cache={path}"])
+    versions = harness.compile_cache_versions(torch.device("cpu"))
+    key = harness.compile_cache_key(["source", harness.compile_cache_settings(hp, "sdpa")], versions)
+    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (b"artifacts of another torch build", None))
+    harness.save_compile_cache(path, key, versions)
+    monkeypatch.undo()
+    said = []                                                   # what torch logs (its traceback) on the console
+    handler = logging.Handler()
+    handler.emit = said.append
+    logging.getLogger("torch.compiler._cache").addHandler(handler)
+    try:
+        ok, note = harness.load_compile_cache(path, key)
+    finally:
+        logging.getLogger("torch.compiler._cache").removeHandler(handler)
+    assert not ok and note.startswith(f"compile cache: torch rejected the artifacts in {path}"), note
+    assert "replaced after the warmup" in note and said == [], said     # one line, not torch's traceback
+    notes = []
+    run = types.SimpleNamespace(device=torch.device("cpu"), log=notes.append, compile_cache=None, cache_loaded=None)
+    harness.open_compile_cache(run, hp, "sdpa", ["source"])
+    assert notes == [note] and run.cache_loaded is False and run.compile_cache == (path, key, versions)
 
 
 def test_nothing_compiled_saves_nothing(tmp_path, monkeypatch):
