@@ -289,6 +289,34 @@ def test_the_loop_timeout_ends_a_collective_with_a_stopped_peer_named(tmp_path):
     assert f"rank 1 ({HOST}, pid {procs[1].pid}) is alive but sent no report: it hangs" in errors[0], errors
 
 
+# Four ranks in the timed loop's collectives; rank 2 SIGKILLs itself mid-loop. Ranks 1 and 3 meet it in the ring,
+# rank 0 only through them: every survivor must still end on its own (not after --loop_timeout_s), naming rank 2.
+DEAD_PEER = STOPPED_PEER.replace("loop_timeout_s=1", "loop_timeout_s=600").replace(
+    "    if rank == 1:\n        time.sleep(3600)\n    dist.all_reduce(torch.ones(1))\n",
+    "    for i in range(1000):\n        dist.all_reduce(torch.ones(4096))\n"
+    "        if i == 20 and rank == 2:\n            import os, signal\n            os.kill(os.getpid(), signal.SIGKILL)\n")
+
+
+@pytest.mark.timeout(HANG_GUARD_S)
+def test_a_dead_peer_at_4_processes_ends_every_survivor_with_it_named(tmp_path):
+    assert "SIGKILL" in DEAD_PEER
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-c", DEAD_PEER], cwd=tmp_path, env=worker_env(r, 4, port),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(4)]
+    try:
+        errs = [p.communicate(timeout=180)[1] for p in procs]   # a hang guard: far below --loop_timeout_s=600
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert procs[2].returncode == -signal.SIGKILL
+    for rank in (0, 1, 3):
+        errors = [line for line in errs[rank].splitlines() if line.startswith("error:")]
+        assert procs[rank].returncode == harness.EXIT_PEER and len(errors) == 1, errs[rank][-2000:]
+        assert errors[0].startswith(f"error: rank {rank}: another rank failed"), errors
+        assert errors[0].endswith(f"The first failure: rank 2 ({HOST}, pid {procs[2].pid}) {harness.SILENT}"), errors
+
+
 NARROW = ["--preset=tiny", "--model_dim=64", "--head_dim=16", "--mlp_hidden=256", "--val_loss_every=0", "--seed=0",
           "--num_scheduled_iterations=12", "--num_extension_iterations=0"]
 
