@@ -147,17 +147,21 @@ def test_a_bad_option_under_run_sh_is_exit_2_and_one_error_line(two_cpu_ranks):
 
 
 @pytest.mark.timeout(900)
-def test_sigterm_to_run_sh_between_check_steps_stops_every_rank_at_one_step_with_143(two_cpu_ranks, tmp_path):
+@pytest.mark.parametrize("to_group", [False, True], ids=["sigterm-to-run.sh", "sigint-to-the-group"])
+def test_sigterm_to_run_sh_between_check_steps_stops_every_rank_at_one_step_with_143(two_cpu_ranks, tmp_path,
+                                                                                     to_group):
     """The NaN check (so formerly the stop) comes every 25 steps; the SIGTERM goes to run.sh at step 2's line. Every
     rank stops after the same step, a step or two later, saves it, and run.sh exits 143 with the one error line and
     no traceback (a stop after torchrun's SIGKILL would save nothing and exit otherwise). No wall time is asserted:
-    the steps' pace is the machine's."""
+    the steps' pace is the machine's. A terminal's Ctrl-C (SIGINT to run.sh, torchrun and every worker at once)
+    stops the same way, with 130."""
     import signal
     import time
     import torch
     env, args = two_cpu_ranks
+    sig = signal.SIGINT if to_group else signal.SIGTERM
     proc = subprocess.Popen(["bash", str(ROOT / "run.sh"), *args, "--save_checkpoint", "--run_id=term"], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=to_group)
     try:
         deadline, seen = time.time() + 600, []
         for line in proc.stdout:
@@ -165,16 +169,19 @@ def test_sigterm_to_run_sh_between_check_steps_stops_every_rank_at_one_step_with
             if line.startswith("step:2/") or time.time() > deadline:
                 break
         assert seen and seen[-1].startswith("step:2/"), "".join(seen) + proc.stderr.read()
-        proc.send_signal(signal.SIGTERM)
+        if to_group:
+            os.killpg(proc.pid, sig)
+        else:
+            proc.send_signal(sig)
         out, err = proc.communicate(timeout=300)                    # a hang guard
     finally:
         if proc.poll() is None:
             proc.kill()
     out = "".join(seen) + out + err
-    assert proc.returncode == 143, out[-3000:]
+    assert proc.returncode == 128 + sig, out[-3000:]
     assert "Traceback" not in out and "SignalException" not in out, out[-3000:]
     errors = error_lines(out)
-    assert len(errors) == 1 and errors[0].startswith("error: rank 0: stopped by SIGTERM after step "), out[-3000:]
+    assert len(errors) == 1 and errors[0].startswith(f"error: rank 0: stopped by {sig.name} after step "), out[-3000:]
     step = int(errors[0].split("after step ")[1].split()[0])
     assert 2 <= step < 25, step                                  # not at the NaN check's step 25
     for rank in range(2):
