@@ -471,7 +471,8 @@ def test_a_signal_during_a_validation_abandons_it_and_stops_as_between_steps(tmp
     finally:
         stops.uninstall()
     total = hp.num_iterations
-    assert str(info.value) == f"stopped by SIGINT after step 2 of {total}; the state after step 2 is saved: --resume=state_2"
+    assert str(info.value) == (f"stopped by SIGINT after step 2 of {total}; "
+                               "the state after step 2 is saved: --resume=state_2")
     assert info.value.agreed and saved == [2] and trainer.done == 2
     assert trainer.batches_seen == 4 + 1               # step 0's whole validation, then one batch of step 2's
 

@@ -294,7 +294,8 @@ def test_the_loop_timeout_ends_a_collective_with_a_stopped_peer_named(tmp_path):
 DEAD_PEER = STOPPED_PEER.replace("loop_timeout_s=1", "loop_timeout_s=600").replace(
     "    if rank == 1:\n        time.sleep(3600)\n    dist.all_reduce(torch.ones(1))\n",
     "    for i in range(1000):\n        dist.all_reduce(torch.ones(4096))\n"
-    "        if i == 20 and rank == 2:\n            import os, signal\n            os.kill(os.getpid(), signal.SIGKILL)\n")
+    "        if i == 20 and rank == 2:\n"
+    "            import os, signal\n            os.kill(os.getpid(), signal.SIGKILL)\n")
 
 
 @pytest.mark.timeout(HANG_GUARD_S)
