@@ -280,6 +280,28 @@ def mudd_direct(model, P, block, z, n):
     return as_model_dtype(model, model.hp.mudd_scale * (out + P["mudd_b2"][block, :n]))
 
 
+def e4m3_direct(x):
+    """Nearest float8_e4m3fn values (ties to even, subnormal steps of 2^-9 below 2^-6, saturating at 448), float64."""
+    def one(v):
+        a = abs(v)
+        step = 2.0 ** -9 if a < 2.0 ** -6 else 2.0 ** (math.floor(math.log2(a)) - 3) if a > 0 else 1.0
+        return math.copysign(min(round(a / step) * step, 448.0), v)
+    return torch.tensor([one(v) for v in x.flatten().tolist()], dtype=torch.float64).view(x.shape)
+
+
+def mlp_direct(model, u, c_fc, c_proj):
+    """relu(u @ c_fc.T)^2 @ c_proj; in training with --fp8_mlp the up projection's forward multiplies e4m3 copies:
+    the weights' scaled by s = max|c_fc| / 448, the input's by 448 / max|u|, the product by s max|u| / 448."""
+    if not (model.training and model.hp.fp8_mlp):
+        return F.relu(u @ c_fc.T).square() @ c_proj
+    s = as_model_dtype(model, c_fc.abs().max() * tk.E4M3_INV_MAX)
+    w8 = e4m3_direct(as_model_dtype(model, c_fc / s))
+    a = u.abs().max()
+    u8 = e4m3_direct(u * (448.0 * (1 / a)))
+    pre = as_model_dtype(model, (u8 @ w8.T) * (s * a * tk.E4M3_INV_MAX))
+    return F.relu(pre).square() @ c_proj
+
+
 def hidden_direct(model, inputs, cu, ws_short, ws_long):
     """The forward pass in float64, layer roles read from the config; returns h = rms(final x) (T, D).
     Embedding and smear; x0 = rms, plus layer 0's signed bigram on the first bigram_dim channels (so every later
@@ -334,8 +356,7 @@ def hidden_direct(model, inputs, cu, ws_short, ws_long):
                 x = mu[:, 8:9] * x + mu[:, 9:10] * a + mu[:, 10:11] * x0 + mu[:, 11:12] * G
             else:
                 x = rho[i, 0] * x + pi[i, 0] * a + chi[i] * x0 + (beta[i] * G if i > 0 else 0)
-        c_fc, c_proj = P["mlp"][i, 0], P["mlp"][i, 1]
-        mlp = F.relu(f32_rms(x) @ c_fc.T).square() @ c_proj
+        mlp = mlp_direct(model, f32_rms(x), P["mlp"][i, 0], P["mlp"][i, 1])
         x = mu[:, 12:13] * x + mu[:, 13:14] * mlp if last else rho[i, 1] * x + pi[i, 1] * mlp
         if i == cfg.skip_source_layer:
             saved["skip"] = x
@@ -792,6 +813,8 @@ FORWARD_CFGS = {
     # VE on paired layer 0, a cached input from layer 1 read by layers 2, 4, 5, the skip elsewhere, a wider bigram
     "other": dict(ve_layout=(2, -1, 0, -1, -1, 1), num_value_embeds=3, cached_input_layer=1, skip_source_layer=0,
                   skip_dest_layer=3, bigram_vocab_size=31, bigram_dim=64, bigram_sign_rows=4),
+    # the FP8 up projection (a training forward)
+    "fp8": dict(fp8_mlp=True),
 }
 
 
@@ -888,6 +911,21 @@ def test_bf16_forward_rounds_the_lambdas_and_each_update_once(monkeypatch):
     assert all(s.dtype == torch.bfloat16 and s.shape == (T, 1) for terms in mudd for s in terms[1:])
     assert all(s.dtype == torch.bfloat16 and s.shape == (T, 1) for s in mudd[1] + mudd[2])
     assert any(float(torch.tensor(v)) != bf(torch.tensor(v)).item() for v in (math.sqrt(1.1), 0.05))
+
+
+def test_xsa_of_a_worked_example_rounds_once():
+    """y = (1, 2, 3, 4), v = (3, 4, 0, 0), alpha = bf16(tanh 0.5): the fp32 chain rounded once to bf16 (per-operation
+    bf16 rounding would give (0.3828125, 1.1796875, 3, 4))."""
+    y, v = torch.tensor([[[1.0, 2, 3, 4]]]).bfloat16(), torch.tensor([[[3.0, 4, 0, 0]]]).bfloat16()
+    alpha = torch.tanh(torch.tensor([0.5])).bfloat16()
+    assert alpha.item() == 0.462890625
+    assert tg.remove_self_value(y, v, alpha).float().flatten().tolist() == [0.388671875, 1.1875, 3, 4]
+    assert [torch.tanh(torch.tensor(a)).bfloat16().item() for a in (0.1, 1.0, -0.3)] == \
+        [0.099609375, 0.76171875, -0.291015625]
+    # a value shorter than the floor is divided by the floor, not by its norm
+    tiny = torch.full((1, 1, 4), 1e-6, dtype=torch.float64)
+    out = tg.remove_self_value(torch.ones(1, 1, 4, dtype=torch.float64), tiny, torch.ones(1, dtype=torch.float64))
+    assert torch.allclose(out, 1 - 4e-6 * 1e-6 / 1e-4 ** 2 * torch.ones(4, dtype=torch.float64), rtol=0, atol=1e-15)
 
 
 def test_weighted_sum_rounds_once():
