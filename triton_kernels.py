@@ -469,8 +469,9 @@ def _relu2_mlp_fwd_op(x: Tensor, c_fc: Tensor) -> tuple[Tensor, Tensor]:
 
 
 @triton_op(f"{_LIB}::relu2_mlp_fp8_fwd", mutates_args=())
-def _relu2_mlp_fp8_fwd_op(x8: Tensor, w8: Tensor, q: Tensor) -> tuple[Tensor, Tensor]:
-    return relu2_mlp_fp8_fwd_triton(x8, w8, q)
+def _relu2_mlp_fp8_fwd_op(x8: Tensor, w8: Tensor, q: Tensor, out_dtype: torch.dtype
+                          ) -> tuple[Tensor, Tensor]:
+    return relu2_mlp_fp8_fwd_triton(x8, w8, q, out_dtype)
 
 
 @triton_op(f"{_LIB}::relu2_mlp_bwd", mutates_args=())
@@ -488,7 +489,7 @@ class _Relu2MLPFunction(torch.autograd.Function):
         if fp8:
             w8, s = quantize_mlp_weight(c_fc)
             x8, q = quantize_mlp_input(x2, s)
-            pre, post = torch.ops.nanogpt_kernels.relu2_mlp_fp8_fwd(x8, w8, q.reshape(1))
+            pre, post = torch.ops.nanogpt_kernels.relu2_mlp_fp8_fwd(x8, w8, q.reshape(1), x.dtype)
         else:
             pre, post = torch.ops.nanogpt_kernels.relu2_mlp_fwd(x2, c_fc)  # (M, H) each
         out = post @ c_proj  # (M, D), cuBLAS

@@ -201,8 +201,14 @@ def test_an_op_asked_both_ways_is_one_error_naming_the_flag():
                             "them") and "\n" not in str(e.value)
 
 
+# Ops whose reference changed in a commit whose kernel has not yet run on a GPU: there the reference runs (and says
+# so) until tests/test_kernels_gpu.py passes and the digest in KERNEL_REFERENCES is updated; then empty this set.
+# mlp: the FP8 forward of the up projection (record 84).
+AWAITING_GPU_CHECK = {"mlp"}
+
+
 def test_the_recorded_reference_digests_are_those_of_the_code():
-    assert checks.edited_references(tg.KERNEL_REFERENCES) == {}
+    assert set(checks.edited_references(tg.KERNEL_REFERENCES)) == AWAITING_GPU_CHECK
 
 
 def _edited_version(definition):
