@@ -2384,9 +2384,9 @@ def prepare_training(run: harness.Run, argv_text: str,
     if hp.seed >= 0:
         torch.manual_seed(hp.seed)
     model = build_model(hp, device, attn_backend, ops)
-    if run.world_size > 1:
-        for p in model.parameters():
-            dist.broadcast(p.detach(), 0)
+    if run.world_size > 1:    # every rank starts from rank 0's draws (weights and the bigram signs)
+        for t in model.state_dict().values():
+            dist.broadcast(t, 0)
     opt = build_optimizer(hp, model, run.rank, run.world_size)
     compiled = model
     if run.compiling:
