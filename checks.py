@@ -10,7 +10,9 @@ Nothing happens at import.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import itertools
 import math
 import os
 from typing import Any, Callable, Collection, Sequence
@@ -97,13 +99,19 @@ def kernel_switch_lines(kernels: str, device_type: str, edited: dict[str, str],
     return lines
 
 
+def cpu_bf16_override() -> str | None:
+    """NANOGPT_CPU_BF16 when it is native or emulated (it then decides cpu_runs_bf16_natively), else
+    None."""
+    forced = os.environ.get("NANOGPT_CPU_BF16", "")
+    return forced if forced in ("native", "emulated") else None
+
+
 def cpu_runs_bf16_natively(cpuinfo: str | None = None) -> bool:
     """Whether this CPU has bf16 matrix instructions (AMX or AVX512-BF16), which torch's CPU matmuls
     use; without them torch emulates bf16, about ten times slower than float32. cpuinfo: the text
     of /proc/cpuinfo (read when None; other systems count as emulating). NANOGPT_CPU_BF16=native or
     emulated overrides the probe (tests run both paths on any machine)."""
-    forced = os.environ.get("NANOGPT_CPU_BF16", "")
-    if forced in ("native", "emulated"):
+    if forced := cpu_bf16_override():
         return forced == "native"
     if cpuinfo is None:
         try:
@@ -605,25 +613,114 @@ def check_options(hp: Any, world_size: int, kernel_ops: Sequence[str], bos_id: i
 # The preflight: data, schedule and memory, before anything compiles
 # ==================================================================================================
 
-def estimate_gpu_memory_gib(hp: Any, world_size: int, param_numels: dict[str, int],
-                            bank_labels: Collection[str]) -> float:
-    """A rough upper estimate of peak GPU memory per rank (weights, grads, optimizer state,
-    activations, logits). param_numels: every parameter's size (a model built on the meta
-    device); bank_labels: the NorMuon banks among them, the rest are Adam's."""
+def memory_parts(hp: Any, params: dict[str, Tensor],
+                 buffers: dict[str, dict[str, Tensor]]) -> dict[str, int]:
+    """A rough upper estimate of peak memory per rank, in bytes, by part: each parameter's weight
+    and gradient (in its own dtype) plus its optimizer buffers (Adam's moments, NorMuon's momentum,
+    second moment and mantissa: this rank's slice), then the activations saved for backward, the
+    logits and the rotary tables. params and buffers: a model and its optimizer built on the meta
+    device for this rank, so a new parameter or buffer is counted without an edit here."""
+    parts = {label: 2 * p.numel() * p.element_size() for label, p in params.items()}
+    for label, bufs in buffers.items():
+        parts[label] = parts.get(label, 0) + sum(b.numel() * b.element_size()
+                                                 for b in bufs.values())
+    elt = torch.empty((), dtype=getattr(torch, hp.dtype), device="meta").element_size()
     D, H, V, L = hp.model_dim, hp.mlp_hidden, hp.vocab_size, hp.num_layers
-    banks = sum(n for label, n in param_numels.items() if label in bank_labels)
-    tables = sum(n for label, n in param_numels.items() if label not in bank_labels)
-    weights = 2 * (banks + tables)                       # bf16
-    grads = 2 * (banks + tables)
-    optim = (4 * 3 * banks + 8 * tables) / world_size    # fp32 momentum + master bits /
-                                                         # Adam m, v (sharded)
     n = max(st.batch // hp.batch_slices for st in hp.stages)
-    acts = n * L * (28 * D + 4 * H)                      # bf16 activations saved for
-                                                         # backward, per token and layer
-    logits = n * V * 2 * 3                               # bf16 logits, their grad and FP8 copies
+    parts["activations"] = n * L * (14 * D + 2 * H) * elt   # saved for backward, per token and layer
+    parts["logits"] = n * V * 3 * elt                        # logits, their grad and FP8 copies
     n_val = hp.val_batch_size // hp.batch_slices
-    rope = 2 * 2 * (2 * n_val) * hp.head_dim * 3         # cos/sin tables, normal and paired
-    return (weights + grads + optim + acts + logits + rope) / 2**30
+    parts["rotary tables"] = 2 * (2 * n_val) * hp.head_dim * 3 * elt   # cos/sin, normal and paired
+    return parts
+
+
+# The options check_memory tries to lower, one at a time, to name the one that makes a run fit
+MEMORY_SIZE_OPTIONS = ("bigram_vocab_size", "vocab_size", "num_value_embeds", "mlp_hidden",
+                       "num_layers", "model_dim", "val_batch_size")
+
+
+def host_memory_available(meminfo: str | None = None) -> int | None:
+    """MemAvailable of /proc/meminfo in bytes (what a CPU run can still allocate without swapping),
+    or None where there is none (not Linux)."""
+    if meminfo is None:
+        try:
+            meminfo = open("/proc/meminfo").read()
+        except OSError:
+            return None
+    for line in meminfo.splitlines():
+        name, _, value = line.partition(":")
+        if name == "MemAvailable" and value.split():
+            return int(value.split()[0]) * 1024
+    return None
+
+
+def largest_fitting(hp: Any, option: str, estimate: Callable[[Any], int],
+                    capacity: int) -> int | None:
+    """The largest value below hp's of the int `option` at which estimate(hp) fits in capacity
+    bytes, the others kept; None if its smallest value does not fit (or none is valid: estimate
+    raises ConfigError for options it refuses). Values are multiples of the largest power of two
+    (at most 1024) dividing hp's, so a rule such as a multiple of 16 for --vocab_size holds. The
+    estimate grows with each of MEMORY_SIZE_OPTIONS, nearly linearly, so interpolation finds it in a
+    few builds."""
+    unit = min(getattr(hp, option) & -getattr(hp, option), 1024)
+
+    def size(k: int) -> int | None:
+        try:
+            return estimate(dataclasses.replace(hp, **{option: k * unit}))
+        except (ValueError, RuntimeError):   # a value the options' checks refuse
+            return None
+
+    hi = getattr(hp, option) // unit
+    f_hi = size(hi)
+    # the smallest valid power of two (some options have a floor, e.g. the bigram sentinel row)
+    lo, f_lo = next(((k, f) for k in (2**j for j in range(hi.bit_length()))
+                     if k < hi and (f := size(k)) is not None), (hi, None))
+    if f_lo is None or f_lo > capacity or f_hi is None:
+        return None
+    for turn in itertools.count():   # size(lo) fits, size(hi) does not
+        if hi - lo <= 1:
+            return lo * unit
+        # interpolate, then halve, in turns: exact in one build where the size is linear in the
+        # option, never slower than halving where it is not
+        mid = (lo + int((capacity - f_lo) * (hi - lo) / max(1, f_hi - f_lo)) if turn % 2 == 0
+               else (lo + hi) // 2)
+        mid = min(max(mid, lo + 1), hi - 1)
+        f_mid = size(mid)
+        if f_mid is not None and f_mid <= capacity:
+            lo, f_lo = mid, f_mid
+        else:
+            hi, f_hi = mid, (f_hi if f_mid is None else f_mid)
+    return None
+
+
+def check_memory(hp: Any, estimate: Callable[[Any], dict[str, int]], capacity: int,
+                 where: str) -> str:
+    """Refuse (ConfigError) a run whose estimated peak memory per rank (estimate(hp): bytes by
+    part, memory_parts) exceeds capacity bytes (where: "per GPU of ..." / "per process of ..."),
+    naming each option of MEMORY_SIZE_OPTIONS that alone makes it fit and the largest value that
+    does, else the largest parts; returns the note for the log."""
+    parts = estimate(hp)
+    total = sum(parts.values())
+    gib = 2**30
+    if total <= capacity:
+        return f"memory estimate: about {total / gib:.1f} GiB {where}"
+    total_of = lambda h: sum(estimate(h).values())
+    fixes = []
+    for option in MEMORY_SIZE_OPTIONS:
+        if isinstance(getattr(hp, option, None), int) and getattr(hp, option) > 1:
+            fit = largest_fitting(hp, option, total_of, capacity)
+            if fit is not None:
+                fixes.append((fit / getattr(hp, option), option, fit))
+    largest = sorted(parts.items(), key=lambda kv: -kv[1])[:3]
+    shown = ", ".join(f"{label} {size / gib:.1f} GiB" for label, size in largest)
+    if fixes:
+        fix = " or ".join(f"--{option}={getattr(hp, option)} to at most {fit}"
+                          for _, option, fit in sorted(fixes, reverse=True))
+        fix = f"lower {fix}"
+    else:
+        fix = "lower the batches in --stages and --val_batch_size, or the model's sizes"
+    raise ConfigError(f"this configuration needs about {total / gib:.1f} GiB {where} (an "
+                      f"estimate; largest: {shown}): {fix}")
 
 
 # Measured on FineWeb: the loader reads about 1.35x the trained tokens (documents cut at the maximum
@@ -636,7 +733,8 @@ PREFLIGHT_SAMPLE_TOKENS = 1 << 20   # tokens of each training shard checked
 
 
 def preflight(hp: Any, world_size: int, device: torch.device, *, trained_tokens: int,
-              bos_id: int, doc_rooms: dict[tuple[int, int], int], memory_gib: float,
+              bos_id: int, doc_rooms: dict[tuple[int, int], int],
+              memory: Callable[[Any], dict[str, int]],
               mlp_k_step: int | None) -> tuple[list[str], list[str], list[str]]:
     """Check data, schedule and memory before anything compiles. Raises DataError / ConfigError;
     returns the training and validation shards and notes for the log.
@@ -644,7 +742,9 @@ def preflight(hp: Any, world_size: int, device: torch.device, *, trained_tokens:
     Every shard's header and size; a sample of every training shard (token ids fit the vocabulary, a
     document start exists; the loader checks all ids of each shard as it loads it); the documents'
     density against cu_seqlens (doc_rooms: (micro-batch tokens, document cap) -> documents it
-    holds); the estimated peak GPU memory (memory_gib). trained_tokens: what the schedule trains on;
+    holds); the estimated peak memory per rank (memory(hp): bytes by part, memory_parts) against the
+    GPU, or for a CPU run the host's available memory shared by this host's processes, before
+    anything is allocated (check_memory). trained_tokens: what the schedule trains on;
     mlp_k_step: the fused MLP kernel's step through the model dim, None when it does not run.
     The script then walks every validation token this rank will read, so a bad val shard fails now
     and not after the whole run has trained."""
@@ -680,13 +780,14 @@ def preflight(hp: Any, world_size: int, device: torch.device, *, trained_tokens:
                         "FineWeb val shard")
     check_document_density(train_files[0], bos_id, doc_rooms)
     if device.type == "cuda":
-        total = torch.cuda.get_device_properties(device).total_memory / 2**30
-        est = memory_gib
-        if est > 0.95 * total:
-            raise ConfigError(f"this configuration needs about {est:.0f} GiB per GPU (an estimate) "
-                              f"but the GPU has {total:.0f} GiB: lower the batches in --stages and "
-                              "--val_batch_size, or use larger GPUs")
-        notes.append(f"memory estimate: about {est:.1f} GiB per GPU of {total:.0f} GiB")
+        total = torch.cuda.get_device_properties(device).total_memory
+        notes.append(check_memory(hp, memory, int(0.95 * total),
+                                  f"per GPU of {total / 2**30:.0f} GiB"))
+    elif (free := host_memory_available()) is not None:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        notes.append(check_memory(hp, memory, free // max(1, local),
+                                  f"per process of the {free / 2**30:.1f} GiB this host has "
+                                  f"free for {local} process(es)"))
     notes.append(f"data: {len(train_files)} train shards ({train_avail:,} tokens) for {needed:,} "
                  f"trained tokens; {len(val_files)} val shard(s), {hp.val_tokens:,} tokens per "
                  "validation")

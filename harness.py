@@ -28,7 +28,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Collection, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -728,6 +728,8 @@ def begin_run(run: Run, sources: dict[str, str], argv_text: str,
     log_start(run, sources, argv_text)
     for line in run.resumed["notes"] if run.resumed is not None else ():
         run.log(line)                   # the states a --resume=<folder> skipped
+    for line in run.resumed.get("log_notes", ()) if run.resumed is not None else ():
+        run.log(line, console=False)    # another rank's removals, said on its console
     train_files, val_files = resolve_shards(hp.train_files, "train"), resolve_shards(hp.val_files,
                                                                                      "val")
     facts = run_facts(run.world_size, device, attn_backend, train_files)
@@ -1370,9 +1372,45 @@ def inspect_state(file: Path, step: int, rank: int, world_size: int) -> tuple[di
         return record, "damaged (its sha256 does not match its contents)"
     have = (record.get("step"), record.get("rank"), record.get("world_size"))
     if have != (step, rank, world_size):
+        why = "a renamed file" if have[2] == world_size else "another process count"
         return record, (f"holds rank {have[1]} of {have[2]} after step {have[0]}, not rank {rank} "
-                        f"of {world_size} after step {step} (a renamed file)")
+                        f"of {world_size} after step {step} ({why})")
     return record, None
+
+
+def seal_record(file: Path) -> dict:
+    """The record a state file's seal holds (run id, step, rank, world size), read from its tail
+    without checking its digest; {} where it has none that reads."""
+    import json
+    try:
+        size = file.stat().st_size
+        with open(file, "rb") as f:
+            f.seek(max(0, size - _ZIP_END_SIZE - 65535))
+            comment = _zip_comment(f.read())
+        record = json.loads(comment[len(STATE_SEAL):]) if comment and comment.startswith(
+            STATE_SEAL) else {}
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def writers_of(folder: Path, step: int) -> int | None:
+    """How many processes wrote the step-`step` state in `folder`: the world size a seal of one of
+    its files records, else the count their names give (one unranked file: 1; rank files: the
+    highest rank + 1); None where the step has no file."""
+    found = [m for f in sorted(folder.glob(f"state_step{step:06d}*.pt"))
+             if (m := CHECKPOINT_NAME.fullmatch(f.name))]
+    for m in found:
+        if isinstance(n := seal_record(folder / m[0]).get("world_size"), int) and n >= 1:
+            return n
+    return max((int(m[2]) + 1 if m[2] is not None else 1 for m in found), default=None)
+
+
+def resume_with(n: int) -> str:
+    """The advice of every refusal of a state written by another process count than this run's."""
+    return ("resume with 1 process" if n == 1 else
+            f"resume with {n} processes ({f'NPROC={n} ./run.sh, or ' if n <= 8 else ''}NNODES x "
+            f"NPROC = {n} on several nodes)")
 
 
 def _zip_comment(tail: bytes) -> bytes | None:
@@ -1456,8 +1494,7 @@ def find_checkpoint(path: str, world_size: int) -> tuple[Path, list[int]]:
             counts = sorted(set(written.values()))
             found = (f"states of {' or '.join(map(str, counts))} process(es) (steps "
                      f"{sorted(written)})" if written else "no states")
-            fix = (f"resume with {counts[-1]} processes (NNODES x NPROC = {counts[-1]} on "
-                   "several nodes), or give " if written else "give ")
+            fix = (f"{resume_with(counts[-1])}, or give " if written else "give ")
             raise ConfigError(f"--resume={path}: the folder holds {found}, none written by "
                               f"{world_size} process(es): {fix}a run's folder (logs/<run_id>) or "
                               "one of its state_step*.pt files")
@@ -1499,7 +1536,8 @@ def load_checkpoint(path: str, rank: int, world_size: int,
     every rank: each state, newest first, is checked as a set (every rank's file there, whole,
     sealed by the same run for that step) before any rank loads it. A named state that fails is a
     ConfigError naming the file; a folder's newest whole set is taken, and state["notes"] has a
-    line for each state skipped (and for each stale temporary removed)."""
+    line for each state skipped (and for each stale temporary this rank removed; another rank says
+    its own on its console, and rank 0's state["log_notes"] has them for the log)."""
     try:
         mine: list[int] | str = find_checkpoint(path, world_size)[1]
     except ConfigError as e:
@@ -1513,7 +1551,17 @@ def load_checkpoint(path: str, rank: int, world_size: int,
                    reverse=True)                                                # another's
     notes = [f"note: removed {f}, the temporary file of a write that was cut short"
              for f in remove_stale_temporaries(folder)] if not named else []
+    # Every rank tries and one removes each file: the remover says so, once, on its own console;
+    # rank 0's log gets every rank's (rank 0's own come with the other notes, on its console too).
+    by_rank = _everyone(notes, world_size) if not named else [notes]
+    if rank != 0:
+        for line in notes:
+            to_console(f"{line} (by rank {rank})")
+        notes = []
+    theirs = [f"{line} (by rank {r})" for r, lines in enumerate(by_rank) if r != 0
+              for line in lines]
     skipped: list[str] = []
+    others: set[int | None] = set()      # the process counts that wrote the states skipped
     for step in steps:
         file = checkpoint_path(folder, step, rank, world_size)
         record, problem = inspect_state(file, step, rank, world_size)
@@ -1524,19 +1572,27 @@ def load_checkpoint(path: str, rank: int, world_size: int,
                                         world_size))
         if why is None:
             break
+        writers = writers_of(folder, step)
         if named:
-            raise ConfigError(f"--resume: {folder / why[0]}: {why[1]}. Resume from an earlier "
-                              "state (written by as many processes as this run has), or give the "
-                              f"folder (--resume={folder}) to take its newest whole one")
+            fix = (f"It was written by {writers} processes, this run has {world_size}: "
+                   f"{resume_with(writers)}" if writers not in (None, world_size) else
+                   "Resume from an earlier state (written by as many processes as this run has), "
+                   f"or give the folder (--resume={folder}) to take its newest whole one")
+            raise ConfigError(f"--resume: {folder / why[0]}: {why[1]}. {fix}")
         skipped.append(f"{why[0]}: {why[1]}")
+        others.add(writers)
     else:
+        fix = (f"They were written by {others_n} processes, this run has {world_size}: "
+               f"{resume_with(others_n)}" if len(others) == 1
+               and (others_n := next(iter(others))) not in (None, world_size)
+               else "Start a new run, or give another run's folder")
         raise ConfigError(f"--resume={path}: no state in the folder is whole on all {world_size} "
-                          f"process(es): {'; '.join(skipped)}. Start a new run, or give another "
-                          "run's folder")
+                          f"process(es): {'; '.join(skipped)}. {fix}")
     state["path"] = str(file)
     chosen = f"state_step{step:06d}{'_rank*' if world_size > 1 else ''}.pt"
     state["notes"] = notes + [f"note: skipped {line}; resuming from {chosen}" for line in skipped]
-    return state
+    state["log_notes"] = theirs if rank == 0 else []      # for the log alone: said on their
+    return state                                            # ranks' consoles
 
 
 def _read_state(file: Path, step: int,
@@ -1556,6 +1612,36 @@ def _read_state(file: Path, step: int,
     if state["step"] != step:
         return None, f"the state after step {state['step']}, not {step} (a renamed file)"
     return state, None
+
+
+def read_sealed_state(path: str, needs: Collection[str] = STATE_KEYS) -> dict:
+    """A state file as a tool reads it (any rank's, under any name), on the CPU: its seal checked as
+    --resume checks it (inspect_state, for the step, rank and process count the seal records)
+    before anything is unpickled, then loaded, with the entries `needs` names. ConfigError naming
+    the file and why where it is missing, damaged, cut short, foreign or lacks one of them."""
+    file = Path(expand_path(path))
+    if not file.is_file():
+        raise ConfigError(f"{path} is {'not a file' if file.exists() else 'missing'}: give a "
+                          "state_step*.pt file written by train_gpt.py")
+    record = seal_record(file)
+    name = CHECKPOINT_NAME.fullmatch(file.name)
+    step = record.get("step", int(name[1]) if name else 0)
+    _, problem = inspect_state(file, step, record.get("rank", 0), record.get("world_size", 1))
+    state = None
+    if problem is None:
+        try:
+            state = torch.load(file, map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001 (a truncated or foreign file, reported as such)
+            problem = (f"unreadable as a training state (torch.load: {type(e).__name__}; the "
+                       "file is cut short or foreign)")
+    if problem is None and (not isinstance(state, dict)
+                            or state.get("format") != CHECKPOINT_FORMAT):
+        problem = "not a training state written by this trainer"
+    if problem is None and (missing := sorted(set(needs) - set(state))):
+        problem = f"not a whole training state (no {', '.join(missing)})"
+    if problem is not None:
+        raise ConfigError(f"{path}: {problem}; give a state_step*.pt file that --resume takes")
+    return state
 
 
 def state_options(path: str, rank: int, world_size: int) -> dict | None:
@@ -1624,6 +1710,7 @@ def resume_options(hp: Any, argv: Sequence[str], presets: dict[str, dict]) -> tu
     saved = state_options(hp.resume, rank, world_size)
     if saved is None:
         return hp, []
+    check_state_options(saved, hp)      # another recipe's: refused before its options are read
     try:
         hp, line = reuse_state_options(hp, given_options(argv, presets), saved, presets)
     except (TypeError, ValueError):     # options this code cannot read (a table row's fields
@@ -1658,6 +1745,108 @@ def resume_command(saved: dict, hp: Any, script: str = "train_gpt.py",
     return command if n <= 8 else f"{command} (on every node)"
 
 
+def option_differences(saved: dict, hp: Any) -> list[str]:
+    """How the options a state stored (its "hyperparameters") differ in kind from this code's: a
+    name this code has no option for, a math option (math_fields) the state lacks, a table row
+    (e.g. a Stage) with a field this code's row lacks or without one it has. Empty where from_dict
+    reads them (a run-control option this code added takes its default)."""
+    names = {f.name for f in dataclasses.fields(hp)}
+    diffs = [f"--{name} (an option this code does not have)" for name in saved
+             if name not in names]
+    diffs += [f"--{name} (an option of this code the state has no value for)"
+              for name in math_fields(hp) if name not in saved]
+    for f in dataclasses.fields(hp):
+        like = getattr(hp, f.name)
+        if (f.name not in saved or not isinstance(like, tuple) or not like
+                or not dataclasses.is_dataclass(like[0])):
+            continue
+        row, rows = type(like[0]), saved[f.name]
+        want = [g.name for g in dataclasses.fields(row)]
+        if not isinstance(rows, (list, tuple)) or not all(isinstance(r, dict) for r in rows):
+            diffs.append(f"--{f.name} (not a table of {row.__name__} rows)")
+            continue
+        have = [name for r in rows for name in r]
+        diffs += [f"--{f.name} rows with the field {name} that this code's {row.__name__} lacks"
+                  for name in dict.fromkeys(have) if name not in want]
+        diffs += [f"--{f.name} rows without the field {name} that this code's {row.__name__} has"
+                  for name in want if not all(name in r for r in rows)]
+    return diffs
+
+
+def written_by(saved: dict) -> str:
+    """Where the code that wrote the state `saved` is, and how many processes wrote it: the advice
+    of every refusal of a state from other code."""
+    folder = Path(saved["path"]).parent
+    n = saved.get("facts", {}).get("processes", 1) if isinstance(saved.get("facts"), dict) else 1
+    return (f"resume it with the code that wrote it (its log {folder.parent / folder.name}.txt, "
+            f"and the state's 'code' entry, hold that script), with {n} process(es)")
+
+
+def check_state_options(saved: dict, hp: Any) -> None:
+    """ConfigError naming each option or table field that the state `saved` (a --resume state, or
+    state_options' record of one) stores and this code lacks, or lacks and this code has: a state
+    of another recipe, refused before anything is read into a model."""
+    options = saved.get("hyperparameters")
+    diffs = (option_differences(options, hp) if isinstance(options, dict)
+             else ["no options stored (a state of an older format)"])
+    if diffs:
+        raise ConfigError(f"--resume: {saved['path']} was written by other code than this: "
+                          f"{'; '.join(diffs)}. {written_by(saved).capitalize()}")
+
+
+def state_layout(tree: Any, prefix: str = "") -> dict[str, tuple[tuple[int, ...], str]]:
+    """{dotted path: (shape, dtype)} of every tensor in a nested dict (a state's "model",
+    "optimizer" or "grads", or the same built on the meta device)."""
+    if isinstance(tree, Tensor):
+        return {prefix: (tuple(tree.shape), str(tree.dtype).removeprefix("torch."))}
+    if isinstance(tree, dict):
+        return {path: layout for key, value in tree.items()
+                for path, layout in state_layout(value, f"{prefix}.{key}" if prefix
+                                                 else str(key)).items()}
+    return {}
+
+
+def layout_differences(saved: dict, expected: dict[str, Any]) -> list[str]:
+    """The tensors whose names, shapes or dtypes differ between the state `saved` and `expected`
+    (what this code would save: {"model": ..., "optimizer": ...}, built on the meta device);
+    each gradient the state holds must be shaped as its parameter."""
+    def name(path: str) -> str:
+        return (f"parameter {path.removeprefix('model.')}" if path.startswith("model.")
+                else f"gradient of {path.removeprefix('grads.')}" if path.startswith("grads.")
+                else path.replace("optimizer.buffers.", "optimizer buffer "))
+
+    def shown(layout: tuple) -> str:
+        return f"{'x'.join(map(str, layout[0])) or 'a scalar'} {layout[1]}"
+
+    here = state_layout({key: expected[key] for key in ("model", "optimizer")})
+    here.update({f"grads.{path.removeprefix('model.')}": layout for path, layout in here.items()
+                 if path.startswith("model.")})
+    there = state_layout({key: saved.get(key, {}) for key in ("model", "optimizer", "grads")})
+    diffs = []
+    for path in dict.fromkeys([*here, *there]):
+        if path.startswith("grads.") and path not in there:
+            continue                                # a gradient not pending at that step
+        if path not in there:
+            diffs.append(f"{name(path)} is not in the state")
+        elif path not in here:
+            diffs.append(f"{name(path)} is in the state but not in this model")
+        elif there[path] != here[path]:
+            diffs.append(f"{name(path)} is {shown(there[path])} there, {shown(here[path])} here")
+    return diffs
+
+
+def check_state_layout(saved: dict, expected: dict[str, Any], hp: Any,
+                       script: str = "train_gpt.py") -> None:
+    """ConfigError naming the tensors of the state `saved` that this code's model and optimizer
+    (expected: layout_differences') do not have as it holds them, before any is loaded: a state of
+    another recipe whose options this code reads alike."""
+    if diffs := layout_differences(saved, expected):
+        more = f" (and {len(diffs) - 3} more)" if len(diffs) > 3 else ""
+        raise ConfigError(f"--resume: {saved['path']} holds another model than this code builds "
+                          f"from its options: {'; '.join(diffs[:3])}{more}. "
+                          f"{written_by(saved).capitalize()}: {resume_command(saved, hp, script)}")
+
+
 def load_resume(hp: Any, rank: int, world_size: int, script: str = "train_gpt.py") -> dict:
     """The state --resume names, for this rank; ConfigError when it cannot continue (see
     load_checkpoint), or when it lies past the end of these options' schedule. The state after the
@@ -1665,6 +1854,7 @@ def load_resume(hp: Any, rank: int, world_size: int, script: str = "train_gpt.py
     taken: that resume runs only the final validation and writes the result line. script: the
     file the trainer runs as, for the command a refusal gives."""
     state = load_checkpoint(expand_path(hp.resume), rank, world_size)
+    check_state_options(state, hp)
     if state["step"] >= hp.num_iterations:
         try:
             total = from_dict(type(hp)(), state["hyperparameters"]).num_iterations
@@ -1698,14 +1888,18 @@ def resume_differences(saved: dict, hp: Any, facts: dict) -> list[str]:
 
 def check_resume(saved: dict, hp: Any, facts: dict, script: str = "train_gpt.py") -> None:
     """ConfigError, with the command that continues the state, when this run's math options or
-    facts (run_facts) differ from those of the state `saved`."""
+    facts (run_facts) differ from those of the state `saved` (or it stores options of other code:
+    check_state_options)."""
+    check_state_options(saved, hp)
     if diffs := resume_differences(saved, hp, facts):
         differ = [option for key, option in FACT_OPTIONS.items()
                   if saved["facts"].get(key) != facts.get(key)]
         n = saved["facts"].get("processes", 1)
+        count = (f" ({resume_with(n).partition(' (')[0]}; this run has {facts['processes']})"
+                 if facts.get("processes", n) != n else "")
         raise ConfigError(f"--resume: {saved['path']} was written by a run with other math: "
                           f"{'; '.join(diffs)}. A resume takes the state's options where the "
-                          f"command line gives none; continue it with its {n} process(es): "
+                          f"command line gives none; continue it with its {n} process(es){count}: "
                           f"{resume_command(saved, hp, script, differ)}")
 
 
@@ -1825,6 +2019,20 @@ def node_line(host: str, first: int, count: int, world_size: int, host0: str,
             f"on its console), its log: {log_path}")
 
 
+def follow_the_launcher() -> bool:
+    """Ask Linux to send this process SIGTERM when its parent (torchrun) dies (prctl
+    PR_SET_PDEATHSIG), so that a launcher killed outright does not leave its workers training: they
+    stop as on the launcher's own SIGTERM, saving the last step where --save_checkpoint asks. False
+    where there is no prctl (not Linux); the stop vote's launcher_gone check covers those."""
+    import ctypes
+    import signal
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(1, int(signal.SIGTERM), 0, 0, 0) == 0   # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return False
+
+
 class StopSignals:
     """Ctrl-C (SIGINT), SIGTERM and SIGHUP (a closed terminal or ssh session). Inside the timed loop
     (`defer` is set) the first signal asks the run to stop at a step boundary that every rank agrees
@@ -1842,11 +2050,30 @@ class StopSignals:
         self.announce = announce
         self._at = 0.0
         self._previous: dict[int, Any] = {}
+        self.launcher: int | None = None         # torchrun's pid, for a worker it started
 
     def install(self) -> None:
         import signal
         for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # SIGHUP: a closed terminal
             self._previous[signum] = signal.signal(signum, self._on_signal)
+        if "TORCHELASTIC_RUN_ID" in os.environ:     # a torchrun worker: the launcher is the parent
+            self.launcher = os.getppid()
+            follow_the_launcher()
+
+    def launcher_gone(self) -> int:
+        """SIGTERM once the launcher that started this worker has died (it is no longer the
+        parent: the process was handed to init or a subreaper), else 0; the stop vote asks it at
+        every step boundary, so a launcher killed outright (SIGKILL, the OOM killer) stops its
+        workers as its SIGTERM would, where the parent-death signal is unavailable or came before
+        it was set."""
+        import signal
+        if self.launcher is None or os.getppid() == self.launcher:
+            return 0
+        if self.requested is None and self.announce:
+            to_console(f"the launcher (pid {self.launcher}) is gone: stopping at the next step "
+                       "boundary", sys.stderr)
+        self.requested = self.requested or signal.SIGTERM
+        return self.requested
 
     def uninstall(self) -> None:
         import signal
@@ -1962,7 +2189,7 @@ class Run:
     compile_cache: tuple | None = None   # (path, key, versions) to save after the warmup
     cache_loaded: bool = False           # the compile cache file filled torch's caches
     compiling: bool = False              # torch.compile is on (CUDA and --compile)
-    accepted: bool = False               # the checks passed (begin_run): a resume refused before
+    accepted: bool = False               # the checks passed (accept_run): a run refused before
                                          # this leaves no log, so the corrected command can follow
     made_folder: Path | None = None      # the checkpoint folder this run created: a failed run
                                          # that saved nothing there removes it
@@ -2020,12 +2247,12 @@ class Run:
     def agreed_signal(self) -> int:
         """The signal that asked for a stop on any rank (0 if none), the same on every rank: with
         several processes one tiny all-reduce, waited for (the final validation's check)."""
-        return self.votes.now(self.stops.requested or 0)
+        return self.votes.now(self.stops.requested or self.stops.launcher_gone())
 
     def vote_to_stop(self) -> int:
         """At a step boundary: the signal that asked for a stop on any rank by the boundary before
         this one (0 if none), the same on every rank, without waiting for the device (StopVote)."""
-        return self.votes.at_boundary(self.stops.requested or 0)
+        return self.votes.at_boundary(self.stops.requested or self.stops.launcher_gone())
 
     def log_table(self, lines: Sequence[str]) -> None:
         """A table into the log file, its last (summary) line on the console too."""
@@ -2073,8 +2300,9 @@ class Run:
             failed = True
             if not isinstance(e, SystemExit):
                 end = ending(e, self.rank, self.world_size, self.stops)
-                refused = (self.resumed is not None and not self.accepted
-                           and end.code in (EXIT_CONFIG, EXIT_DATA))
+                # refused by its checks: the console's error line says all the log would, and a
+                # kept log would take the run id from the corrected command
+                refused = not self.accepted and end.code in (EXIT_CONFIG, EXIT_DATA)
                 if end.code in (EXIT_BUG, EXIT_PEER, EXIT_DEVICE):
                     import traceback
                     self.log(traceback.format_exc().rstrip(), console=False)
@@ -2401,11 +2629,13 @@ def _debug_requested(argv: Sequence[str]) -> bool:
 
 def dry_run_checks(hp: Any, rank: int, world_size: int, device: torch.device,
                    available: Sequence[str], chosen: str, script: str = "train_gpt.py",
-                   notes: Sequence[str] = ()) -> None:
+                   notes: Sequence[str] = (), expected_state: dict | None = None) -> None:
     """The run-control half of --dry_run's checklist, printed on rank 0: the process placement, the
     options a resume takes from its state (notes: resume_options' line), the environment and
-    attention backends (available, chosen: the script's), the output folder and a resume. The
-    first failing check raises, as in a real run. script: the file the trainer runs as."""
+    attention backends (available, chosen: the script's), the output folder and a resume (its
+    tensors against expected_state, the script's model and optimizer on the meta device:
+    check_state_layout). The first failing check raises, as in a real run. script: the file the
+    trainer runs as."""
     say = print if rank == 0 else (lambda *a, **k: None)
     say(f"dry run: the checks before compiling, for {world_size} process(es)")
     say(f"  ok  options: valid for {world_size} process(es) x {hp.batch_slices // world_size} "
@@ -2431,6 +2661,8 @@ def dry_run_checks(hp: Any, rank: int, world_size: int, device: torch.device,
     if saved is not None:
         check_resume(saved, hp, run_facts(world_size, device, chosen,
                                           resolve_shards(hp.train_files, "train")), script)
+        if expected_state is not None:
+            check_state_layout(saved, expected_state, hp, script)
         say(f"  ok  resume: {saved['path']} continues after step {saved['step']} of "
             f"{hp.num_iterations}; the math options match")
 

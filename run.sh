@@ -42,7 +42,15 @@ missing at the tested versions (requirements.txt), fetches the FineWeb shards th
   PYTHON        the Python to use (default python3)
 The script's own options (--name=value) follow.
 USAGE
-      exec "$PY" "$TRAIN" --help ;;
+      # The script imports its requirements before it can list its options: on a bare machine, say how to get them.
+      if help=$("$PY" "$TRAIN" --help 2>&1); then printf '%s\n' "$help"; exit 0; fi
+      if printf '%s\n' "$help" | grep -q '^ModuleNotFoundError'; then
+        echo "(they are listed once its requirements are installed, $PY -m pip install -r requirements.txt, by" \
+             "$PY $train_named --help; here: $(printf '%s\n' "$help" | tail -n 1))"
+        exit 0
+      fi
+      printf '%s\n' "$help" >&2
+      exit 1 ;;
   esac
 done
 
@@ -184,6 +192,8 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}   # what torchrun gives its process
 # failed), and run.sh exits with the ranks' code (docs/failures.md): each failing rank leaves it in RUN_SH_EXIT_DIR.
 # torchrun runs in its own process group, so a Ctrl-C or SIGTERM reaches it once, from here; it passes the signal on
 # to its processes, which stop after the step every rank agrees on, save (--save_checkpoint) and exit 130 or 143.
+# A torchrun killed outright (SIGKILL, the OOM killer) leaves no one to pass a signal on: its workers then get SIGTERM
+# from Linux (their parent-death signal) and stop the same way, and run.sh exits with their code.
 TORCHRUN_FACE='
   function aside(text) { print text > keep; fflush(keep) }
   state == 0 && /^[DIWEC][0-9][0-9][0-9][0-9] [0-9:.]+ +[0-9]+ .*torch\/distributed\// { aside($0); next }
@@ -199,10 +209,13 @@ TORCHRUN_FACE='
   }
   state == 2 { aside($0); if ($0 ~ /^Root Cause/) root = 1; if (root && $0 ~ /^==+$/) state = root = 0; next }
   { print; fflush() }'
+# The folder of the ranks' exit codes is a global: the EXIT trap may run after launch's locals are gone.
+RUN_SH_STATUS=""
+trap 'if [ -n "${RUN_SH_STATUS:-}" ]; then rm -rf "$RUN_SH_STATUS"; fi' EXIT
 launch() {
   local status torchrun filter rc code c own="" sig="" peer="" signalled=""
   status=$(mktemp -d "${TMPDIR:-/tmp}/run_sh.XXXXXX")
-  trap 'rm -rf "$status"' EXIT
+  RUN_SH_STATUS=$status
   mkfifo "$status/stderr"
   (trap '' INT TERM HUP; exec awk -v keep="$status/torchrun.txt" "$TORCHRUN_FACE") < "$status/stderr" >&2 &
   filter=$!

@@ -2082,9 +2082,11 @@ def dtype_note(asked: Hyperparameters, hp: Hyperparameters) -> list[str]:
     """The log line that says what --dtype=auto chose on a CPU, when it chose float32."""
     if asked.dtype != "auto" or hp.dtype == "bfloat16":
         return []
-    return [f"note: this CPU has no bf16 instructions (AMX or AVX512-BF16), so --dtype=auto trains "
-            f"in {hp.dtype}, several times faster here than emulated bf16; --dtype=bfloat16 runs "
-            "the GPUs' precision"]
+    forced = checks.cpu_bf16_override()      # the probe's override, named where it decided
+    why = (f"NANOGPT_CPU_BF16={forced} is set" if forced else
+           "this CPU has no bf16 instructions (AMX or AVX512-BF16)")
+    return [f"note: {why}, so --dtype=auto trains in {hp.dtype}, faster here than emulated bf16; "
+            "--dtype=bfloat16 runs the GPUs' precision"]
 
 
 def build_model(hp: Hyperparameters, device: torch.device, attn_backend: str,
@@ -2131,19 +2133,26 @@ def mlp_kernel_step(hp: Hyperparameters, device: torch.device) -> int | None:
     return (tk._MLP_FP8_TILES if hp.fp8_mlp else tk._MLP_TILES)[2] if fused else None
 
 
+def memory_parts(hp: Hyperparameters, world_size: int) -> dict[str, int]:
+    """checks.memory_parts for the last rank's model and optimizer, built on the meta device (no
+    memory), so every parameter and optimizer buffer is counted as the run will allocate it.
+    ConfigError for options check_options refuses (the memory check tries smaller sizes)."""
+    checks.check_options(hp, world_size, KERNEL_OPS, BOS_ID)
+    meta = build_model(hp, torch.device("meta"), "sdpa")
+    opt = build_optimizer(hp, meta, world_size - 1, world_size)
+    return checks.memory_parts(hp, dict(meta.named_parameters()), opt.buffers)
+
+
 def preflight(hp: Hyperparameters, world_size: int, device: torch.device,
               rank: int = 0) -> list[str]:
     """checks.preflight on this run's values (data, schedule, memory), then a walk through every
     validation batch this rank will read; returns the notes for the log."""
     hp = resolve_dtype(hp, device.type)
-    meta = build_model(hp, torch.device("meta"), "sdpa")
     caps = {(micro_batch_tokens(st.batch, hp.batch_slices), st.max_doc_len) for st in hp.stages}
     _, val_files, notes = checks.preflight(
         hp, world_size, device, trained_tokens=train_tokens_needed(hp), bos_id=BOS_ID,
         doc_rooms={(n, cap): max_num_docs(n, hp.tokens_per_doc_bound) - 1 for n, cap in caps},
-        memory_gib=checks.estimate_gpu_memory_gib(
-            hp, world_size, {label: p.numel() for label, p in meta.named_parameters()},
-            meta.bank_matrix_shapes),
+        memory=lambda asked: memory_parts(asked, world_size),
         mlp_k_step=mlp_kernel_step(hp, device))
     for _ in val_batches(val_files, hp.val_batch_size, hp.val_tokens, hp.batch_slices // world_size,
                          rank, world_size, torch.device("cpu"), hp.tokens_per_doc_bound,
@@ -2194,6 +2203,13 @@ def snapshot_state(model: nn.Module, opt: Any) -> dict[str, Any]:
     """A detached copy of everything a step changes (used to undo the warmup, and in states)."""
     return {"model": {k: v.detach().clone() for k, v in model.state_dict().items()},
             "optimizer": copy.deepcopy(opt.state_dict())}
+
+
+def meta_state(hp: Hyperparameters, rank: int, world_size: int) -> dict[str, Any]:
+    """snapshot_state of this rank's model and optimizer built on the meta device (no memory): the
+    names, shapes and dtypes a state this code resumes must hold."""
+    model = build_model(hp, torch.device("meta"), "sdpa")
+    return snapshot_state(model, build_optimizer(hp, model, rank, world_size))
 
 
 class Trainer:
@@ -2378,6 +2394,9 @@ def prepare_training(run: harness.Run, argv_text: str,
     edited = checks.edited_references(KERNEL_REFERENCES)
     ops = kernel_ops(hp.kernels, device.type, edited)
     train_files, val_files, checkpointer = harness.begin_run(run, sources, argv_text, attn_backend)
+    if run.resumed is not None:   # another recipe's tensors are refused before anything is built
+        harness.check_state_layout(run.resumed, meta_state(hp, run.rank, run.world_size), hp,
+                                   next(iter(sources)))
     preflight_notes = preflight(hp, run.world_size, device, run.rank)
     switch_notes = checks.kernel_switch_lines(hp.kernels, device.type, edited, KERNEL_REFERENCES)
     harness.accept_run(run, sources, attn_backend, [*preflight_notes, *notes, *switch_notes])
@@ -2605,7 +2624,8 @@ def dry_run(hp: Hyperparameters, resume_notes: Sequence[str] = ()) -> None:
     rank, world_size, _, device = harness.setup_distributed(hp)
     harness.dry_run_checks(hp, rank, world_size, device, checks.available_attn_backends(device),
                            checks.resolve_attn_backend(hp.attn_backend, device),
-                           code_files()[0].name, resume_notes)
+                           code_files()[0].name, resume_notes,
+                           meta_state(hp, rank, world_size) if hp.resume else None)
     harness.dry_run_notes(rank, preflight(hp, world_size, device, rank))
 
 

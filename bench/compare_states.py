@@ -1,7 +1,8 @@
 """Are two saved training states bit for bit the same?  python3 bench/compare_states.py A.pt B.pt
 
 Compares what decides the rest of a run (weights, optimizer state, pending gradients, data position, RNG, step) and
-prints one line per part, with the largest difference of the weights that differ. Exit 0 when all are equal, else 1.
+prints one line per part, with the largest difference of the weights that differ. Exit 0 when all are equal, else 1;
+2 with one error line for a file that is not a whole training state or whose seal does not match (as --resume).
 """
 from __future__ import annotations
 
@@ -20,7 +21,11 @@ def main(argv: list[str]) -> int:
     import torch
     import train_gpt as tg
     import harness
-    a, b = (torch.load(path, map_location="cpu", weights_only=True) for path in argv)
+    try:      # each seal checked as --resume checks it: a damaged state is said, not compared
+        a, b = (harness.read_sealed_state(path, PARTS) for path in argv)
+    except harness.ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     equal = True
     for part in PARTS:
         same = harness.states_equal(a[part], b[part])

@@ -1,5 +1,6 @@
 """Every failure a user can cause: one `error:` line that names the flag or file and the fix, the exit code of the
-failure page (docs/failures.md), no traceback, the same line at the end of the run's log, and no partial file left.
+failure page (docs/failures.md), no traceback, no partial file left, and no log where the run's checks refused it (its
+run id stays free); the same line at the end of the log of a run that passed them.
 
 Most cases call train_gpt.main() in this process (they fail before anything trains, in well under a second); the
 signal cases and one end-to-end case run the script in a subprocess, as a user would.
@@ -73,9 +74,11 @@ def test_token_ids_outside_the_vocabulary(capsys, tmp_path, data, where):
     bad = shard_with(tmp_path, toks)
     code, err, _, log = run_main(capsys, [*SHORT, f"--train_files={bad}", f"--val_files={data[1]}"], tmp_path)
     assert_one_error(code, err, 1, "token id 60000", f"token {pos:,}", "fineweb_train_000001.bin", "--vocab_size")
-    assert log[-1] == err[0]                          # the log ends with the line the console got
-    if where == "past_the_sample":
-        assert any(line.startswith("phase:process_start_to_timed_loop") for line in log)   # found by the loader
+    if where == "sample":                             # refused by the checks: no log keeps the run id
+        assert log is None
+    else:                                             # found by the loader, once training began
+        assert log[-1] == err[0]                      # the log ends with the line the console got
+        assert any(line.startswith("phase:process_start_to_timed_loop") for line in log)
 
 
 def test_token_ids_outside_the_vocabulary_in_the_val_shard_fail_before_training(capsys, tmp_path, data):
@@ -85,7 +88,7 @@ def test_token_ids_outside_the_vocabulary_in_the_val_shard_fail_before_training(
     bad = shard_with(tmp_path, toks, "fineweb_val_000000.bin")
     code, err, _, log = run_main(capsys, [*SHORT, f"--train_files={data[0]}", f"--val_files={bad}"], tmp_path)
     assert_one_error(code, err, 1, "token id 50304", "fineweb_val_000000.bin")
-    assert not any(line.startswith("step:") for line in log)
+    assert log is None                                # refused before training: no log keeps the run id
 
 
 def test_shard_without_a_document_start(capsys, tmp_path, data):
@@ -94,7 +97,7 @@ def test_shard_without_a_document_start(capsys, tmp_path, data):
     bad = shard_with(tmp_path, toks)
     code, err, _, log = run_main(capsys, [*SHORT, f"--train_files={bad}", f"--val_files={data[1]}"], tmp_path)
     assert_one_error(code, err, 1, "no document start", "fineweb_train_000001.bin", "data/tokenize_docs.py")
-    assert log[-1] == err[0]
+    assert log is None                                # refused by the checks: no log keeps the run id
 
 
 def test_folder_matched_by_the_shard_glob(capsys, tmp_path, data):
@@ -221,7 +224,7 @@ def test_bad_option_values_name_the_flag(capsys, tmp_path, data, arg, needles):
     code, err, _, log = run_main(capsys, [*SHORT, *extra, f"--train_files={data[0]}", f"--val_files={data[1]}",
                                           arg], tmp_path, run_id=run_id)
     assert_one_error(code, err, 2, *needles)
-    assert not (tmp_path / "logs").exists() or not any(l.startswith("step:") for l in log or [])
+    assert log is None                                # refused before training: no log keeps the run id
 
 
 @pytest.mark.parametrize("env,needle", [
@@ -295,28 +298,44 @@ def test_reused_run_id_never_touches_the_earlier_log(capsys, tmp_path, data):
 @pytest.mark.parametrize("args", [["--save_checkpoint"], ["--checkpoint_every=2"], ["--save_checkpoint", "--dry_run"]])
 def test_a_refused_run_leaves_no_empty_folder(capsys, tmp_path, data, args):
     """The checkpoint folder is made (and write-tested) before the data checks; a run they refuse, or a dry run,
-    removes it again: only the failed run's log stays under the log folder."""
+    removes it again, and the refused run its log: the log folder is left empty."""
     code, err, _, log = run_main(capsys, [*SHORT, *args, "--val_tokens=1048576", f"--train_files={data[0]}",
                                           f"--val_files={data[1]}"], tmp_path)
     assert_one_error(code, err, 1, "validation reads 1,048,576 tokens")
-    assert [p.name for p in (tmp_path / "logs").iterdir()] == ([] if "--dry_run" in args else ["run.txt"])
+    assert [p.name for p in (tmp_path / "logs").iterdir()] == []
+
+
+def test_a_start_refused_by_its_checks_leaves_its_run_id_free(capsys, tmp_path, data):
+    """A start its checks refuse (here: the validation asks for more tokens than the shards hold) trained nothing and
+    its one console line says what its log would: it leaves no log, so the corrected command may take the same
+    --run_id (the dry run makes the run's own check of the log path, without training)."""
+    args = [*SHORT, f"--train_files={data[0]}", f"--val_files={data[1]}"]
+    code, err, _, log = run_main(capsys, [*args, "--val_tokens=1048576"], tmp_path, run_id="mine")
+    assert_one_error(code, err, 1, "validation reads 1,048,576 tokens")
+    assert log is None
+    code, err, out, _ = run_main(capsys, [*args, "--dry_run"], tmp_path, run_id="mine")
+    assert code == 0 and err == [] and f"the log would be {tmp_path}/logs/mine.txt" in out, err
 
 
 def test_a_failed_runs_log_keeps_its_run_id_and_the_refusal_says_how_to_continue(capsys, tmp_path, data):
-    """Intended: a failed run's log is its record and is kept, so its explicit --run_id is not reused; the refusal
-    says how that run ended and the ways on: another --run_id, moving the log away, or resuming its states."""
-    args = [*SHORT, f"--train_files={data[0]}", f"--val_files={data[1]}"]
-    code, err, _, log = run_main(capsys, [*args, "--val_tokens=1048576"], tmp_path, run_id="mine")
+    """A run that passed its checks keeps its log, also when it fails before its first step (here the loader finds
+    a token id outside the vocabulary, past the sample the checks read): its explicit --run_id is not reused, and the
+    refusal says how that run ended and the ways on: another --run_id, moving the log away, or resuming its
+    states."""
+    toks = structured_docs(checks.PREFLIGHT_SAMPLE_TOKENS + 300_000, 3)
+    toks[checks.PREFLIGHT_SAMPLE_TOKENS + 1_000] = 60_000
+    args = [*SHORT, f"--train_files={shard_with(tmp_path, toks)}", f"--val_files={data[1]}"]
+    code, err, _, log = run_main(capsys, args, tmp_path, run_id="mine")
     assert code == 1 and log[-1] == err[0]
     code, err, _, _ = run_main(capsys, args, tmp_path, run_id="mine")
-    assert_one_error(code, err, 2, "mine.txt exists", "--run_id=mine failed (error: validation reads 1,048,576",
+    assert_one_error(code, err, 2, "mine.txt exists", f"--run_id=mine failed ({log[-1][:40]}",
                      "its log is kept", "choose another --run_id", "move that log away to reuse this one")
     assert "--resume" not in err[0]
     (tmp_path / "logs" / "mine").mkdir()
     (tmp_path / "logs" / "mine" / "state_step000004.pt").write_bytes(b"a state")
     code, err, _, _ = run_main(capsys, args, tmp_path, run_id="mine")
     assert_one_error(code, err, 2, "mine.txt exists", f"--resume={tmp_path / 'logs' / 'mine'}")
-    assert (tmp_path / "logs" / "mine.txt").read_text().splitlines()[-1].startswith("error: validation reads")
+    assert (tmp_path / "logs" / "mine.txt").read_text().splitlines() == log
 
 
 # ---- signals ------------------------------------------------------------------------------------------------------
@@ -506,7 +525,7 @@ def test_dry_run_passes_on_good_data_and_writes_nothing(capsys, tmp_path, data):
     lines = out.splitlines()
     assert lines[0].startswith("dry run:") and lines[-1].startswith("dry run passed")
     checks = [x.split()[1].rstrip(":") for x in lines[1:-1]]
-    assert checks == ["options", "environment", "output", "data"], lines
+    assert checks == ["options", "environment", "output", "memory", "data"], lines   # memory: the host's, on a CPU
     assert all(x.startswith("  ok  ") for x in lines[1:-1])
     assert f"the log would be {tmp_path}/logs/run.txt" in out
     assert list((tmp_path / "logs").iterdir()) == []

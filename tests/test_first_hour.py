@@ -36,8 +36,17 @@ def test_auto_dtype_is_float32_only_on_a_cpu_that_emulates_bf16(monkeypatch, pro
     assert hp.dtype == want and dataclasses.replace(hp, dtype="auto") == tiny
     note = tg.dtype_note(tiny, hp)
     assert len(note) == (want == "float32") and all("--dtype=auto trains in float32" in n for n in note)
+    if note:                                    # the note names what decided: here the override
+        assert f"NANOGPT_CPU_BF16={probe} is set" in note[0] and "this CPU has no" not in note[0], note
     explicit = tg.parse_args(["--preset=tiny", "--dtype=bfloat16"])             # an explicit dtype stays
     assert tg.resolve_dtype(explicit, device).dtype == "bfloat16" and tg.dtype_note(explicit, explicit) == []
+
+
+def test_without_the_override_the_dtype_note_names_the_cpus_missing_instructions(monkeypatch):
+    monkeypatch.delenv("NANOGPT_CPU_BF16", raising=False)
+    tiny = tg.parse_args(["--preset=tiny"])
+    note = tg.dtype_note(tiny, dataclasses.replace(tiny, dtype="float32"))
+    assert len(note) == 1 and "this CPU has no bf16 instructions" in note[0] and "NANOGPT_CPU_BF16" not in note[0]
 
 
 def test_a_tiny_cpu_run_on_emulated_bf16_trains_in_float32_and_says_so_once(tmp_path):

@@ -104,7 +104,7 @@ def test_run_folder_lists_its_states_newest_first_for_the_process_count(tmp_path
     for rank in range(4):
         (four / f"state_step000004_rank{rank}.pt").write_bytes(b"")
     with pytest.raises(tg.ConfigError, match=r"holds states of 4 process\(es\) \(steps \[4\]\), none written by 2 "
-                                             r"process\(es\): resume with 4 processes \(NNODES x NPROC = 4"):
+                                             r"process\(es\): resume with 4 processes \(NPROC=4 \./run\.sh, or NNODES x NPROC = 4"):
         harness.find_checkpoint(str(four), 2)
     assert harness.find_checkpoint(str(four), 4) == (four, [4])
     with pytest.raises(tg.ConfigError, match="neither a folder nor a state_step"):

@@ -183,6 +183,77 @@ def test_sigterm_to_run_sh_between_check_steps_stops_every_rank_at_one_step_with
     assert (tmp_path / "logs" / "term.txt").read_text().splitlines()[-1] == errors[0].replace("rank 0: ", "")
 
 
+def _children(pid):
+    """The pids whose parent is `pid` (from /proc)."""
+    from pathlib import Path
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(entry.name))
+            except (OSError, IndexError, ValueError):
+                continue
+    return found
+
+
+def _cmdline(pid):
+    from pathlib import Path
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_workers_of_a_launcher_killed_outright_stop_save_and_leave_no_process(two_cpu_ranks, tmp_path):
+    """SIGKILL to torchrun (the OOM killer, a dropped job step): its workers stop themselves as on its SIGTERM, after
+    the same step, with that step's state saved, and none is left running; run.sh ends with their code (143) and its
+    EXIT trap cleans up without an error of its own."""
+    import harness
+    import signal
+    import time
+    import torch
+    env, args = two_cpu_ranks
+    proc = subprocess.Popen(["bash", str(ROOT / "run.sh"), *args, "--save_checkpoint", "--run_id=orphan"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    workers = []
+    try:
+        deadline, seen = time.time() + 600, []
+        for line in proc.stdout:
+            seen.append(line)
+            if line.startswith("step:2/") or time.time() > deadline:
+                break
+        assert seen and seen[-1].startswith("step:2/"), "".join(seen) + proc.stderr.read()
+        torchrun = [pid for pid in _children(proc.pid) if "torch.distributed.run" in _cmdline(pid)]
+        assert len(torchrun) == 1, [_cmdline(pid) for pid in _children(proc.pid)]
+        workers = [pid for pid in _children(torchrun[0]) if "train_gpt.py" in _cmdline(pid)]
+        assert len(workers) == 2, [_cmdline(pid) for pid in _children(torchrun[0])]
+        os.kill(torchrun[0], signal.SIGKILL)
+        guard = time.time() + 300                                   # a hang guard, not a timing claim
+        while not all(harness._ended(pid) for pid in workers) and time.time() < guard:
+            time.sleep(0.5)
+        left = [pid for pid in workers if not harness._ended(pid)]
+        out, err = proc.communicate(timeout=300)
+    finally:
+        for pid in workers:
+            if not harness._ended(pid):
+                os.kill(pid, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.kill()
+    out = "".join(seen) + out + err
+    assert left == [], f"workers {left} outlived their launcher: {out[-3000:]}"
+    assert "unbound variable" not in out and "Traceback" not in out, out[-3000:]
+    assert proc.returncode == 143, out[-3000:]
+    errors = error_lines(out)
+    assert len(errors) == 1 and errors[0].startswith("error: rank 0: stopped by SIGTERM after step "), out[-3000:]
+    step = int(errors[0].split("after step ")[1].split()[0])
+    for rank in range(2):
+        state = tmp_path / "logs" / "orphan" / f"state_step{step:06d}_rank{rank}.pt"
+        assert torch.load(state, weights_only=False)["step"] == step
+
+
 # ---- the process count and the rendezvous, with a stub Python: no torch, GPUs, network or torchrun -----------------
 
 @pytest.fixture
@@ -449,3 +520,20 @@ def test_run_sh_help_documents_train_and_needs_no_gpu(tree):
     assert result.returncode == 0, out
     assert "TRAIN=my_idea.py ./run.sh" in out and "usage: python3 train_gpt.py" in out
     assert "no CUDA GPU" not in out and "downloading" not in out
+
+
+def test_run_sh_help_on_a_bare_machine_gives_its_usage_and_how_to_list_the_options(tree):
+    """Without the requirements the script cannot import to list its options: run.sh --help still prints its own
+    usage, then one line naming the install and the missing module, never a traceback."""
+    bare = tree / "python"
+    bare.write_text(f'#!/usr/bin/env bash\nexec {sys.executable} -S "$@"\n')     # -S: no site packages (no numpy)
+    bare.chmod(0o755)
+    env = dict(os.environ, PYTHON=str(bare), CUDA_VISIBLE_DEVICES="")
+    result = subprocess.run(["bash", str(tree / "run.sh"), "--help"], cwd=tree, env=env, capture_output=True,
+                            text=True, timeout=HANG_GUARD_S)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0 and "Traceback" not in out, out
+    assert "TRAIN=my_idea.py ./run.sh" in out and "usage: python3 train_gpt.py" not in out
+    assert out.splitlines()[-1] == (f"(they are listed once its requirements are installed, {bare} -m pip install "
+                                    f"-r requirements.txt, by {bare} train_gpt.py --help; here: "
+                                    "ModuleNotFoundError: No module named 'numpy')"), out

@@ -208,3 +208,35 @@ def test_the_offline_error_names_the_files_tiktoken_reads(tmp_path, monkeypatch)
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", "")                       # tiktoken's cache turned off
     with pytest.raises(SystemExit, match="TIKTOKEN_CACHE_DIR is empty, which turns tiktoken's cache off"):
         tokenize_docs.get_encoding("gpt2")
+
+
+def sealed_tiny_state(folder):
+    """A tiny model's state saved as the trainer saves one (harness.Checkpointer: sealed), and its path."""
+    import dataclasses
+    import harness
+    hp = tg.parse_args(["--preset=tiny", "--dtype=float32", "--use_fp8=false", f"--log_dir={folder}"])
+    model = tg.build_model(hp, torch.device("cpu"), "sdpa")
+    saver = harness.Checkpointer(hp, "run", 0, 1, {}, lambda line: None, "code")
+    whole = {key: 0 for key in harness.STATE_KEYS}
+    return saver.save({**whole, "step": 0, "model": model.state_dict()}), dataclasses.asdict(hp)
+
+
+def test_tools_refuse_a_state_whose_seal_does_not_match_as_the_trainer_does(tmp_path, capsys):
+    """One byte changed inside a weight: torch.load still reads it, the trainer's --resume refuses it by its seal,
+    and so do tools/sample.py and bench/compare_states.py (one error line naming the file, exit 2)."""
+    import harness
+    sys.path.insert(0, str(ROOT / "bench"))
+    import compare_states
+    path, _ = sealed_tiny_state(tmp_path)
+    assert sample.load_state(str(path))["step"] == 0                       # whole: read
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    torch.load(path, weights_only=True)                                    # still a readable zip
+    assert "damaged" in harness.inspect_state(path, 0, 0, 1)[1]            # what --resume says
+    assert sample.main([f"--checkpoint={path}", "--encoding=bytes", "--max_new_tokens=1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {path}: damaged (its sha256 does not match"), err
+    assert compare_states.main([str(path), str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {path}: damaged"), err

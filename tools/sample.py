@@ -3,9 +3,10 @@
     python3 tools/sample.py --checkpoint=logs/<run_id>/state_step001480.pt --prompt="The meaning of life is"
 
 Reads any state the trainer saved (--save_checkpoint, --checkpoint_every; with several GPUs any rank's file: the
-weights are on every rank) and builds the model with train_gpt.py's own code, its rotary (YaRN) state brought to where
-training left it. GPT-2 BPE needs tiktoken's two table files, downloaded once into its cache folder (TIKTOKEN_CACHE_DIR
-chooses it); offline without them, one error line names the folder, the files it lacks and the fixes.
+weights are on every rank; a damaged one is refused by its seal, as --resume refuses it) and builds the model with
+train_gpt.py's own code, its rotary (YaRN) state brought to where training left it. GPT-2 BPE needs tiktoken's two
+table files, downloaded once into its cache folder (TIKTOKEN_CACHE_DIR chooses it); offline without them, one error
+line names the folder, the files it lacks and the fixes.
 --encoding=bytes works offline for models trained on data/tokenize_docs.py --encoding=bytes shards. Runs on a GPU when
 there is one, else on the CPU. Needs torch (the README) and tiktoken (python3 -m pip install -r tools/requirements.txt).
 Exit codes: 0 done, 1 the gpt2 tables cannot be loaded, 2 bad arguments, an unusable checkpoint or tiktoken missing.
@@ -47,19 +48,10 @@ def load_model(path: str, device):
 
 
 def load_state(path: str) -> dict:
-    """A state file as the trainer wrote it (any rank's: only the weights are used)."""
-    import torch
+    """A state file as the trainer wrote it (any rank's: only the weights are used), its seal checked as the
+    trainer's --resume checks it (harness.read_sealed_state): a damaged state is refused, not sampled."""
     import harness
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 (missing, truncated or foreign: one message)
-        raise harness.ConfigError(f"cannot read {path} as a training state (torch.load: {type(e).__name__}: the "
-                                  "file is missing, empty, cut short or foreign); give a state_step*.pt file") from None
-    if (not isinstance(state, dict) or state.get("format") != harness.CHECKPOINT_FORMAT
-            or not {"model", "hyperparameters", "step"} <= set(state)):
-        raise harness.ConfigError(f"{path} is not a whole training state written by train_gpt.py; give a "
-                                  "state_step*.pt file")
-    return state
+    return harness.read_sealed_state(path, needs=("model", "hyperparameters", "step"))
 
 
 def decodable(enc) -> list[bool]:
