@@ -82,7 +82,7 @@ def loss_of(model: tg.GPT) -> torch.Tensor:
 def test_a_cpu_run_with_default_flags_uses_edited_activation_and_loss(monkeypatch):
     plain = loss_of(tiny_model()).item()
     reference = tk.relu2_mlp_reference
-    monkeypatch.setattr(tk, "relu2_mlp_reference", lambda x, a, b: reference(x, a, b) * 2)   # an edited activation
+    monkeypatch.setattr(tk, "relu2_mlp_reference", lambda x, a, b, fp8: reference(x, a, b, fp8) * 2)   # an edited activation
     edited_mlp = loss_of(tiny_model()).item()
     assert abs(edited_mlp - plain) > 1e-5 * abs(plain)                       # measured 7e-4; unedited: 0
     loss_reference = tk.softcapped_mtp_ce_train_reference                                     # an edited loss
@@ -142,7 +142,7 @@ def test_a_cpu_run_runs_an_edited_fp8_head_and_every_edit_whatever_kernels_asks(
     assert abs(edited - plain) > 1e-3 * abs(plain)
     assert fp8_loss("fp8:fused,ce:fused") == edited
     monkeypatch.undo()
-    monkeypatch.setattr(tk, "relu2_mlp_reference", lambda x, a, b: 0 * x)       # an MLP that adds nothing
+    monkeypatch.setattr(tk, "relu2_mlp_reference", lambda x, a, b, fp8: 0 * x)    # an MLP that adds nothing
     assert fp8_loss("mlp:fused") != plain
 
 
