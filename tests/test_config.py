@@ -70,8 +70,7 @@ def test_validation_names_the_fix(world_size, argv, needle):
 def test_fused_kernel_shapes_are_checked_before_compiling_on_a_gpu_only():
     """The fused MLP kernel (CUDA only) reads the model dim in K-steps of 64, of 128 in its FP8 forward: 6 heads of
     132 pass the model's own checks but not the kernel's, which preflight names, and 4 heads of 176 pass the bf16
-    kernel only; on a CPU, or with --kernels=torch, the MLP is the reference and any dim goes. (--kernels=mlp:fused
-    asks for the kernel even while its reference awaits a GPU check.)"""
+    kernel only; on a CPU, or with --kernels=torch, the MLP is the reference and any dim goes."""
     fused = "--kernels=mlp:fused"
     hp = tg.parse_args(["--num_heads=6", "--head_dim=132", "--model_dim=792", "--fp8_mlp=false", fused])
     tg.validate_hyperparameters(hp, 1)
