@@ -308,10 +308,21 @@ def check_model_layout(hp: Any, gate_input_dim: int) -> None:
     if any(not 0 <= i < L for i in hp.long_window_layers):
         raise ValueError(f"--long_window_layers={hp.long_window_layers} must be layer "
                          f"indices below {L}")
-    if (not 0 <= hp.skip_source_layer < hp.skip_dest_layer < L
-            or not 0 <= hp.backout_layer < L):
-        raise ValueError("need 0 <= --skip_source_layer < --skip_dest_layer < num_layers and "
-                         "0 <= --backout_layer < num_layers")
+    if not 0 <= hp.skip_source_layer < hp.skip_dest_layer < L:
+        raise ValueError("need 0 <= --skip_source_layer < --skip_dest_layer < num_layers")
+    if hp.attn_layout[-1] != "N" or hp.ve_layout[-1] < 0 or hp.cached_input_layer >= L - 1:
+        raise ValueError(f"the last layer is MUDD's: it needs normal attention (N last in "
+                         f"--attn_layout={hp.attn_layout}), a value embedding (last entry of "
+                         f"--ve_layout={hp.ve_layout} >= 0) and a --cached_input_layer before it "
+                         f"(got {hp.cached_input_layer})")
+    if not 0 < hp.bigram_dim <= hp.model_dim:
+        raise ValueError(f"--bigram_dim={hp.bigram_dim} must be between 1 and --model_dim="
+                         f"{hp.model_dim} (the bigram adds to that many first channels)")
+    if hp.bigram_sign_rows < 1 or hp.bigram_sign_rows & (hp.bigram_sign_rows - 1):
+        raise ValueError(f"--bigram_sign_rows={hp.bigram_sign_rows} must be a power of two (the "
+                         "sign row is the low bits of the token pair's XOR)")
+    if hp.mudd_hidden < 1:
+        raise ValueError(f"--mudd_hidden={hp.mudd_hidden} must be at least 1")
     if hp.dtype not in ("bfloat16", "float32", "float64"):
         raise ValueError(f"--dtype={hp.dtype}: use bfloat16 (training), auto, float32 or float64 "
                          "(CPU checks)")

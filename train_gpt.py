@@ -1,9 +1,9 @@
 """NanoGPT speedrun trainer: a GPT-2-small-class model trained on FineWeb to 3.28 validation loss.
 
 Run on one node with `./run.sh` (torchrun over the GPUs found); `python train_gpt.py --preset=tiny
-...` runs on a CPU. The training math is that of record 80 of the modded-nanogpt speedrun
+...` runs on a CPU. The training math is that of record 84 of the modded-nanogpt speedrun
 (docs/names.md maps the record's names to ours; docs/credits.md credits who introduced each idea;
-record 61, which this file trained before, is pinned in records/2026-11-27_record61/).
+the records this file trained before, 61 and 80, are pinned in records/).
 This file is the math and the loop, in reading order:
     1. knobs   2. model (attention, FP8 head and loss, GPT)   3. the op table   4. optimizer
     5. data   6. schedules   7. compiler settings   8. building a run   9. training: the step,
@@ -78,8 +78,12 @@ DEFAULT_PARAM_TABLE: dict[str, dict[str, Any]] = {
     "x0_lambdas":     dict(optim="adam",    comms="replicated", lr_mul=1.0,  wd_mul=0.0,   betas=(0.9, 0.95)),
     "bigram_lambdas": dict(optim="adam",    comms="replicated", lr_mul=1.0,  wd_mul=0.0,   betas=(0.9, 0.95)),
     "resid_lambdas":  dict(optim="adam",    comms="replicated", lr_mul=5.0,  wd_mul=0.0,   betas=(0.9, 0.95)),
+    "xsa_alphas":     dict(optim="adam",    comms="replicated", lr_mul=1.0,  wd_mul=0.0,   betas=(0.9, 0.95)),
     "value_embeds":   dict(optim="adam",    comms="sharded",    lr_mul=75.0, wd_mul=5.0,   betas=(0.75, 0.95)),
     "embed":          dict(optim="adam",    comms="sharded",    lr_mul=1.0,  wd_mul=150.0, betas=(0.5, 0.95)),
+    "mudd_w1":        dict(optim="adam",    comms="replicated", lr_mul=0.25, wd_mul=1.0,   betas=(0.9, 0.99)),
+    "mudd_w2":        dict(optim="adam",    comms="replicated", lr_mul=0.25, wd_mul=1.0,   betas=(0.9, 0.99)),
+    "mudd_b2":        dict(optim="adam",    comms="replicated", lr_mul=0.25, wd_mul=0.0,   betas=(0.9, 0.99)),
 }
 
 
@@ -115,8 +119,8 @@ class Hyperparameters(harness.RunOptions):
         Stage(batch=393_216, lr_peak=1.73, ws_long=11, mtp_start=(1.0,), mtp_end=(1.0,),
               max_doc_len=2048),
     )
-    num_scheduled_iterations: int = 1440   # steps of the lr / batch / window schedule
-    num_extension_iterations: int = 40     # extra steps at the last stage's values, lr_min and
+    num_scheduled_iterations: int = 1380   # steps of the lr / batch / window schedule
+    num_extension_iterations: int = 10     # extra steps at the last stage's values, lr_min and
                                            # the extended window
     cooldown_frac: float = 0.6             # fraction of scheduled steps spent decaying lr to lr_min
     lr_min: float = 0.15                   # lr factor at the end of cooldown and in the extension
@@ -136,21 +140,28 @@ class Hyperparameters(harness.RunOptions):
     mlp_hidden: int = 3072                 # MLP hidden width
     num_layers: int = 11                   # transformer layers (one layout entry each)
     num_value_embeds: int = 5              # value-embedding tables (vocab x model_dim each)
-    bigram_vocab_size: int = 251_520       # rows of the bigram-hash embedding (5 x vocab): hashes
+    bigram_vocab_size: int = 754_560       # rows of the bigram-hash embedding (15 x vocab): hashes
                                            # modulo rows - 1, the last row is position 0's
+    bigram_dim: int = 192                  # its width: it adds to the first this-many channels
+    bigram_sign_rows: int = 8192           # fixed random +-1 rows, one per (previous id XOR id)
+                                           # modulo this (a power of two), that sign each lookup
     attn_layout: str = "PNPNNP-NNPN"       # per layer: P paired heads, N normal, - no attention
     long_window_layers: tuple = (3, 10)    # layers with the long window (normal ones: key offset)
     ve_layout: tuple = (-1, 0, 1, -1, -1, -1, -1, -1, 2, 3, 4)  # value-embedding table per layer
     skip_source_layer: int = 3             # its output is added (gated) to the input of ...
     skip_dest_layer: int = 6               # ... this layer, in place of its attention sublayer
-    backout_layer: int = 7                 # backout_lambda * its output is subtracted at the end
     cached_input_layer: int = 7            # attention of every later layer reads rms of its output
+    mudd_hidden: int = 64                  # hidden width of the two MUDD blocks (last layer's
+                                           # dynamic weights and the mix after it)
+    mudd_scale: float = 0.1                # MUDD coefficients = this * (W2 gelu(W1 z) + b)
     rope_base: float = 1024.0              # frequencies (1/base)^(j/(n-1)) on a head's first half
     attn_scale: float = 0.1                # softmax scale at the start (YaRN grows it)
     yarn_alpha: float = 1.0                # YaRN: frequencies turning fewer than alpha times over
     yarn_beta: float = 32.0                # the old window stretch fully, beta+ times not at all
     fp8_scales: tuple = (100 / 448, 1.6 / 448, 0.75 / 448)  # x, w, grad scales of the FP8 LM head
     use_fp8: bool = True                   # FP8 LM head in training (emulated off CUDA)
+    fp8_mlp: bool = True                   # FP8 e4m3 forward of the MLP up projection in training
+                                           # (emulated off CUDA; the backward stays bf16)
     dtype: str = "bfloat16"                # float32 / float64: the math without bf16 (CPU only);
                                            # auto: bf16 on GPUs and on CPUs with bf16 instructions,
                                            # else float32 (bf16 is emulated there, ~10x slower)
@@ -178,19 +189,19 @@ class Hyperparameters(harness.RunOptions):
     @property
     def untie_step(self) -> int:
         """Untie embed and lm_head after this step: the first step of the last stage, made odd
-        (an Adam step); 961 for the record. Past the last step of a short run: they stay tied."""
+        (an Adam step); 921 for the record. Past the last step of a short run: they stay tied."""
         return stage_starts(self.num_scheduled_iterations, len(self.stages))[-1] | 1
 
 
 PRESETS: dict[str, dict[str, Any]] = {
     # Same kinds of layer as the record (paired, normal, long window + key offset, no-attention
-    # layer, skip, backout, value embeddings), narrow enough that a step takes well under a second
-    # on a CPU.
+    # layer, skip, cached input, value embeddings on paired and normal layers, the MUDD layer
+    # last), narrow enough that a step takes well under a second on a CPU.
     "tiny": dict(
         model_dim=128, num_heads=4, head_dim=32, mlp_hidden=512, num_layers=6,
-        attn_layout="PNN-NP", long_window_layers=(1, 4), ve_layout=(-1, -1, -1, -1, 0, 1),
-        num_value_embeds=2, bigram_vocab_size=5 * 1024, skip_source_layer=1, skip_dest_layer=3,
-        backout_layer=4, cached_input_layer=3,
+        attn_layout="PNN-PN", long_window_layers=(1, 5), ve_layout=(-1, -1, -1, -1, 0, 1),
+        num_value_embeds=2, bigram_vocab_size=5 * 1024, bigram_dim=32, bigram_sign_rows=256,
+        skip_source_layer=1, skip_dest_layer=3, cached_input_layer=3, mudd_hidden=16,
         batch_slices=2, block_size=16,
         stages=(Stage(512, 1.0, 3, (1.0, 0.5, 0.25), (1.0, 0.5, 0.0), 128),
                 Stage(768, 1.52, 7, (1.0, 0.5), (1.0, 0.0), 256),
@@ -199,7 +210,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         val_batch_size=2048, val_tokens=4096, num_scheduled_iterations=60,
         num_extension_iterations=4, momentum_warmup_steps=10, momentum_cooldown_steps=4,
         val_loss_every=20,
-        tokens_per_doc_bound=100, compile=False, use_fp8=False, attn_backend="sdpa", warmup=False,
+        tokens_per_doc_bound=100, compile=False, use_fp8=False, fp8_mlp=False, attn_backend="sdpa",
+        warmup=False,
         dtype="auto",
     ),
 }
@@ -218,6 +230,24 @@ GATE_INPUT_DIM = 12                        # every sigmoid gate reads the
 YARN_ATTN_SCALE_SLOPE = 0.2                # attn_scale *= 1 + slope * ln(new/old)
                                            # at each long-window change
 RECORD_BANK_MULTIPLE = 8                   # the record pads its banks to shard over 8 GPUs
+XSA_NORM_FLOOR = 1e-4                      # XSA divides a value by max(its norm, this)
+# MUDD (multiway dynamic dense connections, upstream record 81, PR #259): two small per-token MLPs
+# of raw residual streams give coefficients c = mudd_scale * (W2 gelu(W1 z) + b). Block 0 reads the
+# last layer's input and sets that layer's value mix, VE gate (one per half of the heads) and all
+# six residual weights; block 1 reads the last layer's output and mixes earlier streams into it.
+# Streams: h0 = x0 (with layer 0's bigram), cached = cached_input_layer's output, last_in = the
+# last layer's input, skip = skip_source_layer's output, ve = the first value-embedding table's
+# row. Each coefficient starts (W2 = 0) at its bias times mudd_scale: the values below, which are
+# the static weights' initial values (the VE gate at 2, the maximum of 2 sigmoid; the mix at -0.5
+# of the cached stream, record 80's backout).
+MUDD_LAYER_COEFFS = ("v_h0", "v_cached", "v_last_in", "x_h0", "x_cached", "x_last_in",
+                     "ve_gate_lo", "ve_gate_hi", "attn_resid", "attn_post", "attn_x0",
+                     "attn_bigram", "mlp_resid", "mlp_post")
+MUDD_MIX_COEFFS = ("h0", "cached", "last_in", "ve", "skip")
+MUDD_INITIAL = {"ve_gate_lo": 2.0, "ve_gate_hi": 2.0, "attn_resid": math.sqrt(1.1),
+                "attn_post": 1.0, "attn_bigram": 0.05, "mlp_resid": math.sqrt(1.1),
+                "mlp_post": 1.0}                                  # block 0; the rest start at 0
+MUDD_MIX_INITIAL = {"cached": -0.5}                               # block 1
 
 # ---- attention ------------------------------------------------------------------------------------
 # Every backend computes the same thing: packed documents q, k, v (T, H, D) bf16 with boundaries
@@ -291,8 +321,9 @@ class LayerPlan:
     reads_cached: bool   # attention reads rms of cached_input_layer's output, not of x
     skip_dest: bool      # the gated skip is added here, before the attention sublayer (if any)
     skip_source: bool    # its output is the skip
-    backout: bool        # its output is backed out at the end
     cached_input: bool   # rms of its output is the attention input of every later layer
+    xsa: bool            # normal attention: removes its output's projection on its own value
+    mudd: bool           # the last layer: MUDD block 0 sets its VE gate and residual weights
 
 
 def layer_plan(hp: Hyperparameters) -> tuple[LayerPlan, ...]:
@@ -308,8 +339,8 @@ def layer_plan(hp: Hyperparameters) -> tuple[LayerPlan, ...]:
                               reads_cached=has_attn and i > hp.cached_input_layer,
                               skip_dest=i == hp.skip_dest_layer,
                               skip_source=i == hp.skip_source_layer,
-                              backout=i == hp.backout_layer,
-                              cached_input=i == hp.cached_input_layer))
+                              cached_input=i == hp.cached_input_layer,
+                              xsa=kind == "N", mudd=i == len(hp.attn_layout) - 1))
         attn_slot += has_attn
         ve_slot += has_ve
     return tuple(plan)
@@ -347,7 +378,7 @@ BIGRAM_HASH_CUR, BIGRAM_HASH_PREV = 36313, 27191   # multipliers of the current 
 def bigram_ids(inputs: Tensor, table_size: int) -> Tensor:
     """(T,) bigram-hash rows of the tokens `inputs` (T,) (upstream record 62, PR #201):
     b_t = floormod(int32(36313 x_t) XOR int32(27191 p_{t-1}), M), M = table_size - 1, with
-    the sentinel M as b_0 and as p_0 (p_t = x_t for t >= 1), as record 80 computes them. The
+    the sentinel M as b_0 and as p_0 (p_t = x_t for t >= 1), as records 80 and 84 compute them. The
     sentinel replacing x_0 as position 1's previous token looks accidental upstream but changes
     the numbers, so it is kept: b_1 depends on x_1 only, through a product that wraps. A BOS
     hashes with the previous document's last token, as upstream intends. int64 arithmetic
@@ -363,6 +394,25 @@ def bigram_ids(inputs: Tensor, table_size: int) -> Tensor:
 
     h = torch.remainder(int32(BIGRAM_HASH_CUR * x[1:]) ^ int32(BIGRAM_HASH_PREV * prev), M)
     return torch.cat([sentinel[:T], h]).to(inputs.dtype)
+
+
+def bigram_sign_index(inputs: Tensor, rows: int) -> Tensor:
+    """(T,) rows of the sign table for the tokens `inputs` (T,): (x_{t-1} XOR x_t) mod rows, and
+    row 0 at position 0 whatever the tokens (upstream record 83, PR #299). Ids are non-negative and
+    rows a power of two, so this is the XOR's low bits. Same dtype as inputs."""
+    x = inputs.long()
+    return torch.cat([x[:1] * 0, torch.remainder(x[1:] ^ x[:-1], rows)]).to(inputs.dtype)
+
+
+def remove_self_value(y: Tensor, v: Tensor, alpha: Tensor) -> Tensor:
+    """XSA (upstream record 82, PR #264): y - alpha_h <y, v^> v^ per (token, head), v^ = v /
+    max(|v|, 1e-4), the value the attention read; y, v (T, H, hd), alpha (H,) in y's dtype. fp32 from
+    the operands, rounded once (the compiled reference's one pointwise chain)."""
+    acc = tk.acc_dtype(y.dtype)
+    vf, yf = v.to(acc), y.to(acc)
+    v_hat = vf / vf.norm(dim=-1, keepdim=True).clamp_min(XSA_NORM_FLOOR)
+    along = (yf * v_hat).sum(-1, keepdim=True)                                    # (T, H, 1)
+    return (yf - alpha.to(acc)[:, None] * along * v_hat).to(y.dtype)
 
 
 def rotary_base_omega(head_dim: int, base: float, device: torch.device) -> Tensor:
@@ -606,13 +656,16 @@ class GPT(nn.Module):
         # matrices at the end make each bank shard evenly (self.bank_multiple) and stay zero; the
         # random draws fill only the real matrices (the mlp pad's c_fc as far as the record's
         # 8-GPU padding, which it draws), so every initial weight is the same on any world size.
-        # Draw order as the record's (it matters only when seeded): value_embeds,
-        # qk, vo, mlp, lm_head.
+        # Draw order as the record's kept draws (it matters only when seeded): lm_head,
+        # value_embeds, qk, vo, mlp, the bigram signs, mudd_w1 (the record also draws values it
+        # overwrites, which are not drawn here).
         # Built in fp32 on `device`, then cast to bf16. With --dtype=float32/float64 the bf16
         # tensors are that dtype instead and the fp32 ones at least fp32.
         weight_dtype = getattr(torch, hp.dtype)
         like_weights = dict(dtype=weight_dtype, device=device)
         like_scalars = dict(dtype=tk.acc_dtype(weight_dtype), device=device)
+        # drawn into bf16
+        lm_head = torch.empty(D, V, dtype=torch.bfloat16, device=device).normal_(0.0, 0.005)
         # bf16(0.01 n), n drawn in bf16 (upstream record 65, PR #215): random, untied tables
         value_embeds = 0.01 * torch.randn(hp.num_value_embeds * V, D, dtype=torch.bfloat16,
                                           device=device)
@@ -629,17 +682,26 @@ class GPT(nn.Module):
                           device=device)
         drawn = L + bank_padding(L, 2, RECORD_BANK_MULTIPLE)
         mlp[:drawn, 0].uniform_(-bound, bound)                       # c_fc; c_proj stays zero
-        # drawn into bf16
-        lm_head = torch.empty(D, V, dtype=torch.bfloat16, device=device).normal_(0.0, 0.005)
+        # +-1 from the signs of normals (sign(0) = 0 has probability 0; it counts as +1 here)
+        signs = torch.randn(hp.bigram_sign_rows, hp.bigram_dim, device=device)
+        signs = torch.where(signs < 0, -1.0, 1.0)
+        # MUDD's first layers: PyTorch's default Linear init, U(+-1/sqrt(fan_in))
+        mudd_w1 = torch.empty(2, hp.mudd_hidden, D, device=device)
+        for block in mudd_w1:
+            block.uniform_(-D ** -0.5, D ** -0.5)
+        mudd_b2 = torch.zeros(2, len(MUDD_LAYER_COEFFS))
+        for j, name in enumerate(MUDD_LAYER_COEFFS):
+            mudd_b2[0, j] = MUDD_INITIAL.get(name, 0.0) / hp.mudd_scale
+        for j, name in enumerate(MUDD_MIX_COEFFS):
+            mudd_b2[1, j] = MUDD_MIX_INITIAL.get(name, 0.0) / hp.mudd_scale
         scalars = torch.cat([
             torch.tensor([0.5, 1.0]).repeat(L),                      # SA lambdas (qkv, o) per layer
-            torch.tensor([0.0, 0.5, -1.5]),                          # smear, backout, skip lambdas
+            torch.tensor([0.0, -1.5]),                               # smear, skip lambdas
         ]).to(**like_scalars)
         self.qk = param(qk.to(weight_dtype))
         self.vo = param(vo.to(weight_dtype))
         self.mlp = param(mlp.to(weight_dtype))
-        self.scalars = param(scalars)  # (2L+3,) fp32; the reference's sharding
-                                       # padding is dropped (vestigial)
+        self.scalars = param(scalars)  # (2L+2,) fp32
         self.smear_gate = param(torch.zeros(1, GATE_INPUT_DIM, **like_weights))
         self.skip_gate = param(torch.zeros(1, GATE_INPUT_DIM, **like_weights))
         self.attn_gate_bank = param(torch.zeros(n_attn, H, GATE_INPUT_DIM, **like_weights))
@@ -647,16 +709,28 @@ class GPT(nn.Module):
         lm_head = lm_head.to(weight_dtype)
         self.lm_head = param(lm_head)                                # (D, V): stored transposed,
                                                                      # logits = h @ lm_head
-        # bigram-hash embedding (upstream record 62, PR #201), zero at the start
-        self.bigram_embed = param(torch.zeros(hp.bigram_vocab_size, D, **like_weights))
+        # bigram-hash embedding (upstream record 62, PR #201), zero at the start; 4x narrower and
+        # 3x longer since record 83 (PR #299)
+        self.bigram_embed = param(torch.zeros(hp.bigram_vocab_size, hp.bigram_dim,
+                                              **like_weights))
         # per-sublayer residual weights, [:, 0] attention, [:, 1] MLP (upstream record 77, PR #241)
         self.post_lambdas = param(torch.ones(L, 2, **like_scalars))
         self.x0_lambdas = param(torch.zeros(L, **like_scalars))
         self.bigram_lambdas = param(torch.full((L,), 0.05, **like_scalars))
         self.resid_lambdas = param(torch.full((L, 2), math.sqrt(1.1), **like_scalars))
+        # XSA strength per (layer, head), as tanh; rows of layers without normal attention unused
+        self.xsa_alphas = param(torch.zeros(L, H, **like_scalars))
         self.value_embeds = param(value_embeds.to(weight_dtype))              # table j: rows [j*V, (j+1)*V)
         self.embed = param(lm_head.T.contiguous())                   # tied copy until the
                                                                      # optimizer splits them
+        # MUDD blocks 0 and 1 (MUDD_LAYER_COEFFS, MUDD_MIX_COEFFS); block 1 uses the first
+        # len(MUDD_MIX_COEFFS) rows of w2 and b2
+        self.mudd_w1 = param(mudd_w1.to(weight_dtype))               # (2, hidden, D)
+        self.mudd_w2 = param(torch.zeros(2, len(MUDD_LAYER_COEFFS), hp.mudd_hidden,
+                                         **like_weights))
+        self.mudd_b2 = param(mudd_b2.to(**like_weights))
+        # the fixed signs: state (saved and broadcast with the weights), never trained
+        self.register_buffer("bigram_signs", signs.to(weight_dtype))
 
         # the first row of each value-embedding table a layer reads, in table order (the forward's
         # one lookup of all of them)
@@ -750,30 +824,39 @@ class GPT(nn.Module):
             raise ValueError(f"micro-batch of {T} tokens exceeds "
                              f"rotary_max_len={self.rotary_max_len}; build the model with "
                              "rotary_max_len = the largest train/val micro-batch")
-        L, weight_dtype = hp.num_layers, self.embed.dtype
+        L, D, H, weight_dtype = hp.num_layers, hp.model_dim, hp.num_heads, self.embed.dtype
         sa_lambdas = self.scalars[: 2 * L].view(L, 2)
-        smear_lambda, backout_lambda, skip_lambda = self.scalars[2 * L: 2 * L + 3].unbind()
+        smear_lambda, skip_lambda = self.scalars[2 * L: 2 * L + 2].unbind()
         # The per-sublayer weights are rounded to the weights' dtype (bf16) each forward, as the
         # record's are: rho = 1.046875 at the start, not sqrt(1.1).
         resid = self.resid_lambdas.to(weight_dtype)                                    # (L, 2)
         post = self.post_lambdas.to(weight_dtype)                                      # (L, 2)
         x0_lambdas = self.x0_lambdas.to(weight_dtype)                                  # (L,)
         bigram_lambdas = self.bigram_lambdas.to(weight_dtype)                          # (L,)
+        xsa = torch.tanh(self.xsa_alphas).to(weight_dtype)                             # (L, H)
         # value embeddings (@KoszarskyB, upstream record 14): table j at rows [j*V, (j+1)*V),
         # (T, D) bf16 each. One lookup of every table's row: its backward writes one dense
         # gradient of the whole parameter, where a lookup per table would write one each and sum
         # them (bench/tables.py).
         ve_rows = F.embedding(inputs[:, None] + self.ve_row_offsets, self.value_embeds)  # (T, n, D)
         ve = {table: ve_rows[:, k] for k, table in enumerate(self.ve_tables)}
-        bigram = F.embedding(bigram_ids(inputs, hp.bigram_vocab_size), self.bigram_embed)
+        # The bigram row, signed by the sign table's row of the token pair (exact: a sign flip),
+        # in the first bigram_dim channels; zeros beyond add nothing to a sum.
+        signed = (F.embedding(bigram_ids(inputs, hp.bigram_vocab_size), self.bigram_embed)
+                  * self.bigram_signs[bigram_sign_index(inputs, hp.bigram_sign_rows)])
+        bigram = F.pad(signed, (0, D - hp.bigram_dim))                                 # (T, D)
 
         # Token smear (@classiclarryd, upstream record 34): e'_t = e_t + smear_lambda * sigmoid(e_t[:12] . w) * e_{t-1}, across
         # document boundaries.
         e = F.embedding(inputs, self.embed)  # (T, D) bf16
         # (T-1, 1) bf16
         smear = smear_lambda * torch.sigmoid(e[1:, :GATE_INPUT_DIM] @ self.smear_gate.T)
-        x0 = rms(torch.cat([e[:1], e[1:] + smear * e[:-1]]))
-        x = weighted_sum((x0.new_ones(()), x0), (bigram_lambdas[0], bigram))  # layer 0's bigram
+        # Layer 0's bigram goes into x0 itself, so every later read of x0 (the x0 injections, the
+        # skip gate, MUDD's h0) sees it too, as in the record, where the in-place add modifies
+        # the tensor that is both x0 and the residual (record 83 on).
+        x0 = weighted_sum((smear.new_ones(()), rms(torch.cat([e[:1], e[1:] + smear * e[:-1]]))),
+                          (bigram_lambdas[0], bigram))
+        x = x0
 
         # The banks as one view per matrix. Indexing the bank per layer instead costs a backward
         # kernel that reads every layer's gradient for every element of the bank; unbind's
@@ -781,42 +864,99 @@ class GPT(nn.Module):
         qk_banks = self.qk.unbind(0)                     # (2*hd, D) per head pair of Q or K
         vo_banks = self.vo.unbind(0)                     # W_v, W_o of attention layer l: 2l, 2l+1
         mlp_banks = self.mlp.flatten(0, 1).unbind(0)     # c_fc, c_proj of layer j at 2j, 2j + 1
-        H = hp.num_heads
-        skip_saved = backout_saved = cached_u = None
+        fp8 = self.training and hp.fp8_mlp               # FP8 up projection (upstream record 84)
+        streams = {"h0": x0}                             # what MUDD mixes
+        cached_u = None
         for p in self.plan:
             i = p.index
             if p.skip_dest:  # U-net skip (@brendanh0gan, upstream record 11), gated
                 skip_scale = torch.sigmoid(skip_lambda) * 2                               # fp32 0-d
                 x = x + (skip_scale * torch.sigmoid(x0[:, :GATE_INPUT_DIM] @ self.skip_gate.T)
-                         * skip_saved)
+                         * streams["skip"])
+            c = None
+            if p.mudd:
+                streams["last_in"] = x
+                c = self.mudd_coefficients(0, x, MUDD_LAYER_COEFFS)
             if p.attn:
+                # layers after cached_input_layer read its normed output (upstream record 77,
+                # PR #241)
+                u = cached_u if p.reads_cached else rms(x)
                 l = p.attn_slot
                 w_qkv = torch.cat([*qk_banks[H * l: H * (l + 1)], vo_banks[2 * l]])  # (3D, D)
                 window = (ws_long if p.long_window else ws_short) * hp.block_size          # tokens
-                # layers after cached_input_layer read its normed output (upstream record 77,
-                # PR #241)
-                a = self.attention(p, w_qkv, vo_banks[2 * l + 1],
-                                   cached_u if p.reads_cached else rms(x), ve.get(p.ve_table),
-                                   sa_lambdas[i], cu_seqlens, max_seqlen, window)
-                # x0 and the bigram embedding are injected with the attention output (upstream
-                # records 62, 77); layer 0 took its bigram before its attention instead
-                injections = [(x0_lambdas[i], x0)] + ([(bigram_lambdas[i], bigram)] if i else [])
-                x = weighted_sum((resid[i, 0], x), (post[i, 0], a), *injections)
-            mlp_out = self.ops.relu2_mlp(rms(x), mlp_banks[2 * i], mlp_banks[2 * i + 1])
-            x = weighted_sum((resid[i, 1], x), (post[i, 1], mlp_out))
+                a = self.attention(p, w_qkv, vo_banks[2 * l + 1], u,
+                                   self.value_extra(p, u, ve.get(p.ve_table), c, streams),
+                                   xsa[i] if p.xsa else None, sa_lambdas[i], cu_seqlens,
+                                   max_seqlen, window)
+            if c is not None:
+                # the last layer's residual weights are MUDD's, per token (T, 1)
+                acc = tk.acc_dtype(weight_dtype)
+                x = weighted_sum((1 + c["x_last_in"].to(acc), x), (c["x_h0"], x0),
+                                 (c["x_cached"], streams["cached"]))
+                x = weighted_sum((c["attn_resid"], x), (c["attn_post"], a), (c["attn_x0"], x0),
+                                 (c["attn_bigram"], bigram))
+                mlp_weights = (c["mlp_resid"], c["mlp_post"])
+            else:
+                if p.attn:
+                    # x0 and the bigram embedding are injected with the attention output
+                    # (upstream records 62, 77); layer 0 took its bigram into x0 instead
+                    injections = [(x0_lambdas[i], x0)] + ([(bigram_lambdas[i], bigram)] if i
+                                                          else [])
+                    x = weighted_sum((resid[i, 0], x), (post[i, 0], a), *injections)
+                mlp_weights = (resid[i, 1], post[i, 1])
+            mlp_out = self.ops.relu2_mlp(rms(x), mlp_banks[2 * i], mlp_banks[2 * i + 1], fp8)
+            x = weighted_sum((mlp_weights[0], x), (mlp_weights[1], mlp_out))
             if p.skip_source:
-                skip_saved = x
-            if p.backout:
-                backout_saved = x
+                streams["skip"] = x
             if p.cached_input:
+                streams["cached"] = x
                 cached_u = rms(x)
-        x = x - backout_lambda * backout_saved
+        # MUDD block 1: earlier streams mixed into the last layer's output (at the start: minus
+        # half the cached stream, record 80's backout)
+        streams["ve"] = ve[self.ve_tables[0]]
+        c = self.mudd_coefficients(1, x, MUDD_MIX_COEFFS)
+        x = weighted_sum((x.new_ones(()), x), *((c[name], streams[name]) for name in MUDD_MIX_COEFFS))
         return rms(x)
 
-    def attention(self, p: LayerPlan, w_qkv: Tensor, w_o: Tensor, u: Tensor, ve: Tensor | None,
-                  sa_lambda: Tensor, cu_seqlens: Tensor, max_seqlen: int, window: int) -> Tensor:
+    def mudd_coefficients(self, block: int, z: Tensor, names: Sequence[str]) -> dict[str, Tensor]:
+        """MUDD block `block` on the raw residual z (T, D): mudd_scale * (W2 gelu(W1 z) + b), one
+        (T, 1) column per name, in z's dtype (bf16 matmuls; bias and scale in fp32, rounded once)."""
+        n, acc = len(names), tk.acc_dtype(z.dtype)
+        hidden = F.gelu(z @ self.mudd_w1[block].T)                                 # (T, hidden)
+        out = hidden @ self.mudd_w2[block, :n].T                                   # (T, n)
+        coeffs = ((out.to(acc) + self.mudd_b2[block, :n].to(acc)) * self.hp.mudd_scale).to(z.dtype)
+        return {name: coeffs[:, j: j + 1] for j, name in enumerate(names)}
+
+    def value_extra(self, p: LayerPlan, u: Tensor, ve: Tensor | None,
+                    c: dict[str, Tensor] | None, streams: dict[str, Tensor]) -> Tensor | None:
+        """What a layer adds to its values (T, D), in the accumulation dtype: the gated value
+        embedding, and on the MUDD layer its mix of earlier streams; None for nothing."""
+        hp = self.hp
+        T, H, hd = u.shape[0], hp.num_heads, hp.head_dim
+        acc = tk.acc_dtype(u.dtype)
+        if c is not None:
+            # MUDD's gate, one per half of the heads, and its value mix (record 81)
+            gate = torch.cat([c["ve_gate_lo"], c["ve_gate_hi"]], 1).repeat_interleave(H // 2, 1)
+            mix = sum(c[f"v_{name}"].to(acc) * streams[name].to(acc)
+                      for name in ("h0", "cached", "last_in"))                  # (T, D)
+        elif ve is not None:
+            # 2 sigmoid of half u, half the VE row (upstream record 70, PR #218; paired layers
+            # too since record 81): elementwise per (token, head), so adding it before the paired
+            # interleave equals adding it after
+            half = GATE_INPUT_DIM // 2
+            gate_in = torch.cat([u[:, :half], ve[:, :half]], -1)
+            gate = 2 * torch.sigmoid(gate_in @ self.ve_gate_bank[p.ve_slot].T)        # (T, H)
+            mix = 0
+        else:
+            return None
+        return (gate.to(acc)[..., None] * ve.to(acc).view(T, H, hd)).view(T, hp.model_dim) + mix
+
+    def attention(self, p: LayerPlan, w_qkv: Tensor, w_o: Tensor, u: Tensor,
+                  v_extra: Tensor | None, xsa_alpha: Tensor | None, sa_lambda: Tensor,
+                  cu_seqlens: Tensor, max_seqlen: int, window: int) -> Tensor:
         """One attention sublayer. w_qkv (3D, D) = [W_q; W_k; W_v], w_o (D, D); u: the normed input
-        (T, D) bf16 -> (T, D) bf16."""
+        (T, D) bf16 -> (T, D) bf16. v_extra (T, D), fp32: added to the values (rounded once);
+        xsa_alpha (H,): XSA on the output."""
         hp = self.hp
         T, D, H, hd = u.shape[0], hp.model_dim, hp.num_heads, hp.head_dim
         lambda_qkv, lambda_o = sa_lambda.unbind()
@@ -828,28 +968,23 @@ class GPT(nn.Module):
         # stationary half of k from the previous token (tk.shift_keys_by_one), in the same pass.
         q, k, v = self.ops.qk_norm_rotary(qkv, self.rotary_cos, self.rotary_sin,
                                           2 if p.attn == "P" else 1, p.key_offset)
-        gate_in = u[:, :GATE_INPUT_DIM]
-        if ve is not None:
-            # Normal layers gate the VE by half u, half the VE row (upstream record 70, PR #218);
-            # paired layers keep u alone, as upstream's paired branch does. Elementwise per
-            # (token, head), so adding it before the paired interleave equals adding it after.
-            half = GATE_INPUT_DIM // 2
-            ve_gate_in = gate_in if p.attn == "P" else torch.cat([u[:, :half], ve[:, :half]], -1)
-            ve_gate = 2 * torch.sigmoid(ve_gate_in @ self.ve_gate_bank[p.ve_slot].T)  # (T, H)
-            v = v + ve_gate[..., None] * ve.view(T, H, hd)
+        if v_extra is not None:
+            v = (v.to(v_extra.dtype) + v_extra.view(T, H, hd)).to(v.dtype)
         if p.attn == "P":
             # Row-major reinterpretation as 2T positions of H/2 heads: position 2t slot g = head g
             # of token t, position 2t+1 slot g = head g + H/2. Lengths, offsets and the window are
             # in doubled positions.
-            q, k, v = (t.reshape(2 * T, H // 2, hd) for t in (q, k, v))
-            y = varlen_attention(q, k, v, cu_seqlens * 2, max_seqlen * 2, window, self.attn_scale,
-                                 self.attn_backend)
+            q, k, v2 = (t.reshape(2 * T, H // 2, hd) for t in (q, k, v))
+            y = varlen_attention(q, k, v2, cu_seqlens * 2, max_seqlen * 2, window,
+                                 self.attn_scale, self.attn_backend)
             y = y.reshape(T, H, hd)
         else:
             y = varlen_attention(q, k, v, cu_seqlens, max_seqlen, window,
                                  self.attn_scale, self.attn_backend)
+        if xsa_alpha is not None:
+            y = remove_self_value(y, v, xsa_alpha)
         # per-head output gate
-        y = y * torch.sigmoid(gate_in @ self.attn_gate_bank[p.attn_slot].T)[..., None]
+        y = y * torch.sigmoid(u[:, :GATE_INPUT_DIM] @ self.attn_gate_bank[p.attn_slot].T)[..., None]
         return y.reshape(T, D) @ (lambda_o * w_o).T
 
 
@@ -865,7 +1000,7 @@ class GPT(nn.Module):
 # After checking the kernel again, update the digest.
 KERNEL_REFERENCES = {
     "qk": ((tk.qk_norm_rotary_reference, tk.shift_keys_by_one), "fae18133f82d6f5e"),
-    "mlp": ((tk.relu2_mlp_reference,), "8b6fad1b2f4093ba"),
+    "mlp": ((tk.relu2_mlp_reference, tk._Relu2MLPFP8Reference), "4e88bc4bb8c2d571"),
     "ce": ((tk.softcap, tk.softcapped_mtp_ce_reference, tk.softcapped_mtp_ce_train_math,
             tk._SoftcappedMTPCETrainReference, tk.softcapped_mtp_ce_fp8_reference),
            "a47bdc1405938e31"),
@@ -885,7 +1020,7 @@ class KernelOps:
     reference, of one contract (triton_kernels.py); chosen once by kernel_ops, passed to GPT and
     NorMuonAndAdam."""
     qk_norm_rotary: Callable        # qk: (qkv, cos, sin, pos_mult, key_offset) -> q, k, v
-    relu2_mlp: Callable             # mlp: (x, c_fc, c_proj) -> (T, D)
+    relu2_mlp: Callable             # mlp: (x, c_fc, c_proj, fp8) -> (T, D)
     mtp_ce: Callable                # ce: eval (logits, targets, mtp_weights) -> per-row losses
     mtp_ce_train: Callable          # ce: training without the FP8 head, same signature
     fp8_head_mtp_ce: Callable       # fp8 and ce: (h, w, targets, mtp_weights, grad_scale, s_x,
@@ -1693,7 +1828,7 @@ def _val_batch_stream(files: list[str], placements: list[tuple[int, int]], token
 
 def stage_starts(num_scheduled: int, num_stages: int) -> list[int]:
     """The first step of each stage: 0, then round(num_scheduled * c) for c the running double sum
-    1/n, 1/n + 1/n, ... (Python round; upstream record 65, PR #215): [0, 480, 960] for the record."""
+    1/n, 1/n + 1/n, ... (Python round; upstream record 65, PR #215): [0, 460, 920] for the record."""
     starts, c = [0], 0.0
     for _ in range(num_stages - 1):
         c += 1 / num_stages
@@ -1743,9 +1878,9 @@ def window_sizes(step: int, num_scheduled: int, stages: Sequence[Stage],
 def lr_factor(step: int, num_scheduled: int, stages: Sequence[Stage], lr_min: float,
               cooldown_frac: float) -> float:
     """Multiplier on every base lr: the stage's peak until the cooldown starts at
-    int(num_scheduled * (1 - cooldown_frac)) (576 for the record), then the line from that peak to
+    int(num_scheduled * (1 - cooldown_frac)) (552 for the record), then the line from that peak to
     lr_min at the end of the schedule, then lr_min. The peak is the step's own stage's, so it jumps
-    where a stage starts inside the cooldown (960: up to 1.0278). Upstream records 65 and 72."""
+    where a stage starts inside the cooldown (920: up to 1.0278). Upstream records 65 and 72."""
     cooldown_start = int(num_scheduled * (1 - cooldown_frac))
     peak = stages[stage_index(step, num_scheduled, len(stages))].lr_peak
     if step < cooldown_start:
@@ -1791,7 +1926,7 @@ def schedule_changes(hp: Hyperparameters) -> list[int]:
 
 def validates_at(step: int, num_iterations: int, every: int) -> bool:
     """Whether the loop validates before `step` (at step num_iterations: after the last step):
-    every `every` steps from 0 (0: never) and at the end; 0, 250, ..., 1250 and 1480 for the
+    every `every` steps from 0 (0: never) and at the end; 0, 250, ..., 1250 and 1390 for the
     record."""
     return step == num_iterations or (every > 0 and step % every == 0)
 
@@ -1985,16 +2120,17 @@ def validate_hyperparameters(hp: Hyperparameters, world_size: int) -> None:
 
 
 def train_tokens_needed(hp: Hyperparameters) -> int:
-    """Tokens that carry a loss over the whole run (467,927,040 for the record)."""
+    """Tokens that carry a loss over the whole run (365,690,880 for the record)."""
     return tokens_before(hp.num_iterations, batch_segments(hp.num_iterations,
                                                            hp.num_scheduled_iterations, hp.stages))
 
 
 def mlp_kernel_step(hp: Hyperparameters, device: torch.device) -> int | None:
-    """The fused MLP kernel's step through the model dim, or None where the reference runs."""
+    """The fused MLP kernel's step through the model dim (its FP8 forward's where that runs), or
+    None where the reference runs."""
     edited = checks.edited_references(KERNEL_REFERENCES)
     fused = "mlp" in checks.fused_ops(hp.kernels, device.type, edited, KERNEL_OPS)
-    return tk._MLP_TILES[2] if fused else None
+    return (tk._MLP_FP8_TILES if hp.fp8_mlp else tk._MLP_TILES)[2] if fused else None
 
 
 def memory_parts(hp: Hyperparameters, world_size: int) -> dict[str, int]:
@@ -2131,7 +2267,7 @@ class Trainer:
 
     def advance_schedule(self, sched: StepSchedule) -> tuple | None:
         """Apply YaRN at a window change; return the loader's message for this step's
-        micro-batches where the batch size or the document cap changes (480 and 960 for the
+        micro-batches where the batch size or the document cap changes (460 and 920 for the
         record), else None."""
         if sched.ws_long != self.ws_long:
             self.model.apply_yarn(self.ws_long, sched.ws_long)
@@ -2273,9 +2409,9 @@ def prepare_training(run: harness.Run, argv_text: str,
     if hp.seed >= 0:
         torch.manual_seed(hp.seed)
     model = build_model(hp, device, attn_backend, ops)
-    if run.world_size > 1:
-        for p in model.parameters():
-            dist.broadcast(p.detach(), 0)
+    if run.world_size > 1:    # every rank starts from rank 0's draws (weights and the bigram signs)
+        for t in model.state_dict().values():
+            dist.broadcast(t, 0)
     opt = build_optimizer(hp, model, run.rank, run.world_size)
     compiled = model
     if run.compiling:

@@ -279,7 +279,7 @@ def ba_plus_cAA(A: Tensor, b: float, c: float) -> Tensor:
 
 # ==================================================================================================
 # 3. Fused linear + relu^2 MLP  (ReLU^2 upstream record 5; fused kernel @andrewbriand, @jrauvola,
-#    record 59)
+#    record 59; FP8 forward upstream record 84, PR #306)
 # ==================================================================================================
 # One persistent kernel computes acc = a @ b.T (a (M, K), b (N, K), both row-major) tile by tile and
 # applies one of two epilogues:
@@ -287,6 +287,11 @@ def ba_plus_cAA(A: Tensor, b: float, c: float) -> Tensor:
 #                              bf16 pre;
 #   backward (BACKWARD=True):  d = bf16(2 * bf16(acc) * relu(pre)), pre read back from the forward.
 # The c_proj matmuls stay on cuBLAS.
+# FP8 forward (training): a and b are e4m3 (quantize_mlp_input, quantize_mlp_weight) and the fp32
+# accumulator is multiplied by the dequantisation factor q, read from device memory, before the
+# same epilogue: pre = bf16(acc * q). e4m3 products are exact; the sum uses Hopper's fp8
+# accumulator (Triton's default there). The backward stays bf16, at the FP8 forward's pre and post
+# (a straight-through estimator).
 #
 # Warp specialisation (`tl.range(warp_specialize=True)`, operands loaded by TMA descriptors) splits
 # each 4-warp program on sm_90 into a producer warpgroup that issues the loads and two consumer
@@ -299,8 +304,13 @@ def ba_plus_cAA(A: Tensor, b: float, c: float) -> Tensor:
 # is persistent (one program per SM, tiles in grouped order: no wave tails, b's rows reused in L2).
 # (measurements: notes/kernels.md#relu2-mlp)
 _MLP_TILES = (128, 256, 64, 8, 4, 3)
+# FP8 operands take half the bytes: a 128 K-step, 4 stages of 48 KiB, 8 warps (the record's).
+_MLP_FP8_TILES = (128, 256, 128, 8, 8, 4)
 # Interpreter tiles for CPU tests: small, several tiles per persistent program.
 _MLP_INTERPRETER_TILES = (16, 32, 16, 2, 4, 2)
+E4M3_MAX = 448.0                       # largest finite float8_e4m3fn
+E4M3_INV_MAX = 0.0022321429569274187   # fp32(1/448): the record multiplies by it to divide by 448
+FP8_AMAX_FLOOR = 1e-12                 # an all-zero tensor still gets a finite scale
 
 
 @triton.jit
@@ -314,12 +324,12 @@ def _grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _relu2_linear_kernel(a_ptr, b_ptr, pre_ptr, out_ptr, M, N, K, stride_am, stride_bn, stride_pm,
-                         stride_om, BACKWARD: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                         WARP_SPECIALIZE: tl.constexpr):
+def _relu2_linear_kernel(a_ptr, b_ptr, pre_ptr, out_ptr, scale_ptr, M, N, K, stride_am, stride_bn,
+                         stride_pm, stride_om, BACKWARD: tl.constexpr, SCALED: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         GROUP_M: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
     """Persistent a @ b.T with the relu^2 epilogues above; K must be a multiple of BLOCK_K and the
-    operands TMA-aligned (both checked by the launcher)."""
+    operands TMA-aligned (both checked by the launcher). SCALED: acc * scale_ptr[0] first (FP8)."""
     # Rows past M (the last row block) load as zeros and are not stored.
     a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_am, 1],
                                        block_shape=[BLOCK_M, BLOCK_K])
@@ -336,6 +346,8 @@ def _relu2_linear_kernel(a_ptr, b_ptr, pre_ptr, out_ptr, M, N, K, stride_am, str
             a = a_desc.load([pid_m * BLOCK_M, k * BLOCK_K])
             b = b_desc.load([pid_n * BLOCK_N, k * BLOCK_K])
             acc = tl.dot(a, b.T, acc)
+        if SCALED:
+            acc = acc * tl.load(scale_ptr)
 
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -361,12 +373,15 @@ def _descriptor_scratch(size: int, alignment: int, stream: int | None) -> Tensor
 
 
 def _launch_relu2_linear(a: Tensor, b: Tensor, pre: Tensor, out: Tensor, backward: bool,
-                         tiles: tuple | None, warp_specialize: bool | None = None) -> None:
-    """warp_specialize: None = on CUDA (False: the single-role pipeline, for tests and benches)."""
+                         tiles: tuple | None, warp_specialize: bool | None = None,
+                         scale: Tensor | None = None) -> None:
+    """warp_specialize: None = on CUDA (False: the single-role pipeline, for tests and benches).
+    scale: the FP8 forward's (1,) fp32 dequantisation factor (a and b e4m3)."""
     M, K = a.shape
     N = b.shape[0]
+    fp8 = scale is not None
     bm, bn, bk, group_m, warps, stages = tiles or (
-        _MLP_TILES if a.is_cuda else _MLP_INTERPRETER_TILES)
+        (_MLP_FP8_TILES if fp8 else _MLP_TILES) if a.is_cuda else _MLP_INTERPRETER_TILES)
     _check(K % bk == 0, f"relu2_mlp needs the model dim ({K}) to be a multiple of {bk} (the "
                         "kernel's K-step)")
     # TMA reads rows that start on 16-byte boundaries. Storage starts are aligned (torch's
@@ -383,9 +398,10 @@ def _launch_relu2_linear(a: Tensor, b: Tensor, pre: Tensor, out: Tensor, backwar
     launch = dict(num_warps=warps, num_stages=stages) if a.is_cuda else {}
     grid = (min(_num_programs_persistent(a.device), triton.cdiv(M, bm) * triton.cdiv(N, bn)),)
     wrap_triton(_relu2_linear_kernel)[grid](
-        a, b, pre, out, M, N, K, a.stride(0), b.stride(0), pre.stride(0), out.stride(0),
-        BACKWARD=backward, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m,
-        WARP_SPECIALIZE=a.is_cuda if warp_specialize is None else warp_specialize, **launch)
+        a, b, pre, out, scale if fp8 else pre, M, N, K, a.stride(0), b.stride(0), pre.stride(0),
+        out.stride(0), BACKWARD=backward, SCALED=fp8, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        GROUP_M=group_m, WARP_SPECIALIZE=a.is_cuda if warp_specialize is None else warp_specialize,
+        **launch)
 
 
 def _check_mlp_operands(x: Tensor, w: Tensor, x_name: str, w_name: str) -> None:
@@ -414,6 +430,25 @@ def relu2_mlp_fwd_triton(x: Tensor, c_fc: Tensor, tiles: tuple | None = None
     return pre, post
 
 
+def relu2_mlp_fp8_fwd_triton(x8: Tensor, w8: Tensor, q: Tensor, out_dtype: torch.dtype = torch.bfloat16,
+                             tiles: tuple | None = None) -> tuple[Tensor, Tensor]:
+    """The FP8 forward: x8 (M, D) and w8 (H, D) e4m3 (quantize_mlp_input, quantize_mlp_weight), q
+    (1,) fp32 on their device -> pre = bf16(x8 @ w8.T * q), post = bf16(relu(pre)^2), each (M, H)
+    in out_dtype (bf16; float32 for interpreter tests)."""
+    _check(x8.ndim == 2 and w8.ndim == 2 and x8.shape[1] == w8.shape[1],
+           f"expected x8 (M, D) and w8 (H, D), got {tuple(x8.shape)} and {tuple(w8.shape)}")
+    _check(x8.dtype == w8.dtype == torch.float8_e4m3fn,
+           f"x8 and w8 must be float8_e4m3fn, got {x8.dtype} and {w8.dtype}")
+    _check(q.shape == (1,) and q.dtype == torch.float32 and q.device == x8.device == w8.device,
+           "q must be a (1,) float32 tensor on the operands' device")
+    _check(x8.stride(1) == 1 and w8.is_contiguous(), "x8 needs unit stride along D and w8 must "
+                                                     "be contiguous")
+    pre = torch.empty((x8.shape[0], w8.shape[0]), dtype=out_dtype, device=x8.device)
+    post = torch.empty_like(pre)
+    _launch_relu2_linear(x8, w8, pre, post, backward=False, tiles=tiles, scale=q)
+    return pre, post
+
+
 def relu2_mlp_bwd_triton(g: Tensor, c_proj: Tensor, pre: Tensor, tiles: tuple | None = None
                          ) -> Tensor:
     """g (M, D), c_proj (H, D), pre (M, H) from the forward -> dpre = bf16(2 * bf16(g @ c_proj.T) *
@@ -433,6 +468,12 @@ def _relu2_mlp_fwd_op(x: Tensor, c_fc: Tensor) -> tuple[Tensor, Tensor]:
     return relu2_mlp_fwd_triton(x, c_fc)
 
 
+@triton_op(f"{_LIB}::relu2_mlp_fp8_fwd", mutates_args=())
+def _relu2_mlp_fp8_fwd_op(x8: Tensor, w8: Tensor, q: Tensor, out_dtype: torch.dtype
+                          ) -> tuple[Tensor, Tensor]:
+    return relu2_mlp_fp8_fwd_triton(x8, w8, q, out_dtype)
+
+
 @triton_op(f"{_LIB}::relu2_mlp_bwd", mutates_args=())
 def _relu2_mlp_bwd_op(g: Tensor, c_proj: Tensor, pre: Tensor) -> Tensor:
     return relu2_mlp_bwd_triton(g, c_proj, pre)
@@ -440,12 +481,17 @@ def _relu2_mlp_bwd_op(g: Tensor, c_proj: Tensor, pre: Tensor) -> Tensor:
 
 class _Relu2MLPFunction(torch.autograd.Function):
     """Autograd of the fused MLP: saves x, c_fc, c_proj, pre, post; the backward kernel gives dpre
-    in one pass."""
+    in one pass. fp8: the forward's up projection in e4m3 (the backward is the same)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, c_fc: Tensor, c_proj: Tensor) -> Tensor:
+    def forward(ctx, x: Tensor, c_fc: Tensor, c_proj: Tensor, fp8: bool) -> Tensor:
         x2 = x.reshape(-1, x.shape[-1]).contiguous()  # (M, D)
-        pre, post = torch.ops.nanogpt_kernels.relu2_mlp_fwd(x2, c_fc)  # (M, H) each
+        if fp8:
+            w8, s = quantize_mlp_weight(c_fc)
+            x8, q = quantize_mlp_input(x2, s)
+            pre, post = torch.ops.nanogpt_kernels.relu2_mlp_fp8_fwd(x8, w8, q.reshape(1), x.dtype)
+        else:
+            pre, post = torch.ops.nanogpt_kernels.relu2_mlp_fwd(x2, c_fc)  # (M, H) each
         out = post @ c_proj  # (M, D), cuBLAS
         ctx.save_for_backward(x2, c_fc, c_proj, pre, post)
         ctx.x_shape = x.shape
@@ -459,21 +505,72 @@ class _Relu2MLPFunction(torch.autograd.Function):
         dpre = torch.ops.nanogpt_kernels.relu2_mlp_bwd(g, c_proj, pre)  # (M, H)
         dc_fc = dpre.mT @ x2  # (H, D)
         dx = dpre @ c_fc  # (M, D)
-        return dx.view(ctx.x_shape), dc_fc, dc_proj
+        return dx.view(ctx.x_shape), dc_fc, dc_proj, None
 
 
-def relu2_mlp_triton(x: Tensor, c_fc: Tensor, c_proj: Tensor) -> Tensor:
+def relu2_mlp_triton(x: Tensor, c_fc: Tensor, c_proj: Tensor, fp8: bool = False) -> Tensor:
     """relu(x @ c_fc.T)^2 @ c_proj, x (..., D), differentiable, by the Triton kernels (CUDA; a CPU
-    only under the interpreter)."""
-    return _Relu2MLPFunction.apply(x, c_fc, c_proj)
+    only under the interpreter); fp8: the up projection's forward in e4m3."""
+    return _Relu2MLPFunction.apply(x, c_fc, c_proj, fp8)
 
 
-def relu2_mlp_reference(x: Tensor, c_fc: Tensor, c_proj: Tensor) -> Tensor:
+def _to_e4m3(x: Tensor) -> Tensor:
+    """Nearest e4m3 of x, saturating at +-448 (the scales keep every value within rounding of
+    448, where saturating and plain casts agree; casts differ above it)."""
+    return x.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def quantize_mlp_weight(w: Tensor) -> tuple[Tensor, Tensor]:
+    """The FP8 copy of an up projection w (H, D): w8 = e4m3(bf16(w / s)) with the per-matrix scale
+    s = bf16(max|w| * fp32(1/448)), returned as a 0-d fp32 (the record rounds twice: to bf16,
+    then to e4m3). Recomputed at every forward: the weights change only at optimizer steps, so
+    this equals the record's refresh after each of them."""
+    acc = acc_dtype(w.dtype)
+    amax = w.abs().amax().clamp_min(FP8_AMAX_FLOOR)
+    s = (amax.to(acc) * E4M3_INV_MAX).to(w.dtype).to(acc)
+    return _to_e4m3((w.to(acc) / s).to(w.dtype)), s
+
+
+def quantize_mlp_input(x: Tensor, w_scale: Tensor) -> tuple[Tensor, Tensor]:
+    """The FP8 MLP input of one micro-batch x (M, D): x8 = e4m3(x * r), r = 448 * fp32(1 / max|x|)
+    (one scale per call), and the product's dequantisation factor q = (w_scale * max|x|) *
+    fp32(1/448), 0-d fp32."""
+    acc = acc_dtype(x.dtype)
+    amax = x.abs().amax().clamp_min(FP8_AMAX_FLOOR).to(acc)
+    return _to_e4m3(x.to(acc) * (E4M3_MAX * (1 / amax))), (w_scale * amax) * E4M3_INV_MAX
+
+
+class _Relu2MLPFP8Reference(torch.autograd.Function):
+    """The FP8 forward in plain PyTorch (e4m3 values multiplied in the accumulation dtype: every
+    product exact, the sum in another order than the GPU's), and the bf16 backward of
+    relu2_mlp_reference at its pre and post."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, c_fc: Tensor, c_proj: Tensor) -> Tensor:
+        acc = acc_dtype(x.dtype)
+        w8, s = quantize_mlp_weight(c_fc)
+        x8, q = quantize_mlp_input(x, s)
+        pre = ((x8.to(acc) @ w8.to(acc).mT) * q).to(x.dtype)
+        post = F.relu(pre).square()
+        ctx.save_for_backward(x, c_fc, c_proj, pre, post)
+        return post @ c_proj
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        x, c_fc, c_proj, pre, post = ctx.saved_tensors
+        acc = acc_dtype(g.dtype)
+        dpre = (2 * (g @ c_proj.mT).to(acc) * F.relu(pre).to(acc)).to(g.dtype)
+        return dpre @ c_fc, dpre.mT @ x, post.mT @ g
+
+
+def relu2_mlp_reference(x: Tensor, c_fc: Tensor, c_proj: Tensor, fp8: bool = False) -> Tensor:
     """relu(x @ c_fc.T)^2 @ c_proj with bf16 rounding of pre and post; x (M, D), c_fc and c_proj
-    (H, D).
+    (H, D); fp8: the up projection's forward in e4m3 (_Relu2MLPFP8Reference).
 
     Autograd gives the backward the kernels compute: the square's gradient is g_post *
     (2 * relu(pre)), one rounding."""
+    if fp8:
+        return _Relu2MLPFP8Reference.apply(x, c_fc, c_proj)
     pre = x @ c_fc.mT
     post = F.relu(pre).square()
     return post @ c_proj

@@ -10,7 +10,8 @@ rest continue. Compiled references use dynamic shapes (one compile per op and we
 
 FLOP and byte counts:
   xxt, ba_plus_cAA   GEMM-equivalent 2*B*M*M*K (the kernel computes only the lower triangle, so it can beat the ceiling)
-  mlp fwd            2 matmuls of 2*M*768*3072; fwd+bwd: 6 of them
+  mlp fwd            2 matmuls of 2*M*768*3072; fwd+bwd: 6 of them; "mlp fwd fp8 | bf16 kernel": the FP8 forward in
+                     the kernel column, the bf16 kernel in the eager column (the FP8 one must be faster)
   ce fwd             reads the bf16 logits once (n*V*2 bytes); fwd+bwd: + read again and write bf16 dlogits
   adam               per element reads bf16 param and grad, fp32 exp_avg and exp_avg_sq, writes all but grad: 22 bytes
   cautious           per element reads bf16 param, uint16 mantissa, bf16 O, writes param and mantissa: 10 bytes
@@ -111,6 +112,7 @@ def bench_mlp(table: Table) -> None:
         return run
 
     ref_c = torch.compile(tk.relu2_mlp_reference, dynamic=True)
+    ref_fp8_c = torch.compile(lambda x, a, b: tk.relu2_mlp_reference(x, a, b, fp8=True), dynamic=True)
     ref_fb_c = torch.compile(fwd_bwd(tk.relu2_mlp_reference), dynamic=True)
     kern_fb, ref_fb = fwd_bwd(tk.relu2_mlp_triton), fwd_bwd(tk.relu2_mlp_reference)
     c_fc = (torch.randn(3072, 768, device="cuda") / 28).bfloat16().requires_grad_()
@@ -124,6 +126,12 @@ def bench_mlp(table: Table) -> None:
                       lambda: tk.relu2_mlp_reference(x, c_fc, c_proj), lambda: ref_c(x, c_fc, c_proj))
         table.add("mlp fwd+bwd", f"{M}x768->3072", "TFLOP/s", 3 * flops, lambda: kern_fb(x, c_fc, c_proj, g),
                   lambda: ref_fb(x, c_fc, c_proj, g), lambda: ref_fb_c(x, c_fc, c_proj, g))
+        # the FP8 forward (its quantisation of weights and input included) against the bf16 kernel in the
+        # "reference" column: it must beat it at every micro-batch of the schedule
+        with torch.no_grad():
+            table.add("mlp fwd fp8 | bf16 kernel", f"{M}x768->3072", "TFLOP/s", flops,
+                      lambda: tk.relu2_mlp_triton(x, c_fc, c_proj, fp8=True),
+                      lambda: tk.relu2_mlp_triton(x, c_fc, c_proj), lambda: ref_fp8_c(x, c_fc, c_proj))
         del x, g
         torch.cuda.empty_cache()
 

@@ -129,13 +129,14 @@ def test_relu2_mlp_kernel_forward_and_backward_modes(M, D, H, tiles):
     assert (dpre[pre <= 0] == 0).all(), "dpre must vanish where pre <= 0"
 
 
-def test_relu2_mlp_autograd_matches_reference():
+@pytest.mark.parametrize("fp8", [False, True])
+def test_relu2_mlp_autograd_matches_reference(fp8):
     g = torch.Generator().manual_seed(7)
     x = torch.randn(2, 19, 32, generator=g, requires_grad=True)  # (..., D): 38 rows
     c_fc = (torch.randn(96, 32, generator=g) / 6).requires_grad_()
     c_proj = (torch.randn(96, 32, generator=g) / 6).requires_grad_()
-    out = tk.relu2_mlp_triton(x, c_fc, c_proj)
-    ref = tk.relu2_mlp_reference(x, c_fc, c_proj)
+    out = tk.relu2_mlp_triton(x, c_fc, c_proj, fp8=fp8)
+    ref = tk.relu2_mlp_reference(x.reshape(-1, 32), c_fc, c_proj, fp8=fp8).view(out.shape)
     grad_out = torch.randn(ref.shape, generator=g)
     grads = torch.autograd.grad(out, (x, c_fc, c_proj), grad_out)
     grads_ref = torch.autograd.grad(ref, (x, c_fc, c_proj), grad_out)
@@ -144,6 +145,28 @@ def test_relu2_mlp_autograd_matches_reference():
     for name, a, b in [("out", out, ref), *zip(("dx", "dc_fc", "dc_proj"), grads, grads_ref)]:
         assert a.shape == b.shape, name
         assert ((a - b).abs().max() / b.abs().max()).item() < 1e-5, name
+    if fp8:   # the FP8 forward is another function than the bf16 one
+        assert ((out - tk.relu2_mlp_triton(x, c_fc, c_proj)).abs().max() / out.abs().max()).item() > 1e-3
+
+
+@pytest.mark.parametrize("M, D, H, tiles", MLP_CASES)
+def test_relu2_mlp_kernel_fp8_forward(M, D, H, tiles):
+    """e4m3 operands: every product exact, the fp32 sum within the dot bound, times q read from memory, rounded
+    once; post from the stored pre."""
+    g = torch.Generator().manual_seed(M * 1000 + H + 1)
+    x = torch.randn(M, D, generator=g)
+    c_fc = torch.randn(H, D, generator=g) / D ** 0.5
+    w8, s = tk.quantize_mlp_weight(c_fc)
+    x8, q = tk.quantize_mlp_input(x, s)
+    pre, post = tk.relu2_mlp_fp8_fwd_triton(x8, w8, q.reshape(1), torch.float32, tiles=tiles)
+    a64, b64 = x8.double(), w8.double()
+    exact = (a64 @ b64.T) * q.item()
+    bound = dot_error_bound(a64.abs() @ b64.abs().T, D) * q.item() + 2 * U32 * exact.abs()
+    assert_within(pre, exact, bound, "fp8 pre")
+    assert torch.equal(post, (pre.double().clamp_min(0) ** 2).float()), "post != round(relu(pre)^2)"
+    # q is read: another factor scales pre
+    pre2, _ = tk.relu2_mlp_fp8_fwd_triton(x8, w8, 2 * q.reshape(1), torch.float32, tiles=tiles)
+    assert torch.equal(pre2, 2 * pre)
 
 
 def test_relu2_mlp_launcher_rejects_bad_input():

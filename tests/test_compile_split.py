@@ -22,8 +22,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_variant_starts_and_warmup_steps_of_the_record_schedule():
     hp = tg.Hyperparameters()
     # three stages, then the extension's longer window
-    assert tg.variant_starts(hp) == [0, 480, 960, 1440]
-    assert tg.warmup_steps(hp) == [0, 1, 2, 479, 480, 481, 959, 960, 961, 1439, 1440, 1441]
+    assert tg.variant_starts(hp) == [0, 460, 920, 1380]
+    assert tg.warmup_steps(hp) == [0, 1, 2, 459, 460, 461, 919, 920, 921, 1379, 1380, 1381]
     shapes = {s: (sc.ws_short, sc.ws_long, sc.global_batch, sc.max_doc_len, len(sc.mtp_weights))
               for s, sc in ((s, tg.schedule_at(s, hp)) for s in range(hp.num_iterations))}
     starts = tg.variant_starts(hp)

@@ -68,17 +68,22 @@ def test_validation_names_the_fix(world_size, argv, needle):
 
 
 def test_fused_kernel_shapes_are_checked_before_compiling_on_a_gpu_only():
-    """The fused MLP kernel (CUDA only) reads the model dim in K-steps of 64: 6 heads of 132 pass the model's own
-    checks but not the kernel's, which preflight names; on a CPU, or with --kernels=torch, the MLP is the
-    reference and any dim goes."""
-    hp = tg.parse_args(["--num_heads=6", "--head_dim=132", "--model_dim=792"])
+    """The fused MLP kernel (CUDA only) reads the model dim in K-steps of 64, of 128 in its FP8 forward: 6 heads of
+    132 pass the model's own checks but not the kernel's, which preflight names, and 4 heads of 176 pass the bf16
+    kernel only; on a CPU, or with --kernels=torch, the MLP is the reference and any dim goes."""
+    fused = "--kernels=mlp:fused"
+    hp = tg.parse_args(["--num_heads=6", "--head_dim=132", "--model_dim=792", "--fp8_mlp=false", fused])
     tg.validate_hyperparameters(hp, 1)
     with pytest.raises(tg.ConfigError, match="multiple of 64 \\(not 792\\), or --kernels=mlp:torch"):
         _check_kernel_shapes(hp, torch.device("cuda"))
     _check_kernel_shapes(hp, torch.device("cpu"))
     _check_kernel_shapes(tg.parse_args(["--num_heads=6", "--head_dim=132", "--model_dim=792", "--kernels=torch"]),
                          torch.device("cuda"))
-    _check_kernel_shapes(tg.Hyperparameters(), torch.device("cuda"))
+    narrow = ["--num_heads=4", "--head_dim=176", "--model_dim=704", fused]
+    _check_kernel_shapes(tg.parse_args([*narrow, "--fp8_mlp=false"]), torch.device("cuda"))
+    with pytest.raises(tg.ConfigError, match="multiple of 128 \\(not 704\\)"):
+        _check_kernel_shapes(tg.parse_args(narrow), torch.device("cuda"))
+    _check_kernel_shapes(tg.parse_args([fused]), torch.device("cuda"))
 
 
 def _check_kernel_shapes(hp, device):
@@ -91,7 +96,7 @@ def test_preflight_names_a_model_dim_the_gpu_kernels_cannot_take(tmp_path):
     from _shards import make_dataset
     make_dataset(tmp_path)
     hp = tg.parse_args(["--preset=tiny", f"--train_files={tmp_path}/*train*.bin", f"--val_files={tmp_path}/*val*.bin",
-                        "--num_heads=4", "--head_dim=36", "--model_dim=144"])
+                        "--num_heads=4", "--head_dim=36", "--model_dim=144", "--kernels=mlp:fused"])
     tg.validate_hyperparameters(hp, 1)
     with pytest.raises(tg.ConfigError, match="not 144"):
         tg.preflight(hp, 1, torch.device("cuda"))
@@ -137,6 +142,7 @@ def test_configs_build_and_take_a_step_on_cpu(argv):
     for name, p in model.named_parameters():
         assert torch.isfinite(p).all(), name
     unchanged = {name for name, p in model.named_parameters() if torch.equal(p, before[name])}
-    # At init smear_lambda = 0 silences the smear gate, and the bigram table is zero, so its lambdas have no
-    # gradient yet (the table itself does); everything else moved (W_o is random since record 64).
-    assert unchanged == {"smear_gate", "bigram_lambdas"}
+    # At init smear_lambda = 0 silences the smear gate, the bigram table is zero, so its lambdas have no gradient
+    # yet (the table itself does), and MUDD's second layers are zero, so its first layers have none either;
+    # everything else moved (W_o is random since record 64).
+    assert unchanged == {"smear_gate", "bigram_lambdas", "mudd_w1"}

@@ -27,7 +27,7 @@ import train_gpt as tg  # noqa: E402
 from _shards import make_dataset, run_trainer  # noqa: E402
 
 GOLDEN = Path(__file__).with_name("golden_tiny.json")
-ARGS = ["--preset=tiny", "--dtype=float64", "--num_scheduled_iterations=9", "--num_extension_iterations=3",
+ARGS = ["--preset=tiny", "--dtype=float64", "--fp8_mlp=true", "--num_scheduled_iterations=9", "--num_extension_iterations=3",
         "--val_loss_every=4", "--train_loss_every=1", "--seed=0", "--save_checkpoint", "--run_id=golden"]
 
 

@@ -246,8 +246,9 @@ def _sm90_cases():
     sym_sig = {"a_ptr": "*bf16", "out_ptr": "*bf16", "M": "i32", "K": "i32", "stride_ab": "i32", "stride_am": "i32",
                "stride_ak": "i32", "stride_ob": "i32", "stride_om": "i32", "stride_on": "i32", "b_coef": "fp32",
                "c_coef": "fp32"}
-    mlp_sig = {"a_ptr": "*bf16", "b_ptr": "*bf16", "pre_ptr": "*bf16", "out_ptr": "*bf16", "M": "i32", "N": "i32",
-               "K": "i32", "stride_am": "i32", "stride_bn": "i32", "stride_pm": "i32", "stride_om": "i32"}
+    mlp_sig = {"a_ptr": "*bf16", "b_ptr": "*bf16", "pre_ptr": "*bf16", "out_ptr": "*bf16", "scale_ptr": "*bf16",
+               "M": "i32", "N": "i32", "K": "i32", "stride_am": "i32", "stride_bn": "i32", "stride_pm": "i32",
+               "stride_om": "i32"}
     softcap = {"A": tk.SOFTCAP_A, "B": tk.SOFTCAP_B, "C": tk.SOFTCAP_C}
     cases = []
     for bm, bn, bk, warps, stages in (tk._SYM_SMALL_TILES, tk._SYM_LARGE_TILES):
@@ -258,8 +259,16 @@ def _sm90_cases():
     bm, bn, bk, group_m, warps, stages = tk._MLP_TILES
     for backward in (False, True):
         tiles = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m, "WARP_SPECIALIZE": True}
-        cases.append(("mlp", tk._relu2_linear_kernel, mlp_sig, {"BACKWARD": backward, **tiles},
+        cases.append(("mlp", tk._relu2_linear_kernel, mlp_sig, {"BACKWARD": backward, "SCALED": False, **tiles},
                       {"num_warps": warps, "num_stages": stages}, (), tuple(mlp_sig)))
+    # the FP8 forward: e4m3 operands, the scale read from an fp32 pointer, its own tiles (8 warps: no warp
+    # specialisation)
+    bm, bn, bk, group_m, warps, stages = tk._MLP_FP8_TILES
+    fp8_sig = {**mlp_sig, "a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}
+    cases.append(("mlp_fp8", tk._relu2_linear_kernel, fp8_sig,
+                  {"BACKWARD": False, "SCALED": True, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m,
+                   "WARP_SPECIALIZE": True}, {"num_warps": warps, "num_stages": stages}, (),
+                  tuple(k for k in fp8_sig if k != "scale_ptr")))
     ce_fwd_sig = {"logits_ptr": "*bf16", "targets_ptr": "*i64", "weights_ptr": "*fp32", "losses_ptr": "*fp32",
                   "lse_ptr": "*fp32", "n_rows": "i32", "n_cols": "i32", "stride_row": "i32", "n_weights": "i32"}
     for train in (False, True):   # record 61's eval loss, record 80's training loss

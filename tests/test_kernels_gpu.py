@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+import train_gpt as tg
 import triton_kernels as tk
 from _fp32_exact import rcp_fma_ulp_errors
 
@@ -126,6 +127,40 @@ def test_relu2_mlp_warp_specialized_kernel_is_bitwise_the_plain_pipeline(backwar
     for a, b in zip(*outs):
         assert not a.isnan().any(), "an element was not written"
         assert torch.equal(a, b)
+
+
+FP8_MICRO_BATCHES = sorted({tg.micro_batch_tokens(st.batch, tg.Hyperparameters().batch_slices)
+                            for st in tg.Hyperparameters().stages})       # the training forwards that run FP8
+
+
+@pytest.mark.parametrize("M", FP8_MICRO_BATCHES + [3 * 1024 + 37])
+def test_relu2_mlp_fp8_forward_matches_its_reference_and_backward_is_bf16(M):
+    """The FP8 kernel against the FP8 reference at the schedule's micro-batch sizes (and a partial last tile): the
+    same e4m3 operands and q, only the summation differs (Hopper's fp8 accumulator); the backward is the bf16 one at
+    the FP8 pre, as the reference's."""
+    x, c_fc, c_proj = mlp_inputs(M, 12)
+    out = tk.relu2_mlp_triton(x, c_fc, c_proj, fp8=True)
+    ref = tk.relu2_mlp_reference(x, c_fc, c_proj, fp8=True)
+    assert out.dtype == torch.bfloat16 and rel_err(out, ref) < BF16_TOL
+    assert rel_err(out, tk.relu2_mlp_reference(x, c_fc, c_proj)) > BF16_TOL / 4      # the FP8 rounding is there
+    grad = torch.randn_like(out)
+    for name, a, b in zip(("dx", "dc_fc", "dc_proj"), torch.autograd.grad(out, (x, c_fc, c_proj), grad),
+                          torch.autograd.grad(ref, (x, c_fc, c_proj), grad)):
+        assert rel_err(a, b) < BF16_TOL, name
+    w8, s = tk.quantize_mlp_weight(c_fc.detach())
+    x8, q = tk.quantize_mlp_input(x.detach(), s)
+    pre, post = tk.relu2_mlp_fp8_fwd_triton(x8, w8, q.reshape(1))
+    assert torch.equal(post, (pre.float().clamp_min(0) ** 2).bfloat16())
+    assert rel_err(pre, (x8.double() @ w8.double().T) * q.item()) < BF16_TOL
+
+
+def test_compiled_fp8_mlp_quantises_each_call_and_matches_eager():
+    """Under torch.compile the quantisation runs inside the graph, per call: two calls with other inputs get their
+    own scales."""
+    x, c_fc, c_proj = (t.detach() for t in mlp_inputs(4096, 13))
+    f = torch.compile(lambda x, a, b: tk.relu2_mlp_triton(x, a, b, fp8=True), fullgraph=True)
+    for scale in (1.0, 0.01):
+        assert rel_err(f(x * scale, c_fc, c_proj), tk.relu2_mlp_triton(x * scale, c_fc, c_proj, fp8=True)) < 1e-3
 
 
 def test_relu2_mlp_kernel_rounding_points():
@@ -290,7 +325,6 @@ def test_compiled_fp8_quantiser_multiplies_by_the_reciprocal():
     """The trainer's compiled FP8 quantisers (train_gpt._quantize_act/_weight) see the scale as a constant and
     multiply by its fp32 reciprocal; the fused gradient quantiser does the same, so the FP8 head's math is one
     formula. If torch changes this, the message says which formula the compiled one follows."""
-    import train_gpt as tg
     x = (torch.randn(4096, 4096, device="cuda", generator=gen(22)) * 0.02).bfloat16()
     compiled = torch.compile(lambda t, s: tg.fp8_quantize(t, s, torch.float8_e5m2), dynamic=False, fullgraph=True)
     got = fp8_bits(compiled(x, S_G))
@@ -434,7 +468,6 @@ def test_adam_update_is_bitwise_eager_cuda(shape, dtype):
     NaNs included (CUDA writes a NaN to bf16 as 0x7FFF)."""
     import functools
 
-    import train_gpt as tg
     p, grad, m, v = adam_gpu_state(shape, dtype, 20)
     runs = {}
     train_gpt_update = functools.partial(tg.adam_update, ops=tg.kernel_ops("fused", "cuda"))
@@ -477,7 +510,6 @@ def cautious_gpu_state(n, R, C, transposed_o, seed):
 @pytest.mark.parametrize("n, R, C, transposed_o, per_matrix_lr", [
     (40, 768, 768, False, False), (24, 3072, 768, True, True), (3, 100, 37, False, True), (2, 65, 130, True, False)])
 def test_cautious_update_with_mantissa_is_bitwise_eager_cuda(n, R, C, transposed_o, per_matrix_lr):
-    import train_gpt as tg
     param, mantissa, O = cautious_gpu_state(n, R, C, transposed_o, 22)
     lr = (torch.rand(n, 1, 1, device="cuda", generator=gen(23)) * 0.05) if per_matrix_lr else 0.0123
     wd = 0.023 * 1.2
@@ -517,7 +549,6 @@ def test_normuon_momentum_is_bitwise_eager_cuda(n, R, C, momentum):
                                                    (3, 100, 37, True)])
 def test_polar_split_product_is_bitwise_eager_cuda(n, R, C, transposed_x):
     """Every coefficient a of Polar Express: the kernel's FMA is eager CUDA's add_(X, alpha=a)."""
-    import train_gpt as tg
     g = gen(30)
     y = torch.randn(n, R, C, device="cuda", generator=g).bfloat16()
     x = (torch.randn(n, C, R, device="cuda", generator=g).bfloat16().mT if transposed_x

@@ -15,7 +15,7 @@ from _shards import ROOT, copy_trainer, make_dataset, run_gloo, run_trainer
 
 # A narrower tiny model (16 processes share the 2-core CI machine), float64, six steps across the stage changes, the
 # untie and the extension; the tiny preset's --batch_slices=2 is below both world sizes, so the slices follow them.
-NARROW = ["--preset=tiny", "--model_dim=64", "--head_dim=16", "--mlp_hidden=256", "--dtype=float64",
+NARROW = ["--preset=tiny", "--model_dim=64", "--head_dim=16", "--mlp_hidden=256", "--dtype=float64", "--fp8_mlp=true",
           "--num_scheduled_iterations=3", "--num_extension_iterations=3", "--val_loss_every=0", "--seed=0",
           "--save_checkpoint=true"]
 

@@ -1,8 +1,9 @@
 """CPU tests of the MODEL section of train_gpt.py against direct implementations written here.
 
 The attention backend is replaced by `masked_sdpa`, a dense-mask stand-in defined in this file (the real
-varlen_attention lives in another section). The references transcribe record 80's model (the bigram hash, the
-banks' layout, the layer plan, attention, the forward pass, the losses) in float64 with loops over tokens and heads
+varlen_attention lives in another section). The references transcribe record 84's model (the bigram hash and sign
+index, the banks' layout, the layer plan, attention with XSA, MUDD, the forward pass, the losses) in float64 with
+loops over tokens and heads
 where the math is a per-token rule, reading nothing from train_gpt but the parameters and the rotary tables (tested on
 their own in test_yarn_schedule_values_and_frequencies). The model runs in float64 (--dtype=float64) against them with
 tight tolerances, and in bf16 with loose ones.
@@ -36,10 +37,10 @@ class TinyOptions(tg.Hyperparameters):
 def tiny_cfg(**overrides) -> TinyOptions:
     cfg = TinyOptions(
         vocab_size=256, model_dim=64, num_heads=4, head_dim=16, mlp_hidden=128, num_layers=6, num_value_embeds=4,
-        bigram_vocab_size=97, attn_layout="PNN-NP", long_window_layers=(1, 4), ve_layout=(-1, 0, 1, -1, 2, 3),
-        skip_source_layer=1, skip_dest_layer=3, backout_layer=4, cached_input_layer=3, block_size=16,
-        rope_base=1024.0, attn_scale=0.1, yarn_alpha=1.0, yarn_beta=32.0,
-        fp8_scales=(100 / 448, 1.6 / 448, 0.75 / 448), use_fp8=False, attn_backend="test-sdpa")
+        bigram_vocab_size=97, bigram_dim=16, bigram_sign_rows=32, attn_layout="PNN-PN", long_window_layers=(1, 5),
+        ve_layout=(-1, 0, 1, -1, 2, 3), skip_source_layer=1, skip_dest_layer=3, cached_input_layer=3, mudd_hidden=8,
+        block_size=16, rope_base=1024.0, attn_scale=0.1, yarn_alpha=1.0, yarn_beta=32.0,
+        fp8_scales=(100 / 448, 1.6 / 448, 0.75 / 448), use_fp8=False, fp8_mlp=False, attn_backend="test-sdpa")
     return replace(cfg, **overrides)
 
 
@@ -87,8 +88,16 @@ def randomize(model: tg.GPT, seed: int = 0) -> None:
         for name, p in dict(model.named_parameters()).items():
             r = torch.randn(p.shape, generator=g, dtype=torch.float64)
             if name == "scalars":
-                base = torch.cat([torch.tensor([0.5, 1.0]).repeat(L), torch.tensor([0.3, 0.5, -1.5])])
+                base = torch.cat([torch.tensor([0.5, 1.0]).repeat(L), torch.tensor([0.3, -1.5])])
                 p.copy_(base + 0.1 * r)
+            elif name == "xsa_alphas":
+                p.copy_(0.5 * r)
+            elif name == "mudd_w1":
+                p.copy_(r * p.shape[-1] ** -0.5)
+            elif name == "mudd_w2":
+                p.copy_(2 * r * p.shape[-1] ** -0.5)
+            elif name == "mudd_b2":
+                p.add_(r)
             elif name in ("resid_lambdas", "post_lambdas"):
                 p.copy_(1.0 + 0.2 * r)
             elif name in ("x0_lambdas", "bigram_lambdas"):
@@ -168,11 +177,11 @@ def layer_weights(model, layer):
     return Wq, Wk, vo[2 * l], vo[2 * l + 1]
 
 
-def attention_direct(model, layer, u, ve, cu, window, *, swap_slot=True, key_offset_dims=None):
-    """The attention sublayer (paired and normal) written out per token and head, in float64 from the model's
-    weights (the lambda-scaled weights rounded to the model's dtype). u (T, D) -> (T, D) float64.
-    key_offset_dims: the dims the key offset moves (default the stationary half: the head's second half, which
-    rotary leaves unrotated)."""
+def attention_direct(model, layer, u, ve, cu, window, *, mudd=None, swap_slot=True, key_offset_dims=None):
+    """The attention sublayer (paired and normal, XSA on normal ones) written out per token and head, in float64
+    from the model's weights (the lambda-scaled weights rounded to the model's dtype). u (T, D) -> (T, D) float64.
+    mudd: (gate (T, H), mix (T, D)) of the MUDD layer, in place of the VE gate. key_offset_dims: the dims the key
+    offset moves (default the stationary half: the head's second half, which rotary leaves unrotated)."""
     cfg = model.hp
     T, D, H, hd = u.shape[0], cfg.model_dim, cfg.num_heads, cfg.head_dim
     kind = cfg.attn_layout[layer]
@@ -206,12 +215,17 @@ def attention_direct(model, layer, u, ve, cu, window, *, swap_slot=True, key_off
                 shifted[t, :, d] = kr[t - 1, :, d]
         kr = shifted
     gate_in = uf[:, :12]
-    if ve is not None:
+    if mudd is not None:
+        gate, mix = mudd
+        for t in range(T):
+            for h in range(H):
+                v[t, h] += gate[t, h] * ve.double()[t, h * hd:(h + 1) * hd] + mix[t, h * hd:(h + 1) * hd]
+    elif ve is not None:
         Gv = model.ve_gate_bank[ve_slot].detach().double()
         ve = ve.double()
         for t in range(T):
-            # the value-embedding gate reads [u_0..u_5, ve_0..ve_5] on normal layers, u_0..u_11 on paired ones
-            gin = gate_in[t] if kind == "P" else torch.cat([uf[t, :6], ve[t, :6]])
+            # the value-embedding gate reads [u_0..u_5, ve_0..ve_5] on every layer
+            gin = torch.cat([uf[t, :6], ve[t, :6]])
             for h in range(H):
                 v[t, h] += 2 * torch.sigmoid(gin @ Gv[h]) * ve[t, h * hd:(h + 1) * hd]
     y = torch.zeros(T, H, hd, dtype=torch.float64)
@@ -240,6 +254,12 @@ def attention_direct(model, layer, u, ve, cu, window, *, swap_slot=True, key_off
             for h in range(H):
                 s = torch.stack([qr[t, h] @ kr[t2, h] for t2 in keys]) * model.attn_scale
                 y[t, h] = s.softmax(0) @ v[keys, h]
+        # XSA: minus alpha_h times y's component along its own (unit) value vector
+        alpha = as_model_dtype(model, torch.tanh(model.xsa_alphas[layer].detach().double()))
+        for t in range(T):
+            for h in range(H):
+                v_hat = v[t, h] / max(v[t, h].norm().item(), 1e-4)
+                y[t, h] = y[t, h] - alpha[h] * (y[t, h] @ v_hat) * v_hat
     Ga = model.attn_gate_bank[slot].detach().double()
     for t in range(T):
         for h in range(H):
@@ -247,49 +267,105 @@ def attention_direct(model, layer, u, ve, cu, window, *, swap_slot=True, key_off
     return y.reshape(T, D) @ Wo.T
 
 
+def sign_index_direct(ids, rows):
+    """Sign table rows in Python integers: 0 at position 0, then (x_{t-1} XOR x_t) mod rows."""
+    return [0] + [(ids[t - 1] ^ ids[t]) % rows for t in range(1, len(ids))]
+
+
+def mudd_direct(model, P, block, z, n):
+    """MUDD block `block` on the raw residual z (T, D): scale * (W2 gelu(W1 z) + b), exact (erf) GELU, its first n
+    coefficients (T, n), with the model dtype's roundings of the two matmuls and the result."""
+    hidden = as_model_dtype(model, F.gelu(as_model_dtype(model, z @ P["mudd_w1"][block].T)))
+    out = as_model_dtype(model, hidden @ P["mudd_w2"][block, :n].T)
+    return as_model_dtype(model, model.hp.mudd_scale * (out + P["mudd_b2"][block, :n]))
+
+
+def e4m3_direct(x):
+    """Nearest float8_e4m3fn values (ties to even, subnormal steps of 2^-9 below 2^-6, saturating at 448), float64."""
+    def one(v):
+        a = abs(v)
+        step = 2.0 ** -9 if a < 2.0 ** -6 else 2.0 ** (math.floor(math.log2(a)) - 3) if a > 0 else 1.0
+        return math.copysign(min(round(a / step) * step, 448.0), v)
+    return torch.tensor([one(v) for v in x.flatten().tolist()], dtype=torch.float64).view(x.shape)
+
+
+def mlp_direct(model, u, c_fc, c_proj):
+    """relu(u @ c_fc.T)^2 @ c_proj; in training with --fp8_mlp the up projection's forward multiplies e4m3 copies:
+    the weights' scaled by s = max|c_fc| / 448, the input's by 448 / max|u|, the product by s max|u| / 448."""
+    if not (model.training and model.hp.fp8_mlp):
+        return F.relu(u @ c_fc.T).square() @ c_proj
+    s = as_model_dtype(model, c_fc.abs().max() * tk.E4M3_INV_MAX)
+    w8 = e4m3_direct(as_model_dtype(model, c_fc / s))
+    a = u.abs().max()
+    u8 = e4m3_direct(u * (448.0 * (1 / a)))
+    pre = as_model_dtype(model, (u8 @ w8.T) * (s * a * tk.E4M3_INV_MAX))
+    return F.relu(pre).square() @ c_proj
+
+
 def hidden_direct(model, inputs, cu, ws_short, ws_long):
-    """The forward pass (embedding, smear, bigram, layers with skip, backout and the cached input) in float64, layer
-    roles read from the config; returns h = rms(final x) (T, D)."""
+    """The forward pass in float64, layer roles read from the config; returns h = rms(final x) (T, D).
+    Embedding and smear; x0 = rms, plus layer 0's signed bigram on the first bigram_dim channels (so every later
+    read of x0 sees it); layers with the skip and the cached input; the last layer's VE gate, value mix and residual
+    weights from MUDD block 0 on its input; then block 1's mix of h0, the cached and skip streams, the last layer's
+    input and the first VE table's row into the output."""
     cfg = model.hp
-    L, bs, V = cfg.num_layers, cfg.block_size, cfg.vocab_size
+    L, bs, V, D, H, db = cfg.num_layers, cfg.block_size, cfg.vocab_size, cfg.model_dim, cfg.num_heads, cfg.bigram_dim
     P = {name: p.detach().double() for name, p in model.named_parameters()}
     sc = P["scalars"]
-    smear_l, backout_l, skip_l = sc[2 * L], sc[2 * L + 1], sc[2 * L + 2]
+    smear_l, skip_l = sc[2 * L], sc[2 * L + 1]
     # the per-sublayer lambdas are rounded to bf16 each forward, as the record's are
     rho, pi = as_model_dtype(model, P["resid_lambdas"]), as_model_dtype(model, P["post_lambdas"])
     chi, beta = as_model_dtype(model, P["x0_lambdas"]), as_model_dtype(model, P["bigram_lambdas"])
     ids = inputs.long()
     e = P["embed"][ids]
-    Bg = P["bigram_embed"][torch.tensor(bigram_direct(inputs.tolist(), cfg.bigram_vocab_size))]
     T = e.shape[0]
+    rows = torch.tensor(bigram_direct(inputs.tolist(), cfg.bigram_vocab_size))
+    signs = model.bigram_signs.double()[torch.tensor(sign_index_direct(inputs.tolist(), cfg.bigram_sign_rows))]
+    G = torch.zeros(T, D, dtype=torch.float64)
+    G[:, :db] = P["bigram_embed"][rows] * signs
     w_smear = P["smear_gate"][0]
     e2 = e.clone()
     for t in range(1, T):
         e2[t] = e[t] + smear_l * torch.sigmoid(e[t, :12] @ w_smear) * e[t - 1]
-    x0 = f32_rms(e2)
-    x = x0 + beta[0] * Bg
+    x0 = f32_rms(e2) + beta[0] * G
+    x = x0
+    ve0 = None
     saved = {}
     for i in range(L):
+        last = i == L - 1
         if i == cfg.skip_dest_layer:
             g = torch.sigmoid(skip_l) * 2 * torch.sigmoid(x0[:, :12] @ P["skip_gate"][0])
             x = x + g[:, None] * saved["skip"]
+        if last:
+            x_in = x
+            mu = mudd_direct(model, P, 0, x_in, 14)
         if cfg.attn_layout[i] != "-":
             window = (ws_long if i in cfg.long_window_layers else ws_short) * bs
             j = cfg.ve_layout[i]
             ve = P["value_embeds"][j * V + ids] if j >= 0 else None
+            if j == 0:
+                ve0 = ve
             u = f32_rms(saved["cached"] if i > cfg.cached_input_layer else x)
-            a = attention_direct(model, i, u, ve, cu, window)
-            inj = chi[i] * x0 + (beta[i] * Bg if i > 0 else 0)
-            x = rho[i, 0] * x + pi[i, 0] * a + inj
-        c_fc, c_proj = P["mlp"][i, 0], P["mlp"][i, 1]
-        x = rho[i, 1] * x + pi[i, 1] * (F.relu(f32_rms(x) @ c_fc.T).square() @ c_proj)
+            mudd = None
+            if last:   # the VE gate: mu_6 for the first half of the heads, mu_7 for the rest; the value mix
+                gate = torch.stack([mu[:, 6 if h < H // 2 else 7] for h in range(H)], 1)
+                mudd = (gate, mu[:, 0:1] * x0 + mu[:, 1:2] * saved["cached"] + mu[:, 2:3] * x_in)
+            a = attention_direct(model, i, u, ve, cu, window, mudd=mudd)
+            if last:
+                x = (1 + mu[:, 5:6]) * x_in + mu[:, 3:4] * x0 + mu[:, 4:5] * saved["cached"]
+                x = mu[:, 8:9] * x + mu[:, 9:10] * a + mu[:, 10:11] * x0 + mu[:, 11:12] * G
+            else:
+                x = rho[i, 0] * x + pi[i, 0] * a + chi[i] * x0 + (beta[i] * G if i > 0 else 0)
+        mlp = mlp_direct(model, f32_rms(x), P["mlp"][i, 0], P["mlp"][i, 1])
+        x = mu[:, 12:13] * x + mu[:, 13:14] * mlp if last else rho[i, 1] * x + pi[i, 1] * mlp
         if i == cfg.skip_source_layer:
             saved["skip"] = x
-        if i == cfg.backout_layer:
-            saved["backout"] = x
         if i == cfg.cached_input_layer:
             saved["cached"] = x
-    return f32_rms(x - backout_l * saved["backout"])
+    nu = mudd_direct(model, P, 1, x, 5)
+    x = x + nu[:, 0:1] * x0 + nu[:, 1:2] * saved["cached"] + nu[:, 2:3] * x_in + nu[:, 3:4] * ve0 \
+        + nu[:, 4:5] * saved["skip"]
+    return f32_rms(x)
 
 
 def softcap(logits):
@@ -333,31 +409,40 @@ def rel_err(a, b):
 
 # ---- bigram hash ---------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("inputs, want", [
+# ids -> (bigram rows at the record's 754,560 rows, sign table rows at its 8192), worked out by hand in Python integers
+WORKED_EXAMPLES = [
     ([50256, 464, 2068, 318, 257, 1332, 13, 50256, 0, 50303],
-     [251519, 204580, 28927, 34887, 135950, 4684, 201786, 204913, 8169, 121861]),
-    ([0, 0, 0], [251519, 193815, 0]),
-    ([1, 2, 3], [251519, 129737, 97765]),
-    ([50256, 50256, 50256], [251519, 5862, 35060]),
-])
-def test_bigram_ids_of_worked_examples(inputs, want):
+     [754559, 22202, 28717, 34713, 135948, 256091, 453209, 200077, 4547, 620059],
+     [0, 1408, 2500, 2346, 63, 1077, 1337, 1117, 1104, 1151]),
+    ([0, 0, 0], [754559, 667219, 0], [0, 0, 0]),
+    ([1, 2, 3], [754559, 599557, 97765], [0, 3, 1]),
+    ([50256, 50256, 50256], [754559, 603044, 32316], [0, 0, 0]),
+]
+
+
+@pytest.mark.parametrize("inputs, rows, signs", WORKED_EXAMPLES)
+def test_bigram_ids_and_sign_rows_of_worked_examples(inputs, rows, signs):
     for dtype in (torch.int32, torch.int64):
-        got = tg.bigram_ids(torch.tensor(inputs, dtype=dtype), 251_520)
-        assert got.dtype == dtype and got.tolist() == want
+        got = tg.bigram_ids(torch.tensor(inputs, dtype=dtype), 754_560)
+        assert got.dtype == dtype and got.tolist() == rows
+        got = tg.bigram_sign_index(torch.tensor(inputs, dtype=dtype), 8192)
+        assert got.dtype == dtype and got.tolist() == signs
 
 
 def test_bigram_ids_check_values_and_the_position_one_quirk():
-    # h(prev=464, cur=2068) = 28927; position 1 hashes with the sentinel M = table_size - 1, not x_0, as the record's
-    # hash does: 204580, not 19030
-    assert tg.bigram_ids(torch.tensor([7, 464, 2068]), 251_520).tolist()[2] == 28927
-    b = tg.bigram_ids(torch.tensor([50256, 464]), 251_520).tolist()
-    assert b[1] == 204580 and b[1] != 19030
-    assert all(tg.bigram_ids(torch.tensor([x0, 464]), 251_520).tolist()[1] == 204580 for x0 in (0, 1, 50303))
-    assert tg.bigram_ids(torch.tensor([5]), 251_520).tolist() == [251519]
-    assert tg.bigram_ids(torch.tensor([], dtype=torch.int32), 251_520).tolist() == []
+    # h(prev=464, cur=2068) = 28717; position 1 hashes with the sentinel M = table_size - 1, not x_0, as the record's
+    # hash does: 22202, not 518492
+    assert tg.bigram_ids(torch.tensor([7, 464, 2068]), 754_560).tolist()[2] == 28717
+    b = tg.bigram_ids(torch.tensor([50256, 464]), 754_560).tolist()
+    assert b[1] == 22202 and b[1] != 518492
+    assert all(tg.bigram_ids(torch.tensor([x0, 464]), 754_560).tolist()[1] == 22202 for x0 in (0, 1, 50303))
+    assert tg.bigram_ids(torch.tensor([5]), 754_560).tolist() == [754559]
+    assert tg.bigram_ids(torch.tensor([], dtype=torch.int32), 754_560).tolist() == []
+    assert tg.bigram_sign_index(torch.tensor([], dtype=torch.int32), 8192).tolist() == []
+    assert tg.bigram_sign_index(torch.tensor([50303]), 8192).tolist() == [0]     # position 0: row 0 whatever the id
 
 
-@pytest.mark.parametrize("table_size", [251_520, 97, 5 * 1024])
+@pytest.mark.parametrize("table_size", [754_560, 251_520, 97, 5 * 1024])
 def test_bigram_ids_match_an_integer_transcription_on_random_tokens(table_size):
     g = torch.Generator().manual_seed(table_size)
     for T in (2, 3, 17, 300):
@@ -368,29 +453,41 @@ def test_bigram_ids_match_an_integer_transcription_on_random_tokens(table_size):
         assert got[0] == table_size - 1 and all(0 <= b < table_size - 1 for b in got[1:])
 
 
+@pytest.mark.parametrize("rows", [8192, 32, 1])
+def test_sign_rows_match_an_integer_transcription_on_random_tokens(rows):
+    g = torch.Generator().manual_seed(rows)
+    ids = torch.randint(0, 50304, (300,), generator=g, dtype=torch.int32)
+    got = tg.bigram_sign_index(ids, rows).tolist()
+    assert got == sign_index_direct(ids.tolist(), rows) and all(0 <= r < rows for r in got)
+    assert len(set(got)) > min(rows, 300) // 2 or rows == 1                       # spread over the table
+
+
 # ---- parameters ---------------------------------------------------------------------------------------------------
 
 def test_real_config_parameter_counts():
-    """The record's parameter counts at full size on 8 GPUs (banks padded to multiples of 8): 546,964,658 in all, less
-    the 7 vestigial scalar pads this model drops. A parameter the record does not have counts on top of these."""
+    """The record's parameter counts at full size on 8 GPUs (banks padded to multiples of 8): 498,773,000 in all. A
+    parameter the record does not have counts on top of these."""
     model = record_model()
     counts = {k: p.numel() for k, p in dict(model.named_parameters()).items()}
     assert set(counts) == set(tg.DEFAULT_PARAM_TABLE)                 # one row per parameter
     assert sum(p.numel() for p in model.parameters()) == sum(counts.values())
     gates = dict(attn_gate_bank=720, ve_gate_bank=360, smear_gate=12, skip_gate=12)
-    lambdas = dict(scalars=25, x0_lambdas=11, bigram_lambdas=11, resid_lambdas=22, post_lambdas=22)
+    lambdas = dict(scalars=24, x0_lambdas=11, bigram_lambdas=11, resid_lambdas=22, post_lambdas=22, xsa_alphas=66)
+    mudd = dict(mudd_w1=98_304, mudd_w2=1_792, mudd_b2=28)
     record = dict(qk=12_582_912, vo=14_155_776, mlp=56_623_104, lm_head=38_633_472, embed=38_633_472,
-                  value_embeds=193_167_360, bigram_embed=193_167_360, **gates, **lambdas)
+                  value_embeds=193_167_360, bigram_embed=144_875_520, **gates, **lambdas, **mudd)
     assert {k: counts.get(k) for k in record} == record
-    assert sum(record.values()) == 546_964_658 - 7
+    assert sum(record.values()) == 498_773_000
+    assert model.bigram_embed.shape == (754_560, 192) and model.bigram_signs.shape == (8192, 192)
+    assert "bigram_signs" in model.state_dict() and "bigram_signs" not in counts     # state, not trained
     assert model.qk.shape == (64, 256, 768) and model.vo.shape == (24, 768, 768)
     assert model.lm_head.shape == (768, 50304) and model.embed.shape == (50304, 768)
     assert {k: model.bank_matrix_shapes.get(k) for k in ("qk", "vo", "mlp")} == \
         {"qk": (256, 768), "vo": (768, 768), "mlp": (3072, 768)}
-    # used (not padding), without embed and the two big tables: 114,132,146 less the 7 pads
+    # used (not padding), without embed and the two big tables
     used = (60 * 256 * 768 + 20 * 768 * 768 + 11 * 2 * 3072 * 768 + counts["lm_head"] + sum(gates.values())
-            + sum(lambdas.values()))
-    assert used == 114_132_146 - 7
+            + sum(lambdas.values()) + sum(mudd.values()))
+    assert used == 114_232_328
 
 
 def test_real_layer_plan_is_the_records():
@@ -403,7 +500,8 @@ def test_real_layer_plan_is_the_records():
     assert [p.ve_slot for p in plan] == [-1, 0, 1, -1, -1, -1, -1, -1, 2, 3, 4]
     assert [i for i, p in enumerate(plan) if p.reads_cached] == [8, 9, 10]
     assert [i for i, p in enumerate(plan) if p.skip_dest] == [6] and [p.index for p in plan if p.skip_source] == [3]
-    assert [p.index for p in plan if p.backout] == [7] and [p.index for p in plan if p.cached_input] == [7]
+    assert [p.index for p in plan if p.cached_input] == [7]
+    assert [p.index for p in plan if p.xsa] == [1, 3, 4, 7, 8, 10] and [p.index for p in plan if p.mudd] == [10]
 
 
 def _uniform_ok(x, bound):
@@ -428,11 +526,12 @@ def test_tiny_parameter_shapes_dtypes_and_init():
     bf, f32 = torch.bfloat16, torch.float32
     expect = {"qk": ((24, 2 * hd, D), bf), "vo": ((16, D, D), bf), "mlp": ((L + 2, 2, 128, D), bf),
               "lm_head": ((D, V), bf), "embed": ((V, D), bf), "value_embeds": ((4 * V, D), bf),
-              "bigram_embed": ((97, D), bf),
+              "bigram_embed": ((97, 16), bf), "xsa_alphas": ((L, H), f32), "mudd_w1": ((2, 8, D), bf),
+              "mudd_w2": ((2, 14, 8), bf), "mudd_b2": ((2, 14), bf),
               "attn_gate_bank": ((n_attn, H, 12), bf), "ve_gate_bank": ((n_ve, H, 12), bf),
               "smear_gate": ((1, 12), bf), "skip_gate": ((1, 12), bf),
               "x0_lambdas": ((L,), f32), "bigram_lambdas": ((L,), f32), "resid_lambdas": ((L, 2), f32),
-              "post_lambdas": ((L, 2), f32), "scalars": ((2 * L + 3,), f32)}
+              "post_lambdas": ((L, 2), f32), "scalars": ((2 * L + 2,), f32)}
     assert set(expect) <= set(P)                                          # the record's parameters, a new one aside
     for name, (shape, dtype) in expect.items():
         assert tuple(P[name].shape) == shape and P[name].dtype == dtype, name
@@ -447,22 +546,42 @@ def test_tiny_parameter_shapes_dtypes_and_init():
     assert abs(ve.std() / 0.01 - 1) < 0.03 and abs(ve.mean()) < 4 * 0.01 / math.sqrt(ve.numel())
     assert abs(P["lm_head"].float().std() / 0.005 - 1) < 0.03 and abs(P["lm_head"].float().mean()) < 2e-4
     assert torch.equal(P["embed"], P["lm_head"].T)
-    for name in ("bigram_embed", "attn_gate_bank", "ve_gate_bank", "smear_gate", "skip_gate", "x0_lambdas"):
+    for name in ("bigram_embed", "attn_gate_bank", "ve_gate_bank", "smear_gate", "skip_gate", "x0_lambdas",
+                 "xsa_alphas", "mudd_w2"):
         assert (P[name] == 0).all(), name
+    # MUDD's biases (bf16) and the coefficients they give every token while W2 = 0: the last layer's static weights'
+    # initial values, its VE gate at 2, and -0.5 of the cached stream after it
+    b0 = [0, 0, 0, 0, 0, 0, 20, 20, 10.5, 10, 0, 0.5, 10.5, 10]
+    assert P["mudd_b2"].tolist() == [b0, [0, -5] + [0] * 12]
+    z = torch.randn(5, D).bfloat16()
+    c = model.mudd_coefficients(0, z, tg.MUDD_LAYER_COEFFS)
+    assert {k: v.unique().tolist() for k, v in c.items()} == {
+        k: [v] for k, v in zip(tg.MUDD_LAYER_COEFFS, [0, 0, 0, 0, 0, 0, 2, 2, 1.046875, 1, 0, 0.050048828125,
+                                                        1.046875, 1])}
+    assert c["attn_resid"][0].item() == model.resid_lambdas.bfloat16()[L - 1, 0].item()
+    c = model.mudd_coefficients(1, z, tg.MUDD_MIX_COEFFS)
+    assert {k: v.unique().tolist() for k, v in c.items()} == {"h0": [0], "cached": [-0.5], "last_in": [0], "ve": [0],
+                                                              "skip": [0]}
+    assert _uniform_ok(P["mudd_w1"], D ** -0.5)
+    assert set(model.bigram_signs.unique().tolist()) == {-1.0, 1.0} and model.bigram_signs.dtype == bf
     assert (P["bigram_lambdas"] == torch.tensor(0.05, dtype=f32)).all()
     assert (P["resid_lambdas"] == torch.tensor(math.sqrt(1.1), dtype=f32)).all()
     assert P["resid_lambdas"][0, 0].item() == pytest.approx(1.0488088, abs=1e-7)
     assert (P["post_lambdas"] == 1).all()
     s = P["scalars"].tolist()
     assert s[: 2 * L] == [0.5, 1.0] * L
-    assert s[2 * L:] == [0.0, 0.5, -1.5]
-    # the record's draw order from a seed: value_embeds = bf16(0.01 n), n drawn in bf16, then qk, vo, c_fc, lm_head
+    assert s[2 * L:] == [0.0, -1.5]                                               # smear, skip
+    # the record's draw order from a seed: lm_head, value_embeds = bf16(0.01 n) with n drawn in bf16, qk, vo, c_fc,
+    # the signs, mudd_w1's two blocks
     torch.manual_seed(123)
+    lm_head = torch.empty(D, V, dtype=torch.bfloat16).normal_(0.0, 0.005)
     n = torch.randn(4 * V, D, dtype=torch.bfloat16)
     qk = torch.empty(20, 2 * hd, D).uniform_(-b, b)
     vo = torch.empty(10, D, D).uniform_(-b, b)
     c_fc = torch.empty(8, 128, D).uniform_(-b, b)
-    lm_head = torch.empty(D, V, dtype=torch.bfloat16).normal_(0.0, 0.005)
+    signs = torch.randn(32, 16).sign()
+    w1 = torch.stack([torch.empty(8, D).uniform_(-D ** -0.5, D ** -0.5) for _ in range(2)])
+    assert torch.equal(model.bigram_signs, signs.bfloat16()) and torch.equal(P["mudd_w1"], w1.bfloat16())
     exact = (0.01 * n.double()).bfloat16()
     assert (P["value_embeds"] != exact).float().mean() < 1e-3     # fp32 product, then bf16: rare double roundings
     assert torch.equal(P["value_embeds"], (0.01 * n.float()).bfloat16())
@@ -509,7 +628,7 @@ def test_an_added_attention_layer_shards_on_eight_ranks():
 
 
 def test_param_table_holds_the_records_rows():
-    """The record's 16 rows in its order (the order of the gradient reductions), with their optimizer, comms, betas,
+    """The record's 20 rows in its order (the order of the gradient reductions), with their optimizer, comms, betas,
     lr_mul, wd_mul. A row the record does not have (a new idea's) may sit anywhere among them."""
     rows = [  # label, optim, comms, betas, lr_mul, wd_mul
         ("qk", "normuon", "sharded", None, 1.0, 1.0), ("vo", "normuon", "sharded", None, 1.0, 1.0),
@@ -524,8 +643,12 @@ def test_param_table_holds_the_records_rows():
         ("x0_lambdas", "adam", "replicated", (0.9, 0.95), 1.0, 0.0),
         ("bigram_lambdas", "adam", "replicated", (0.9, 0.95), 1.0, 0.0),
         ("resid_lambdas", "adam", "replicated", (0.9, 0.95), 5.0, 0.0),
+        ("xsa_alphas", "adam", "replicated", (0.9, 0.95), 1.0, 0.0),
         ("value_embeds", "adam", "sharded", (0.75, 0.95), 75.0, 5.0),
-        ("embed", "adam", "sharded", (0.5, 0.95), 1.0, 150.0)]
+        ("embed", "adam", "sharded", (0.5, 0.95), 1.0, 150.0),
+        ("mudd_w1", "adam", "replicated", (0.9, 0.99), 0.25, 1.0),
+        ("mudd_w2", "adam", "replicated", (0.9, 0.99), 0.25, 1.0),
+        ("mudd_b2", "adam", "replicated", (0.9, 0.99), 0.25, 0.0)]
     table = tg.DEFAULT_PARAM_TABLE
     assert [label for label in table if label in {r[0] for r in rows}] == [r[0] for r in rows]
     for label, optim, comms, betas, lr_mul, wd_mul in rows:
@@ -560,6 +683,16 @@ def test_optimizer_sees_head_pair_groups_and_whole_vo_matrices():
 def test_config_validation_names_the_option():
     with pytest.raises(ValueError, match="attn_layout"):
         GPT(tiny_cfg(attn_layout="PNN-N"), torch.device("cpu"), CPU_OPS)
+    # the last layer is MUDD's: normal attention, a value embedding, the cached stream before it
+    for bad in (dict(attn_layout="PNN-NP"), dict(ve_layout=(-1, 0, 1, -1, 2, -1)), dict(cached_input_layer=5)):
+        with pytest.raises(ValueError, match="the last layer is MUDD's"):
+            GPT(tiny_cfg(**bad), torch.device("cpu"), CPU_OPS)
+    for bad in (0, 65):
+        with pytest.raises(ValueError, match=f"--bigram_dim={bad} must be between 1 and --model_dim=64"):
+            GPT(tiny_cfg(bigram_dim=bad), torch.device("cpu"), CPU_OPS)
+    for bad in (0, 24):
+        with pytest.raises(ValueError, match=f"--bigram_sign_rows={bad} must be a power of two"):
+            GPT(tiny_cfg(bigram_sign_rows=bad), torch.device("cpu"), CPU_OPS)
     with pytest.raises(ValueError, match="ve_layout"):
         GPT(tiny_cfg(ve_layout=(-1, 0, 1, 0, 2, 3)), torch.device("cpu"), CPU_OPS)  # VE on the attention-free layer
     with pytest.raises(ValueError, match=r"table\(s\) \[4\].*--num_value_embeds=4"):
@@ -569,7 +702,7 @@ def test_config_validation_names_the_option():
     with pytest.raises(ValueError, match="even --num_heads"):                       # no P layer, still head pairs
         GPT(tiny_cfg(num_heads=1, head_dim=64, attn_layout="NNN-NN"), torch.device("cpu"), CPU_OPS)
     for bad in (6, -1):
-        with pytest.raises(ValueError, match="--cached_input_layer"):
+        with pytest.raises(ValueError, match="cached_input_layer"):
             GPT(tiny_cfg(cached_input_layer=bad), torch.device("cpu"), CPU_OPS)
     with pytest.raises(ValueError, match="--bigram_vocab_size"):
         GPT(tiny_cfg(bigram_vocab_size=1), torch.device("cpu"), CPU_OPS)
@@ -586,17 +719,20 @@ def _layer_inputs(model, layer, T, seed=5):
 
 
 def _model_attention(model, layer, u, ve, cu, window):
-    """model.attention with the layer's weights assembled from the banks as layer_weights reads them."""
+    """model.attention with the layer's weights assembled from the banks as layer_weights reads them, its VE term
+    (the gated VE, never MUDD's) and its XSA strengths."""
     p = model.plan[layer]
     Wq, Wk, Wv, Wo = (w.to(model.embed.dtype) for w in layer_weights(model, layer))
     sa = model.scalars[: 2 * model.hp.num_layers].view(-1, 2)[layer]
+    xsa = torch.tanh(model.xsa_alphas[layer]).to(model.embed.dtype) if p.xsa else None
     with torch.no_grad():
-        return model.attention(p, torch.cat([Wq, Wk, Wv]), Wo, u, ve, sa, cu, 64, window)
+        return model.attention(p, torch.cat([Wq, Wk, Wv]), Wo, u, model.value_extra(p, u, ve, None, {}), xsa, sa,
+                               cu, 64, window)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float64"])
-@pytest.mark.parametrize("layer, ve_layout", [(0, (2, 0, 1, -1, -1, 3)), (5, (-1, 0, 1, -1, 2, -1))])
-def test_paired_attention_matches_direct(layer, ve_layout, dtype):  # with a value embedding (layer 0) and without (5)
+@pytest.mark.parametrize("layer, ve_layout", [(0, (2, 0, 1, -1, -1, 3)), (4, (-1, 0, 1, -1, -1, 2))])
+def test_paired_attention_matches_direct(layer, ve_layout, dtype):  # with a value embedding (layer 0) and without (4)
     torch.manual_seed(0)
     model = GPT(tiny_cfg(ve_layout=ve_layout, dtype=dtype), torch.device("cpu"), CPU_OPS)
     randomize(model)
@@ -614,7 +750,7 @@ def test_paired_attention_matches_direct(layer, ve_layout, dtype):  # with a val
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float64"])
-@pytest.mark.parametrize("layer", [1, 2, 4])  # 1: long window + key offset + VE 0; 2: VE 1; 4: long + offset + VE 2
+@pytest.mark.parametrize("layer", [1, 2, 5])  # 1: long window + key offset + VE 0; 2: VE 1; 5: long + offset + VE 3
 def test_normal_attention_matches_direct(layer, dtype):
     torch.manual_seed(0)
     model = GPT(tiny_cfg(dtype=dtype), torch.device("cpu"), CPU_OPS)
@@ -626,7 +762,14 @@ def test_normal_attention_matches_direct(layer, dtype):
     got = _model_attention(model, layer, u, ve, cu, window)
     want = attention_direct(model, layer, u, ve, cu, window)
     assert rel_err(got, want) < (0.02 if dtype == "bfloat16" else 1e-12)
-    if dtype == "float64" and layer in (1, 4):
+    if dtype == "float64":
+        # XSA is there: without it (alpha = 0) the output is measurably another
+        with torch.no_grad():
+            saved = model.xsa_alphas[layer].clone()
+            model.xsa_alphas[layer] = 0
+            assert rel_err(got, _model_attention(model, layer, u, ve, cu, window)) > 1e-3
+            model.xsa_alphas[layer] = saved
+    if dtype == "float64" and layer in (1, 5):
         # the key offset of upstream record 61 (second and fourth quarters of the head, not its second half) is
         # measurably another function
         hd = model.hp.head_dim
@@ -634,15 +777,15 @@ def test_normal_attention_matches_direct(layer, dtype):
         assert rel_err(got, attention_direct(model, layer, u, ve, cu, window, key_offset_dims=old)) > 1e-4
 
 
-def test_ve_gate_input_normal_layers_read_the_ve_row():
-    """On a normal layer the value-embedding gate reads ve's first six channels: changing them changes the gate (other
-    channels of ve held);
-    the gate of a paired layer reads u alone. Checked through the float64 model against the transcription."""
+def test_ve_gate_input_reads_the_ve_row_on_paired_and_normal_layers():
+    """The value-embedding gate reads ve's first six channels on paired (0) and normal (1) layers alike: changing them
+    changes the gate (other channels of ve held). Checked through the float64 model against the transcription."""
     torch.manual_seed(0)
-    model = GPT(tiny_cfg(dtype="float64", ve_layout=(3, 0, 1, -1, 2, -1)), torch.device("cpu"), CPU_OPS)
+    model = GPT(tiny_cfg(dtype="float64", ve_layout=(3, 0, 1, -1, -1, 2)), torch.device("cpu"), CPU_OPS)
     randomize(model, seed=11)
     T, window = 24, 10
     _, _, cu = batch(T=T, docs=(0, 11))
+    model.ve_gate_bank.data[:, :, 6:] *= 4                       # the ve half of the gate matters clearly
     for layer in (0, 1):
         u, ve = _layer_inputs(model, layer, T, seed=3)
         ve2 = ve.clone()
@@ -665,12 +808,13 @@ def test_key_offset_shifts_the_stationary_half_by_one_position():
 # ---- the whole forward ---------------------------------------------------------------------------------------------
 
 FORWARD_CFGS = {
-    # the preset's layout: VE on normal (1, 2, 4) and paired (5) layers, layers 4 and 5 read rms(h3)
+    # the preset's layout: VE on normal (1, 2, 5) and paired (4) layers, layers 4 and 5 read rms(h3), 5 is MUDD's
     "preset": dict(),
-    # VE on paired layer 0 (before the bigram-free layer-0 injection), a cached input from layer 1 read by layers
-    # 2, 4, 5, skip and backout elsewhere
-    "other": dict(ve_layout=(2, -1, 0, -1, 1, -1), num_value_embeds=3, cached_input_layer=1, skip_source_layer=0,
-                  skip_dest_layer=3, backout_layer=2, bigram_vocab_size=31),
+    # VE on paired layer 0, a cached input from layer 1 read by layers 2, 4, 5, the skip elsewhere, a wider bigram
+    "other": dict(ve_layout=(2, -1, 0, -1, -1, 1), num_value_embeds=3, cached_input_layer=1, skip_source_layer=0,
+                  skip_dest_layer=3, bigram_vocab_size=31, bigram_dim=64, bigram_sign_rows=4),
+    # the FP8 up projection (a training forward)
+    "fp8": dict(fp8_mlp=True),
 }
 
 
@@ -686,12 +830,27 @@ def test_float64_forward_matches_the_transcription(name):
     assert h.dtype == torch.float64
     assert rel_err(h, want) < 1e-10
     # every parameter the forward reads matters: perturbing any one of them moves h well beyond the tolerance
+    L, H = model.hp.num_layers, model.hp.num_heads
     unused = {("resid_lambdas", (3, 0)), ("post_lambdas", (3, 0)), ("x0_lambdas", (3,)), ("bigram_lambdas", (3,)),
-              ("scalars", (6,)), ("scalars", (7,))}
+              ("scalars", (6,)), ("scalars", (7,)),                                  # layer 3 has no attention
+              *((name, (L - 1, j)) for name in ("resid_lambdas", "post_lambdas") for j in (0, 1)),
+              ("x0_lambdas", (L - 1,)), ("bigram_lambdas", (L - 1,)),               # MUDD sets the last layer's
+              ("ve_gate_bank", (model.plan[-1].ve_slot, 0, 0)),
+              *(("xsa_alphas", (i, 0)) for i, p in enumerate(model.plan) if not p.xsa),
+              *((name, (1, len(tg.MUDD_MIX_COEFFS), 0)[:dim]) for name, dim in (("mudd_w2", 3), ("mudd_b2", 2)))}
     with torch.no_grad():
         for pname in ("resid_lambdas", "post_lambdas", "x0_lambdas", "bigram_lambdas", "bigram_embed",
-                      "value_embeds", "ve_gate_bank", "skip_gate", "smear_gate"):
+                      "value_embeds", "ve_gate_bank", "skip_gate", "smear_gate", "xsa_alphas", "mudd_w1", "mudd_w2",
+                      "mudd_b2", "bigram_signs"):
             p = getattr(model, pname)
+            if pname == "bigram_signs":                 # the sign of every row a token pair reads flips
+                rows = tg.bigram_sign_index(inputs, model.hp.bigram_sign_rows).unique()
+                saved = p.clone()
+                p[rows] *= -1
+                moved = rel_err(model.final_hidden(inputs, cu, 1, 2, 64), h)
+                p.copy_(saved)
+                assert moved > 1e-6, pname
+                continue
             idx = (1, 1) if p.dim() == 2 and pname.endswith("lambdas") else (1,) if p.dim() == 1 else None
             delta = torch.zeros_like(p)
             if idx is None:
@@ -722,7 +881,7 @@ def test_bf16_forward_rounds_the_lambdas_and_each_update_once(monkeypatch):
         seen.append([s.detach().clone() for s, _ in terms])
         out = real(*terms)
         want = sum(s.double() * t.double() for s, t in terms)
-        assert out.dtype == torch.bfloat16 and rel_err(out, want) < 2 ** -8
+        assert out.dtype == torch.bfloat16 and (out.double() - want).abs().max() <= 2 ** -8 * want.abs().max()
         return out
     monkeypatch.setattr(tg, "weighted_sum", spy)
     inputs, _, cu = batch(T=32, docs=(0, 17))
@@ -732,15 +891,41 @@ def test_bf16_forward_rounds_the_lambdas_and_each_update_once(monkeypatch):
     rho, pi, chi, beta = (bf(getattr(model, n)) for n in ("resid_lambdas", "post_lambdas", "x0_lambdas",
                                                         "bigram_lambdas"))
     want = [[torch.tensor(1.0, dtype=torch.bfloat16), beta[0]]]
-    for i, kind in enumerate(model.hp.attn_layout):
+    for i, kind in enumerate(model.hp.attn_layout[:-1]):
         if kind != "-":
             want.append([rho[i, 0], pi[i, 0], chi[i]] + ([beta[i]] if i else []))
         want.append([rho[i, 1], pi[i, 1]])
+    mudd = seen[len(want):]
+    seen = seen[: len(want)]
     assert len(seen) == len(want)
     for got, exp in zip(seen, want):
         assert [s.dtype for s in got] == [torch.bfloat16] * len(exp) and [s.item() for s in got] == \
             [s.item() for s in exp]
+    # the last layer's three updates and the mix after it take MUDD's per-token bf16 coefficients, but the input's
+    # weight 1 + mu_5 is formed in fp32 (in bf16 a small mu_5 would round away)
+    T = inputs.shape[0]
+    assert [len(terms) for terms in mudd] == [3, 4, 2, 1 + len(tg.MUDD_MIX_COEFFS)]
+    first = mudd[0][0]
+    assert first.dtype == torch.float32 and first.shape == (T, 1)
+    assert (first != first.bfloat16().float()).any()
+    assert all(s.dtype == torch.bfloat16 and s.shape == (T, 1) for terms in mudd for s in terms[1:])
+    assert all(s.dtype == torch.bfloat16 and s.shape == (T, 1) for s in mudd[1] + mudd[2])
     assert any(float(torch.tensor(v)) != bf(torch.tensor(v)).item() for v in (math.sqrt(1.1), 0.05))
+
+
+def test_xsa_of_a_worked_example_rounds_once():
+    """y = (1, 2, 3, 4), v = (3, 4, 0, 0), alpha = bf16(tanh 0.5): the fp32 chain rounded once to bf16 (per-operation
+    bf16 rounding would give (0.3828125, 1.1796875, 3, 4))."""
+    y, v = torch.tensor([[[1.0, 2, 3, 4]]]).bfloat16(), torch.tensor([[[3.0, 4, 0, 0]]]).bfloat16()
+    alpha = torch.tanh(torch.tensor([0.5])).bfloat16()
+    assert alpha.item() == 0.462890625
+    assert tg.remove_self_value(y, v, alpha).float().flatten().tolist() == [0.388671875, 1.1875, 3, 4]
+    assert [torch.tanh(torch.tensor(a)).bfloat16().item() for a in (0.1, 1.0, -0.3)] == \
+        [0.099609375, 0.76171875, -0.291015625]
+    # a value shorter than the floor is divided by the floor, not by its norm
+    tiny = torch.full((1, 1, 4), 1e-6, dtype=torch.float64)
+    out = tg.remove_self_value(torch.ones(1, 1, 4, dtype=torch.float64), tiny, torch.ones(1, dtype=torch.float64))
+    assert torch.allclose(out, 1 - 4e-6 * 1e-6 / 1e-4 ** 2 * torch.ones(4, dtype=torch.float64), rtol=0, atol=1e-15)
 
 
 def test_weighted_sum_rounds_once():
@@ -759,9 +944,9 @@ def test_weighted_sum_rounds_once():
 # ---- rotary / YaRN -----------------------------------------------------------------------------------------------
 
 def test_yarn_schedule_values_and_frequencies():
-    cfg = tiny_cfg(model_dim=256, num_heads=2, head_dim=128, num_layers=2, attn_layout="NN", ve_layout=(-1, -1),
-                   num_value_embeds=0, long_window_layers=(1,), skip_source_layer=0, skip_dest_layer=1,
-                   backout_layer=1, cached_input_layer=1, block_size=128, vocab_size=32, rotary_max_len=64)
+    cfg = tiny_cfg(model_dim=256, num_heads=2, head_dim=128, num_layers=2, attn_layout="NN", ve_layout=(-1, 0),
+                   num_value_embeds=1, long_window_layers=(1,), skip_source_layer=0, skip_dest_layer=1,
+                   cached_input_layer=0, block_size=128, vocab_size=32, rotary_max_len=64)
     model = GPT(cfg, torch.device("cpu"), CPU_OPS)
     omega0 = model.rotary_omega.clone()
     f = omega_direct(128, 1024.0)
@@ -847,6 +1032,15 @@ def test_backward_gives_finite_grads_for_every_label(use_fp8):
     assert model.resid_lambdas.grad[3, 0] == 0 and model.post_lambdas.grad[3, 0] == 0
     assert model.x0_lambdas.grad[3] == 0 and model.bigram_lambdas.grad[3] == 0
     assert (model.scalars.grad[6:8] == 0).all()
+    # nor the last layer's static weights (MUDD's replace them), nor XSA of layers without it, nor block 1's unused
+    # rows
+    L = model.hp.num_layers
+    assert (model.resid_lambdas.grad[L - 1] == 0).all() and (model.post_lambdas.grad[L - 1] == 0).all()
+    assert model.x0_lambdas.grad[L - 1] == 0 and model.bigram_lambdas.grad[L - 1] == 0
+    assert (model.ve_gate_bank.grad[model.plan[-1].ve_slot] == 0).all()
+    assert [i for i in range(L) if model.xsa_alphas.grad[i].abs().sum() > 0] == [p.index for p in model.plan if p.xsa]
+    n = len(tg.MUDD_MIX_COEFFS)
+    assert (model.mudd_w2.grad[1, n:] == 0).all() and (model.mudd_b2.grad[1, n:] == 0).all()
     # value-embedding rows of ids never looked up get no gradient; bigram rows likewise
     ids = batch(T=48, docs=(0, 30))[0].long()
     V = model.hp.vocab_size
@@ -1077,7 +1271,7 @@ def test_kernels_torch_runs_the_edited_definitions(monkeypatch):
     _, plain = _kernels_loss("torch")
     calls = []
 
-    def relu_mlp(x, c_fc, c_proj):          # an edited activation: ReLU instead of ReLU^2
+    def relu_mlp(x, c_fc, c_proj, fp8):     # an edited activation: ReLU instead of ReLU^2
         calls.append(x.shape)
         return F.relu(x @ c_fc.mT) @ c_proj
 

@@ -15,8 +15,8 @@ from _shards import make_dataset, run_gloo, run_trainer
 # Eight steps with a new batch size and long window at steps 2, 4 and 6 (YaRN each time), Adam on odd steps (its
 # gradients add up over the even ones), and the untie after step 5. Checkpoints after 3 and 6 steps: resuming from 3
 # crosses a window change, the untie and the extension; resuming from 6 starts untied, right at the extension.
-SCHEDULE = ["--preset=tiny", "--num_scheduled_iterations=6", "--num_extension_iterations=2", "--val_loss_every=2",
-            "--seed=0", "--warmup=false", "--checkpoint_every=3", "--save_checkpoint=true"]
+SCHEDULE = ["--preset=tiny", "--fp8_mlp=true", "--num_scheduled_iterations=6", "--num_extension_iterations=2",
+            "--val_loss_every=2", "--seed=0", "--warmup=false", "--checkpoint_every=3", "--save_checkpoint=true"]
 COMPARED = ("model", "optimizer", "grads", "loader", "rng", "step")
 
 

@@ -13,7 +13,7 @@ HP = tg.Hyperparameters()
 NS = HP.num_scheduled_iterations
 
 
-# ---- record 80's schedule, transcribed apart from the code under test ---------------------------------------------
+# ---- record 84's schedule, transcribed apart from the code under test ---------------------------------------------
 
 RECORD_STAGES = (   # lr peak, global batch, long window, L_max, MTP start, MTP end; the extension row last
     (1.0, 131072, 3, 896, (1.0, 0.5, 0.25), (1.0, 0.5, 0.0)),
@@ -23,7 +23,7 @@ RECORD_STAGES = (   # lr peak, global batch, long window, L_max, MTP start, MTP 
 )
 
 
-def record_schedule(step, ns=1440, ne=40):
+def record_schedule(step, ns=1380, ne=10):
     """The record's stages, lr cooldown, momentum warmup and cooldown and MTP weights, written out: (stage 1..4,
     batch, L_max, (short, long), lr, mu) and the MTP weights, all doubles. Stage 4 is the extension."""
     ends, c = [0], 0.0
@@ -55,14 +55,14 @@ def record_schedule(step, ns=1440, ne=40):
 
 
 def test_totals():
-    assert HP.num_iterations == 1480
-    assert HP.untie_step == 961                                        # the last stage's first step, odd: 960 | 1
-    assert tg.stage_starts(NS, 3) == [0, 480, 960]
-    assert tg.train_tokens_needed(HP) == 393_216_000                   # 480, 480, 520 steps of 128, 256, 384 Ki tokens
+    assert HP.num_iterations == 1390
+    assert HP.untie_step == 921                                        # the last stage's first step, odd: 920 | 1
+    assert tg.stage_starts(NS, 3) == [0, 460, 920]
+    assert tg.train_tokens_needed(HP) == 365_690_880                   # 460, 460, 470 steps of 128, 256, 384 Ki tokens
 
 
 def test_every_step_is_the_transcribed_schedule():
-    """Steps 0..1480: stage, batch, L_max, windows, lr and mu (double, ==), mu as fp32, and the MTP weights the model
+    """Steps 0..1390: stage, batch, L_max, windows, lr and mu (double, ==), mu as fp32, and the MTP weights the model
     gets (fp32), against record_schedule."""
     host = SimpleNamespace(device=torch.device("cpu"))      # all that Trainer.mtp_weights reads
     for step in range(HP.num_iterations + 1):
@@ -90,15 +90,21 @@ def test_other_lengths_follow_the_same_formulas(ns):
 # mu (double), mu (fp32), MTP weights (fp32)
 BOUNDARY_STEPS = [
     (0, 1, 131072, 896, (1, 3), 1.0, 0.85, 0.8500000238418579, [1, 0.5, 0.25]),
-    (299, 1, 131072, 896, (1, 3), 1.0, 0.9496666666666667, 0.9496666789054871, [1, 0.5, 0.09427083283662796]),
-    (479, 1, 131072, 896, (1, 3), 1.0, 0.95, 0.949999988079071, [1, 0.5, 0.0005208333604969084]),
-    (480, 2, 262144, 2048, (3, 7), 1.52, 0.95, 0.949999988079071, [1, 0.5]),
-    (576, 2, 262144, 2048, (3, 7), 1.52, 0.95, 0.949999988079071, [1, 0.4000000059604645]),
-    (959, 2, 262144, 2048, (3, 7), 0.9126967592592593, 0.95, 0.949999988079071, [1, 0.0010416667209938169]),
-    (960, 3, 393216, 2048, (5, 11), 1.027777777777778, 0.95, 0.949999988079071, [1]),
-    (1439, 3, 393216, 2048, (5, 11), 0.15182870370370374, 0.9319999999999999, 0.9319999814033508, [1]),
-    (1440, 4, 393216, 2048, (6, 13), 0.15, 0.9299999999999999, 0.9300000071525574, [1]),
-    (1479, 4, 393216, 2048, (6, 13), 0.15, 0.852, 0.8519999980926514, [1]),
+    (1, 1, 131072, 896, (1, 3), 1.0, 0.8503333333333333, 0.8503333330154419, [1, 0.5, 0.249456524848938]),
+    (299, 1, 131072, 896, (1, 3), 1.0, 0.9496666666666667, 0.9496666789054871, [1, 0.5, 0.08749999850988388]),
+    (459, 1, 131072, 896, (1, 3), 1.0, 0.95, 0.949999988079071, [1, 0.5, 0.0005434782360680401]),
+    (460, 2, 262144, 2048, (3, 7), 1.52, 0.95, 0.949999988079071, [1, 0.5]),
+    (552, 2, 262144, 2048, (3, 7), 1.52, 0.95, 0.949999988079071, [1, 0.4000000059604645]),
+    (553, 2, 262144, 2048, (3, 7), 1.5183454106280194, 0.95, 0.949999988079071, [1, 0.39891305565834045]),
+    (919, 2, 262144, 2048, (3, 7), 0.9127657004830918, 0.95, 0.949999988079071, [1, 0.0010869564721360803]),
+    (920, 3, 393216, 2048, (5, 11), 1.027777777777778, 0.95, 0.949999988079071, [1]),
+    (921, 3, 393216, 2048, (5, 11), 1.0258695652173913, 0.95, 0.949999988079071, [1]),
+    (1200, 3, 393216, 2048, (5, 11), 0.49347826086956514, 0.95, 0.949999988079071, [1]),
+    (1340, 3, 393216, 2048, (5, 11), 0.22632850241545893, 0.95, 0.949999988079071, [1]),
+    (1341, 3, 393216, 2048, (5, 11), 0.22442028985507245, 0.948, 0.9480000138282776, [1]),
+    (1379, 3, 393216, 2048, (5, 11), 0.15190821256038647, 0.872, 0.871999979019165, [1]),
+    (1380, 4, 393216, 2048, (6, 13), 0.15, 0.87, 0.8700000047683716, [1]),
+    (1389, 4, 393216, 2048, (6, 13), 0.15, 0.852, 0.8519999980926514, [1]),
 ]
 
 
@@ -112,17 +118,16 @@ def test_schedule_at_the_boundary_steps(row):
     assert [float(np.float32(w)) for w in s.mtp_weights] == mtp32
 
 
-@pytest.mark.parametrize("step,lr", [(576, 1.52), (577, 1.5184143518518518), (959, 0.9126967592592593),
-                                     (960, 1.027777777777778), (961, 1.025949074074074), (1200, 0.5888888888888889),
-                                     (1439, 0.15182870370370374), (1440, 0.15), (1479, 0.15), (575, 1.52),
-                                     (480, 1.52), (479, 1.0), (0, 1.0)])
+@pytest.mark.parametrize("step,lr", [(552, 1.52), (553, 1.5183454106280194), (919, 0.9127657004830918),
+                                     (920, 1.027777777777778), (921, 1.0258695652173913), (1200, 0.49347826086956514),
+                                     (1379, 0.15190821256038647), (1380, 0.15), (1389, 0.15), (551, 1.52),
+                                     (460, 1.52), (459, 1.0), (0, 1.0)])
 def test_lr_factor_examples(step, lr):
     assert tg.lr_factor(step, NS, HP.stages, HP.lr_min, HP.cooldown_frac) == lr     # bit-exact doubles
 
 
 @pytest.mark.parametrize("step,mu", [(0, 0.85), (1, 0.8503333333333333), (299, 0.9496666666666667), (300, 0.95),
-                                     (1430, 0.95), (1431, 0.948), (1439, 0.9319999999999999),
-                                     (1440, 0.9299999999999999), (1479, 0.852)])
+                                     (1340, 0.95), (1341, 0.948), (1379, 0.872), (1380, 0.87), (1389, 0.852)])
 def test_momentum_examples(step, mu):
     got = tg.muon_momentum(step, HP.num_iterations, HP.momentum_min, HP.momentum_max,
                            HP.momentum_warmup_steps, HP.momentum_cooldown_steps)
@@ -131,12 +136,11 @@ def test_momentum_examples(step, mu):
 
 def test_mtp_weight_examples():
     w32 = lambda s: [float(np.float32(w)) for w in tg.mtp_weights(s, NS, HP.stages)]
-    assert w32(1)[2] == pytest.approx(0.24947916, abs=5e-9)
-    assert w32(479)[2] == pytest.approx(0.00052083336, abs=5e-12)
-    assert w32(481)[1] == pytest.approx(0.49895832, abs=5e-9)
-    assert w32(959)[1] == pytest.approx(0.0010416667, abs=5e-11)
+    assert w32(1)[2] == 0.249456524848938 and w32(459)[2] == 0.0005434782360680401
+    assert w32(461)[1] == float(np.float32(0.5 + (0.0 - 0.5) * (1 / 460)))
+    assert w32(919)[1] == 0.0010869564721360803
     assert all(w > 0 for s in range(HP.num_iterations) for w in w32(s))      # no weight is ever exactly 0
-    assert len(w32(479)) == 3 and len(w32(480)) == 2 and len(w32(960)) == 1  # the length changes with the batch
+    assert len(w32(459)) == 3 and len(w32(460)) == 2 and len(w32(920)) == 1  # the length changes with the batch
 
 
 def test_stage_boundaries_are_the_rounded_running_sums():
@@ -172,14 +176,14 @@ def test_mtp_weights_are_a_plus_b_minus_a_times_t():
 
 
 def test_schedule_at_parity_and_fields():
-    s = tg.schedule_at(961, HP)
-    assert s.do_adam and not tg.schedule_at(960, HP).do_adam
+    s = tg.schedule_at(921, HP)
+    assert s.do_adam and not tg.schedule_at(920, HP).do_adam
     assert (s.ws_short, s.ws_long, s.global_batch, s.max_doc_len) == (5, 11, 393216, 2048)
 
 
 def test_seven_validations():
     assert [s for s in range(HP.num_iterations + 1) if tg.validates_at(s, HP.num_iterations, HP.val_loss_every)] == \
-        [0, 250, 500, 750, 1000, 1250, 1480]                           # every 250 steps, and the last
+        [0, 250, 500, 750, 1000, 1250, 1390]                           # every 250 steps, and the last
     assert [s for s in range(11) if tg.validates_at(s, 10, 0)] == [10]
 
 
@@ -189,8 +193,8 @@ def _shape(hp, step):
 
 
 def test_warmup_steps_cover_every_variant_and_the_split():
-    assert tg.variant_starts(HP) == [0, 480, 960, 1440]
-    assert tg.warmup_steps(HP) == [0, 1, 2, 479, 480, 481, 959, 960, 961, 1439, 1440, 1441]
+    assert tg.variant_starts(HP) == [0, 460, 920, 1380]
+    assert tg.warmup_steps(HP) == [0, 1, 2, 459, 460, 461, 919, 920, 921, 1379, 1380, 1381]
     for hp in (HP, tg.parse_args(["--preset=tiny"]),
                tg.parse_args(["--preset=tiny", "--stages=512:1:3:1:1:64,512:1:3:1:1:128,768:1:3:1:1:128"])):
         steps = tg.warmup_steps(hp)
@@ -215,15 +219,15 @@ class _YarnRecorder:
         self.calls.append((old, new))
 
 
-def test_the_loader_hears_of_the_batch_and_cap_at_480_and_960_only():
+def test_the_loader_hears_of_the_batch_and_cap_at_460_and_920_only():
     """Trainer.advance_schedule over the whole run from the reset state: messages (global batch, L_max, A) at the
-    stage starts, none at 1440 (the extension keeps the last stage's batch and cap)."""
+    stage starts, none at 1380 (the extension keeps the last stage's batch and cap)."""
     host = SimpleNamespace(model=_YarnRecorder(), ws_long=3, global_batch=131072, max_doc_len=896, grad_accum=8)
     sent = {}
     for step in range(HP.num_iterations):
         if (msg := tg.Trainer.advance_schedule(host, tg.schedule_at(step, HP))) is not None:
             sent[step] = msg
-    assert sent == {480: (262144, 2048, 8), 960: (393216, 2048, 8)}
+    assert sent == {460: (262144, 2048, 8), 920: (393216, 2048, 8)}
     assert host.model.calls == [(3, 7), (7, 11), (11, 13)]
     # a cap that changes alone is sent too
     hp = tg.parse_args(["--preset=tiny", "--stages=512:1:3:1:1:64,512:1:3:1:1:128,768:1:3:1:1:128"])
@@ -310,7 +314,7 @@ def test_a_billion_steps_is_planned_without_walking_them(monkeypatch):
     monkeypatch.setattr(tg, "stage_index", counted)
     hp = tg.parse_args(["--num_scheduled_iterations=1000000000"])
     assert tg.train_tokens_needed(hp) == (333_333_333 * 131072 + 333_333_334 * 262144
-                                          + (333_333_333 + 40) * 393216)
+                                          + (333_333_333 + 10) * 393216)
     assert tg.variant_starts(hp) == [0, 333_333_333, 666_666_667, 1_000_000_000]
     assert 1_000_000_001 in tg.warmup_steps(hp)
     model = _YarnRecorder()

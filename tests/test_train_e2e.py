@@ -89,7 +89,7 @@ def test_warmup_then_reset_is_bit_identical_to_a_fresh_start(tmp_path):
 
 # Six steps: Adam on steps 1, 3 and 5, the untie after step 3 (so step 5 is an untied Adam step), and a new batch
 # size and long window on every step up to the extension (windows 3, 7, 11, 13 blocks: YaRN three times).
-EXACT = ["--preset=tiny", "--dtype=float64", "--num_scheduled_iterations=3", "--num_extension_iterations=3",
+EXACT = ["--preset=tiny", "--dtype=float64", "--fp8_mlp=true", "--num_scheduled_iterations=3", "--num_extension_iterations=3",
          "--val_loss_every=0", "--seed=0", "--warmup=false", "--save_checkpoint=true"]
 
 
