@@ -118,7 +118,8 @@ def test_import_starts_nothing():
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 
 
-@pytest.mark.parametrize("argv", [["--preset=tiny"], ["--model_dim=512", "--num_heads=4", "--mlp_hidden=1024", "--bigram_vocab_size=1024"]])
+@pytest.mark.parametrize("argv", [["--preset=tiny"],
+                                  ["--model_dim=512", "--num_heads=4", "--mlp_hidden=1024", "--bigram_vocab_size=1024"]])
 def test_configs_build_and_take_a_step_on_cpu(argv):
     """What a newcomer tries first: the tiny preset, and a wider model from the command line alone (the optimizer's
     matrix shapes and the banks follow the model). float32, so the step is exact arithmetic on any CPU."""
