@@ -143,8 +143,9 @@ def bench_ce(table: Table) -> None:
         return run
 
     ref_c = torch.compile(tk.softcapped_mtp_ce_reference, dynamic=True)
-    ref_fb_c = torch.compile(fwd_bwd(tk.softcapped_mtp_ce_reference), dynamic=True)
-    kern_fb, ref_fb = fwd_bwd(tk.softcapped_mtp_ce_triton), fwd_bwd(tk.softcapped_mtp_ce_reference)
+    # fwd+bwd: the training loss without the FP8 head (the eval kernel has no backward)
+    ref_fb_c = torch.compile(fwd_bwd(tk.softcapped_mtp_ce_train_reference), dynamic=True)
+    kern_fb, ref_fb = fwd_bwd(tk.softcapped_mtp_ce_train_triton), fwd_bwd(tk.softcapped_mtp_ce_train_reference)
     V = 50304
     for n in (16384, 32768, 49152):
         logits = (torch.randn(n, V, device="cuda") * 10).bfloat16().requires_grad_()

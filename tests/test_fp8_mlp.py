@@ -72,6 +72,24 @@ def test_weight_copy_follows_the_rules_with_both_roundings():
     assert w8.double().abs().max().item() == 448.0 and w8.double().abs().max() == want.abs().max()
 
 
+def test_the_integer_bf16_rounding_is_the_cast_ties_included():
+    g = torch.Generator().manual_seed(3)
+    x = torch.cat([torch.randn(4096, generator=g) * 10.0 ** torch.randint(-30, 30, (4096,), generator=g),
+                   torch.tensor([0.0, -0.0, 1 + 2.0 ** -8, 1 + 3 * 2.0 ** -8, -(1 + 2.0 ** -8), 3.0e38])])
+    assert torch.equal(tk._round_as(x, torch.bfloat16), x.bfloat16().float())
+
+
+def test_compiled_weight_copy_is_the_eager_one_bit_for_bit():
+    """The training forward quantises inside the compiled graph, whose fused kernels would skip a
+    bf16 round trip: the scale and the double rounding must survive torch.compile."""
+    g = torch.Generator().manual_seed(2)
+    w = (torch.randn(384, 128, generator=g) * 0.02).bfloat16()
+    want, s_want = tk.quantize_mlp_weight(w)
+    torch._dynamo.reset()
+    got, s_got = torch.compile(tk.quantize_mlp_weight, backend="inductor")(w)
+    assert torch.equal(s_got, s_want) and torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
 def test_input_quantisation_follows_the_rules_per_call():
     g = torch.Generator().manual_seed(1)
     u = torch.randn(64, 128, generator=g).bfloat16()

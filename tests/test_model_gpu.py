@@ -161,12 +161,12 @@ def test_real_model_compiled_eval_262144_tokens(compiled_model):
 
 # ---- --kernels=torch: the plain-PyTorch definitions, compiled with the model ---------------------------------------
 
-def _small_real_model(kernels: str) -> tuple[tg.GPT, object]:
+def _small_real_model(kernels: str, fp8_mlp: bool = True) -> tuple[tg.GPT, object]:
     """The record's widths and kinds of layer in 4 layers (a faster compile), compiled as the trainer compiles it;
     banks and head randomised (at init the zero c_proj and the tiny head would hide the MLP)."""
     cfg = real_cfg(num_layers=4, attn_layout="PN-N", long_window_layers=(1,), ve_layout=(0, -1, -1, 1),
-                   num_value_embeds=2, skip_source_layer=0, skip_dest_layer=2, backout_layer=2,
-                   cached_input_layer=2, rotary_max_len=4096)
+                   num_value_embeds=2, skip_source_layer=0, skip_dest_layer=2,
+                   cached_input_layer=2, rotary_max_len=4096, fp8_mlp=fp8_mlp)
     torch.manual_seed(0)
     model = GPT(cfg, torch.device("cuda"), tg.kernel_ops(kernels, "cuda"))
     with torch.no_grad():
@@ -177,18 +177,19 @@ def _small_real_model(kernels: str) -> tuple[tg.GPT, object]:
     return model, torch.compile(model, dynamic=False, fullgraph=True)
 
 
-def _loss_and_grads(kernels: str) -> tuple[float, dict]:
-    model, compiled = _small_real_model(kernels)
+def _loss_and_grads(kernels: str, fp8_mlp: bool = True) -> tuple[float, dict]:
+    model, compiled = _small_real_model(kernels, fp8_mlp)
     inputs, targets, cu = _packed_batch(4096, 50304, 2048, 64, "cuda", seed=1)
     loss = compiled(inputs, targets, cu, 1, 3, torch.tensor([1.0, 0.5, 0.25], device="cuda"), 2048)
     loss.backward()
     return loss.item(), {name: p.grad.float() for name, p in model.named_parameters()}
 
 
-def test_kernels_torch_compiles_and_matches_the_fused_kernels():
+@pytest.mark.parametrize("fp8_mlp", [False, True])
+def test_kernels_torch_compiles_and_matches_the_fused_kernels(fp8_mlp):
     torch._dynamo.reset()
-    fused_loss, fused_grads = _loss_and_grads("fused")
-    torch_loss, torch_grads = _loss_and_grads("torch")
+    fused_loss, fused_grads = _loss_and_grads("fused", fp8_mlp)
+    torch_loss, torch_grads = _loss_and_grads("torch", fp8_mlp)
     print(f"\nloss fused {fused_loss:.2f}, torch {torch_loss:.2f}")
     # The FP8 head differs in accumulation (torch._scaled_mm with fast accumulation vs dequantised fp32 matmuls).
     assert torch_loss == pytest.approx(fused_loss, rel=1e-3)
@@ -214,7 +215,7 @@ def test_kernels_torch_runs_an_edited_activation_and_loss_on_the_gpu(monkeypatch
     monkeypatch.setattr(tk, "softcapped_mtp_ce_fp8_reference", reference_loss)
     traced = []
 
-    def relu_mlp(x, c_fc, c_proj):             # an edited activation: ReLU instead of ReLU^2
+    def relu_mlp(x, c_fc, c_proj, fp8=False):  # an edited activation: ReLU instead of ReLU^2, in bf16
         traced.append(x.shape)                 # runs while the compiler traces the model: once per layer
         return torch.relu(x @ c_fc.mT) @ c_proj
 
