@@ -520,7 +520,7 @@ def _to_e4m3(x: Tensor) -> Tensor:
     return x.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
 
 
-def _round_as(x: Tensor, dtype: torch.dtype) -> Tensor:
+def _round_to(x: Tensor, dtype: torch.dtype) -> Tensor:
     """x rounded to dtype (nearest, ties to even), kept in x's dtype. From fp32 to bf16 it rounds
     by integer arithmetic: inside a fused kernel torch.compile drops a .to(bf16).to(fp32) round
     trip (inductor's emulate_precision_casts is off by default) but keeps integer operations, so
@@ -535,12 +535,12 @@ def quantize_mlp_weight(w: Tensor) -> tuple[Tensor, Tensor]:
     """The FP8 copy of an up projection w (H, D): w8 = e4m3(bf16(w / s)) with the per-matrix scale
     s = bf16(max|w| * fp32(1/448)), returned as a 0-d fp32 (the record rounds twice: to bf16,
     then to e4m3). Recomputed at every forward: the weights change only at optimizer steps, so
-    this equals the record's refresh after each of them (done eagerly there: _round_as keeps the
+    this equals the record's refresh after each of them (done eagerly there: _round_to keeps the
     bf16 roundings under torch.compile)."""
     acc = acc_dtype(w.dtype)
     amax = w.abs().amax().clamp_min(FP8_AMAX_FLOOR)
-    s = _round_as(amax.to(acc) * E4M3_INV_MAX, w.dtype)
-    return _to_e4m3(_round_as(w.to(acc) / s, w.dtype)), s
+    s = _round_to(amax.to(acc) * E4M3_INV_MAX, w.dtype)
+    return _to_e4m3(_round_to(w.to(acc) / s, w.dtype)), s
 
 
 def quantize_mlp_input(x: Tensor, w_scale: Tensor) -> tuple[Tensor, Tensor]:

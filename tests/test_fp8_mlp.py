@@ -76,7 +76,7 @@ def test_the_integer_bf16_rounding_is_the_cast_ties_included():
     g = torch.Generator().manual_seed(3)
     x = torch.cat([torch.randn(4096, generator=g) * 10.0 ** torch.randint(-30, 30, (4096,), generator=g),
                    torch.tensor([0.0, -0.0, 1 + 2.0 ** -8, 1 + 3 * 2.0 ** -8, -(1 + 2.0 ** -8), 3.0e38])])
-    assert torch.equal(tk._round_as(x, torch.bfloat16), x.bfloat16().float())
+    assert torch.equal(tk._round_to(x, torch.bfloat16), x.bfloat16().float())
 
 
 def test_compiled_weight_copy_is_the_eager_one_bit_for_bit():
