@@ -2046,6 +2046,11 @@ def follow_the_launcher() -> bool:
         return False
 
 
+# The line of a stop before the timed loop: no step ran this run, so there is nothing new to save.
+BEFORE_TRAINING = "before the first step of this run: no step ran, so no new state is saved"
+IN_WARMUP = "during the warmup, " + BEFORE_TRAINING
+
+
 class StopSignals:
     """Ctrl-C (SIGINT), SIGTERM and SIGHUP (a closed terminal or ssh session). Inside the timed loop
     (`defer` is set) the first signal asks the run to stop at a step boundary that every rank agrees
@@ -2064,6 +2069,8 @@ class StopSignals:
         self._at = 0.0
         self._previous: dict[int, Any] = {}
         self.launcher: int | None = None         # torchrun's pid, for a worker it started
+        self.where: str | None = BEFORE_TRAINING  # what an immediate stop's line says it stopped;
+                                                  # None in the timed loop (its callers say)
 
     def install(self) -> None:
         import signal
@@ -2119,7 +2126,7 @@ class StopSignals:
             return
         if self.defer and time.monotonic() - self._at < self.REPEAT_S:
             return
-        raise Interrupted(signum, f"stopped by {name}")
+        raise Interrupted(signum, f"stopped by {name}" + (f" {self.where}" if self.where else ""))
 
 
 class StopVote:

@@ -2553,6 +2553,7 @@ def timed_loop(run: harness.Run, trainer: Trainer, checkpointer: harness.Checkpo
     val_seconds = []                     # each validation's wall time, for the console's ETA
     run.log(f"phase:process_start_to_timed_loop time:{run.since_start_ms():.0f}ms")
     run.stops.defer = True               # a signal now stops the run at the next step boundary
+    run.stops.where = None               # (a second one at once: the callers below say where)
     run.shorten_timeout()                # the ranks now run in lockstep: --loop_timeout_s
     if start < total:                    # (the resume of a final state only validates: no clock)
         clock.start()
@@ -2617,7 +2618,9 @@ def train(hp: Hyperparameters, argv_text: str, stops: harness.StopSignals | None
     with run.failures_logged():
         trainer, checkpointer = prepare_training(run, argv_text, notes)
         if hp.warmup:
+            run.stops.where = harness.IN_WARMUP
             warmup_and_reset(trainer, run)
+            run.stops.where = harness.BEFORE_TRAINING
             if run.compile_cache is not None and run.rank == 0:   # compiled: keep it for next time
                 run.log(harness.save_compile_cache(*run.compile_cache))
         gc.collect()    # the warmup's garbage, collected before the clock starts

@@ -519,6 +519,18 @@ def test_a_console_that_went_away_still_lets_the_run_stop_and_save(tmp_path, dat
     assert (tmp_path / "logs" / "tee.txt").read_text().splitlines()[-1] == errors[0]
 
 
+def test_a_stop_outside_the_timed_loop_says_where_it_stopped():
+    """Before the loop no step ran: the line says so; inside it, the loop's callers say where (after which step)."""
+    stops = harness.StopSignals(announce=False)
+    with pytest.raises(harness.Interrupted) as info:
+        stops._on_signal(signal.SIGTERM, None)
+    assert str(info.value) == "stopped by SIGTERM before the first step of this run: no step ran, so no new state is saved"
+    stops.where = None
+    with pytest.raises(harness.Interrupted) as info:
+        stops._on_signal(signal.SIGINT, None)
+    assert str(info.value) == "stopped by SIGINT" and info.value.signum == signal.SIGINT
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_ctrl_c_before_the_timed_loop_stops_at_once(tmp_path, data):
@@ -530,7 +542,7 @@ def test_ctrl_c_before_the_timed_loop_stops_at_once(tmp_path, data):
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 130 and "Traceback" not in err, err
-    assert [l for l in err.splitlines() if l.startswith("error:")] == ["error: stopped by SIGINT"]
+    assert [l for l in err.splitlines() if l.startswith("error:")] == [f"error: stopped by SIGINT {harness.IN_WARMUP}"]
 
 
 # ---- the failure page -----------------------------------------------------------------------------------------------
