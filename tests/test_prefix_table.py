@@ -49,7 +49,8 @@ def brute_force_table(ranks, entries):
 
 def gpt2_characters():
     """GPT-2's bytes_to_unicode, as in its encoder.py: byte -> the character that spells it in encoder.json."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+          + list(range(ord("®"), ord("ÿ") + 1)))
     cs = bs[:]
     n = 0
     for b in range(256):
@@ -189,6 +190,15 @@ def test_the_small_vocabulary_covers_the_cases():
 
 def test_the_table_is_the_definition_in_memory():
     assert pt.prefix_table(SMALL, SMALL_VOCAB).tolist() == brute_force_table(SMALL, SMALL_VOCAB)
+
+
+@pytest.mark.parametrize("fmt", ["tiktoken", "encoder.json"])
+def test_each_format_reads_every_byte(fmt):
+    """All 256 single bytes (in a shuffled id order) and SMALL's strings come back as the very byte strings."""
+    order = np.random.default_rng(0).permutation(256).tolist()
+    ranks = {bytes([b]): 100 + order[b] for b in range(256)} | SMALL
+    text = tiktoken_text(ranks) if fmt == "tiktoken" else encoder_json_text(ranks)
+    assert pt.parse(text, "ranks") == (ranks, "tiktoken ranks" if fmt == "tiktoken" else "encoder.json")
 
 
 @pytest.mark.parametrize("route", ["tiktoken", "encoder.json", "cache:tiktoken", "cache:encoder.json", "sdist"])
