@@ -2,11 +2,11 @@
 
 The option and layout checks, the optimizer table's checks, the attention backends' probing (and FlashAttention-4's
 ops, registered so that they compile), the --kernels switch's bookkeeping (which op runs its kernel, which reference
-was edited since its kernel was checked), the shard files' checks, and the preflight before anything compiles (data,
-memory). Each function takes values: the options, the optimizer table, parameter shapes from a model built on the meta
-device, file lists. Nothing here imports the script (a copy of train_gpt.py under any name uses this file as it is);
-every run's log embeds this file verbatim beside the script. Each error names the option or file to change.
-Nothing happens at import.
+was edited since its kernel was checked), the shard files' checks, the shipped prefix-token table's read against its
+digest, and the preflight before anything compiles (data, memory). Each function takes values: the options, the
+optimizer table, parameter shapes from a model built on the meta device, file lists. Nothing here imports the
+script (a copy of train_gpt.py under any name uses this file as it is); every run's log embeds this file verbatim
+beside the script. Each error names the option or file to change. Nothing happens at import.
 """
 from __future__ import annotations
 
@@ -21,7 +21,9 @@ import numpy as np
 import torch
 
 import harness
-from data.shards import SHARD_HEADER_BYTES, SHARD_MAGIC, SHARD_VERSION
+from data.shards import (PREFIX_TABLE_DTYPE, PREFIX_TABLE_ENTRIES, PREFIX_TABLE_PATH,
+                         PREFIX_TABLE_SHA256, SHARD_HEADER_BYTES, SHARD_MAGIC, SHARD_VERSION,
+                         prefix_table_digest)
 from harness import ConfigError, DataError
 
 Tensor = torch.Tensor
@@ -402,7 +404,7 @@ def check_param_table(params: dict[str, Tensor], table: dict[str, dict], rank: i
 
 
 # ==================================================================================================
-# Shard files (the format: data/shards.py)
+# Shard files and the prefix-token table (their formats: data/shards.py)
 # ==================================================================================================
 
 def read_header(f, path: str) -> int:
@@ -489,6 +491,32 @@ def read_tokens(path: str, max_tokens: int | None = None,
         raise DataError(f"shard {path}: read {got} of {2 * count} token bytes (did the file change "
                         "while it was read?); download or generate it again")
     return tokens, n
+
+
+def load_prefix_table(path: str = PREFIX_TABLE_PATH) -> Tensor:
+    """The prefix-token table, (PREFIX_TABLE_ENTRIES,) int64 on the CPU: entry T is the id of the
+    longest proper byte-prefix of GPT-2 token T that is itself a token, -1 if none. DataError
+    unless the file holds exactly GPT-2's table (its digest)."""
+    rebuild = ("rebuild it with `python3 data/prefix_table.py RANKS` (its --help says where "
+               "GPT-2's ranks come from, offline too)")
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        raise DataError(f"the prefix-token table {path} is missing; {rebuild}") from None
+    except OSError as e:
+        raise DataError(f"cannot read the prefix-token table {path}: {e.strerror or e}; "
+                        f"{rebuild}") from None
+    size = PREFIX_TABLE_ENTRIES * np.dtype(PREFIX_TABLE_DTYPE).itemsize
+    if len(raw) != size:
+        raise DataError(f"the prefix-token table {path} has {len(raw)} bytes, not {size} "
+                        f"({PREFIX_TABLE_ENTRIES} int32 entries); {rebuild}")
+    table = np.frombuffer(raw, dtype=PREFIX_TABLE_DTYPE).astype(np.int64)
+    digest = prefix_table_digest(table)
+    if digest != PREFIX_TABLE_SHA256:
+        raise DataError(f"the prefix-token table {path} is not GPT-2's (sha256 {digest[:16]}..., "
+                        f"expected {PREFIX_TABLE_SHA256[:16]}...); {rebuild}")
+    return torch.from_numpy(table)
 
 
 def check_doc_capacity(num_seqs: int, num_tokens: int, capacity: int, tokens_per_doc_bound: int,

@@ -1,6 +1,7 @@
 """The token shard format, defined here once, and how the scripts in data/ write and check shards. train_gpt.py
 imports the format's constants from here (from data.shards import ...) for the loader that reads shards
-(tests/test_data_scripts.py checks that train_gpt.py reads what this writes).
+(tests/test_data_scripts.py checks that train_gpt.py reads what this writes). The prefix-token table's file is
+defined here too: data/prefix_table.py writes it, checks.py's loader reads it.
 
 numpy and the standard library only: a data script imports no torch and none of the trainer's files, so it starts in
 well under a second.
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
+import hashlib
 import os
 import re
 import shutil
@@ -36,6 +38,20 @@ SHARD_HEADER_BYTES = 1024
 
 MAX_SHARD_TOKENS = 2**31 - 1       # the header holds the token count as an int32
 STAGING_PREFIX = ".staging-"       # a run's shards are written here, inside the output folder, until all are complete
+
+
+# The prefix-token table's file, its one definition. Entry T (T < PREFIX_TABLE_ENTRIES, GPT-2's ids padded as the
+# trainer's vocabulary) is the id of the longest proper byte-prefix of token T that is itself a token, -1 if none.
+# The file holds the entries as little-endian int32 and nothing else; it is shipped in the repository.
+PREFIX_TABLE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "prefix_table.bin")
+PREFIX_TABLE_ENTRIES = 50304
+PREFIX_TABLE_DTYPE = "<i4"
+PREFIX_TABLE_SHA256 = "05f2e6adcf3c87e2415b6f6590239f7fc324a13a2aa82c6323bff1bd4a9df136"   # GPT-2's table
+
+
+def prefix_table_digest(table: np.ndarray) -> str:
+    """sha256 of a prefix-token table's entries as little-endian int64 (the file's int32 width does not enter it)."""
+    return hashlib.sha256(np.asarray(table).astype("<i8").tobytes()).hexdigest()
 
 
 def write_shard(path: str, tokens: np.ndarray) -> None:

@@ -34,6 +34,7 @@ def run_script(name, *args, timeout=300, cwd=None):
     ("cached_fineweb10B", ["467,927,040", "HF_ENDPOINT", "kjj0/fineweb10B-gpt2"]),
     ("tokenize_docs", ["--encoding", "--val_fraction", "--shard_tokens", ".jsonl", "blank_line"]),
     ("synthetic", ["--preset", "--train_shards", "--shard_tokens", "--val_tokens", "--seed", "median"]),
+    ("prefix_table", ["RANKS", "--other_vocab", "openai-whisper==20250625", "gpt2.tiktoken", "encoder.json"]),
 ])
 def test_help(name, expected):
     result = run_script(name, "--help")
