@@ -1003,7 +1003,7 @@ KERNEL_REFERENCES = {
     "mlp": ((tk.relu2_mlp_reference, tk._Relu2MLPFP8Reference), "4e88bc4bb8c2d571"),
     "ce": ((tk.softcap, tk.softcapped_mtp_ce_reference, tk.softcapped_mtp_ce_train_math,
             tk._SoftcappedMTPCETrainReference, tk.softcapped_mtp_ce_fp8_reference),
-           "a47bdc1405938e31"),
+           "26fe2830ae022c3f"),
     "fp8": ((fp8_head_emulated, fp8_head_backward_emulated), "c83cd459639d05d1"),
     "adam": ((tk.adam_update_reference,), "941fc473b01c2c49"),
     "normuon": ((tk.normuon_momentum_reference, tk.cautious_step,

@@ -729,11 +729,12 @@ def _ce_exp_score(sig, A: tl.constexpr, c_log2e):
 
 
 @triton.jit
-def _ce_fwd_kernel(logits_ptr, targets_ptr, weights_ptr, losses_ptr, lse_ptr, n_rows, n_cols,
-                   stride_row, n_weights, A: tl.constexpr, B: tl.constexpr, C: tl.constexpr,
-                   TRAIN: tl.constexpr, NATIVE: tl.constexpr, BLOCK: tl.constexpr):
+def _ce_fwd_kernel(logits_ptr, targets_ptr, weights_ptr, losses_ptr, lse_ptr, prefix_ptr,
+                   prefix_w_ptr, n_rows, n_cols, stride_row, n_weights, A: tl.constexpr,
+                   B: tl.constexpr, C: tl.constexpr, TRAIN: tl.constexpr, NATIVE: tl.constexpr,
+                   PREFIX: tl.constexpr, BLOCK: tl.constexpr):
     """One row's lse and loss. TRAIN: record 80's (bf16 sigma, no w_k > 0 test); else record 61's
-    eval loss (fp32 sigma; zero weights skipped)."""
+    eval loss (fp32 sigma; zero weights skipped). PREFIX: plus the prefix term (training only)."""
     row = tl.program_id(0)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
     offs = tl.arange(0, BLOCK)
@@ -760,6 +761,11 @@ def _ce_fwd_kernel(logits_ptr, targets_ptr, weights_ptr, losses_ptr, lse_ptr, n_
         logit_t = _load_as_fp32(row_ptr + target, ok)
         z_t = A * _ce_score_sigma(logit_t, TRAIN, NATIVE, B, C)
         loss += tl.where(ok, w * (lse - z_t), 0.0)
+    if PREFIX:
+        tau = tl.load(prefix_ptr + row)
+        ok = (tau >= 0) & (tau < n_cols)
+        z_p = A * _ce_score_sigma(_load_as_fp32(row_ptr + tau, ok), TRAIN, NATIVE, B, C)
+        loss += tl.where(ok, tl.load(prefix_w_ptr) * (lse - z_p), 0.0)
     tl.store(losses_ptr + row, loss)
 
 
@@ -810,9 +816,21 @@ def _ce_row_factor(g_row, post_scale):
 
 
 @triton.jit
-def _ce_sum_w(weights_ptr, n_weights):
-    """S_w: every weight, in k order (the tail rule: also where the offset has no target row)."""
-    sum_w = tl.zeros([], dtype=tl.float32)
+def _ce_prefix_start(prefix_ptr, prefix_w_ptr, rows, row_ok, n_cols, PREFIX: tl.constexpr):
+    """(tau, S_w's first term) of rows: the prefix target (-1: none) and w_p where it exists, else
+    0 (and -1, 0 without PREFIX)."""
+    if PREFIX:
+        tau = tl.load(prefix_ptr + rows, mask=row_ok, other=-1)
+        return tau, tl.where((tau >= 0) & (tau < n_cols), tl.load(prefix_w_ptr), 0.0)
+    else:
+        return tl.full(rows.shape, -1, tl.int64), tl.zeros(rows.shape, dtype=tl.float32)
+
+
+@triton.jit
+def _ce_sum_w(weights_ptr, n_weights, first):
+    """S_w: `first` (the prefix weight or 0), then every weight in k order (the tail rule: also
+    where the offset has no target row)."""
+    sum_w = first.to(tl.float32)
     for k in range(0, n_weights):
         sum_w += tl.load(weights_ptr + k)
     return sum_w
@@ -830,9 +848,10 @@ def _ce_grad(logit, k, sum_w, t_weight, lse, A: tl.constexpr, NATIVE: tl.constex
 
 @triton.jit
 def _ce_grad_kernel(grad_ptr, stride_grad, logits_ptr, weights_ptr, lse_ptr, out_ptr, out_t_ptr,
-                    n_rows, n_cols, stride_row, n_weights, cols_per_program, post_scale,
-                    A: tl.constexpr, QUANTIZE: tl.constexpr, NATIVE: tl.constexpr,
-                    TRANSPOSED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+                    prefix_ptr, prefix_w_ptr, n_rows, n_cols, stride_row, n_weights,
+                    cols_per_program, post_scale, A: tl.constexpr, QUANTIZE: tl.constexpr,
+                    NATIVE: tl.constexpr, TRANSPOSED: tl.constexpr, PREFIX: tl.constexpr,
+                    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """The training gradient of BLOCK_R rows x cols_per_program columns (a multiple of BLOCK_C),
     without the target term T_c (_ce_targets_kernel writes those elements afterwards), stored by
     _ce_grad_out. TRANSPOSED: the same values also into out_t, (n_cols, n_rows) contiguous."""
@@ -842,7 +861,8 @@ def _ce_grad_kernel(grad_ptr, stride_grad, logits_ptr, weights_ptr, lse_ptr, out
     g_row = tl.load(grad_ptr + rows * stride_grad, mask=row_ok, other=0.0)
     k = _ce_row_factor(g_row, post_scale)[:, None]
     lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)[:, None]
-    sum_w = _ce_sum_w(weights_ptr, n_weights)
+    _, first_w = _ce_prefix_start(prefix_ptr, prefix_w_ptr, rows, row_ok, n_cols, PREFIX)
+    sum_w = _ce_sum_w(weights_ptr, n_weights, first_w)[:, None]
     offs = tl.arange(0, BLOCK_C)
     first = tl.program_id(1) * cols_per_program
     for start in range(first, tl.minimum(first + cols_per_program, n_cols), BLOCK_C):
@@ -859,26 +879,34 @@ def _ce_grad_kernel(grad_ptr, stride_grad, logits_ptr, weights_ptr, lse_ptr, out
 
 @triton.jit
 def _ce_targets_kernel(grad_ptr, stride_grad, logits_ptr, targets_ptr, weights_ptr, lse_ptr,
-                       out_ptr, out_t_ptr, n_rows, n_cols, stride_row, n_weights, post_scale,
-                       A: tl.constexpr, QUANTIZE: tl.constexpr, NATIVE: tl.constexpr,
-                       TRANSPOSED: tl.constexpr):
+                       out_ptr, out_t_ptr, prefix_ptr, prefix_w_ptr, n_rows, n_cols, stride_row,
+                       n_weights, post_scale, A: tl.constexpr, QUANTIZE: tl.constexpr,
+                       NATIVE: tl.constexpr, TRANSPOSED: tl.constexpr, PREFIX: tl.constexpr):
     """One row's target columns in full: T_c = the weights of every offset whose target row exists
-    and is c. A column that is the target of several offsets is written once per offset, the same
-    value."""
+    and is c, then w_p where c is the prefix target. A column that is the target of several offsets
+    (or also the prefix target) is written once per offset, the same value. PREFIX: the prefix
+    target's column too (j = n_weights)."""
     row = tl.program_id(0)
     row64 = row.to(tl.int64)
     k = _ce_row_factor(tl.load(grad_ptr + row * stride_grad), post_scale)
     lse = tl.load(lse_ptr + row)
-    sum_w = _ce_sum_w(weights_ptr, n_weights)
-    for j in range(0, n_weights):
-        has_target = row + j < n_rows
-        target = tl.load(targets_ptr + row + j, mask=has_target, other=-1)
-        ok = has_target & (target >= 0) & (target < n_cols)
+    tau, first_w = _ce_prefix_start(prefix_ptr, prefix_w_ptr, row, True, n_cols, PREFIX)
+    sum_w = _ce_sum_w(weights_ptr, n_weights, first_w)
+    n_columns = n_weights
+    if PREFIX:
+        n_columns += 1
+    for j in range(0, n_columns):
+        is_prefix = j >= n_weights
+        has_target = (row + j < n_rows) & (j < n_weights)
+        target = tl.where(is_prefix, tau, tl.load(targets_ptr + row + j, mask=has_target, other=-1))
+        ok = (has_target | is_prefix) & (target >= 0) & (target < n_cols)
         t_weight = tl.zeros([], dtype=tl.float32)
         for i in range(0, n_weights):
             has_i = row + i < n_rows
             target_i = tl.load(targets_ptr + row + i, mask=has_i, other=-1)
             t_weight += tl.where(has_i & (target_i == target), tl.load(weights_ptr + i), 0.0)
+        if PREFIX:
+            t_weight += tl.where(tau == target, first_w, 0.0)
         col = tl.where(ok, target, 0).to(tl.int64)
         logit = _load_as_fp32(logits_ptr + row64 * stride_row + col, ok)
         out = _ce_grad_out(_ce_grad(logit, k, sum_w, t_weight, lse, A, NATIVE), out_ptr, QUANTIZE,
@@ -908,17 +936,40 @@ def _check_ce_inputs(logits: Tensor, targets: Tensor, mtp_weights: Tensor) -> No
            "move mtp_weights to the logits' device")
 
 
-def _launch_ce_fwd(logits: Tensor, targets: Tensor, mtp_weights: Tensor,
-                   train: bool) -> tuple[Tensor, Tensor]:
+def _check_prefix(logits: Tensor, prefix_targets: Tensor | None,
+                  prefix_weight: Tensor | None) -> bool:
+    """Whether the loss has the prefix term (both given), after checking them."""
+    _check((prefix_targets is None) == (prefix_weight is None),
+           "give prefix_targets and prefix_weight together, or neither")
+    if prefix_targets is None:
+        return False
+    _check(prefix_targets.shape == (logits.shape[0],) and prefix_targets.dtype == torch.int64
+           and prefix_targets.is_contiguous(),
+           f"prefix_targets must be contiguous int64 of shape ({logits.shape[0]},) (one per row, -1 "
+           f"for none), got {prefix_targets.dtype} {tuple(prefix_targets.shape)}")
+    _check(prefix_weight.shape == (1,) and prefix_weight.dtype == torch.float32,
+           f"prefix_weight must be a (1,) fp32 tensor, got {prefix_weight.dtype} "
+           f"{tuple(prefix_weight.shape)}")
+    _check(prefix_targets.device == prefix_weight.device == logits.device,
+           "prefix_targets and prefix_weight must be on the logits' device")
+    return True
+
+
+def _launch_ce_fwd(logits: Tensor, targets: Tensor, mtp_weights: Tensor, train: bool,
+                   prefix_targets: Tensor | None = None, prefix_weight: Tensor | None = None
+                   ) -> tuple[Tensor, Tensor]:
     _check_ce_inputs(logits, targets, mtp_weights)
+    prefix = _check_prefix(logits, prefix_targets, prefix_weight)
     n_rows, n_cols = logits.shape
     losses = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
     lse = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
     if n_rows > 0:
         wrap_triton(_ce_fwd_kernel)[(n_rows,)](
-            logits, targets, mtp_weights, losses, lse, n_rows, n_cols, logits.stride(0),
-            mtp_weights.shape[0], A=SOFTCAP_A, B=SOFTCAP_B, C=SOFTCAP_C, TRAIN=train,
-            NATIVE=logits.is_cuda, BLOCK=_CE_BLOCK, num_warps=_CE_WARPS)
+            logits, targets, mtp_weights, losses, lse,
+            prefix_targets if prefix else targets, prefix_weight if prefix else mtp_weights,
+            n_rows, n_cols, logits.stride(0), mtp_weights.shape[0], A=SOFTCAP_A, B=SOFTCAP_B,
+            C=SOFTCAP_C, TRAIN=train, NATIVE=logits.is_cuda, PREFIX=prefix, BLOCK=_CE_BLOCK,
+            num_warps=_CE_WARPS)
     return losses, lse
 
 
@@ -929,18 +980,24 @@ def softcapped_mtp_ce_fwd_triton(logits: Tensor, targets: Tensor,
     return _launch_ce_fwd(logits, targets, mtp_weights, train=False)
 
 
-def softcapped_mtp_ce_train_fwd_triton(logits: Tensor, targets: Tensor,
-                                       mtp_weights: Tensor) -> tuple[Tensor, Tensor]:
-    """Training (record 80, bf16 sigma also for fp32 test logits): the same contract."""
-    return _launch_ce_fwd(logits, targets, mtp_weights, train=True)
+def softcapped_mtp_ce_train_fwd_triton(logits: Tensor, targets: Tensor, mtp_weights: Tensor,
+                                       prefix_targets: Tensor | None = None,
+                                       prefix_weight: Tensor | None = None
+                                       ) -> tuple[Tensor, Tensor]:
+    """Training (record 80, bf16 sigma also for fp32 test logits): the same contract; with
+    prefix_targets (n,) int64 (-1: none) and prefix_weight (1,) fp32 w_p, each row's loss also has
+    [tau >= 0] w_p (lse - A s_tau) (record 88)."""
+    return _launch_ce_fwd(logits, targets, mtp_weights, True, prefix_targets, prefix_weight)
 
 
 def _launch_ce_grad(grad_rows: Tensor, logits: Tensor, targets: Tensor, mtp_weights: Tensor,
                     lse: Tensor, out: Tensor, out_t: Tensor | None, post_scale: float,
-                    quantize: bool, tiles: tuple | None) -> None:
+                    quantize: bool, tiles: tuple | None, prefix_targets: Tensor | None = None,
+                    prefix_weight: Tensor | None = None) -> None:
     """Every column, then the target columns (in this order on the stream: the second kernel
     overwrites what the first wrote there). out_t: the transposed layout as well, or None."""
     _check_ce_inputs(logits, targets, mtp_weights)
+    prefix = _check_prefix(logits, prefix_targets, prefix_weight)
     n_rows, n_cols = logits.shape
     _check(grad_rows.shape == (n_rows,) and lse.shape == (n_rows,) and lse.dtype == torch.float32
            and lse.is_contiguous(),
@@ -952,9 +1009,11 @@ def _launch_ce_grad(grad_rows: Tensor, logits: Tensor, targets: Tensor, mtp_weig
         _CE_GRAD_TILES if logits.is_cuda else _CE_GRAD_INTERPRETER_TILES)[transposed]
     span = triton.cdiv(span or n_cols, block) * block  # columns per program, whole blocks
     args = (grad_rows, grad_rows.stride(0), logits)
-    common = (lse, out, out if out_t is None else out_t, n_rows, n_cols, logits.stride(0),
+    common = (lse, out, out if out_t is None else out_t, prefix_targets if prefix else targets,
+              prefix_weight if prefix else mtp_weights, n_rows, n_cols, logits.stride(0),
               mtp_weights.shape[0])
-    flags = dict(A=SOFTCAP_A, QUANTIZE=quantize, NATIVE=logits.is_cuda, TRANSPOSED=transposed)
+    flags = dict(A=SOFTCAP_A, QUANTIZE=quantize, NATIVE=logits.is_cuda, TRANSPOSED=transposed,
+                 PREFIX=prefix)
     wrap_triton(_ce_grad_kernel)[(triton.cdiv(n_rows, rows), triton.cdiv(n_cols, span))](
         *args, mtp_weights, *common, span, post_scale, BLOCK_R=rows, BLOCK_C=block,
         num_warps=warps, **flags)
@@ -963,13 +1022,15 @@ def _launch_ce_grad(grad_rows: Tensor, logits: Tensor, targets: Tensor, mtp_weig
 
 
 def softcapped_mtp_ce_train_bwd_triton(grad_losses: Tensor, logits: Tensor, targets: Tensor,
-                                       mtp_weights: Tensor, lse: Tensor) -> Tensor:
+                                       mtp_weights: Tensor, lse: Tensor,
+                                       prefix_targets: Tensor | None = None,
+                                       prefix_weight: Tensor | None = None) -> Tensor:
     """The training loss's backward without the FP8 head: grad_losses (n,) (any stride, e.g. an
     expanded 1/A), the forward's inputs and lse -> dlogits (n, V) in logits' dtype, g_row = the
     incoming gradient."""
     dlogits = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
     _launch_ce_grad(grad_losses, logits, targets, mtp_weights, lse, dlogits, None, 1.0, False,
-                    None)
+                    None, prefix_targets, prefix_weight)
     return dlogits
 
 
@@ -981,7 +1042,10 @@ def fp8_grad_inverse_scale(s_g: float) -> float:
 def softcapped_mtp_ce_fp8_grad_triton(logits: Tensor, targets: Tensor, mtp_weights: Tensor,
                                       lse: Tensor, grad_scale: float, s_g: float,
                                       out_dtype: torch.dtype = torch.float8_e5m2,
-                                      tiles: tuple | None = None) -> tuple[Tensor, Tensor]:
+                                      tiles: tuple | None = None,
+                                      prefix_targets: Tensor | None = None,
+                                      prefix_weight: Tensor | None = None
+                                      ) -> tuple[Tensor, Tensor]:
     """The FP8 head's logit gradient of grad_scale * sum(losses), quantised: G8 = e5m2(g) with
     g_row = grad_scale, post = 1/s_g, in both layouts (G8 (n, V), G8^T (V, n)), each contiguous.
     out_dtype=float32 holds the same e5m2 values in fp32 (tests). tiles = (BLOCK_R, BLOCK_C,
@@ -991,17 +1055,22 @@ def softcapped_mtp_ce_fp8_grad_triton(logits: Tensor, targets: Tensor, mtp_weigh
     grad_rows = torch.full((1,), grad_scale, dtype=torch.float32,
                            device=logits.device).expand(logits.shape[0])
     _launch_ce_grad(grad_rows, logits, targets, mtp_weights, lse, out, out_t,
-                    fp8_grad_inverse_scale(s_g), True, tiles)
+                    fp8_grad_inverse_scale(s_g), True, tiles, prefix_targets, prefix_weight)
     return out, out_t
 
 
 def softcapped_mtp_ce_fp8_triton(logits: Tensor, targets: Tensor, mtp_weights: Tensor,
-                                 grad_scale: float, s_g: float
+                                 grad_scale: float, s_g: float,
+                                 prefix_targets: Tensor | None = None,
+                                 prefix_weight: Tensor | None = None
                                  ) -> tuple[Tensor, Tensor, Tensor]:
     """The FP8 head's training loss, all in the forward: (losses (n,) fp32, G8 (n, V), G8^T (V, n)
-    e5m2) from the bf16 logits, which are not needed afterwards."""
-    losses, lse = softcapped_mtp_ce_train_fwd_triton(logits, targets, mtp_weights)
-    g8, g8_t = softcapped_mtp_ce_fp8_grad_triton(logits, targets, mtp_weights, lse, grad_scale, s_g)
+    e5m2) from the bf16 logits, which are not needed afterwards (prefix: as the forward's)."""
+    losses, lse = softcapped_mtp_ce_train_fwd_triton(logits, targets, mtp_weights, prefix_targets,
+                                                     prefix_weight)
+    g8, g8_t = softcapped_mtp_ce_fp8_grad_triton(logits, targets, mtp_weights, lse, grad_scale, s_g,
+                                                 prefix_targets=prefix_targets,
+                                                 prefix_weight=prefix_weight)
     return losses, g8, g8_t
 
 
@@ -1012,21 +1081,29 @@ def _softcapped_mtp_ce_fwd_op(logits: Tensor, targets: Tensor,
 
 
 @triton_op(f"{_LIB}::softcapped_mtp_ce_train_fwd", mutates_args=())
-def _softcapped_mtp_ce_train_fwd_op(logits: Tensor, targets: Tensor,
-                                    mtp_weights: Tensor) -> tuple[Tensor, Tensor]:
-    return softcapped_mtp_ce_train_fwd_triton(logits, targets, mtp_weights)
+def _softcapped_mtp_ce_train_fwd_op(logits: Tensor, targets: Tensor, mtp_weights: Tensor,
+                                    prefix_targets: Tensor | None = None,
+                                    prefix_weight: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    return softcapped_mtp_ce_train_fwd_triton(logits, targets, mtp_weights, prefix_targets,
+                                              prefix_weight)
 
 
 @triton_op(f"{_LIB}::softcapped_mtp_ce_train_bwd", mutates_args=())
 def _softcapped_mtp_ce_train_bwd_op(grad_losses: Tensor, logits: Tensor, targets: Tensor,
-                                    mtp_weights: Tensor, lse: Tensor) -> Tensor:
-    return softcapped_mtp_ce_train_bwd_triton(grad_losses, logits, targets, mtp_weights, lse)
+                                    mtp_weights: Tensor, lse: Tensor,
+                                    prefix_targets: Tensor | None = None,
+                                    prefix_weight: Tensor | None = None) -> Tensor:
+    return softcapped_mtp_ce_train_bwd_triton(grad_losses, logits, targets, mtp_weights, lse,
+                                              prefix_targets, prefix_weight)
 
 
 @triton_op(f"{_LIB}::softcapped_mtp_ce_fp8", mutates_args=())
 def _softcapped_mtp_ce_fp8_op(logits: Tensor, targets: Tensor, mtp_weights: Tensor,
-                              grad_scale: float, s_g: float) -> tuple[Tensor, Tensor, Tensor]:
-    return softcapped_mtp_ce_fp8_triton(logits, targets, mtp_weights, grad_scale, s_g)
+                              grad_scale: float, s_g: float, prefix_targets: Tensor | None = None,
+                              prefix_weight: Tensor | None = None
+                              ) -> tuple[Tensor, Tensor, Tensor]:
+    return softcapped_mtp_ce_fp8_triton(logits, targets, mtp_weights, grad_scale, s_g,
+                                        prefix_targets, prefix_weight)
 
 
 def softcapped_mtp_ce_triton(logits: Tensor, targets: Tensor, mtp_weights: Tensor) -> Tensor:
@@ -1040,24 +1117,28 @@ class _SoftcappedMTPCETrainFunction(torch.autograd.Function):
     weights; returns dlogits in the logits' dtype."""
 
     @staticmethod
-    def forward(ctx, logits: Tensor, targets: Tensor, mtp_weights: Tensor) -> Tensor:
-        losses, lse = torch.ops.nanogpt_kernels.softcapped_mtp_ce_train_fwd(logits, targets,
-                                                                          mtp_weights)
-        ctx.save_for_backward(logits, targets, mtp_weights, lse)
+    def forward(ctx, logits: Tensor, targets: Tensor, mtp_weights: Tensor,
+                prefix_targets: Tensor | None, prefix_weight: Tensor | None) -> Tensor:
+        losses, lse = torch.ops.nanogpt_kernels.softcapped_mtp_ce_train_fwd(
+            logits, targets, mtp_weights, prefix_targets, prefix_weight)
+        ctx.save_for_backward(logits, targets, mtp_weights, lse, prefix_targets, prefix_weight)
         return losses
 
     @staticmethod
     def backward(ctx, grad_losses: Tensor):
-        logits, targets, mtp_weights, lse = ctx.saved_tensors
+        logits, targets, mtp_weights, lse, prefix_targets, prefix_weight = ctx.saved_tensors
         dlogits = torch.ops.nanogpt_kernels.softcapped_mtp_ce_train_bwd(
-            grad_losses, logits, targets, mtp_weights, lse)
-        return dlogits, None, None
+            grad_losses, logits, targets, mtp_weights, lse, prefix_targets, prefix_weight)
+        return dlogits, None, None, None, None
 
 
-def softcapped_mtp_ce_train_triton(logits: Tensor, targets: Tensor, mtp_weights: Tensor) -> Tensor:
-    """Per-row training loss (record 80) of logits without the FP8 head, differentiable, by the
-    Triton kernels."""
-    return _SoftcappedMTPCETrainFunction.apply(logits, targets, mtp_weights)
+def softcapped_mtp_ce_train_triton(logits: Tensor, targets: Tensor, mtp_weights: Tensor,
+                                   prefix_targets: Tensor | None = None,
+                                   prefix_weight: Tensor | None = None) -> Tensor:
+    """Per-row training loss (record 80; prefix: record 88's term) of logits without the FP8 head,
+    differentiable, by the Triton kernels."""
+    return _SoftcappedMTPCETrainFunction.apply(logits, targets, mtp_weights, prefix_targets,
+                                               prefix_weight)
 
 
 def softcap(logits: Tensor) -> Tensor:
@@ -1118,7 +1199,9 @@ def _softcap_constants(dtype: torch.dtype) -> tuple[float, float, float]:
 
 
 def softcapped_mtp_ce_train_math(logits: Tensor, targets: Tensor, mtp_weights: Tensor,
-                                 row_factor: Tensor | float | None = None
+                                 row_factor: Tensor | float | None = None,
+                                 prefix_targets: Tensor | None = None,
+                                 prefix_weight: Tensor | None = None
                                  ) -> tuple[Tensor, Tensor | None]:
     """Record 80's training loss per row and, given row_factor, its logit gradient,
     in plain PyTorch with the kernels' rounding points.
@@ -1133,6 +1216,9 @@ def softcapped_mtp_ce_train_math(logits: Tensor, targets: Tensor, mtp_weights: T
     buffer's last K-1 rows the gradient has terms their loss lacks, as upstream's) and T_c the
     weights of the offsets whose target is c; p = e^(A s - lse). The record's row
     factor is (grad_scale (1/C) A) (1/s_g) for the FP8 head; without it, g_row (1/C) A.
+    prefix_targets (n,) int64 (-1: none) and prefix_weight (1,) w_p add record 88's prefix term:
+    loss_r += [tau_r in [0, V)] w_p (lse - A s_tau) after the offsets, w_p first in S_w, and w_p
+    last in T_tau.
     """
     acc = acc_dtype(logits.dtype)
     inv_c, b_div_c, _ = _softcap_constants(acc)
@@ -1155,24 +1241,37 @@ def softcapped_mtp_ce_train_math(logits: Tensor, targets: Tensor, mtp_weights: T
         losses = losses + F.pad(torch.where(valid, w[k] * (lse[:rows] - z_y), 0.0), (0, n - rows))
         if t_c is not None:
             t_c[:rows].scatter_add_(1, y, torch.where(valid, w[k], 0.0)[:, None])
+    first_w = 0.0                                   # S_w's first term: w_p where tau exists
+    if prefix_targets is not None:
+        tau = prefix_targets[:n]
+        has = (tau >= 0) & (tau < V)
+        tau = tau.clamp(0, V - 1)[:, None]
+        w_p = prefix_weight.to(acc).reshape(())
+        losses = losses + torch.where(has, w_p * (lse - z.gather(1, tau).squeeze(1)), 0.0)
+        first_w = torch.where(has, w_p, 0.0)[:, None]
+        if t_c is not None:
+            t_c.scatter_add_(1, tau, first_w)
     if row_factor is None:
         return losses, None
-    sum_w = w[0]
+    sum_w = first_w + w[0]
     for k in range(1, w.shape[0]):
         sum_w = sum_w + w[k]
     delta = sum_w * torch.exp(z - lse[:, None]) - t_c
     return losses, ((row_factor * delta) * s) * (1 - s)
 
 
-def _row_blocks(logits: Tensor, targets: Tensor, K: int, rows: int | None):
-    """(first row, logits block, its targets with the K - 1 look-ahead) per block of `rows` rows
-    (None: all at once; 0: _CE_REFERENCE_BLOCK logits a block, to bound the fp32 temporaries)."""
+def _row_blocks(logits: Tensor, targets: Tensor, K: int, rows: int | None,
+                prefix_targets: Tensor | None = None):
+    """(first row, logits block, its targets with the K - 1 look-ahead, its prefix targets or None)
+    per block of `rows` rows (None: all at once; 0: _CE_REFERENCE_BLOCK logits a block, to bound
+    the fp32 temporaries)."""
     n = logits.shape[0]
     if rows == 0:
         rows = max(1, _CE_REFERENCE_BLOCK // max(1, logits.shape[-1]))
     rows = rows or max(1, n)
     for r in range(0, n, rows):
-        yield r, logits[r:r + rows], targets[r:r + rows + K - 1]
+        yield (r, logits[r:r + rows], targets[r:r + rows + K - 1],
+               None if prefix_targets is None else prefix_targets[r:r + rows])
 
 
 class _SoftcappedMTPCETrainReference(torch.autograd.Function):
@@ -1180,30 +1279,37 @@ class _SoftcappedMTPCETrainReference(torch.autograd.Function):
     row_factor = g_row (1/C) A (the incoming gradient passes through), in the logits' dtype."""
 
     @staticmethod
-    def forward(ctx, logits: Tensor, targets: Tensor, mtp_weights: Tensor,
-                rows: int | None) -> Tensor:
-        ctx.save_for_backward(logits, targets, mtp_weights)
+    def forward(ctx, logits: Tensor, targets: Tensor, mtp_weights: Tensor, rows: int | None,
+                prefix_targets: Tensor | None, prefix_weight: Tensor | None) -> Tensor:
+        ctx.save_for_backward(logits, targets, mtp_weights, prefix_targets, prefix_weight)
         ctx.rows = rows
         K = mtp_weights.shape[0]
-        return torch.cat([softcapped_mtp_ce_train_math(lb, tb, mtp_weights)[0]
-                          for _, lb, tb in _row_blocks(logits, targets, K, rows)])
+        blocks = _row_blocks(logits, targets, K, rows, prefix_targets)
+        return torch.cat([softcapped_mtp_ce_train_math(lb, tb, mtp_weights, None, pb,
+                                                       prefix_weight)[0]
+                          for _, lb, tb, pb in blocks])
 
     @staticmethod
     def backward(ctx, grad_losses: Tensor):
-        logits, targets, mtp_weights = ctx.saved_tensors
+        logits, targets, mtp_weights, prefix_targets, prefix_weight = ctx.saved_tensors
         acc = acc_dtype(logits.dtype)
         factor = grad_losses.to(acc)[:, None] * _softcap_constants(acc)[2]
         K = mtp_weights.shape[0]
+        blocks = _row_blocks(logits, targets, K, ctx.rows, prefix_targets)
         dlogits = torch.cat([
-            softcapped_mtp_ce_train_math(lb, tb, mtp_weights, factor[r:r + lb.shape[0]])[1]
-            for r, lb, tb in _row_blocks(logits, targets, K, ctx.rows)])
-        return dlogits.to(logits.dtype), None, None, None
+            softcapped_mtp_ce_train_math(lb, tb, mtp_weights, factor[r:r + lb.shape[0]], pb,
+                                         prefix_weight)[1]
+            for r, lb, tb, pb in blocks])
+        return dlogits.to(logits.dtype), None, None, None, None, None
 
 
 def softcapped_mtp_ce_train_reference(logits: Tensor, targets: Tensor, mtp_weights: Tensor,
-                                      rows: int | None = None) -> Tensor:
+                                      rows: int | None = None,
+                                      prefix_targets: Tensor | None = None,
+                                      prefix_weight: Tensor | None = None) -> Tensor:
     """softcapped_mtp_ce_train_triton's contract in plain PyTorch (rows: see _row_blocks)."""
-    return _SoftcappedMTPCETrainReference.apply(logits, targets, mtp_weights, rows)
+    return _SoftcappedMTPCETrainReference.apply(logits, targets, mtp_weights, rows, prefix_targets,
+                                                prefix_weight)
 
 
 def fp8_grad_row_factor(grad_scale: float, s_g: float) -> float:
@@ -1214,15 +1320,18 @@ def fp8_grad_row_factor(grad_scale: float, s_g: float) -> float:
 
 
 def softcapped_mtp_ce_fp8_reference(logits: Tensor, targets: Tensor, mtp_weights: Tensor,
-                                    grad_scale: float, s_g: float, rows: int | None = None
+                                    grad_scale: float, s_g: float, rows: int | None = None,
+                                    prefix_targets: Tensor | None = None,
+                                    prefix_weight: Tensor | None = None
                                     ) -> tuple[Tensor, Tensor, Tensor]:
     """softcapped_mtp_ce_fp8_triton's contract in plain PyTorch (rows: see _row_blocks): the
     losses, and G8 = e5m2(g) from fp32 (nearest even, clamped to +-57344 first so that overflow
     saturates; NaN stays NaN) in both layouts."""
     factor = fp8_grad_row_factor(grad_scale, s_g)
     losses, g8 = [], []
-    for _, lb, tb in _row_blocks(logits, targets, mtp_weights.shape[0], rows):
-        loss, g = softcapped_mtp_ce_train_math(lb, tb, mtp_weights, factor)
+    K = mtp_weights.shape[0]
+    for _, lb, tb, pb in _row_blocks(logits, targets, K, rows, prefix_targets):
+        loss, g = softcapped_mtp_ce_train_math(lb, tb, mtp_weights, factor, pb, prefix_weight)
         losses.append(loss)
         g8.append(g.float().clamp(-E5M2_MAX, E5M2_MAX).to(torch.float8_e5m2))
     g8 = torch.cat(g8)

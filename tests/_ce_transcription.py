@@ -69,10 +69,13 @@ def logits_clear_of_bf16_ties(n: int, V: int, g: torch.Generator, scale: float, 
     raise AssertionError("could not draw logits clear of bf16 ties")
 
 
-def ce_train(logits: torch.Tensor, targets: torch.Tensor, weights, rounded: bool = True) -> dict:
+def ce_train(logits: torch.Tensor, targets: torch.Tensor, weights, rounded: bool = True, prefix=None,
+             w_p: float = 0.0) -> dict:
     """Per row r: s = bf16(sigma) (rounded) or sigma, lse = log sum_c e^(A s_c), loss_r = sum_k [r+k < n]
     [0 <= y < V] w_k (lse - A s_y) (no w_k > 0 test), S_w = sum of ALL weights (tail rule), T_c = sum of w_k over
-    the offsets with r+k < n and y_{r+k} = c, delta = S_w p - T_c, p = e^(A s - lse). All float64."""
+    the offsets with r+k < n and y_{r+k} = c, delta = S_w p - T_c, p = e^(A s - lse). All float64.
+    prefix (n,) ids (-1: none), the prefix-token term of record 88: where tau_r = prefix[r] is in [0, V), loss_r
+    gains w_p (lse - A s_tau), S_w gains w_p and T_tau gains w_p."""
     n, V = logits.shape
     sig = sigma64(logits)
     s = round_bf16(sig) if rounded else sig
@@ -87,7 +90,13 @@ def ce_train(logits: torch.Tensor, targets: torch.Tensor, weights, rounded: bool
                 y = int(targets[r + k])
                 losses[r] += wk * (lse[r] - z[r, y])
                 t_c[r, y] += wk
-    s_w = sum(w)
+    s_w = torch.full((n, 1), sum(w), dtype=torch.float64)
+    for r in range(n if prefix is not None else 0):
+        tau = int(prefix[r])
+        if 0 <= tau < V:
+            losses[r] += w_p * (lse[r] - z[r, tau])
+            t_c[r, tau] += w_p
+            s_w[r] += w_p
     delta = s_w * torch.exp(z - lse[:, None]) - t_c
     return dict(s=s, sigma=sig, lse=lse, losses=losses, delta=delta, s_w=s_w, t_c=t_c)
 

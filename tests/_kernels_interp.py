@@ -404,6 +404,90 @@ def test_train_kernels_and_reference_agree_on_bf16_logits():
     assert torch.equal(blocks[0], ref_losses) and torch.equal(blocks[1].float(), ref_g8.float())
 
 
+def _prefix_case(n, V, weights, seed, dtype=torch.bfloat16):
+    """An FP8 case with prefix targets: none (-1) on some rows, one equal to the row's next target (T_c of that
+    column has both weights), the others random."""
+    logits, targets, w = _fp8_case(n, V, weights, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    prefix = torch.randint(0, V, (n,), generator=g)
+    prefix[::3] = -1
+    prefix[1] = targets[2]                     # the same column as row 1's k = 1 target
+    prefix[n - 1] = targets[n - 1]             # the same column as the last row's own target
+    return logits.to(dtype), targets, w, prefix
+
+
+@pytest.mark.parametrize("n, V, weights", [(7, 1100, [1.0, 0.5, 0.25]), (5, 300, [1.0, 0.5]), (4, 520, [1.0])])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_train_forward_with_the_prefix_term_matches_the_transcription(n, V, weights, dtype):
+    """Record 88's prefix term: loss_r + [tau_r >= 0] w_p (lse - A s_tau), after the offsets' terms."""
+    logits, targets, w, prefix = _prefix_case(n, V, weights, n * 7 + V, dtype)
+    w_p = torch.tensor([0.25])
+    losses, lse = tk.softcapped_mtp_ce_train_fwd_triton(logits, targets, w, prefix, w_p)
+    want = tr.ce_train(logits, targets, weights, prefix=prefix, w_p=0.25)
+    torch.testing.assert_close(lse.double(), want["lse"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(losses.double(), want["losses"], rtol=1e-5, atol=1e-4)
+    plain, _ = tk.softcapped_mtp_ce_train_fwd_triton(logits, targets, w)
+    has = prefix >= 0
+    assert torch.equal(losses[~has], plain[~has]) and ((losses - plain)[has] > 1e-3).all()
+
+
+@pytest.mark.parametrize("n, V, weights, tiles", [(9, 1100, [1.0, 0.5, 0.25], None), (6, 300, [1.0, 0.5], None),
+                                                  (5, 520, [1.0, 0.5, 0.25], (8, 64, None, 2))])
+def test_fp8_grad_with_the_prefix_term_is_the_transcribed_gradient(n, V, weights, tiles):
+    """S_w starts with w_p on rows that have a prefix target, T_tau gains w_p (also where tau is a target column of
+    the row's offsets), both layouts; the bf16 training backward gets the same delta."""
+    logits, targets, w, prefix = _prefix_case(n, V, weights, n * 13 + V)
+    w_p = torch.tensor([0.25])
+    grad_scale, s_g = 0.5, 0.5 * 0.75 / 448
+    _, lse = tk.softcapped_mtp_ce_train_fwd_triton(logits, targets, w, prefix, w_p)
+    q, q_t = tk.softcapped_mtp_ce_fp8_grad_triton(logits, targets, w, lse, grad_scale, s_g, out_dtype=torch.float32,
+                                                  tiles=tiles, prefix_targets=prefix, prefix_weight=w_p)
+    want = tr.ce_train(logits, targets, weights, prefix=prefix, w_p=0.25)
+    tr.assert_e5m2_matches(q, tr.g_fp32(want, tr.fp8_grad_factor(grad_scale, s_g)), "G8 with the prefix term")
+    assert torch.equal(q_t, q.t())
+    without = tr.ce_train(logits, targets, weights)
+    moved = tr.round_e5m2(tr.g_fp32(without, tr.fp8_grad_factor(grad_scale, s_g))) != q.double()
+    assert moved[prefix >= 0].any() and not moved[prefix < 0].any()
+    grad_rows = torch.full((1,), 0.125).expand(n)
+    d = tk.softcapped_mtp_ce_train_bwd_triton(grad_rows, logits.float(), targets, w, lse, prefix, w_p)
+    exact = (0.125 * tr.INV_C_A) * want["delta"] * want["s"] * (1 - want["s"])
+    torch.testing.assert_close(d.double(), exact, rtol=1e-5, atol=1e-6 * exact.abs().max().item())
+
+
+def test_a_zero_prefix_weight_changes_no_bit():
+    """From step 847 on w_p = 0: the prefix branch still runs, and the losses and G8 are the plain ones bit for
+    bit."""
+    logits, targets, w, prefix = _prefix_case(8, 900, [1.0, 0.5], 5)
+    plain = tk.softcapped_mtp_ce_fp8_triton(logits, targets, w, 0.5, 0.5 * 0.75 / 448)
+    zero = tk.softcapped_mtp_ce_fp8_triton(logits, targets, w, 0.5, 0.5 * 0.75 / 448, prefix, torch.zeros(1))
+    assert torch.equal(zero[0], plain[0])
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(zero[1:], plain[1:]))
+
+
+def test_the_prefix_term_kernels_and_reference_agree():
+    """The FP8 op with the prefix term against its plain-PyTorch reference (whole and in row blocks), and the
+    differentiable training loss against the reference's autograd."""
+    logits, targets, w, prefix = _prefix_case(9, 700, [1.0, 0.5, 0.25], 31)
+    w_p = torch.tensor([0.25])
+    args = (logits, targets, w, 0.5, 0.5 * 0.75 / 448)
+    losses, g8, _ = tk.softcapped_mtp_ce_fp8_triton(*args, prefix, w_p)
+    ref_losses, ref_g8, _ = tk.softcapped_mtp_ce_fp8_reference(*args, prefix_targets=prefix, prefix_weight=w_p)
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-4)
+    assert (g8.float() != ref_g8.float()).float().mean() < 1e-3
+    blocks = tk.softcapped_mtp_ce_fp8_reference(*args, rows=4, prefix_targets=prefix, prefix_weight=w_p)
+    assert torch.equal(blocks[0], ref_losses) and torch.equal(blocks[1].float(), ref_g8.float())
+    x = logits.clone().requires_grad_()           # bf16: both round sigma to bf16
+    grad_rows = torch.rand(9, generator=torch.Generator().manual_seed(2))
+    (d,) = torch.autograd.grad(tk.softcapped_mtp_ce_train_triton(x, targets, w, prefix, w_p), x, grad_rows)
+    (d_ref,) = torch.autograd.grad(tk.softcapped_mtp_ce_train_reference(x, targets, w, None, prefix, w_p), x,
+                                   grad_rows)
+    # both round an fp32 gradient to bf16; fp32 op-order differences may flip a rounding: at most one bf16 ulp
+    torch.testing.assert_close(d.float(), d_ref.float(), rtol=2 ** -7, atol=1e-6)
+    plain = tk.softcapped_mtp_ce_train_reference(x, targets, w)
+    (d_plain,) = torch.autograd.grad(plain, x, grad_rows)
+    assert (d_plain.float() - d_ref.float()).abs().max() > 1e-2
+
+
 def test_ce_kernels_skip_out_of_range_targets():
     n, V = 6, 700
     g = torch.Generator().manual_seed(3)

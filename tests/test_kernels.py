@@ -270,18 +270,21 @@ def _sm90_cases():
                    "WARP_SPECIALIZE": True}, {"num_warps": warps, "num_stages": stages}, (),
                   tuple(k for k in fp8_sig if k != "scale_ptr")))
     ce_fwd_sig = {"logits_ptr": "*bf16", "targets_ptr": "*i64", "weights_ptr": "*fp32", "losses_ptr": "*fp32",
-                  "lse_ptr": "*fp32", "n_rows": "i32", "n_cols": "i32", "stride_row": "i32", "n_weights": "i32"}
-    for train in (False, True):   # record 61's eval loss, record 80's training loss
+                  "lse_ptr": "*fp32", "prefix_ptr": "*i64", "prefix_w_ptr": "*fp32", "n_rows": "i32", "n_cols": "i32",
+                  "stride_row": "i32", "n_weights": "i32"}
+    # record 61's eval loss, record 80's training loss, and with record 88's prefix term
+    for train, prefix in ((False, False), (True, False), (True, True)):
         cases.append(("ce_fwd", tk._ce_fwd_kernel, ce_fwd_sig,
-                      {**softcap, "TRAIN": train, "NATIVE": True, "BLOCK": tk._CE_BLOCK}, {"num_warps": tk._CE_WARPS},
-                      (), ("logits_ptr", "n_cols", "stride_row")))
+                      {**softcap, "TRAIN": train, "NATIVE": True, "PREFIX": prefix, "BLOCK": tk._CE_BLOCK},
+                      {"num_warps": tk._CE_WARPS}, (), ("logits_ptr", "n_cols", "stride_row")))
     ce_grad_sig = {"grad_ptr": "*fp32", "stride_grad": "i32", "logits_ptr": "*bf16", "weights_ptr": "*fp32",
-                   "lse_ptr": "*fp32", "n_rows": "i32", "n_cols": "i32", "stride_row": "i32", "n_weights": "i32",
-                   "post_scale": "fp32"}
+                   "lse_ptr": "*fp32", "prefix_ptr": "*i64", "prefix_w_ptr": "*fp32", "n_rows": "i32",
+                   "n_cols": "i32", "stride_row": "i32", "n_weights": "i32", "post_scale": "fp32"}
     # the plain bf16 training backward (one layout) and the FP8 head's gradient (both layouts), as the launcher
-    # pairs them
-    for quantize, out in ((False, "*bf16"), (True, "*fp8e5")):
-        flags = {"A": tk.SOFTCAP_A, "QUANTIZE": quantize, "NATIVE": True, "TRANSPOSED": quantize}
+    # pairs them, each without and with the prefix term
+    for quantize, out, prefix in ((False, "*bf16", False), (True, "*fp8e5", False), (False, "*bf16", True),
+                                  (True, "*fp8e5", True)):
+        flags = {"A": tk.SOFTCAP_A, "QUANTIZE": quantize, "NATIVE": True, "TRANSPOSED": quantize, "PREFIX": prefix}
         rows, block, _, warps = tk._CE_GRAD_TILES[quantize]
         sig = {**ce_grad_sig, "out_ptr": out, "out_t_ptr": out, "cols_per_program": "i32"}
         cases.append(("ce_grad", tk._ce_grad_kernel, sig, {**flags, "BLOCK_R": rows, "BLOCK_C": block},

@@ -247,6 +247,30 @@ def test_train_kernels_bf16_match_the_reference(n, weights):
         "the hardware e5m2 conversion is not the bits' rounding (_e5m2_rne)"
 
 
+def test_train_kernels_with_the_prefix_term_match_the_reference():
+    """Record 88's prefix term on the GPU at the vocabulary's width: losses and G8 against the reference with the same
+    prefix targets (a third without one, some equal to a row's target), within the bf16-sigma tolerance above; with
+    w_p = 0 the plain outputs bit for bit."""
+    n, V = 256, 50304
+    logits, targets = _train_case(n, V, 53)
+    w = torch.tensor([1.0, 0.5, 0.25], device="cuda")
+    prefix = torch.randint(0, V, (n,), device="cuda", generator=gen(54))
+    prefix[::3] = -1
+    prefix[1::5] = targets[1::5]
+    w_p = torch.tensor([0.25], device="cuda")
+    args = (logits, targets, w, 0.125, 0.125 * 0.75 / 448)
+    losses, g8, g8_t = tk.softcapped_mtp_ce_fp8_triton(*args, prefix, w_p)
+    ref_losses, ref_g8, _ = tk.softcapped_mtp_ce_fp8_reference(*args, prefix_targets=prefix, prefix_weight=w_p)
+    steps = e5m2_steps_apart(g8, ref_g8)
+    assert steps.max() <= 1 and steps.bool().float().mean() < 0.02
+    assert torch.equal(fp8_bits(g8_t), fp8_bits(g8).t())
+    assert ((losses - ref_losses).abs() <= 0.1 * (1.75 + 0.25) + 1e-3 * ref_losses.abs()).all()
+    plain = tk.softcapped_mtp_ce_fp8_triton(*args)
+    zero = tk.softcapped_mtp_ce_fp8_triton(*args, prefix, torch.zeros(1, device="cuda"))
+    assert torch.equal(zero[0], plain[0]) and torch.equal(fp8_bits(zero[1]), fp8_bits(plain[1]))
+    assert (losses - plain[0])[prefix >= 0].min() > 0
+
+
 def test_train_fp8_gradient_saturates_in_hardware_as_in_the_bits():
     """With a tiny s_g many gradients pass 57344: the e5m2 output (hardware cvt.rn.satfinite) saturates exactly as
     the fp32 output's rounding through the bits does, and equals the reference's clamp-then-cast."""
