@@ -415,7 +415,9 @@ def test_class_adam_every_other_step_on_summed_grads_and_tied_head():
         p_ref, _, _ = adam_reference(init[k], summed, zeros, zeros, t=1, lr=0.008 * s * row["lr_mul"],
                                      beta1=row["betas"][0], beta2=row["betas"][1], eps=1e-10,
                                      wd=0.005 * row["wd_mul"])
-        ulp = torch.finfo(params[k].dtype).eps * p_ref.abs()
+        # a few fp32 roundings of the weight and of the step (the update may contract a multiply-add or not,
+        # by CPU): relative to both, so a weight near zero is held to its step's rounding
+        ulp = 4 * torch.finfo(params[k].dtype).eps * (p_ref.abs() + (p_ref - init[k].to(F64)).abs())
         assert ((params[k].detach().to(F64) - p_ref).abs() <= ulp).all(), k
     assert torch.equal(params["embed"].detach(), params["lm_head"].detach().mT)   # exact copy while tied
     assert opt.adam_t["lm_head"] == 1 and opt.adam_t["embed"] == 0 and opt.adam_t["scalars"] == 1
