@@ -109,6 +109,9 @@ def kernel_rows(only: str) -> None:
 def whole_mlp() -> None:
     print(f"\n{'whole MLP, compiled (quantisation inside)':<44}" + "".join(f"{M:>10}" for M in ROWS))
     for fp8 in (False, True):
+        # Both passes share the lambda's code object: without a reset their 12 graphs (2 x 3 sizes x grad mode)
+        # pass dynamo's recompile limit of 8 and the last rows time eager code.
+        torch._dynamo.reset()
         f = torch.compile(lambda x, a, b: tk.relu2_mlp_triton(x, a, b, fp8=fp8), dynamic=False)
         fwd, fb = [], []
         for M in ROWS:
