@@ -182,8 +182,9 @@ def test_a_two_process_state_set_is_checked_on_every_rank_before_loading(tmp_pat
     continues on both ranks from the newest whole one, saying which it skipped."""
     train, val = make_dataset(tmp_path / "d", train_tokens=200_000, val_tokens=20_000)
     logs = tmp_path / "logs"
-    common = ["--preset=tiny", "--num_scheduled_iterations=4", "--num_extension_iterations=1", "--warmup=false",
-              "--seed=0", "--checkpoint_every=2", "--save_checkpoint=true", "--batch_slices=2",
+    # float32 pinned: --dtype=auto would add a note about this CPU's bf16 to the notes compared below
+    common = ["--preset=tiny", "--dtype=float32", "--num_scheduled_iterations=4", "--num_extension_iterations=1",
+              "--warmup=false", "--seed=0", "--checkpoint_every=2", "--save_checkpoint=true", "--batch_slices=2",
               f"--train_files={train}", f"--val_files={val}", f"--log_dir={logs}"]
     for p in run_gloo([*common, "--run_id=a"], 2, tmp_path):
         assert p.returncode == 0, p.stderr[-3000:]
@@ -236,9 +237,9 @@ def test_a_power_cut_run_resumes_its_folder_from_the_older_state_end_to_end(tmp_
     with one line on the console and in the log; naming the cut state is one error line (exit 2)."""
     train, val = make_dataset(tmp_path / "d", train_tokens=120_000, val_tokens=20_000)
     logs = tmp_path / "logs"
-    common = ["--preset=tiny", "--num_scheduled_iterations=4", "--num_extension_iterations=1", "--warmup=false",
-              "--seed=0", "--checkpoint_every=2", f"--train_files={train}", f"--val_files={val}",
-              f"--log_dir={logs}"]
+    common = ["--preset=tiny", "--dtype=float32", "--num_scheduled_iterations=4", "--num_extension_iterations=1",
+              "--warmup=false", "--seed=0", "--checkpoint_every=2", f"--train_files={train}", f"--val_files={val}",
+              f"--log_dir={logs}"]                     # float32 pinned: no note about this CPU's bf16
     p = run_trainer([*common, "--run_id=a"], tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
     assert sorted(f.name for f in (logs / "a").iterdir()) == ["state_step000002.pt", "state_step000004.pt",

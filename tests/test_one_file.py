@@ -59,7 +59,8 @@ def test_resume_cache_key_and_help_derive_from_one_split():
 # ---- one definition per op ----------------------------------------------------------------------------------------
 
 def tiny_model(kernels: str = "fused", seed: int = 0, use_fp8: bool = False) -> tg.GPT:
-    hp = tg.parse_args(["--preset=tiny", f"--kernels={kernels}", f"--use_fp8={use_fp8}"])
+    # bf16 pinned: --dtype=auto picks float32 on a CPU without bf16 instructions, which the FP8 head refuses
+    hp = tg.parse_args(["--preset=tiny", "--dtype=bfloat16", f"--kernels={kernels}", f"--use_fp8={use_fp8}"])
     torch.manual_seed(seed)
     model = tg.build_model(hp, torch.device("cpu"), "sdpa")
     g = torch.Generator().manual_seed(seed)
