@@ -125,7 +125,7 @@ def test_real_model_compiled_train_step(compiled_model):
         g = torch.Generator(device="cuda").manual_seed(2)
         for bank in (model.qk, model.vo, model.mlp):
             bank.copy_(torch.randn(bank.shape, device="cuda", generator=g) * bank.shape[-1] ** -0.5)
-        for name in ("value_embeds", "bigram_embed", "attn_gate_bank", "ve_gate_bank", "smear_gate", "skip_gate"):
+        for name in ("value_embeds", "bigram_embed", "ve_gate_bank", "smear_gate", "mudd_gate_w2"):
             p = getattr(model, name)
             p.copy_(0.3 * torch.randn(p.shape, device="cuda", generator=g))
     model.zero_grad(set_to_none=True)
@@ -225,7 +225,7 @@ def test_kernels_torch_runs_an_edited_activation_and_loss_on_the_gpu(monkeypatch
         traced.append(x.shape)                 # runs while the compiler traces the model: once per layer
         return torch.relu(x @ c_fc.mT) @ c_proj
 
-    monkeypatch.setattr(tk, "relu2_mlp_reference", relu_mlp)
+    monkeypatch.setattr(tk, "relu2_mlp_post_reference", relu_mlp)
     torch._dynamo.reset()
     relu, relu_grads = _loss_and_grads("torch")
     moved = rel_err(relu_grads["mlp"], plain_grads["mlp"])
