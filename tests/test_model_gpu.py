@@ -225,7 +225,12 @@ def test_kernels_torch_runs_an_edited_activation_and_loss_on_the_gpu(monkeypatch
         traced.append(x.shape)                 # runs while the compiler traces the model: once per layer
         return torch.relu(x @ c_fc.mT) @ c_proj
 
+    def relu_mlp_fp8_down(x, c_fc, c_proj, act_scale, weight_scale, w8t):  # the same edit of the
+        out = relu_mlp(x, c_fc, c_proj)                                    # FP8-down training MLP
+        return out, out.detach().float().abs().amax().reshape(1)
+
     monkeypatch.setattr(tk, "relu2_mlp_post_reference", relu_mlp)
+    monkeypatch.setattr(tk, "relu2_mlp_fp8_down_reference", relu_mlp_fp8_down)
     torch._dynamo.reset()
     relu, relu_grads = _loss_and_grads("torch")
     moved = rel_err(relu_grads["mlp"], plain_grads["mlp"])
