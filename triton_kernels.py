@@ -1092,7 +1092,8 @@ class Fp8DownState(torch.nn.Module):
     training forwards; weight_scales (n_slots,), the c the forwards use; next_weight_scales
     (n_slots,), the c set aside for the next refresh. weights8 (n_slots, D, H) e4m3 is derived
     (not saved): refresh_weights builds it, rebuild_weights8 rebuilds it after a load.
-    At W > 1 each rank advances only its owned_slices' rows: gather them before saving."""
+    At W > 1 each rank advances only its owned_slices' rows, so each rank's state file holds its own
+    rows current (a resume runs at the writers' process count; the trainer refuses others)."""
 
     def __init__(self, n_slices: int, n_layers: int, n_slots: int,
                  device: torch.device | str | None = None):
