@@ -3014,6 +3014,12 @@ _DC_INTERPRETER_TILES = {"fwd": (16, 1, 1), "dq": (16, 1, 1), "dkdv": (16, 16, 1
 _DC_MAX_WINDOW = 128  # one key tile per query block holds the whole window: larger ones would spill
 
 
+def dc_logit_scale(scale: float) -> float:
+    """The kernels' exp2 scale of the DC logits: fp32(fp32(scale) * fp32(log2 e)), the product the
+    record's kernel forms in fp32 (a product in double, then rounded, can differ by one ulp)."""
+    return _f32(_f32(scale) * _f32(_LOG2E))
+
+
 @triton.jit
 def _dc_query_tile(start_ptr, m0, T, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """The rows of the query block at m0, the key tile's columns (m0 - window + 1 ...), which of
@@ -3232,8 +3238,8 @@ def dc_correction_fwd_triton(y: Tensor, q: Tensor, k: Tensor, v: Tensor, w1: Ten
     start, _ = document_bounds(cu_seqlens, T)
     bm, warps, stages = _dc_tiles(q, "fwd", tiles)
     wrap_triton(_dc_fwd_kernel)[(triton.cdiv(T, bm),)](
-        q, k, v, y, w1, w2, start, out, lse, T, window, scale * _LOG2E, q.stride(0), q.stride(1),
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1), y.stride(0), y.stride(1),
+        q, k, v, y, w1, w2, start, out, lse, T, window, dc_logit_scale(scale), q.stride(0),
+        q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), y.stride(0), y.stride(1),
         out.stride(0), out.stride(1), H=H, HEAD_DIM=D, BLOCK_M=bm,
         BLOCK_N=_dc_key_tile(bm, window), num_warps=warps, num_stages=stages)
     return out, lse
@@ -3270,15 +3276,15 @@ def dc_correction_bwd_triton(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, w1: 
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1))
     wrap_triton(_dc_bwd_query_kernel)[(triton.cdiv(T, bm),)](
         q, k, v, grad, w1, w2, lse, start, dq, dw1, dw2, a, da, rho, dk, dv, T, window,
-        scale * _LOG2E, scale, *strides, v.stride(0), v.stride(1), grad.stride(0), grad.stride(1),
-        H=H, HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=_dc_key_tile(bm, window), ATOMIC=not deterministic,
-        num_warps=warps, num_stages=stages)
+        dc_logit_scale(scale), scale, *strides, v.stride(0), v.stride(1), grad.stride(0),
+        grad.stride(1), H=H, HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=_dc_key_tile(bm, window),
+        ATOMIC=not deterministic, num_warps=warps, num_stages=stages)
     if deterministic:
         bm, bn, warps, stages = _dc_tiles(q, "dkdv", tiles)
         wrap_triton(_dc_bwd_key_kernel)[(triton.cdiv(T, bn), H)](
-            q, k, grad, w1, w2, lse, rho, a, da, end, dk, dv, T, window, scale * _LOG2E, scale,
-            *strides, grad.stride(0), grad.stride(1), H=H, HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn,
-            num_warps=warps, num_stages=stages)
+            q, k, grad, w1, w2, lse, rho, a, da, end, dk, dv, T, window,
+            dc_logit_scale(scale), scale, *strides, grad.stride(0), grad.stride(1), H=H,
+            HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
     return dq, dk, dv, dw1, dw2
 
 

@@ -221,6 +221,16 @@ def check_zero_w2(fn, inputs, cu):
     assert grads[5].abs().min() > 0
 
 
+def test_logit_scale_is_the_fp32_product_of_fp32_operands():
+    """The kernels scale the logits by fp32(fp32(c) * fp32(log2 e)) for exp2, as the record's kernel forms it. At
+    record 89's third-stage attention scale that product and the double product rounded once differ by an ulp."""
+    import numpy as np
+    stage3 = 0.12751752379570258
+    for c in (stage3, 0.12, 0.1, 0.3, *torch.rand(20, generator=torch.Generator().manual_seed(0)).tolist()):
+        assert tk.dc_logit_scale(c) == float(np.float32(c) * np.float32(math.log2(math.e))), c
+    assert tk.dc_logit_scale(stage3) != float(np.float32(stage3 * math.log2(math.e)))
+
+
 def test_launchers_reject_bad_input():
     """The checks run before any launch, so they are testable without a GPU or the interpreter."""
     y, q, k, v, w1, w2 = make_inputs([10, 6], 2, 16, torch.float32, seed=7)
@@ -402,6 +412,33 @@ def test_interp_autograd_function_is_the_launchers():
         for a, b in zip(grads[1:4], grads2[:3]):
             assert torch.equal(a, b)
         assert torch.equal(grads[4], torch.cat(grads2[3:], dim=1))
+
+
+@interp
+def test_interp_every_launch_takes_the_fp32_logit_scale(monkeypatch):
+    """The forward and both backward paths' launches scale the logits by dc_logit_scale(scale), and the kernels
+    use the value it returns."""
+    lens, H, D, window, scale = [30, 17], 2, 16, 24, 0.3
+    y, q, k, v, w1, w2 = make_inputs(lens, H, D, torch.float32, seed=11)
+    cu = cu_seqlens_of(lens)
+    grad = torch.randn(sum(lens), H, D, generator=torch.Generator().manual_seed(12))
+    real, asked = tk.dc_logit_scale, []
+
+    def spy(c):
+        asked.append(c)
+        return real(c)
+    monkeypatch.setattr(tk, "dc_logit_scale", spy)
+    out, lse = tk.dc_correction_fwd_triton(y, q, k, v, w1, w2, cu, scale, window)
+    assert asked == [scale]
+    for deterministic, launches in ((True, 2), (False, 1)):
+        asked.clear()
+        tk.dc_correction_bwd_triton(grad, q, k, v, w1, w2, lse, cu, scale, window, deterministic)
+        assert asked == [scale] * launches, deterministic
+    monkeypatch.setattr(tk, "dc_logit_scale", lambda c: 2 * real(c))
+    doubled, _ = tk.dc_correction_fwd_triton(y, q, k, v, w1, w2, cu, scale, window)
+    expected = tk.dc_correction_reference(*(t.double() for t in (y, q, k, v, w1, w2)), cu, 2 * scale, window)
+    assert not torch.equal(doubled, out)
+    assert ((doubled.double() - expected).norm() / expected.norm()).item() < 1e-5
 
 
 @interp
