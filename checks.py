@@ -317,14 +317,14 @@ def check_model_layout(hp: Any, gate_input_dim: int) -> None:
                          f"--attn_layout={hp.attn_layout}), a value embedding (last entry of "
                          f"--ve_layout={hp.ve_layout} >= 0) and a --cached_input_layer before it "
                          f"(got {hp.cached_input_layer})")
-    if not 0 < hp.bigram_dim <= hp.model_dim:
-        raise ValueError(f"--bigram_dim={hp.bigram_dim} must be between 1 and --model_dim="
-                         f"{hp.model_dim} (the bigram adds to that many first channels)")
     if hp.bigram_sign_rows < 1 or hp.bigram_sign_rows & (hp.bigram_sign_rows - 1):
         raise ValueError(f"--bigram_sign_rows={hp.bigram_sign_rows} must be a power of two (the "
                          "sign row is the low bits of the token pair's XOR)")
     if hp.mudd_hidden < 1:
         raise ValueError(f"--mudd_hidden={hp.mudd_hidden} must be at least 1")
+    if hp.mudd_gate_hidden < 1 or hp.dc_window < 1:
+        raise ValueError(f"--mudd_gate_hidden={hp.mudd_gate_hidden} and --dc_window="
+                         f"{hp.dc_window} must be at least 1")
     if hp.dtype not in ("bfloat16", "float32", "float64"):
         raise ValueError(f"--dtype={hp.dtype}: use bfloat16 (training), auto, float32 or float64 "
                          "(CPU checks)")
@@ -602,6 +602,9 @@ def check_options(hp: Any, world_size: int, kernel_ops: Sequence[str], bos_id: i
              and min(st.mtp_start[0], st.mtp_end[0]) > 0 and min(*st.mtp_start, *st.mtp_end) >= 0,
              f"stage {i + 1} of --stages ({harness.show(st)}) needs as many start as end MTP "
              "weights (a1/a2:b1/b2), all >= 0, with a positive first (next-token) weight")
+        need(min(st.prefix_start, st.prefix_end) >= 0,
+             f"stage {i + 1} of --stages ({harness.show(st)}) needs prefix weights "
+             "(p_start:p_end) >= 0")
     need(world_size >= 1 and (hp.batch_slices % world_size == 0
                               or world_size % hp.batch_slices == 0),
          f"world size {world_size} neither divides --batch_slices={hp.batch_slices} nor is a "

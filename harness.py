@@ -125,12 +125,17 @@ def show(value: Any) -> str:
 
 def _parse_row(cls: type, text: str) -> Any:
     """One table row (e.g. a train_gpt.Stage) from 'a:b:c/d': one ':' field per dataclass field,
-    '/' inside a tuple field (of floats); the annotations name each field's type. A ValueError
-    names the field that does not parse."""
-    names = [f.name for f in dataclasses.fields(cls)]
+    '/' inside a tuple field (of floats); the annotations name each field's type. Trailing fields
+    with a default may be left out (a row written before they existed keeps its meaning). A
+    ValueError names the field that does not parse."""
+    fields = dataclasses.fields(cls)
+    required = sum(f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+                   for f in fields)
+    names = [f.name for f in fields]
     values = text.split(":")
-    if len(values) != len(names):
-        raise ValueError(f"it has {len(values)} ':' fields, not {len(names)}")
+    if not required <= len(values) <= len(names):
+        count = str(len(names)) if required == len(names) else f"{required} to {len(names)}"
+        raise ValueError(f"it has {len(values)} ':' fields, not {count}")
     kinds = {f.name: str(f.type) for f in dataclasses.fields(cls)}
     parse = {"int": int, "float": lambda x: _finite(float(x))}
     row = {}
@@ -146,8 +151,12 @@ def _parse_row(cls: type, text: str) -> Any:
 
 
 def _row_format(cls: type) -> str:
-    return (f"{':'.join(f.name for f in dataclasses.fields(cls))} per {cls.__name__.lower()} "
-            "(tuples as a/b/...), comma-separated")
+    fields = dataclasses.fields(cls)
+    given = [f.name for f in fields if f.default is dataclasses.MISSING
+             and f.default_factory is dataclasses.MISSING]
+    optional = "".join(f"[:{f.name}]" for f in fields[len(given):])
+    return (f"{':'.join(given)}{optional} per {cls.__name__.lower()} "
+            "(tuples as a/b/...; a field in [] may be left out), comma-separated")
 
 
 def _finite(x: float) -> float:

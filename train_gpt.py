@@ -1,9 +1,9 @@
 """NanoGPT speedrun trainer: a GPT-2-small-class model trained on FineWeb to 3.28 validation loss.
 
 Run on one node with `./run.sh` (torchrun over the GPUs found); `python train_gpt.py --preset=tiny
-...` runs on a CPU. The training math is that of record 84 of the modded-nanogpt speedrun
+...` runs on a CPU. The training math is that of record 89 of the modded-nanogpt speedrun
 (docs/names.md maps the record's names to ours; docs/credits.md credits who introduced each idea;
-the records this file trained before, 61 and 80, are pinned in records/).
+the records this file trained before, 61, 80 and 84, are pinned in records/).
 This file is the math and the loop, in reading order:
     1. knobs   2. model (attention, FP8 head and loss, GPT)   3. the op table   4. optimizer
     5. data   6. schedules   7. compiler settings   8. building a run   9. training: the step,
@@ -69,21 +69,21 @@ DEFAULT_PARAM_TABLE: dict[str, dict[str, Any]] = {
     "mlp":            dict(optim="normuon", comms="sharded",    lr_mul=1.0,  wd_mul=1.0,   matrix_lr_muls=(1.0, 2.0)),
     "scalars":        dict(optim="adam",    comms="replicated", lr_mul=5.0,  wd_mul=0.0,   betas=(0.9, 0.99)),
     "smear_gate":     dict(optim="adam",    comms="replicated", lr_mul=0.01, wd_mul=0.0,   betas=(0.9, 0.99)),
-    "skip_gate":      dict(optim="adam",    comms="replicated", lr_mul=0.05, wd_mul=0.0,   betas=(0.9, 0.99)),
-    "attn_gate_bank": dict(optim="adam",    comms="replicated", lr_mul=1.0,  wd_mul=1.0,   betas=(0.9, 0.99)),
     "ve_gate_bank":   dict(optim="adam",    comms="replicated", lr_mul=1.0,  wd_mul=1.0,   betas=(0.9, 0.99)),
     "lm_head":        dict(optim="adam",    comms="sharded",    lr_mul=1.0,  wd_mul=150.0, betas=(0.5, 0.95)),
     "bigram_embed":   dict(optim="adam",    comms="sharded",    lr_mul=75.0, wd_mul=5.0,   betas=(0.75, 0.95)),
     "post_lambdas":   dict(optim="adam",    comms="replicated", lr_mul=1.0,  wd_mul=0.0,   betas=(0.9, 0.95)),
-    "x0_lambdas":     dict(optim="adam",    comms="replicated", lr_mul=1.0,  wd_mul=0.0,   betas=(0.9, 0.95)),
-    "bigram_lambdas": dict(optim="adam",    comms="replicated", lr_mul=1.0,  wd_mul=0.0,   betas=(0.9, 0.95)),
     "resid_lambdas":  dict(optim="adam",    comms="replicated", lr_mul=5.0,  wd_mul=0.0,   betas=(0.9, 0.95)),
-    "xsa_alphas":     dict(optim="adam",    comms="replicated", lr_mul=1.0,  wd_mul=0.0,   betas=(0.9, 0.95)),
     "value_embeds":   dict(optim="adam",    comms="sharded",    lr_mul=75.0, wd_mul=5.0,   betas=(0.75, 0.95)),
     "embed":          dict(optim="adam",    comms="sharded",    lr_mul=1.0,  wd_mul=150.0, betas=(0.5, 0.95)),
     "mudd_w1":        dict(optim="adam",    comms="replicated", lr_mul=0.25, wd_mul=1.0,   betas=(0.9, 0.99)),
     "mudd_w2":        dict(optim="adam",    comms="replicated", lr_mul=0.25, wd_mul=1.0,   betas=(0.9, 0.99)),
     "mudd_b2":        dict(optim="adam",    comms="replicated", lr_mul=0.25, wd_mul=0.0,   betas=(0.9, 0.99)),
+    # the per-token gates of record 85 (upstream PR #315)
+    "mudd_gate_w1":   dict(optim="adam",    comms="replicated", lr_mul=0.1,  wd_mul=1.0,   betas=(0.9, 0.99)),
+    "mudd_gate_w2":   dict(optim="adam",    comms="replicated", lr_mul=0.1,  wd_mul=1.0,   betas=(0.9, 0.99)),
+    "mudd_gate_b2":   dict(optim="adam",    comms="replicated", lr_mul=0.1,  wd_mul=0.0,   betas=(0.9, 0.99)),
+    "mudd_gate_scale": dict(optim="adam",   comms="replicated", lr_mul=0.1,  wd_mul=0.0,   betas=(0.9, 0.99)),
 }
 
 
@@ -97,6 +97,9 @@ class Stage:
     mtp_start: tuple       # weights of the next 1, 2, ... tokens at the stage's first step, moving
     mtp_end: tuple         # linearly to these at its end (upstream record 65, PR #215)
     max_doc_len: int       # training documents are cut to this many tokens (record 72, PR #224)
+    prefix_start: float = 0.0  # weight of the target's longest proper prefix token in the
+    prefix_end: float = 0.0    # training loss, moving linearly like the MTP weights (upstream
+                               # record 88, PR #337); a row without them has no prefix term
 
 
 @dataclass
@@ -110,17 +113,17 @@ class Hyperparameters(harness.RunOptions):
     tokens_per_doc_bound: int = 300        # cu_seqlens holds ceil128(N / this) entries
     batch_slices: int = 8                  # micro-batches per global batch (world * accum)
     # ---- steps and schedules ----
-    stages: tuple = (                      # schedule table (option, per stage:
-                                           # batch:lr_peak:ws_long:a1/a2:b1/b2:max_doc_len)
+    stages: tuple = (                      # schedule table (option, per stage: batch:lr_peak:
+                                           # ws_long:a1/a2:b1/b2:max_doc_len:p_start:p_end)
         Stage(batch=131_072, lr_peak=1.0, ws_long=3, mtp_start=(1.0, 0.5, 0.25),
-              mtp_end=(1.0, 0.5, 0.0), max_doc_len=896),
+              mtp_end=(1.0, 0.5, 0.0), max_doc_len=896, prefix_start=0.25, prefix_end=0.25),
         Stage(batch=262_144, lr_peak=1.52, ws_long=7, mtp_start=(1.0, 0.5), mtp_end=(1.0, 0.0),
-              max_doc_len=2048),
+              max_doc_len=2048, prefix_start=0.25, prefix_end=0.0),
         Stage(batch=393_216, lr_peak=1.73, ws_long=11, mtp_start=(1.0,), mtp_end=(1.0,),
-              max_doc_len=2048),
+              max_doc_len=2048, prefix_start=0.0, prefix_end=0.0),
     )
-    num_scheduled_iterations: int = 1380   # steps of the lr / batch / window schedule
-    num_extension_iterations: int = 10     # extra steps at the last stage's values, lr_min and
+    num_scheduled_iterations: int = 1270   # steps of the lr / batch / window schedule
+    num_extension_iterations: int = 15     # extra steps at the last stage's values, lr_min and
                                            # the extended window
     cooldown_frac: float = 0.6             # fraction of scheduled steps spent decaying lr to lr_min
     lr_min: float = 0.15                   # lr factor at the end of cooldown and in the extension
@@ -140,9 +143,9 @@ class Hyperparameters(harness.RunOptions):
     mlp_hidden: int = 3072                 # MLP hidden width
     num_layers: int = 11                   # transformer layers (one layout entry each)
     num_value_embeds: int = 5              # value-embedding tables (vocab x model_dim each)
-    bigram_vocab_size: int = 754_560       # rows of the bigram-hash embedding (15 x vocab): hashes
-                                           # modulo rows - 1, the last row is position 0's
-    bigram_dim: int = 192                  # its width: it adds to the first this-many channels
+    bigram_vocab_size: int = 377_280       # rows of the bigram-hash embedding (7.5 x vocab), each
+                                           # model_dim wide: hashes modulo rows - 1, the last row
+                                           # is position 0's
     bigram_sign_rows: int = 8192           # fixed random +-1 rows, one per (previous id XOR id)
                                            # modulo this (a power of two), that sign each lookup
     attn_layout: str = "PNPNNP-NNPN"       # per layer: P paired heads, N normal, - no attention
@@ -154,6 +157,10 @@ class Hyperparameters(harness.RunOptions):
     mudd_hidden: int = 64                  # hidden width of the two MUDD blocks (last layer's
                                            # dynamic weights and the mix after it)
     mudd_scale: float = 0.1                # MUDD coefficients = this * (W2 gelu(W1 z) + b)
+    mudd_gate_hidden: int = 64             # hidden width of the two per-token gate MLPs
+    mudd_gate_scale: float = 0.1           # initial value of their learnable output scale s:
+                                           # gates = bf16(s) * (W2 gelu(W1 z) + b)
+    dc_window: int = 112                   # keys (itself included) of the last layer's DC softmax
     rope_base: float = 1024.0              # frequencies (1/base)^(j/(n-1)) on a head's first half
     attn_scale: float = 0.1                # softmax scale at the start (YaRN grows it)
     yarn_alpha: float = 1.0                # YaRN: frequencies turning fewer than alpha times over
@@ -189,7 +196,7 @@ class Hyperparameters(harness.RunOptions):
     @property
     def untie_step(self) -> int:
         """Untie embed and lm_head after this step: the first step of the last stage, made odd
-        (an Adam step); 921 for the record. Past the last step of a short run: they stay tied."""
+        (an Adam step); 847 for the record. Past the last step of a short run: they stay tied."""
         return stage_starts(self.num_scheduled_iterations, len(self.stages))[-1] | 1
 
 
@@ -200,12 +207,12 @@ PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(
         model_dim=128, num_heads=4, head_dim=32, mlp_hidden=512, num_layers=6,
         attn_layout="PNN-PN", long_window_layers=(1, 5), ve_layout=(-1, -1, -1, -1, 0, 1),
-        num_value_embeds=2, bigram_vocab_size=5 * 1024, bigram_dim=32, bigram_sign_rows=256,
+        num_value_embeds=2, bigram_vocab_size=5 * 1024, bigram_sign_rows=256,
         skip_source_layer=1, skip_dest_layer=3, cached_input_layer=3, mudd_hidden=16,
-        batch_slices=2, block_size=16,
-        stages=(Stage(512, 1.0, 3, (1.0, 0.5, 0.25), (1.0, 0.5, 0.0), 128),
-                Stage(768, 1.52, 7, (1.0, 0.5), (1.0, 0.0), 256),
-                Stage(1024, 1.73, 11, (1.0,), (1.0,), 256)),
+        mudd_gate_hidden=16, dc_window=12, batch_slices=2, block_size=16,
+        stages=(Stage(512, 1.0, 3, (1.0, 0.5, 0.25), (1.0, 0.5, 0.0), 128, 0.25, 0.25),
+                Stage(768, 1.52, 7, (1.0, 0.5), (1.0, 0.0), 256, 0.25, 0.0),
+                Stage(1024, 1.73, 11, (1.0,), (1.0,), 256, 0.0, 0.0)),
         ws_long_extension=13, ws_long_final_val=20,
         val_batch_size=2048, val_tokens=4096, num_scheduled_iterations=60,
         num_extension_iterations=4, momentum_warmup_steps=10, momentum_cooldown_steps=4,
@@ -230,7 +237,7 @@ GATE_INPUT_DIM = 12                        # every sigmoid gate reads the
 YARN_ATTN_SCALE_SLOPE = 0.2                # attn_scale *= 1 + slope * ln(new/old)
                                            # at each long-window change
 RECORD_BANK_MULTIPLE = 8                   # the record pads its banks to shard over 8 GPUs
-XSA_NORM_FLOOR = 1e-4                      # XSA divides a value by max(its norm, this)
+XSA_NORM_SQ_FLOOR = 1e-8                   # XSA divides by max(|v|^2, this)
 # MUDD (multiway dynamic dense connections, upstream record 81, PR #259): two small per-token MLPs
 # of raw residual streams give coefficients c = mudd_scale * (W2 gelu(W1 z) + b). Block 0 reads the
 # last layer's input and sets that layer's value mix, VE gate (one per half of the heads) and all
@@ -312,38 +319,102 @@ class LayerPlan:
     a layer index)."""
     index: int
     attn: str            # "P" paired heads, "N" normal, "" none
-    attn_slot: int       # attention layer l: qk groups [H*l, H*l + H), vo 2l, 2l+1, attn_gate_bank
-                         # slice l (-1: no attention)
+    attn_slot: int       # attention layer l: qk groups [H*l, H*l + H), vo 2l, 2l+1 (-1: none)
     long_window: bool
     key_offset: bool     # normal long-window layers only (the paired path never shifts keys)
     ve_table: int        # value-embedding table (-1: none)
     ve_slot: int         # slice of ve_gate_bank (-1: none)
     reads_cached: bool   # attention reads rms of cached_input_layer's output, not of x
     skip_dest: bool      # the gated skip is added here, before the attention sublayer (if any)
-    skip_source: bool    # its output is the skip
+    skip_source: bool    # its output is the skip (and the post gate's input)
     cached_input: bool   # rms of its output is the attention input of every later layer
-    xsa: bool            # normal attention: removes its output's projection on its own value
+    xsa: bool            # removes its output's projection on its own value, per token and head
     mudd: bool           # the last layer: MUDD block 0 sets its VE gate and residual weights
+    dc: bool             # the last layer: the DC correction of its attention output
+    # Its columns in the outputs of the MUDD gate `gate` (0: pre, reads x0; 1: post, reads the
+    # skip source's output), -1 where it has none (mudd_gate_columns):
+    gate: int
+    xsa_col: int         # XSA strengths, one per head
+    out_gate_col: int    # output gate, one per head
+    inject_col: int      # x0 gate, then bigram gate (layer 0's forms the residual it starts from)
+    skip_col: int        # the skip's gate
+    dc_col: int          # DC weights w1 (raw) per head, then w2 per head
 
 
 def layer_plan(hp: Hyperparameters) -> tuple[LayerPlan, ...]:
-    """Every layer's wiring from the layout options."""
+    """Every layer's wiring from the layout options, and its gate columns (mudd_gate_columns)."""
     plan, attn_slot, ve_slot = [], 0, 0
+    L, H = len(hp.attn_layout), hp.num_heads
     for i, kind in enumerate(hp.attn_layout):
         has_attn, has_ve = kind != "-", hp.ve_layout[i] >= 0
         long_window = has_attn and i in hp.long_window_layers
-        plan.append(LayerPlan(index=i, attn=kind if has_attn else "",
-                              attn_slot=attn_slot if has_attn else -1,
-                              long_window=long_window, key_offset=long_window and kind == "N",
-                              ve_table=hp.ve_layout[i], ve_slot=ve_slot if has_ve else -1,
-                              reads_cached=has_attn and i > hp.cached_input_layer,
-                              skip_dest=i == hp.skip_dest_layer,
-                              skip_source=i == hp.skip_source_layer,
-                              cached_input=i == hp.cached_input_layer,
-                              xsa=kind == "N", mudd=i == len(hp.attn_layout) - 1))
+        reads_cached, mudd = has_attn and i > hp.cached_input_layer, i == L - 1
+        plan.append(dict(index=i, attn=kind if has_attn else "",
+                         attn_slot=attn_slot if has_attn else -1,
+                         long_window=long_window, key_offset=long_window and kind == "N",
+                         ve_table=hp.ve_layout[i], ve_slot=ve_slot if has_ve else -1,
+                         reads_cached=reads_cached, skip_dest=i == hp.skip_dest_layer,
+                         skip_source=i == hp.skip_source_layer,
+                         cached_input=i == hp.cached_input_layer,
+                         # record 85 (PR #315): XSA only where the input is not the cached one,
+                         # output gates on the long-window layers, DC on the last
+                         xsa=kind == "N" and not reads_cached and not mudd, mudd=mudd, dc=mudd,
+                         gate=0 if i <= hp.skip_source_layer else 1))
         attn_slot += has_attn
         ve_slot += has_ve
-    return tuple(plan)
+    cols = mudd_gate_columns(plan, H)
+    return tuple(LayerPlan(**p, **c) for p, c in zip(plan, cols))
+
+
+def mudd_gate_columns(plan: Sequence[dict], H: int) -> list[dict[str, int]]:
+    """Per layer, its first column of each kind in its gate's outputs (-1: none). Each gate lists,
+    over the layers it serves in layer order: the XSA strengths (H each), the output gates (H
+    each, long-window attention layers), the x0/bigram pairs (every layer with an attention
+    sublayer but the MUDD one, and layer 0, whose bigram gate forms the first residual), the skip
+    gate, then the DC weights (2H). This is record 85's layout (pre 26 columns, post 41)."""
+    cols = [dict(xsa_col=-1, out_gate_col=-1, inject_col=-1, skip_col=-1, dc_col=-1) for _ in plan]
+    for g in (0, 1):
+        n = 0
+        for key, width, wants in (
+                ("xsa_col", H, lambda p: p["xsa"]),
+                ("out_gate_col", H, lambda p: p["long_window"]),
+                ("inject_col", 2, lambda p: (p["attn"] != "" or p["index"] == 0) and not p["mudd"]),
+                ("skip_col", 1, lambda p: p["skip_dest"]),
+                ("dc_col", 2 * H, lambda p: p["dc"])):
+            for p, c in zip(plan, cols):
+                if p["gate"] == g and wants(p):
+                    c[key], n = n, n + width
+    return cols
+
+
+def mudd_gate_widths(plan: Sequence[LayerPlan], H: int) -> tuple[int, int]:
+    """The number of outputs each gate has: one past its last column."""
+    ends = [0, 0]
+    for p in plan:
+        for col, width in ((p.xsa_col, H), (p.out_gate_col, H), (p.inject_col, 2),
+                           (p.skip_col, 1), (p.dc_col, 2 * H)):
+            if col >= 0:
+                ends[p.gate] = max(ends[p.gate], col + width)
+    return ends[0], ends[1]
+
+
+# Initial value of each kind of gate column (the bias is this / mudd_gate_scale; W2 starts at 0):
+# no XSA, output gates 0.25, no x0 injection, bigram 0.05, skip 0.5, DC w1 1 and w2 0 (record 85).
+MUDD_GATE_INITIAL = {"xsa": 0.0, "out_gate": 0.25, "x0": 0.0, "bigram": 0.05, "skip": 0.5,
+                     "dc_w1": 1.0, "dc_w2": 0.0}
+
+
+def mudd_gate_initial_values(plan: Sequence[LayerPlan], H: int) -> list[list[float]]:
+    """Per gate, each column's initial value (MUDD_GATE_INITIAL), in column order."""
+    values = [[0.0] * w for w in mudd_gate_widths(plan, H)]
+    for p in plan:
+        g = values[p.gate]
+        for col, kinds in ((p.xsa_col, ["xsa"] * H), (p.out_gate_col, ["out_gate"] * H),
+                           (p.inject_col, ["x0", "bigram"]), (p.skip_col, ["skip"]),
+                           (p.dc_col, ["dc_w1"] * H + ["dc_w2"] * H)):
+            if col >= 0:
+                g[col: col + len(kinds)] = [MUDD_GATE_INITIAL[k] for k in kinds]
+    return values
 
 
 def largest_micro_batch(hp: Hyperparameters) -> int:
@@ -404,15 +475,23 @@ def bigram_sign_index(inputs: Tensor, rows: int) -> Tensor:
     return torch.cat([x[:1] * 0, torch.remainder(x[1:] ^ x[:-1], rows)]).to(inputs.dtype)
 
 
-def remove_self_value(y: Tensor, v: Tensor, alpha: Tensor) -> Tensor:
-    """XSA (upstream record 82, PR #264): y - alpha_h <y, v^> v^ per (token, head), v^ = v /
-    max(|v|, 1e-4), the value the attention read; y, v (T, H, hd), alpha (H,) in y's dtype. fp32 from
-    the operands, rounded once (the compiled reference's one pointwise chain)."""
+def remove_self_value(y: Tensor, v: Tensor, tau: Tensor) -> Tensor:
+    """XSA (upstream record 82, PR #264; per token since record 85, PR #315; this algebraic form
+    since record 86, PR #317): y - tau <y, v> / max(|v|^2, 1e-8) v per (token, head), v the value
+    the attention read; y, v (T, H, hd), tau (T, H) in y's dtype. fp32 from the operands, rounded
+    once (the compiled reference's one pointwise chain)."""
     acc = tk.acc_dtype(y.dtype)
     vf, yf = v.to(acc), y.to(acc)
-    v_hat = vf / vf.norm(dim=-1, keepdim=True).clamp_min(XSA_NORM_FLOOR)
-    along = (yf * v_hat).sum(-1, keepdim=True)                                    # (T, H, 1)
-    return (yf - alpha.to(acc)[:, None] * along * v_hat).to(y.dtype)
+    along = (yf * vf).sum(-1, keepdim=True) / (vf * vf).sum(-1, keepdim=True).clamp_min(
+        XSA_NORM_SQ_FLOOR)                                                        # (T, H, 1)
+    return (yf - tau.to(acc)[..., None] * along * vf).to(y.dtype)
+
+
+def dc_weights(raw_w1: Tensor, w2: Tensor) -> tuple[Tensor, Tensor]:
+    """The DC correction's per-(token, head) weights from their gate columns (T, H): w1 is the raw
+    column over its rms across the heads (tk.dc_head_weights), w2 is used raw (upstream record
+    85, PR #315)."""
+    return tk.dc_head_weights(raw_w1), w2
 
 
 def rotary_base_omega(head_dim: int, base: float, device: torch.device) -> Tensor:
@@ -581,16 +660,17 @@ class FP8HeadMTPCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h: Tensor, w: Tensor, targets: Tensor, mtp_weights: Tensor, grad_scale: float,
                 s_x: float, s_w: float, s_g_w8: float, fused_head: bool, fused_ce: bool,
-                rows: int | None) -> Tensor:
+                rows: int | None, prefix_targets: Tensor | None,
+                prefix_weight: Tensor | None) -> Tensor:
         s_g = grad_scale * s_g_w8
         head = torch.ops.nanogpt.fp8_head if fused_head else fp8_head_emulated
         logits, x8_t, w8 = head(h, w, s_x, s_w)
         if fused_ce:
             losses, g8, g8_t = torch.ops.nanogpt_kernels.softcapped_mtp_ce_fp8(
-                logits, targets, mtp_weights, grad_scale, s_g)
+                logits, targets, mtp_weights, grad_scale, s_g, prefix_targets, prefix_weight)
         else:
-            losses, g8, g8_t = tk.softcapped_mtp_ce_fp8_reference(logits, targets, mtp_weights,
-                                                                  grad_scale, s_g, rows)
+            losses, g8, g8_t = tk.softcapped_mtp_ce_fp8_reference(
+                logits, targets, mtp_weights, grad_scale, s_g, rows, prefix_targets, prefix_weight)
         ctx.save_for_backward(g8, g8_t, x8_t, w8)
         ctx.args = (grad_scale, s_x, s_w, s_g, fused_head)
         return losses
@@ -604,16 +684,17 @@ class FP8HeadMTPCE(torch.autograd.Function):
         head_backward = (torch.ops.nanogpt.fp8_head_backward if fused_head
                          else fp8_head_backward_emulated)
         dh, dw = head_backward(g8, g8_t, x8_t, w8, s_x, s_w, s_g)
-        return dh, dw, *(None,) * 9  # dw is fp32; autograd casts it to the bf16 parameter's dtype
+        return dh, dw, *(None,) * 11  # dw is fp32; autograd casts it to the bf16 parameter's dtype
 
 
 def fp8_head_mtp_ce(h: Tensor, w: Tensor, targets: Tensor, mtp_weights: Tensor,
-                    grad_scale: float, s_x: float, s_w: float, s_g: float, *, fused_head: bool,
-                    fused_ce: bool, rows: int | None) -> Tensor:
+                    grad_scale: float, s_x: float, s_w: float, s_g: float,
+                    prefix_targets: Tensor | None = None, prefix_weight: Tensor | None = None, *,
+                    fused_head: bool, fused_ce: bool, rows: int | None) -> Tensor:
     """Per-row training losses (T,) fp32 of the FP8 head h @ w (FP8HeadMTPCE; s_g: the gradient
-    scale at grad_scale 1). kernel_ops binds the keywords."""
+    scale at grad_scale 1; prefix: the loss kernels' prefix term). kernel_ops binds the keywords."""
     return FP8HeadMTPCE.apply(h, w, targets, mtp_weights, grad_scale, s_x, s_w, s_g, fused_head,
-                              fused_ce, rows)
+                              fused_ce, rows, prefix_targets, prefix_weight)
 
 
 # ---- GPT -----------------------------------------------------------------------------------------
@@ -657,8 +738,8 @@ class GPT(nn.Module):
         # random draws fill only the real matrices (the mlp pad's c_fc as far as the record's
         # 8-GPU padding, which it draws), so every initial weight is the same on any world size.
         # Draw order as the record's kept draws (it matters only when seeded): lm_head,
-        # value_embeds, qk, vo, mlp, the bigram signs, mudd_w1 (the record also draws values it
-        # overwrites, which are not drawn here).
+        # value_embeds, qk, vo, mlp, the bigram signs, mudd_w1, mudd_gate_w1 (the record also draws
+        # values it overwrites, which are not drawn here).
         # Built in fp32 on `device`, then cast to bf16. With --dtype=float32/float64 the bf16
         # tensors are that dtype instead and the fp32 ones at least fp32.
         weight_dtype = getattr(torch, hp.dtype)
@@ -683,7 +764,7 @@ class GPT(nn.Module):
         drawn = L + bank_padding(L, 2, RECORD_BANK_MULTIPLE)
         mlp[:drawn, 0].uniform_(-bound, bound)                       # c_fc; c_proj stays zero
         # +-1 from the signs of normals (sign(0) = 0 has probability 0; it counts as +1 here)
-        signs = torch.randn(hp.bigram_sign_rows, hp.bigram_dim, device=device)
+        signs = torch.randn(hp.bigram_sign_rows, D, device=device)
         signs = torch.where(signs < 0, -1.0, 1.0)
         # MUDD's first layers: PyTorch's default Linear init, U(+-1/sqrt(fan_in))
         mudd_w1 = torch.empty(2, hp.mudd_hidden, D, device=device)
@@ -694,6 +775,15 @@ class GPT(nn.Module):
             mudd_b2[0, j] = MUDD_INITIAL.get(name, 0.0) / hp.mudd_scale
         for j, name in enumerate(MUDD_MIX_COEFFS):
             mudd_b2[1, j] = MUDD_MIX_INITIAL.get(name, 0.0) / hp.mudd_scale
+        # the per-token gates (record 85, PR #315): the same init as MUDD's, biases from the
+        # columns' initial values (mudd_gate_initial_values), one row per gate padded to the wider
+        self.gate_widths = mudd_gate_widths(self.plan, H)
+        mudd_gate_w1 = torch.empty(2, hp.mudd_gate_hidden, D, device=device)
+        for block in mudd_gate_w1:
+            block.uniform_(-D ** -0.5, D ** -0.5)
+        mudd_gate_b2 = torch.zeros(2, max(self.gate_widths))
+        for g, values in enumerate(mudd_gate_initial_values(self.plan, H)):
+            mudd_gate_b2[g, : len(values)] = torch.tensor(values) / hp.mudd_gate_scale
         scalars = torch.cat([
             torch.tensor([0.5, 1.0]).repeat(L),                      # SA lambdas (qkv, o) per layer
             torch.tensor([0.0, -1.5]),                               # smear, skip lambdas
@@ -703,23 +793,16 @@ class GPT(nn.Module):
         self.mlp = param(mlp.to(weight_dtype))
         self.scalars = param(scalars)  # (2L+2,) fp32
         self.smear_gate = param(torch.zeros(1, GATE_INPUT_DIM, **like_weights))
-        self.skip_gate = param(torch.zeros(1, GATE_INPUT_DIM, **like_weights))
-        self.attn_gate_bank = param(torch.zeros(n_attn, H, GATE_INPUT_DIM, **like_weights))
         self.ve_gate_bank = param(torch.zeros(n_ve, H, GATE_INPUT_DIM, **like_weights))
         lm_head = lm_head.to(weight_dtype)
         self.lm_head = param(lm_head)                                # (D, V): stored transposed,
                                                                      # logits = h @ lm_head
-        # bigram-hash embedding (upstream record 62, PR #201), zero at the start; 4x narrower and
-        # 3x longer since record 83 (PR #299)
-        self.bigram_embed = param(torch.zeros(hp.bigram_vocab_size, hp.bigram_dim,
-                                              **like_weights))
+        # bigram-hash embedding (upstream record 62, PR #201), zero at the start; model_dim wide
+        # since record 85 (PR #315)
+        self.bigram_embed = param(torch.zeros(hp.bigram_vocab_size, D, **like_weights))
         # per-sublayer residual weights, [:, 0] attention, [:, 1] MLP (upstream record 77, PR #241)
         self.post_lambdas = param(torch.ones(L, 2, **like_scalars))
-        self.x0_lambdas = param(torch.zeros(L, **like_scalars))
-        self.bigram_lambdas = param(torch.full((L,), 0.05, **like_scalars))
         self.resid_lambdas = param(torch.full((L, 2), math.sqrt(1.1), **like_scalars))
-        # XSA strength per (layer, head), as tanh; rows of layers without normal attention unused
-        self.xsa_alphas = param(torch.zeros(L, H, **like_scalars))
         self.value_embeds = param(value_embeds.to(weight_dtype))              # table j: rows [j*V, (j+1)*V)
         self.embed = param(lm_head.T.contiguous())                   # tied copy until the
                                                                      # optimizer splits them
@@ -729,6 +812,13 @@ class GPT(nn.Module):
         self.mudd_w2 = param(torch.zeros(2, len(MUDD_LAYER_COEFFS), hp.mudd_hidden,
                                          **like_weights))
         self.mudd_b2 = param(mudd_b2.to(**like_weights))
+        # the gates: [0] pre (reads x0), [1] post (reads the skip source's output); the pre gate
+        # uses the first gate_widths[0] rows of w2 and b2
+        self.mudd_gate_w1 = param(mudd_gate_w1.to(weight_dtype))     # (2, gate hidden, D)
+        self.mudd_gate_w2 = param(torch.zeros(2, max(self.gate_widths), hp.mudd_gate_hidden,
+                                              **like_weights))
+        self.mudd_gate_b2 = param(mudd_gate_b2.to(**like_weights))
+        self.mudd_gate_scale = param(torch.tensor(hp.mudd_gate_scale, **like_scalars))  # 0-d
         # the fixed signs: state (saved and broadcast with the weights), never trained
         self.register_buffer("bigram_signs", signs.to(weight_dtype))
 
@@ -738,6 +828,10 @@ class GPT(nn.Module):
         self.register_buffer("ve_row_offsets", torch.tensor([j * V for j in self.ve_tables],
                                                             dtype=torch.int32, device=device),
                              persistent=False)
+        # each target's prefix-token target (-1: none; record 88), the prefix table's first V
+        # entries: a constant of the tokeniser, filled by load_prefix_table, so not state
+        self.register_buffer("prefix_table", torch.full((V,), -1, dtype=torch.int64, device=device),
+                             persistent=False)
         self.register_buffer("rotary_omega", torch.zeros(hd, device=device), persistent=False)
         self.register_buffer("rotary_cos", torch.empty(2 * self.rotary_max_len, hd // 2, **like_weights),
                              persistent=False)
@@ -745,6 +839,11 @@ class GPT(nn.Module):
                              persistent=False)
         self.attn_scale = hp.attn_scale
         self.reset_rotary()
+        # the FP8 down projection's delayed scales (record 89): a chain of activation scales per
+        # batch slice and layer, weight scales per bank slot; state, saved with the weights
+        self.fp8_down = (tk.Fp8DownState(hp.batch_slices, L, self.mlp.shape[0], device)
+                         if hp.fp8_mlp else None)
+        self.refresh_fp8_down(None)
         if hp.use_fp8:
             register_fp8_head_op()
         if self.attn_backend == "fa4":
@@ -761,6 +860,21 @@ class GPT(nn.Module):
     # ---- rotary state ----
 
     @torch.no_grad()
+    @torch.no_grad()
+    def refresh_fp8_down(self, step: int | None) -> None:
+        """The FP8 down weights and their scales from the current c_proj bank: after optimizer
+        step `step`, or at init, after a warmup step and after the reset (None): bootstrapping
+        there and for the first tk.FP8_DOWN_BOOTSTRAP_STEPS steps (tk.fp8_down_bootstraps)."""
+        if self.fp8_down is not None:
+            self.fp8_down.refresh_weights(self.mlp[:, 1].contiguous(), tk.fp8_down_bootstraps(step),
+                                          self.ops.fp8_down_fused)
+
+    @torch.no_grad()
+    def rebuild_fp8_down(self) -> None:
+        """The FP8 down weights of the loaded c_proj bank and scales (after load_state_dict)."""
+        if self.fp8_down is not None:
+            self.fp8_down.rebuild_weights8(self.mlp[:, 1].contiguous(), self.ops.fp8_down_fused)
+
     def reset_rotary(self) -> None:
         """Base frequencies, rebuilt tables, attn_scale back to its initial value (at construction
         and after warmup)."""
@@ -791,16 +905,22 @@ class GPT(nn.Module):
 
     def forward(self, inputs: Tensor, targets: Tensor, cu_seqlens: Tensor, ws_short: int,
                 ws_long: int, mtp_weights: Tensor, max_seqlen: int,
-                grad_scale: float = 1.0) -> Tensor:
+                grad_scale: float = 1.0, prefix_weight: Tensor | None = None,
+                act_scales: Tensor | None = None) -> Tensor:
         """inputs (T,) int32, targets (T,) int64. Training: the summed MTP loss (fp32 scalar), whose
         backward the caller runs on grad_scale * loss (the FP8 head's gradient is formed for exactly
-        that, FP8HeadMTPCE); eval: mean CE."""
-        h = self.final_hidden(inputs, cu_seqlens, ws_short, ws_long, max_seqlen)  # (T, D) bf16
+        that, FP8HeadMTPCE), plus each row's prefix-token term of weight prefix_weight ((1,) fp32;
+        None: no term); eval: mean CE. act_scales: this batch slice's row of the FP8 down
+        projection's activation scales (L,), which the training forward advances (None: slice 0's)."""
+        h = self.final_hidden(inputs, cu_seqlens, ws_short, ws_long, max_seqlen,
+                              act_scales)  # (T, D) bf16
         if self.training:
+            prefix = ({} if prefix_weight is None else   # tau_r of the immediate target y_r
+                      dict(prefix_targets=self.prefix_table[targets], prefix_weight=prefix_weight))
             if self.hp.use_fp8:
                 return self.ops.fp8_head_mtp_ce(h, self.lm_head, targets, mtp_weights, grad_scale,
-                                                *self.hp.fp8_scales).sum()
-            return self.ops.mtp_ce_train(h @ self.lm_head, targets, mtp_weights).sum()
+                                                *self.hp.fp8_scales, **prefix).sum()
+            return self.ops.mtp_ce_train(h @ self.lm_head, targets, mtp_weights, **prefix).sum()
         # Mean next-token CE of the softcapped bf16-head logits, through the fused kernel with the
         # single weight 1: it softcaps in fp32 (as the reference's compiled eval does) and never
         # materialises fp32 (T, V) tensors, which at 262,144 val tokens per rank would not fit next
@@ -817,8 +937,9 @@ class GPT(nn.Module):
                           @ self.lm_head)
 
     def final_hidden(self, inputs: Tensor, cu_seqlens: Tensor, ws_short: int, ws_long: int,
-                     max_seqlen: int) -> Tensor:
-        """The normed final residual h (T, D) bf16 that the LM head reads."""
+                     max_seqlen: int, act_scales: Tensor | None = None) -> Tensor:
+        """The normed final residual h (T, D) bf16 that the LM head reads; in training with the
+        FP8 down projection it advances act_scales (forward)."""
         hp, T = self.hp, inputs.shape[0]
         if T > self.rotary_max_len:
             raise ValueError(f"micro-batch of {T} tokens exceeds "
@@ -831,32 +952,29 @@ class GPT(nn.Module):
         # record's are: rho = 1.046875 at the start, not sqrt(1.1).
         resid = self.resid_lambdas.to(weight_dtype)                                    # (L, 2)
         post = self.post_lambdas.to(weight_dtype)                                      # (L, 2)
-        x0_lambdas = self.x0_lambdas.to(weight_dtype)                                  # (L,)
-        bigram_lambdas = self.bigram_lambdas.to(weight_dtype)                          # (L,)
-        xsa = torch.tanh(self.xsa_alphas).to(weight_dtype)                             # (L, H)
         # value embeddings (@KoszarskyB, upstream record 14): table j at rows [j*V, (j+1)*V),
         # (T, D) bf16 each. One lookup of every table's row: its backward writes one dense
         # gradient of the whole parameter, where a lookup per table would write one each and sum
         # them (bench/tables.py).
         ve_rows = F.embedding(inputs[:, None] + self.ve_row_offsets, self.value_embeds)  # (T, n, D)
         ve = {table: ve_rows[:, k] for k, table in enumerate(self.ve_tables)}
-        # The bigram row, signed by the sign table's row of the token pair (exact: a sign flip),
-        # in the first bigram_dim channels; zeros beyond add nothing to a sum.
-        signed = (F.embedding(bigram_ids(inputs, hp.bigram_vocab_size), self.bigram_embed)
-                  * self.bigram_signs[bigram_sign_index(inputs, hp.bigram_sign_rows)])
-        bigram = F.pad(signed, (0, D - hp.bigram_dim))                                 # (T, D)
+        # The bigram row, signed by the sign table's row of the token pair (exact: a sign flip).
+        bigram = (F.embedding(bigram_ids(inputs, hp.bigram_vocab_size), self.bigram_embed)
+                  * self.bigram_signs[bigram_sign_index(inputs, hp.bigram_sign_rows)])  # (T, D)
 
         # Token smear (@classiclarryd, upstream record 34): e'_t = e_t + smear_lambda * sigmoid(e_t[:12] . w) * e_{t-1}, across
         # document boundaries.
         e = F.embedding(inputs, self.embed)  # (T, D) bf16
         # (T-1, 1) bf16
         smear = smear_lambda * torch.sigmoid(e[1:, :GATE_INPUT_DIM] @ self.smear_gate.T)
-        # Layer 0's bigram goes into x0 itself, so every later read of x0 (the x0 injections, the
-        # skip gate, MUDD's h0) sees it too, as in the record, where the in-place add modifies
-        # the tensor that is both x0 and the residual (record 83 on).
-        x0 = weighted_sum((smear.new_ones(()), rms(torch.cat([e[:1], e[1:] + smear * e[:-1]]))),
-                          (bigram_lambdas[0], bigram))
-        x = x0
+        x0 = rms(torch.cat([e[:1], e[1:] + smear * e[:-1]]))
+        # The gates' outputs (T, width), per token: the pre gate's now, the post gate's after the
+        # skip source. x0 stays itself (record 85): layer 0's bigram goes into the first
+        # residual h0, which the MUDD layer and the mix after it read, not into the x0 injections.
+        gates = [self.mudd_gate(0, x0), None]
+        one = x0.new_ones(())
+        h0 = weighted_sum((one, x0), (self.gate_column(gates, self.plan[0], "bigram"), bigram))
+        x = h0
 
         # The banks as one view per matrix. Indexing the bank per layer instead costs a backward
         # kernel that reads every layer's gradient for every element of the bank; unbind's
@@ -865,14 +983,20 @@ class GPT(nn.Module):
         vo_banks = self.vo.unbind(0)                     # W_v, W_o of attention layer l: 2l, 2l+1
         mlp_banks = self.mlp.flatten(0, 1).unbind(0)     # c_fc, c_proj of layer j at 2j, 2j + 1
         fp8 = self.training and hp.fp8_mlp               # FP8 up projection (upstream record 84)
-        streams = {"h0": x0}                             # what MUDD mixes
+        # and FP8 down projection (record 89): this slice's activation scales, the previous
+        # training forward's maxima of post; each layer's maxima of post for the next one
+        down = self.fp8_down if fp8 else None
+        if down is not None and act_scales is None:
+            act_scales = down.act_scales[0]
+        post_amax = []
+        streams = {"h0": h0}                             # what MUDD mixes
         cached_u = None
         for p in self.plan:
             i = p.index
-            if p.skip_dest:  # U-net skip (@brendanh0gan, upstream record 11), gated
-                skip_scale = torch.sigmoid(skip_lambda) * 2                               # fp32 0-d
-                x = x + (skip_scale * torch.sigmoid(x0[:, :GATE_INPUT_DIM] @ self.skip_gate.T)
-                         * streams["skip"])
+            if p.skip_dest:  # U-net skip (@brendanh0gan, upstream record 11), gated per token
+                skip_gate = torch.sigmoid(skip_lambda) * self.gate_column(gates, p, "skip").to(
+                    tk.acc_dtype(weight_dtype))                                          # (T, 1)
+                x = weighted_sum((one, x), (skip_gate, streams["skip"]))
             c = None
             if p.mudd:
                 streams["last_in"] = x
@@ -886,37 +1010,80 @@ class GPT(nn.Module):
                 window = (ws_long if p.long_window else ws_short) * hp.block_size          # tokens
                 a = self.attention(p, w_qkv, vo_banks[2 * l + 1], u,
                                    self.value_extra(p, u, ve.get(p.ve_table), c, streams),
-                                   xsa[i] if p.xsa else None, sa_lambdas[i], cu_seqlens,
+                                   self.gate_column(gates, p, "xsa"),
+                                   self.gate_column(gates, p, "out_gate"),
+                                   self.gate_column(gates, p, "dc"), sa_lambdas[i], cu_seqlens,
                                    max_seqlen, window)
             if c is not None:
                 # the last layer's residual weights are MUDD's, per token (T, 1)
                 acc = tk.acc_dtype(weight_dtype)
-                x = weighted_sum((1 + c["x_last_in"].to(acc), x), (c["x_h0"], x0),
+                x = weighted_sum((1 + c["x_last_in"].to(acc), x), (c["x_h0"], h0),
                                  (c["x_cached"], streams["cached"]))
-                x = weighted_sum((c["attn_resid"], x), (c["attn_post"], a), (c["attn_x0"], x0),
+                x = weighted_sum((c["attn_resid"], x), (c["attn_post"], a), (c["attn_x0"], h0),
                                  (c["attn_bigram"], bigram))
                 mlp_weights = (c["mlp_resid"], c["mlp_post"])
             else:
                 if p.attn:
-                    # x0 and the bigram embedding are injected with the attention output
-                    # (upstream records 62, 77); layer 0 took its bigram into x0 instead
-                    injections = [(x0_lambdas[i], x0)] + ([(bigram_lambdas[i], bigram)] if i
-                                                          else [])
+                    # x0 and the bigram embedding are injected with the attention output, gated
+                    # per token (upstream records 62, 77, 85); layer 0's bigram is in h0 already
+                    injections = [(self.gate_column(gates, p, "x0"), x0)] + (
+                        [(self.gate_column(gates, p, "bigram"), bigram)] if i else [])
                     x = weighted_sum((resid[i, 0], x), (post[i, 0], a), *injections)
                 mlp_weights = (resid[i, 1], post[i, 1])
-            mlp_out = self.ops.relu2_mlp(rms(x), mlp_banks[2 * i], mlp_banks[2 * i + 1], fp8)
+            if down is None:
+                mlp_out = self.ops.relu2_mlp(rms(x), mlp_banks[2 * i], mlp_banks[2 * i + 1], fp8)
+            else:
+                mlp_out, amax = self.ops.relu2_mlp_fp8_down(
+                    rms(x), mlp_banks[2 * i], mlp_banks[2 * i + 1], act_scales[i: i + 1],
+                    down.weight_scales[i: i + 1], down.weights8[i])
+                post_amax.append(amax)
             x = weighted_sum((mlp_weights[0], x), (mlp_weights[1], mlp_out))
             if p.skip_source:
                 streams["skip"] = x
+                gates[1] = self.mudd_gate(1, x)
             if p.cached_input:
                 streams["cached"] = x
                 cached_u = rms(x)
+        if down is not None:   # a <- 1.80 max(post) / 448 per layer, for this slice's next forward
+            with torch.no_grad():
+                act_scales.copy_(self.ops.fp8_act_scales(torch.stack(post_amax),
+                                                         tk.FP8_DOWN_ACT_FACTOR))
         # MUDD block 1: earlier streams mixed into the last layer's output (at the start: minus
         # half the cached stream, record 80's backout)
         streams["ve"] = ve[self.ve_tables[0]]
         c = self.mudd_coefficients(1, x, MUDD_MIX_COEFFS)
         x = weighted_sum((x.new_ones(()), x), *((c[name], streams[name]) for name in MUDD_MIX_COEFFS))
         return rms(x)
+
+    def mudd_gate(self, gate: int, z: Tensor) -> Tensor:
+        """Gate `gate` (0 pre, 1 post; upstream record 85, PR #315) on z (T, D), not normed:
+        bf16(s) * (W2 gelu(W1 z) + b), its gate_widths[gate] outputs (T, width) in z's dtype (bf16
+        matmuls; bias and scale in fp32 from bf16 operands, rounded once)."""
+        n, acc = self.gate_widths[gate], tk.acc_dtype(z.dtype)
+        hidden = F.gelu(z @ self.mudd_gate_w1[gate].T)                             # (T, hidden)
+        out = hidden @ self.mudd_gate_w2[gate, :n].T                               # (T, n)
+        scale = self.mudd_gate_scale.to(z.dtype).to(acc)       # rounded as the weights are
+        return ((out.to(acc) + self.mudd_gate_b2[gate, :n].to(acc)) * scale).to(z.dtype)
+
+    def gate_column(self, gates: list, p: LayerPlan, kind: str) -> Any:
+        """Layer p's gate values of one kind from the gates' outputs (mudd_gate_columns), per token:
+        "x0", "bigram", "skip" (T, 1); "xsa" (T, H) as bf16(tanh(alpha)); "out_gate" (T, H) raw;
+        "dc" the pair (w1, w2) (T, H) of dc_weights. None where the layer has none."""
+        H = self.hp.num_heads
+        col = {"x0": p.inject_col, "bigram": p.inject_col, "skip": p.skip_col, "xsa": p.xsa_col,
+               "out_gate": p.out_gate_col, "dc": p.dc_col}[kind]
+        if col < 0:
+            return None
+        g = gates[p.gate]
+        if kind in ("x0", "skip"):
+            return g[:, col: col + 1]
+        if kind == "bigram":
+            return g[:, col + 1: col + 2]
+        if kind == "xsa":
+            return torch.tanh(g[:, col: col + H])
+        if kind == "out_gate":
+            return g[:, col: col + H]
+        return dc_weights(g[:, col: col + H], g[:, col + H: col + 2 * H])
 
     def mudd_coefficients(self, block: int, z: Tensor, names: Sequence[str]) -> dict[str, Tensor]:
         """MUDD block `block` on the raw residual z (T, D): mudd_scale * (W2 gelu(W1 z) + b), one
@@ -952,11 +1119,13 @@ class GPT(nn.Module):
         return (gate.to(acc)[..., None] * ve.to(acc).view(T, H, hd)).view(T, hp.model_dim) + mix
 
     def attention(self, p: LayerPlan, w_qkv: Tensor, w_o: Tensor, u: Tensor,
-                  v_extra: Tensor | None, xsa_alpha: Tensor | None, sa_lambda: Tensor,
-                  cu_seqlens: Tensor, max_seqlen: int, window: int) -> Tensor:
+                  v_extra: Tensor | None, xsa_tau: Tensor | None, out_gate: Tensor | None,
+                  dc: tuple[Tensor, Tensor] | None, sa_lambda: Tensor, cu_seqlens: Tensor,
+                  max_seqlen: int, window: int) -> Tensor:
         """One attention sublayer. w_qkv (3D, D) = [W_q; W_k; W_v], w_o (D, D); u: the normed input
         (T, D) bf16 -> (T, D) bf16. v_extra (T, D), fp32: added to the values (rounded once);
-        xsa_alpha (H,): XSA on the output."""
+        then on the attention output, each where given: dc (w1, w2) (T, H), the DC correction;
+        xsa_tau (T, H), XSA; out_gate (T, H), a per-token, per-head factor."""
         hp = self.hp
         T, D, H, hd = u.shape[0], hp.model_dim, hp.num_heads, hp.head_dim
         lambda_qkv, lambda_o = sa_lambda.unbind()
@@ -974,17 +1143,19 @@ class GPT(nn.Module):
             # Row-major reinterpretation as 2T positions of H/2 heads: position 2t slot g = head g
             # of token t, position 2t+1 slot g = head g + H/2. Lengths, offsets and the window are
             # in doubled positions.
-            q, k, v2 = (t.reshape(2 * T, H // 2, hd) for t in (q, k, v))
-            y = varlen_attention(q, k, v2, cu_seqlens * 2, max_seqlen * 2, window,
+            q2, k2, v2 = (t.reshape(2 * T, H // 2, hd) for t in (q, k, v))
+            y = varlen_attention(q2, k2, v2, cu_seqlens * 2, max_seqlen * 2, window,
                                  self.attn_scale, self.attn_backend)
             y = y.reshape(T, H, hd)
         else:
             y = varlen_attention(q, k, v, cu_seqlens, max_seqlen, window,
                                  self.attn_scale, self.attn_backend)
-        if xsa_alpha is not None:
-            y = remove_self_value(y, v, xsa_alpha)
-        # per-head output gate
-        y = y * torch.sigmoid(u[:, :GATE_INPUT_DIM] @ self.attn_gate_bank[p.attn_slot].T)[..., None]
+        if dc is not None:   # the last layer's DC correction (record 85), its own local window
+            y = self.ops.dc_correction(y, q, k, v, *dc, cu_seqlens, self.attn_scale, hp.dc_window)
+        if xsa_tau is not None:
+            y = remove_self_value(y, v, xsa_tau)
+        if out_gate is not None:   # raw, unbounded (record 85; was a sigmoid gate on every layer)
+            y = y * out_gate[..., None]
         return y.reshape(T, D) @ (lambda_o * w_o).T
 
 
@@ -1000,7 +1171,9 @@ class GPT(nn.Module):
 # After checking the kernel again, update the digest.
 KERNEL_REFERENCES = {
     "qk": ((tk.qk_norm_rotary_reference, tk.shift_keys_by_one), "fae18133f82d6f5e"),
-    "mlp": ((tk.relu2_mlp_reference, tk._Relu2MLPFP8Reference), "4e88bc4bb8c2d571"),
+    "mlp": ((tk.relu2_mlp_post_reference, tk._Relu2MLPPostReference,
+             tk.relu2_mlp_fp8_down_reference, tk._Relu2MLPFP8DownReference,
+             tk.fp8_scales_from_partial_amax_reference), "0af3420a7de413dd"),
     "ce": ((tk.softcap, tk.softcapped_mtp_ce_reference, tk.softcapped_mtp_ce_train_math,
             tk._SoftcappedMTPCETrainReference, tk.softcapped_mtp_ce_fp8_reference),
            "26fe2830ae022c3f"),
@@ -1010,6 +1183,8 @@ KERNEL_REFERENCES = {
                  tk.cautious_update_with_mantissa_reference), "2ddb60702546e03c"),
     "polar": ((tk.xxt_reference, tk.ba_plus_cAA_reference, tk.polar_split_product_reference),
               "72bf46270921669e"),
+    "dc": ((tk.dc_correction_reference, tk.dc_mixed_probs, tk.dc_window_mask, tk._dc_windows),
+           "0a2e81af64c6cbba"),
 }
 KERNEL_OPS = tuple(KERNEL_REFERENCES)     # the ops --kernels switches
 
@@ -1020,7 +1195,10 @@ class KernelOps:
     reference, of one contract (triton_kernels.py); chosen once by kernel_ops, passed to GPT and
     NorMuonAndAdam."""
     qk_norm_rotary: Callable        # qk: (qkv, cos, sin, pos_mult, key_offset) -> q, k, v
-    relu2_mlp: Callable             # mlp: (x, c_fc, c_proj, fp8) -> (T, D)
+    relu2_mlp: Callable             # mlp: (x, c_fc, c_proj, fp8) -> (T, D), post-only (record 87)
+    relu2_mlp_fp8_down: Callable    # mlp: (x, c_fc, c_proj, a, c, w8t) -> (T, D), amax (record 89)
+    fp8_act_scales: Callable        # mlp: (partial amax (L, P), factor) -> (L,) fp32
+    fp8_down_fused: bool            # mlp: Fp8DownState's weight refresh by the kernels
     mtp_ce: Callable                # ce: eval (logits, targets, mtp_weights) -> per-row losses
     mtp_ce_train: Callable          # ce: training without the FP8 head, same signature
     fp8_head_mtp_ce: Callable       # fp8 and ce: (h, w, targets, mtp_weights, grad_scale, s_x,
@@ -1031,6 +1209,7 @@ class KernelOps:
     xxt: Callable                   # polar: A -> A @ A.mT
     ba_plus_cAA: Callable           # polar: (A, b, c) -> b*A + c*A@A
     polar_split_product: Callable   # polar: (y, x, a) -> y = round(y + a*x) in place
+    dc_correction: Callable         # dc: (y, q, k, v, w1, w2, cu_seqlens, scale, window) -> y'
 
 
 def kernel_ops(kernels: str, device_type: str, edited: Collection[str] | None = None) -> KernelOps:
@@ -1049,7 +1228,12 @@ def kernel_ops(kernels: str, device_type: str, edited: Collection[str] | None = 
                   if device_type == "cuda" else tk.softcapped_mtp_ce_chunked)
     return KernelOps(
         qk_norm_rotary=pick("qk", tk.qk_norm_rotary_triton, tk.qk_norm_rotary_reference),
-        relu2_mlp=pick("mlp", tk.relu2_mlp_triton, tk.relu2_mlp_reference), mtp_ce=mtp_ce,
+        relu2_mlp=pick("mlp", tk.relu2_mlp_post_triton, tk.relu2_mlp_post_reference),
+        relu2_mlp_fp8_down=pick("mlp", tk.relu2_mlp_fp8_down_triton,
+                                tk.relu2_mlp_fp8_down_reference),
+        fp8_act_scales=pick("mlp", tk.fp8_scales_from_partial_amax_triton,
+                            tk.fp8_scales_from_partial_amax_reference),
+        fp8_down_fused="mlp" in fused, mtp_ce=mtp_ce,
         mtp_ce_train=pick("ce", tk.softcapped_mtp_ce_train_triton,
                           functools.partial(tk.softcapped_mtp_ce_train_reference, rows=rows)),
         fp8_head_mtp_ce=functools.partial(fp8_head_mtp_ce, fused_head="fp8" in fused,
@@ -1061,7 +1245,8 @@ def kernel_ops(kernels: str, device_type: str, edited: Collection[str] | None = 
         xxt=pick("polar", tk.xxt, tk.xxt_reference),
         ba_plus_cAA=pick("polar", tk.ba_plus_cAA, tk.ba_plus_cAA_reference),
         polar_split_product=pick("polar", tk.polar_split_product_,
-                                 tk.polar_split_product_reference))
+                                 tk.polar_split_product_reference),
+        dc_correction=pick("dc", tk.dc_correction_triton, tk.dc_correction_reference))
 
 
 # ==================================================================================================
@@ -1828,7 +2013,7 @@ def _val_batch_stream(files: list[str], placements: list[tuple[int, int]], token
 
 def stage_starts(num_scheduled: int, num_stages: int) -> list[int]:
     """The first step of each stage: 0, then round(num_scheduled * c) for c the running double sum
-    1/n, 1/n + 1/n, ... (Python round; upstream record 65, PR #215): [0, 460, 920] for the record."""
+    1/n, 1/n + 1/n, ... (Python round; upstream record 65, PR #215): [0, 423, 847] for the record."""
     starts, c = [0], 0.0
     for _ in range(num_stages - 1):
         c += 1 / num_stages
@@ -1878,9 +2063,9 @@ def window_sizes(step: int, num_scheduled: int, stages: Sequence[Stage],
 def lr_factor(step: int, num_scheduled: int, stages: Sequence[Stage], lr_min: float,
               cooldown_frac: float) -> float:
     """Multiplier on every base lr: the stage's peak until the cooldown starts at
-    int(num_scheduled * (1 - cooldown_frac)) (552 for the record), then the line from that peak to
+    int(num_scheduled * (1 - cooldown_frac)) (508 for the record), then the line from that peak to
     lr_min at the end of the schedule, then lr_min. The peak is the step's own stage's, so it jumps
-    where a stage starts inside the cooldown (920: up to 1.0278). Upstream records 65 and 72."""
+    where a stage starts inside the cooldown (847: up to 1.0271). Upstream records 65 and 72."""
     cooldown_start = int(num_scheduled * (1 - cooldown_frac))
     peak = stages[stage_index(step, num_scheduled, len(stages))].lr_peak
     if step < cooldown_start:
@@ -1914,6 +2099,19 @@ def mtp_weights(step: int, num_scheduled: int, stages: Sequence[Stage]) -> tuple
     return tuple(a + (b - a) * t for a, b in zip(stages[k].mtp_start, stages[k].mtp_end))
 
 
+def prefix_weight(step: int, num_scheduled: int, stages: Sequence[Stage]) -> float:
+    """The prefix-token loss weight (double), moving like the MTP weights (mtp_weights): 0.25 in
+    stage 1, 0.25 -> 0 over stage 2, then 0 for the record. Upstream record 88, PR #337."""
+    if step >= num_scheduled:
+        return float(stages[-1].prefix_end)
+    starts = stage_starts(num_scheduled, len(stages))
+    k = stage_index(step, num_scheduled, len(stages))
+    end = starts[k + 1] if k + 1 < len(stages) else num_scheduled
+    t = (step - starts[k]) / (end - starts[k])
+    a, b = stages[k].prefix_start, stages[k].prefix_end
+    return a + (b - a) * t
+
+
 def schedule_changes(hp: Hyperparameters) -> list[int]:
     """The steps after 0 where the batch size, the windows, the document cap or the number of MTP
     weights can change (every stage start and the end of the schedule): between two of them only
@@ -1926,7 +2124,7 @@ def schedule_changes(hp: Hyperparameters) -> list[int]:
 
 def validates_at(step: int, num_iterations: int, every: int) -> bool:
     """Whether the loop validates before `step` (at step num_iterations: after the last step):
-    every `every` steps from 0 (0: never) and at the end; 0, 250, ..., 1250 and 1390 for the
+    every `every` steps from 0 (0: never) and at the end; 0, 250, ..., 1250 and 1285 for the
     record."""
     return step == num_iterations or (every > 0 and step % every == 0)
 
@@ -1948,6 +2146,7 @@ class StepSchedule:
     lr_factor: float
     momentum: float
     mtp_weights: tuple           # doubles; the model gets them as fp32 (Trainer.mtp_weights)
+    prefix_weight: float         # double; the loss gets it as fp32 (Trainer.prefix_weight)
     max_doc_len: int             # training documents are cut to this (and max_seqlen hint)
     do_adam: bool                # Adam on odd steps, on two steps' gradients (upstream record 39)
 
@@ -1963,6 +2162,7 @@ def schedule_at(step: int, hp: Hyperparameters) -> StepSchedule:
         momentum=muon_momentum(step, hp.num_iterations, hp.momentum_min, hp.momentum_max,
                                hp.momentum_warmup_steps, hp.momentum_cooldown_steps),
         mtp_weights=mtp_weights(step, ns, hp.stages),
+        prefix_weight=prefix_weight(step, ns, hp.stages),
         max_doc_len=doc_len_cap(step, ns, hp.stages),
         do_adam=step % 2 == 1,
     )
@@ -2095,6 +2295,17 @@ def build_model(hp: Hyperparameters, device: torch.device, attn_backend: str,
     one --kernels, the device and the edited references give, kernel_ops)."""
     hp = resolve_dtype(hp, device.type)
     return GPT(hp, device, ops or kernel_ops(hp.kernels, device.type), attn_backend)
+
+
+def fill_prefix_table(model: nn.Module, table: Tensor) -> None:
+    """The model's prefix targets from the table (checks.load_prefix_table): its first V entries,
+    where the vocabulary (V) is the table's ids or a subset; else a ConfigError."""
+    V = model.prefix_table.shape[0]
+    if V > table.shape[0]:
+        raise harness.ConfigError(f"--vocab_size={V} is larger than the prefix-token table's "
+                                  f"{table.shape[0]} ids (data/prefix_table.py); use at most "
+                                  f"{table.shape[0]}")
+    model.prefix_table.copy_(table[:V])
 
 
 def build_optimizer(hp: Hyperparameters, model: nn.Module, rank: int, world_size: int) -> Any:
@@ -2257,6 +2468,7 @@ class Trainer:
         """The inverse of state(): weights, optimizer, schedule and YaRN state, data position,
         random generators."""
         self.model.load_state_dict(state["model"])
+        self.model.rebuild_fp8_down()
         self.opt.load_state_dict(state["optimizer"])
         for name, p in self.model.named_parameters():
             p.grad = state["grads"][name].to(p.device) if name in state["grads"] else None
@@ -2267,7 +2479,7 @@ class Trainer:
 
     def advance_schedule(self, sched: StepSchedule) -> tuple | None:
         """Apply YaRN at a window change; return the loader's message for this step's
-        micro-batches where the batch size or the document cap changes (460 and 920 for the
+        micro-batches where the batch size or the document cap changes (423 and 847 for the
         record), else None."""
         if sched.ws_long != self.ws_long:
             self.model.apply_yarn(self.ws_long, sched.ws_long)
@@ -2278,13 +2490,18 @@ class Trainer:
         return None
 
     def train_loss(self, batch: tuple[Tensor, Tensor, Tensor], sched: StepSchedule,
-                   mtp: Tensor) -> Tensor:
+                   mtp: Tensor, prefix: Tensor, micro_step: int) -> Tensor:
         """One training micro-batch's summed loss (the forward; the caller runs the backward, of
-        loss / grad_accum: the grad_scale passed to the model). No segment is longer than the stage's
-        document cap: the attention's max_seqlen hint."""
+        loss / grad_accum: the grad_scale passed to the model), its prefix term of weight `prefix`
+        (prefix_weight). No segment is longer than the stage's document cap: the attention's
+        max_seqlen hint. The micro-step's batch slice owns its FP8 activation scales (so they do
+        not depend on the world size)."""
         inputs, targets, cu_seqlens = batch
+        down = self.model.fp8_down
+        act_scales = (None if down is None else
+                      down.act_scales[micro_step * self.world_size + self.rank])
         return self.compiled(inputs, targets, cu_seqlens, sched.ws_short, sched.ws_long, mtp,
-                             sched.max_doc_len, 1 / self.grad_accum)
+                             sched.max_doc_len, 1 / self.grad_accum, prefix, act_scales)
 
     def val_loss(self, batch: tuple[Tensor, Tensor, Tensor], ws_short: int,
                  ws_long: int) -> Tensor:
@@ -2316,7 +2533,8 @@ class Trainer:
         batches = train_batches(self.train_files, sched.global_batch, self.grad_accum, self.rank,
                                 self.world_size, self.device, sched.max_doc_len,
                                 hp.tokens_per_doc_bound, hp.vocab_size, TrainPosition())
-        loss = self.train_loss(next(batches), sched, self.mtp_weights(sched))
+        loss = self.train_loss(next(batches), sched, self.mtp_weights(sched),
+                               self.prefix_weight(sched), 0)
         (loss / self.grad_accum).backward()
         batches.close()
 
@@ -2324,13 +2542,18 @@ class Trainer:
         """The step's MTP weights on the device, copied as the batches are (_to_device)."""
         return _to_device(np.array(sched.mtp_weights), np.float32, self.device)
 
+    def prefix_weight(self, sched: StepSchedule) -> Tensor:
+        """The step's prefix-token loss weight, a 1-element fp32 tensor on the device (as the MTP
+        weights)."""
+        return _to_device(np.array([sched.prefix_weight]), np.float32, self.device)
+
     def train_step(self, sched: StepSchedule, message: tuple | None) -> Tensor:
         """A micro-steps of forward/backward, then the optimizer step; returns this rank's summed
         loss (on device)."""
-        hp, mtp = self.hp, self.mtp_weights(sched)
+        hp, mtp, prefix = self.hp, self.mtp_weights(sched), self.prefix_weight(sched)
         total = torch.zeros((), device=self.device)
-        for _ in range(self.grad_accum):
-            loss = self.train_loss(self.loader.send(message), sched, mtp)
+        for m in range(self.grad_accum):
+            loss = self.train_loss(self.loader.send(message), sched, mtp, prefix, m)
             (loss / self.grad_accum).backward()
             total += loss.detach()
         # a label for bench/profile_step.py; free otherwise
@@ -2338,6 +2561,7 @@ class Trainer:
             self.opt.step(do_adam=sched.do_adam, lr_factor=sched.lr_factor, momentum=sched.momentum)
         if sched.step == hp.untie_step:
             self.opt.untie()
+        self.model.refresh_fp8_down(sched.step)
         return total
 
     def mean_train_loss(self, summed: Tensor, sched: StepSchedule) -> float:
@@ -2408,7 +2632,9 @@ def prepare_training(run: harness.Run, argv_text: str,
     harness.accept_run(run, sources, attn_backend, [*preflight_notes, *notes, *switch_notes])
     if hp.seed >= 0:
         torch.manual_seed(hp.seed)
+    prefix_table = checks.load_prefix_table()   # the tokeniser's, read once, before the clock
     model = build_model(hp, device, attn_backend, ops)
+    fill_prefix_table(model, prefix_table)
     if run.world_size > 1:    # every rank starts from rank 0's draws (weights and the bigram signs)
         for t in model.state_dict().values():
             dist.broadcast(t, 0)
@@ -2457,6 +2683,9 @@ def warmup_and_reset(trainer: Trainer, run: harness.Run) -> None:
     run.log_table(compile_log.report(time.perf_counter() - t0))
     model.load_state_dict(initial["model"])
     opt.load_state_dict(initial["optimizer"])
+    if model.fp8_down is not None:   # the record's reset: every scale 1, then a bootstrap refresh
+        model.fp8_down.reset()
+        model.refresh_fp8_down(None)
     for p in model.parameters():
         p.grad = None
     if not harness.states_equal(snapshot_state(model, opt), initial):

@@ -8,7 +8,7 @@ Importing this file does nothing: no device queries, no compiles. Nothing autotu
 each launcher's tiles are fixed, chosen by a bench/ script (measurements: notes/kernels.md).
 
 How the ops reach torch.compile: every kernel launch sits inside a `torch.library.triton_op`
-(namespace `nanogpt_kernels`) and goes through `torch.library.wrap_triton`, so
+(namespace `nanogpt_kernels`) and goes through `torch.library.wrap_triton` (via `wrap_triton`), so
 `torch.compile(fullgraph=True)` traces through it with no graph break; the differentiable ops
 wrap those in a `torch.autograd.Function`. Float scalars (b, c of `ba_plus_cAA`) are plain fp32
 kernel arguments, so Triton never recompiles when they change; torch.compile bakes them into the
@@ -28,11 +28,23 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import Tensor
-from torch.library import triton_op, wrap_triton
+from torch.library import triton_op
+from torch.library import wrap_triton as _torch_wrap_triton
+from triton.runtime.interpreter import InterpretedFunction
 
 _LIB = "nanogpt_kernels"  # torch.library namespace of the ops below:
                           # torch.ops.nanogpt_kernels.<name>
 _KERNEL_DTYPES = (torch.bfloat16, torch.float32)  # bf16 in training; float32 for interpreter tests
+
+
+def wrap_triton(kernel):
+    """torch.library.wrap_triton, except that a kernel under Triton's interpreter
+    (TRITON_INTERPRET=1, the CPU tests) launches as it is: torch 2.13 does so itself, torch 2.11
+    raises. Launchers call it by this name, which torch's scan for a triton_op's kernels matches.
+    Under torch.compile (never interpreted) the type is not asked: dynamo cannot trace that check."""
+    if not torch.compiler.is_compiling() and isinstance(kernel, InterpretedFunction):
+        return kernel
+    return _torch_wrap_triton(kernel)
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -292,6 +304,14 @@ def ba_plus_cAA(A: Tensor, b: float, c: float) -> Tensor:
 # same epilogue: pre = bf16(acc * q). e4m3 products are exact; the sum uses Hopper's fp8
 # accumulator (Triton's default there). The backward stays bf16, at the FP8 forward's pre and post
 # (a straight-through estimator).
+# Post-only mode (record 87, PR #322): the forward stores no pre (STORE_PRE=False) and the backward
+# reads post instead, rebuilding relu(pre) as sqrt(post) (SQRT_POST): d = bf16(2 * bf16(acc) *
+# sqrt(post)), Triton's approximate fp32 square root. bf16(sqrt(bf16(r^2))) = r for every bf16 r
+# whose square is a normal bf16, but the unrounded root is off by up to 2^-9 relative, so d is one
+# bf16 ulp away from the stored-pre form in about 1/8 of the entries (notes/kernels.md#relu2-mlp).
+# FP8 emission (record 89, PR #342; EMIT_FP8, training): the forward also writes post8 =
+# e4m3(min(post * (1 / a), 448)) for the FP8 down projection, a its delayed activation scale read
+# from memory, and each program's maximum of post (one fp32 per program, reduced in section 3b).
 #
 # Warp specialisation (`tl.range(warp_specialize=True)`, operands loaded by TMA descriptors) splits
 # each 4-warp program on sm_90 into a producer warpgroup that issues the loads and two consumer
@@ -306,6 +326,8 @@ def ba_plus_cAA(A: Tensor, b: float, c: float) -> Tensor:
 _MLP_TILES = (128, 256, 64, 8, 4, 3)
 # FP8 operands take half the bytes: a 128 K-step, 4 stages of 48 KiB, 8 warps (the record's).
 _MLP_FP8_TILES = (128, 256, 128, 8, 8, 4)
+# Emitting post8 and the maxima as well: 3 stages, as the record (its epilogue holds more).
+_MLP_FP8_EMIT_TILES = (128, 256, 128, 8, 8, 3)
 # Interpreter tiles for CPU tests: small, several tiles per persistent program.
 _MLP_INTERPRETER_TILES = (16, 32, 16, 2, 4, 2)
 E4M3_MAX = 448.0                       # largest finite float8_e4m3fn
@@ -324,12 +346,45 @@ def _grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _relu2_linear_kernel(a_ptr, b_ptr, pre_ptr, out_ptr, scale_ptr, M, N, K, stride_am, stride_bn,
-                         stride_pm, stride_om, BACKWARD: tl.constexpr, SCALED: tl.constexpr,
+def _e4m3_rne(x):
+    """fp32 x rounded to e4m3 (nearest even, saturating to +-448, NaN stays NaN), as fp32 (exact):
+    what sm_90's cvt.rn.satfinite.e4m3x2.f32 gives, through the bits, for the interpreter and the
+    fp32 outputs of tests."""
+    bits = x.to(tl.uint32, bitcast=True)
+    sign = bits & 0x80000000
+    mag = bits & 0x7FFFFFFF
+    # normal e4m3 (|x| >= 2^-6): keep 3 of fp32's 23 mantissa bits, nearest even
+    normal = ((mag + 0x7FFFF + ((mag >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
+    # subnormal (|x| < 2^-6): multiples of 2^-9, fp32's spacing at 2^14, so 2^14 + |x| rounds to
+    # them (nearest even), and the subtraction is exact
+    a = mag.to(tl.float32, bitcast=True)
+    r = tl.where(a < 0.015625, (a + 16384.0) - 16384.0, normal)
+    r = tl.minimum(r, 448.0)
+    r = (r.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+    return tl.where(x != x, x, r)
+
+
+@triton.jit
+def _store_e4m3(ptrs, x, mask):
+    """Store fp32 x as e4m3: into an e4m3 tensor by the hardware's saturating conversion, into an
+    fp32 one (tests) as _e4m3_rne's exact values."""
+    if ptrs.dtype.element_ty == tl.float8e4nv:
+        tl.store(ptrs, x.to(tl.float8e4nv), mask=mask)
+    else:
+        tl.store(ptrs, _e4m3_rne(x).to(ptrs.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _relu2_linear_kernel(a_ptr, b_ptr, pre_ptr, out_ptr, scale_ptr, post8_ptr, act_scale_ptr,
+                         amax_ptr, M, N, K, stride_am, stride_bn, stride_pm, stride_om,
+                         BACKWARD: tl.constexpr, SCALED: tl.constexpr, STORE_PRE: tl.constexpr,
+                         SQRT_POST: tl.constexpr, EMIT_FP8: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          GROUP_M: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
     """Persistent a @ b.T with the relu^2 epilogues above; K must be a multiple of BLOCK_K and the
-    operands TMA-aligned (both checked by the launcher). SCALED: acc * scale_ptr[0] first (FP8)."""
+    operands TMA-aligned (both checked by the launcher). SCALED: acc * scale_ptr[0] first (FP8).
+    pre_ptr: the forward's pre (STORE_PRE), the backward's saved activation (pre, or post with
+    SQRT_POST). EMIT_FP8 (forward): post8 at out's strides, amax_ptr[program] = max of post."""
     # Rows past M (the last row block) load as zeros and are not stored.
     a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_am, 1],
                                        block_shape=[BLOCK_M, BLOCK_K])
@@ -338,6 +393,9 @@ def _relu2_linear_kernel(a_ptr, b_ptr, pre_ptr, out_ptr, scale_ptr, M, N, K, str
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_tiles = num_pid_m * num_pid_n
+    if EMIT_FP8:
+        inv_act_scale = 1.0 / tl.load(act_scale_ptr)
+        post_max = 0.0
     for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0),
                          warp_specialize=WARP_SPECIALIZE):
         pid_m, pid_n = _grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
@@ -357,13 +415,25 @@ def _relu2_linear_kernel(a_ptr, b_ptr, pre_ptr, out_ptr, scale_ptr, M, N, K, str
         h = acc.to(out_ptr.dtype.element_ty).to(tl.float32)  # bf16(acc), back in fp32
                                                              # for the epilogue math
         if BACKWARD:
-            pre = tl.load(pre_ptrs, mask=mask, other=0.0).to(tl.float32)
-            d = 2.0 * h * tl.maximum(pre, 0.0)
+            saved = tl.load(pre_ptrs, mask=mask, other=0.0).to(tl.float32)
+            if SQRT_POST:
+                d = 2.0 * h * tl.sqrt(saved)
+            else:
+                d = 2.0 * h * tl.maximum(saved, 0.0)
             tl.store(out_ptrs, d.to(out_ptr.dtype.element_ty), mask=mask)
         else:
-            tl.store(pre_ptrs, h.to(pre_ptr.dtype.element_ty), mask=mask)
+            if STORE_PRE:
+                tl.store(pre_ptrs, h.to(pre_ptr.dtype.element_ty), mask=mask)
             r = tl.maximum(h, 0.0)
-            tl.store(out_ptrs, (r * r).to(out_ptr.dtype.element_ty), mask=mask)
+            post = (r * r).to(out_ptr.dtype.element_ty)
+            tl.store(out_ptrs, post, mask=mask)
+            if EMIT_FP8:
+                post = tl.where(mask, post.to(tl.float32), 0.0)
+                post8_ptrs = post8_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
+                _store_e4m3(post8_ptrs, tl.minimum(post * inv_act_scale, 448.0), mask)
+                post_max = tl.maximum(post_max, tl.max(tl.max(post, axis=1), axis=0))
+    if EMIT_FP8:
+        tl.store(amax_ptr + tl.program_id(0), post_max)
 
 
 def _descriptor_scratch(size: int, alignment: int, stream: int | None) -> Tensor:
@@ -372,16 +442,22 @@ def _descriptor_scratch(size: int, alignment: int, stream: int | None) -> Tensor
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
-def _launch_relu2_linear(a: Tensor, b: Tensor, pre: Tensor, out: Tensor, backward: bool,
+def _launch_relu2_linear(a: Tensor, b: Tensor, pre: Tensor | None, out: Tensor, backward: bool,
                          tiles: tuple | None, warp_specialize: bool | None = None,
-                         scale: Tensor | None = None) -> None:
+                         scale: Tensor | None = None, *, sqrt_post: bool = False,
+                         post8: Tensor | None = None, act_scale: Tensor | None = None,
+                         amax: Tensor | None = None) -> None:
     """warp_specialize: None = on CUDA (False: the single-role pipeline, for tests and benches).
-    scale: the FP8 forward's (1,) fp32 dequantisation factor (a and b e4m3)."""
+    scale: the FP8 forward's (1,) fp32 dequantisation factor (a and b e4m3). pre: None = a forward
+    that stores post only; in the backward the saved activation, post with sqrt_post. post8,
+    act_scale (1,) fp32 and amax (one fp32 per program): the forward's FP8 emission."""
     M, K = a.shape
     N = b.shape[0]
     fp8 = scale is not None
+    emit = post8 is not None
     bm, bn, bk, group_m, warps, stages = tiles or (
-        (_MLP_FP8_TILES if fp8 else _MLP_TILES) if a.is_cuda else _MLP_INTERPRETER_TILES)
+        (_MLP_FP8_EMIT_TILES if emit else _MLP_FP8_TILES if fp8 else _MLP_TILES) if a.is_cuda
+        else _MLP_INTERPRETER_TILES)
     _check(K % bk == 0, f"relu2_mlp needs the model dim ({K}) to be a multiple of {bk} (the "
                         "kernel's K-step)")
     # TMA reads rows that start on 16-byte boundaries. Storage starts are aligned (torch's
@@ -390,6 +466,8 @@ def _launch_relu2_linear(a: Tensor, b: Tensor, pre: Tensor, out: Tensor, backwar
                and t.stride(0) * t.element_size() % 16 == 0 for t in (a, b)),
            "relu2_mlp reads its operands by TMA: they must start on a 16-byte boundary, their rows "
            "a multiple of 16 bytes apart (a bf16 model dim that is a multiple of 8)")
+    _check(not (backward and (pre is None or emit)), "the relu2_mlp backward reads the saved pre "
+                                                     "(or post) and emits no FP8 copy")
     if a.is_cuda:
         # The launch asks this context's allocator for the descriptors' scratch. Set it here, in
         # whatever thread launches (autograd runs the backward in its own); compiled graphs launch
@@ -397,11 +475,21 @@ def _launch_relu2_linear(a: Tensor, b: Tensor, pre: Tensor, out: Tensor, backwar
         triton.set_allocator(_descriptor_scratch)
     launch = dict(num_warps=warps, num_stages=stages) if a.is_cuda else {}
     grid = (min(_num_programs_persistent(a.device), triton.cdiv(M, bm) * triton.cdiv(N, bn)),)
+    if emit:
+        _check(post8.shape == out.shape and post8.stride() == out.stride()
+               and act_scale is not None and act_scale.numel() == 1
+               and act_scale.dtype == torch.float32 and amax is not None
+               and amax.shape == grid and amax.dtype == torch.float32,
+               f"the FP8 emission needs post8 laid out as post, a 1-element fp32 act_scale and a "
+               f"({grid[0]},) fp32 amax (one entry per program)")
+    saved = out if pre is None else pre  # a dummy pointer where nothing is stored or read
     wrap_triton(_relu2_linear_kernel)[grid](
-        a, b, pre, out, scale if fp8 else pre, M, N, K, a.stride(0), b.stride(0), pre.stride(0),
-        out.stride(0), BACKWARD=backward, SCALED=fp8, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        GROUP_M=group_m, WARP_SPECIALIZE=a.is_cuda if warp_specialize is None else warp_specialize,
-        **launch)
+        a, b, saved, out, scale if fp8 else saved, post8 if emit else saved,
+        act_scale if emit else saved, amax if emit else saved, M, N, K, a.stride(0), b.stride(0),
+        saved.stride(0), out.stride(0), BACKWARD=backward, SCALED=fp8,
+        STORE_PRE=pre is not None and not backward, SQRT_POST=sqrt_post, EMIT_FP8=emit,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m,
+        WARP_SPECIALIZE=a.is_cuda if warp_specialize is None else warp_specialize, **launch)
 
 
 def _check_mlp_operands(x: Tensor, w: Tensor, x_name: str, w_name: str) -> None:
@@ -586,6 +674,485 @@ def relu2_mlp_reference(x: Tensor, c_fc: Tensor, c_proj: Tensor, fp8: bool = Fal
     pre = x @ c_fc.mT
     post = F.relu(pre).square()
     return post @ c_proj
+
+
+# Post-only form (record 87): the forward keeps post alone, the backward rebuilds relu(pre) as
+# sqrt(post). Its reference is beside the launchers; record 84's functions above are unchanged.
+
+def relu2_mlp_post_fwd_triton(x: Tensor, c_fc: Tensor, tiles: tuple | None = None) -> Tensor:
+    """x (M, D), c_fc (H, D) -> post = bf16(relu(bf16(x @ c_fc.T))^2) (M, H); no pre is stored."""
+    _check_mlp_operands(x, c_fc, "x", "c_fc")
+    post = torch.empty((x.shape[0], c_fc.shape[0]), dtype=x.dtype, device=x.device)
+    _launch_relu2_linear(x, c_fc, None, post, backward=False, tiles=tiles)
+    return post
+
+
+def _check_fp8_up_operands(x8: Tensor, w8: Tensor, q: Tensor) -> None:
+    _check(x8.ndim == 2 and w8.ndim == 2 and x8.shape[1] == w8.shape[1],
+           f"expected x8 (M, D) and w8 (H, D), got {tuple(x8.shape)} and {tuple(w8.shape)}")
+    _check(x8.dtype == w8.dtype == torch.float8_e4m3fn,
+           f"x8 and w8 must be float8_e4m3fn, got {x8.dtype} and {w8.dtype}")
+    _check(q.shape == (1,) and q.dtype == torch.float32 and q.device == x8.device == w8.device,
+           "q must be a (1,) float32 tensor on the operands' device")
+    _check(x8.stride(1) == 1 and w8.is_contiguous(), "x8 needs unit stride along D and w8 must "
+                                                     "be contiguous")
+
+
+def relu2_mlp_fp8_post_fwd_triton(x8: Tensor, w8: Tensor, q: Tensor,
+                                  act_scale: Tensor | None = None,
+                                  out_dtype: torch.dtype = torch.bfloat16,
+                                  tiles: tuple | None = None
+                                  ) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """The FP8 up projection storing post only: x8, w8 e4m3, q (1,) fp32 as
+    relu2_mlp_fp8_fwd_triton -> (post, post8, amax). act_scale (1,) fp32, the delayed activation
+    scale a: post8 = e4m3(min(post * (1 / a), 448)) (M, H) (e4m3; fp32 when out_dtype is fp32, for
+    interpreter tests) and amax (P,) fp32, each program's max of post (reduce with
+    fp8_scales_from_partial_amax); without it (None, None)."""
+    _check_fp8_up_operands(x8, w8, q)
+    post = torch.empty((x8.shape[0], w8.shape[0]), dtype=out_dtype, device=x8.device)
+    if act_scale is None:
+        _launch_relu2_linear(x8, w8, None, post, backward=False, tiles=tiles, scale=q)
+        return post, None, None
+    _check(act_scale.numel() == 1 and act_scale.dtype == torch.float32
+           and act_scale.device == x8.device, "act_scale must be a 1-element float32 tensor on "
+                                              "the operands' device")
+    bm, bn = (tiles or (_MLP_FP8_EMIT_TILES if x8.is_cuda else _MLP_INTERPRETER_TILES))[:2]
+    n_programs = min(_num_programs_persistent(x8.device),
+                     triton.cdiv(post.shape[0], bm) * triton.cdiv(post.shape[1], bn))
+    post8 = torch.empty_like(post, dtype=torch.float32 if out_dtype == torch.float32
+                             else torch.float8_e4m3fn)
+    amax = torch.empty(n_programs, dtype=torch.float32, device=x8.device)
+    _launch_relu2_linear(x8, w8, None, post, backward=False, tiles=tiles, scale=q, post8=post8,
+                         act_scale=act_scale.reshape(1), amax=amax)
+    return post, post8, amax
+
+
+def relu2_mlp_sqrt_bwd_triton(g: Tensor, c_proj: Tensor, post: Tensor,
+                              tiles: tuple | None = None) -> Tensor:
+    """g (M, D), c_proj (H, D), post (M, H) from the forward -> dpre = bf16(2 * bf16(g @ c_proj.T)
+    * sqrt(post)), Triton's approximate square root (not correctly rounded)."""
+    _check_mlp_operands(g, c_proj, "g", "c_proj")
+    _check(post.shape == (g.shape[0], c_proj.shape[0]) and post.dtype == g.dtype
+           and post.stride(1) == 1,
+           f"post must be the forward's ({g.shape[0]}, {c_proj.shape[0]}) {g.dtype} output, "
+           f"got {tuple(post.shape)} {post.dtype}")
+    dpre = torch.empty_like(post, memory_format=torch.contiguous_format)
+    _launch_relu2_linear(g, c_proj, post, dpre, backward=True, tiles=tiles, sqrt_post=True)
+    return dpre
+
+
+@triton_op(f"{_LIB}::relu2_mlp_post_fwd", mutates_args=())
+def _relu2_mlp_post_fwd_op(x: Tensor, c_fc: Tensor) -> Tensor:
+    return relu2_mlp_post_fwd_triton(x, c_fc)
+
+
+@triton_op(f"{_LIB}::relu2_mlp_fp8_post_fwd", mutates_args=())
+def _relu2_mlp_fp8_post_fwd_op(x8: Tensor, w8: Tensor, q: Tensor, out_dtype: torch.dtype
+                               ) -> Tensor:
+    return relu2_mlp_fp8_post_fwd_triton(x8, w8, q, None, out_dtype)[0]
+
+
+@triton_op(f"{_LIB}::relu2_mlp_fp8_emit_fwd", mutates_args=())
+def _relu2_mlp_fp8_emit_fwd_op(x8: Tensor, w8: Tensor, q: Tensor, act_scale: Tensor,
+                               out_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    return relu2_mlp_fp8_post_fwd_triton(x8, w8, q, act_scale, out_dtype)
+
+
+@triton_op(f"{_LIB}::relu2_mlp_sqrt_bwd", mutates_args=())
+def _relu2_mlp_sqrt_bwd_op(g: Tensor, c_proj: Tensor, post: Tensor) -> Tensor:
+    return relu2_mlp_sqrt_bwd_triton(g, c_proj, post)
+
+
+def _fp8_up_operands(x2: Tensor, c_fc: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The FP8 up projection's operands of one call: x8, w8 and the (1,) dequantisation factor."""
+    w8, s = quantize_mlp_weight(c_fc)
+    x8, q = quantize_mlp_input(x2, s)
+    return x8, w8, q.reshape(1)
+
+
+def _relu2_mlp_post_backward(ctx, grad_out: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The post-only backward by the kernels: dx, dc_fc, dc_proj from the saved x2, c_fc, c_proj,
+    post (bf16 weights: straight through any FP8 forward)."""
+    x2, c_fc, c_proj, post = ctx.saved_tensors
+    g = grad_out.reshape(-1, grad_out.shape[-1]).contiguous()  # (M, D)
+    dc_proj = post.mT @ g  # (H, D)
+    dpre = torch.ops.nanogpt_kernels.relu2_mlp_sqrt_bwd(g, c_proj, post)  # (M, H)
+    return (dpre @ c_fc).view(ctx.x_shape), dpre.mT @ x2, dc_proj
+
+
+class _Relu2MLPPostFunction(torch.autograd.Function):
+    """Autograd of the post-only MLP (bf16 down projection): saves x, c_fc, c_proj, post."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, c_fc: Tensor, c_proj: Tensor, fp8: bool) -> Tensor:
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()  # (M, D)
+        if fp8:
+            post = torch.ops.nanogpt_kernels.relu2_mlp_fp8_post_fwd(*_fp8_up_operands(x2, c_fc),
+                                                                    x.dtype)
+        else:
+            post = torch.ops.nanogpt_kernels.relu2_mlp_post_fwd(x2, c_fc)  # (M, H)
+        ctx.save_for_backward(x2, c_fc, c_proj, post)
+        ctx.x_shape = x.shape
+        return (post @ c_proj).view(*x.shape[:-1], c_proj.shape[1])
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        return *_relu2_mlp_post_backward(ctx, grad_out), None
+
+
+def relu2_mlp_post_triton(x: Tensor, c_fc: Tensor, c_proj: Tensor, fp8: bool = False) -> Tensor:
+    """relu2_mlp_triton's function in the post-only form (record 87): the same forward, the
+    backward through sqrt(post); fp8: the up projection's forward in e4m3."""
+    return _Relu2MLPPostFunction.apply(x, c_fc, c_proj, fp8)
+
+
+def relu2_up_post_reference(x: Tensor, c_fc: Tensor, fp8: bool) -> Tensor:
+    """post = bf16(relu(pre)^2) of the up projection, pre = bf16(x @ c_fc.T) or the FP8 pre of
+    _Relu2MLPFP8Reference; x (M, D)."""
+    if fp8:
+        acc = acc_dtype(x.dtype)
+        w8, s = quantize_mlp_weight(c_fc)
+        x8, q = quantize_mlp_input(x, s)
+        pre = ((x8.to(acc) @ w8.to(acc).mT) * q).to(x.dtype)
+    else:
+        pre = x @ c_fc.mT
+    return F.relu(pre).square()
+
+
+def relu2_sqrt_post_dpre_reference(q: Tensor, post: Tensor) -> Tensor:
+    """dpre = round(2q * sqrt(post)) computed in the accumulation dtype, q = round(g @ c_proj.T):
+    the post-only backward's rule (a correctly rounded root: the kernel's approximate one differs
+    by a few fp32 ulp, rarely one ulp after rounding)."""
+    acc = acc_dtype(q.dtype)
+    return (2 * q.to(acc) * post.to(acc).sqrt()).to(q.dtype)
+
+
+class _Relu2MLPPostReference(torch.autograd.Function):
+    """The post-only MLP in plain PyTorch: relu2_up_post_reference's post, post @ c_proj, and the
+    backward through relu2_sqrt_post_dpre_reference."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, c_fc: Tensor, c_proj: Tensor, fp8: bool) -> Tensor:
+        post = relu2_up_post_reference(x, c_fc, fp8)
+        ctx.save_for_backward(x, c_fc, c_proj, post)
+        return post @ c_proj
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        x, c_fc, c_proj, post = ctx.saved_tensors
+        dpre = relu2_sqrt_post_dpre_reference(g @ c_proj.mT, post)
+        return dpre @ c_fc, dpre.mT @ x, post.mT @ g, None
+
+
+def relu2_mlp_post_reference(x: Tensor, c_fc: Tensor, c_proj: Tensor, fp8: bool = False
+                             ) -> Tensor:
+    """relu2_mlp_post_triton's contract in plain PyTorch; x (M, D), c_fc and c_proj (H, D)."""
+    return _Relu2MLPPostReference.apply(x, c_fc, c_proj, fp8)
+
+
+# ==================================================================================================
+# 3b. FP8 down projection with delayed scaling  (record 89, PR #342)
+# ==================================================================================================
+# Training forwards compute the down projection as bf16(a * c * sum_k post8[t, k] * W2_8[k, n]):
+#   post8 = e4m3(min(post * (1 / a), 448)), emitted by the relu^2 kernel (section 3), a the layer's
+#           activation scale: 1.80 x the max of post in the previous training forward of the same
+#           batch slice, / 448 (values above 1.8x that max saturate at 448);
+#   W2_8  = e4m3(clamp(W2 / c, +-448)), stored transposed (slots, D, H), refreshed after every
+#           optimizer step: c is 1.12 x the max |W2| of the previous refresh / 448, except in the
+#           bootstrap (init, warmup, the reset, and after steps 0-15), where it is the current
+#           bf16(bf16(max |W2|) / 448).
+# One activation chain per batch slice (not per rank, as the record has it), so the math does not
+# depend on the world size. Backward and eval: bf16, as in section 3's post-only form.
+# Two Triton kernels: the scale reduction (per row of partial maxima, fp32(max(m, 1e-12) * h/448))
+# and the weight quantise + transpose in 64 x 64 tiles with each tile's max |W2|.
+FP8_DOWN_ACT_FACTOR = 0.004017857369035482      # fp32(1.80 / 448): activation headroom 1.80
+FP8_DOWN_WEIGHT_FACTOR = 0.0024999999441206455  # fp32(1.12 / 448): weight headroom 1.12
+FP8_DOWN_BOOTSTRAP_STEPS = 16     # optimizer steps 0..15 are followed by a bootstrap refresh
+_FP8_REDUCE_BLOCK = 256           # partial maxima per loop step of the reduction (one program/row)
+_FP8_QUANT_TILE = 64              # the weight quantiser's square tile (576 per 3072 x 768 slot)
+_FP8_QUANT_WARPS = 4
+
+
+@triton.jit
+def _fp8_scale_reduce_kernel(partial_ptr, out_ptr, n_cols, stride_row, factor,
+                             BLOCK: tl.constexpr):
+    """out[row] = fp32(max(max_j partial[row, j], 1e-12) * factor); one program per row."""
+    row_ptr = partial_ptr + tl.program_id(0).to(tl.int64) * stride_row
+    m = tl.zeros((BLOCK,), dtype=tl.float32)
+    for start in range(0, n_cols, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        m = tl.maximum(m, tl.load(row_ptr + cols, mask=cols < n_cols, other=0.0))
+    amax = tl.maximum(tl.max(m, axis=0), 1e-12)
+    tl.store(out_ptr + tl.program_id(0), amax * tl.cast(factor, tl.float32))
+
+
+def fp8_scales_from_partial_amax_triton(partial: Tensor, factor: float) -> Tensor:
+    """partial (L, P) fp32 maxima (of |W2| tiles or of post per program), factor = fp32(h / 448)
+    -> (L,) fp32 scales fp32(max(max_j partial[l, j], 1e-12) * factor). A max: exact, any order."""
+    _check(partial.ndim == 2 and partial.dtype == torch.float32 and partial.stride(1) == 1,
+           f"partial must be (rows, maxima) float32 with unit column stride, got "
+           f"{tuple(partial.shape)} {partial.dtype}")
+    out = torch.empty(partial.shape[0], dtype=torch.float32, device=partial.device)
+    launch = dict(num_warps=4) if partial.is_cuda else {}
+    wrap_triton(_fp8_scale_reduce_kernel)[(partial.shape[0],)](
+        partial, out, partial.shape[1], partial.stride(0), factor, BLOCK=_FP8_REDUCE_BLOCK,
+        **launch)
+    return out
+
+
+def fp8_scales_from_partial_amax_reference(partial: Tensor, factor: float) -> Tensor:
+    """fp8_scales_from_partial_amax_triton's contract in plain PyTorch."""
+    f = torch.tensor(factor, dtype=torch.float32, device=partial.device)
+    return partial.amax(dim=1).clamp_min(FP8_AMAX_FLOOR) * f
+
+
+@triton.jit
+def _down_weight_quant_kernel(w_ptr, scale_ptr, out_ptr, amax_ptr, H, D, stride_ws, stride_wh,
+                              stride_os, stride_od, BLOCK: tl.constexpr):
+    """One BLOCK x BLOCK tile of slot program_id(1): out[s, d, h] = e4m3(clamp(w[s, h, d] / c[s],
+    +-448)) (transposed), amax[s, tile] = max |w| over the tile."""
+    tile = tl.program_id(0)
+    slot = tl.program_id(1).to(tl.int64)
+    n_tiles_d = tl.cdiv(D, BLOCK)
+    h = (tile // n_tiles_d) * BLOCK + tl.arange(0, BLOCK)
+    d = (tile % n_tiles_d) * BLOCK + tl.arange(0, BLOCK)
+    mask = (h[:, None] < H) & (d[None, :] < D)
+    w = _load_as_fp32(w_ptr + slot * stride_ws + h.to(tl.int64)[:, None] * stride_wh + d[None, :],
+                      mask)
+    q = tl.minimum(tl.maximum(w / tl.load(scale_ptr + slot), -448.0), 448.0)
+    out_ptrs = out_ptr + slot * stride_os + d.to(tl.int64)[:, None] * stride_od + h[None, :]
+    _store_e4m3(out_ptrs, tl.trans(q), tl.trans(mask))
+    tl.store(amax_ptr + slot * tl.num_programs(0) + tile,
+             tl.max(tl.max(tl.abs(w), axis=1), axis=0))
+
+
+def quantize_down_weight_t_triton(w2: Tensor, scales: Tensor, out_dtype: torch.dtype =
+                                  torch.float8_e4m3fn) -> tuple[Tensor, Tensor]:
+    """w2 (S, H, D) bf16 down projections (stored as used, post @ w2[s]), scales (S,) fp32 ->
+    (w8t, tile_amax): w8t (S, D, H) = e4m3(clamp(w2 / scales, +-448)) transposed (out_dtype e4m3;
+    fp32 for interpreter tests), each slot a column-major (H, D) operand for torch._scaled_mm;
+    tile_amax (S, n_tiles) fp32, the max |w2| of each 64 x 64 tile (fp8_scales_from_partial_amax)."""
+    _check(w2.ndim == 3 and w2.stride(2) == 1, f"w2 must be (slots, H, D) with unit stride along D, "
+                                               f"got {tuple(w2.shape)}")
+    _check_dtype("w2", w2)
+    _check(scales.shape == (w2.shape[0],) and scales.dtype == torch.float32
+           and scales.device == w2.device, f"scales must be ({w2.shape[0]},) float32 on "
+                                           f"{w2.device}")
+    S, H, D = w2.shape
+    n_tiles = triton.cdiv(H, _FP8_QUANT_TILE) * triton.cdiv(D, _FP8_QUANT_TILE)
+    w8t = torch.empty(S, D, H, dtype=out_dtype, device=w2.device)
+    tile_amax = torch.empty(S, n_tiles, dtype=torch.float32, device=w2.device)
+    launch = dict(num_warps=_FP8_QUANT_WARPS) if w2.is_cuda else {}
+    wrap_triton(_down_weight_quant_kernel)[(n_tiles, S)](
+        w2, scales, w8t, tile_amax, H, D, w2.stride(0), w2.stride(1), w8t.stride(0),
+        w8t.stride(1), BLOCK=_FP8_QUANT_TILE, **launch)
+    return w8t, tile_amax
+
+
+def quantize_down_weight_t_reference(w2: Tensor, scales: Tensor) -> tuple[Tensor, Tensor]:
+    """quantize_down_weight_t_triton's contract in plain PyTorch; its amax has one column (a
+    whole slot), which reduces to the same scale."""
+    q = (w2.float() / scales[:, None, None]).clamp(-E4M3_MAX, E4M3_MAX)
+    return q.to(torch.float8_e4m3fn).mT.contiguous(), w2.float().abs().amax(dim=(1, 2))[:, None]
+
+
+def fp8_bootstrap_weight_scales(w2: Tensor) -> Tensor:
+    """The bootstrap weight scales of w2 (S, H, D): fp32(bf16(bf16(max(max|w2[s]|, 1e-12)) / 448))
+    (the record's eager bf16 arithmetic, here by integer rounding so it survives torch.compile;
+    the quotient can sit up to 2^-8 below max/448, and then the largest entries clip to 448)."""
+    amax = w2.abs().amax(dim=(1, 2)).float().clamp_min(FP8_AMAX_FLOOR)
+    return _round_to(_round_to(amax, torch.bfloat16) / E4M3_MAX, torch.bfloat16)
+
+
+def fp8_down_bootstraps(step: int | None) -> bool:
+    """Whether the weight refresh after optimizer step `step` bootstraps (None: at init, in
+    warmup and after the reset, which always do)."""
+    return step is None or step < FP8_DOWN_BOOTSTRAP_STEPS
+
+
+def fp8_down_weight_refresh(w2: Tensor, next_scales: Tensor, bootstrap: bool, fused: bool
+                            ) -> tuple[Tensor, Tensor, Tensor]:
+    """One refresh of the FP8 down weights: w2 (S, H, D), next_scales (S,) the scales the previous
+    refresh set aside -> (w8t (S, D, H) e4m3, used (S,), next (S,)): bootstrap replaces
+    next_scales by fp8_bootstrap_weight_scales(w2); w8t = w2 quantised by them, which become the
+    used scales; next = 1.12 x this w2's max / 448, for the next refresh. fused: the Triton
+    quantiser and reduction (CUDA), else the references."""
+    used = fp8_bootstrap_weight_scales(w2) if bootstrap else next_scales.clone()
+    if fused:
+        w8t, tile_amax = quantize_down_weight_t_triton(w2, used)
+        return w8t, used, fp8_scales_from_partial_amax_triton(tile_amax, FP8_DOWN_WEIGHT_FACTOR)
+    w8t, amax = quantize_down_weight_t_reference(w2, used)
+    return w8t, used, fp8_scales_from_partial_amax_reference(amax, FP8_DOWN_WEIGHT_FACTOR)
+
+
+def quantize_post_reference(post: Tensor, act_scale: Tensor) -> Tensor:
+    """post8 = e4m3(min(fp32(post) * fp32(1 / a), 448)) of post >= 0 (M, H), act_scale a
+    1-element fp32: the relu^2 kernel's FP8 emission (its 1 / a is Triton's division, within
+    2 ulp; correctly rounded here)."""
+    inv = 1 / act_scale.reshape(())
+    return (post.float() * inv).clamp_max(E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def fp8_clipped_count(x: Tensor, scale: Tensor) -> Tensor:
+    """How many entries of x the FP8 quantisation by `scale` clips (|x / scale| > 448): the record
+    saturates silently; this is for logs and tests."""
+    return ((x.float() / scale.reshape(-1, *[1] * (x.ndim - 1))).abs() > E4M3_MAX).sum()
+
+
+def fp8_down_matmul_reference(post8: Tensor, w8t: Tensor, act_scale: Tensor, weight_scale: Tensor,
+                              out_dtype: torch.dtype = torch.bfloat16) -> Tensor:
+    """post8 (M, H) and w8t (D, H) e4m3 (or their fp32 values), 1-element fp32 scales ->
+    round(sum_k post8[m, k] * w8t[n, k] * fp32(a * c)) (M, D): exact e4m3 products, an fp32 sum
+    (in another order than the GPU's fast accumulation), the scales' product as _scaled_mm's
+    epilogue forms it."""
+    scale = act_scale.reshape(()) * weight_scale.reshape(())
+    return ((post8.float() @ w8t.float().mT) * scale).to(out_dtype)
+
+
+def fp8_down_matmul(post8: Tensor, w8t: Tensor, act_scale: Tensor, weight_scale: Tensor,
+                    out_dtype: torch.dtype = torch.bfloat16) -> Tensor:
+    """The down projection's FP8 product: on CUDA torch._scaled_mm (post8 row-major, w8t's slot
+    read as the column-major (H, D) operand, tensor-wise scales, fast accumulation, bf16 out); off
+    CUDA fp8_down_matmul_reference (no FP8 GEMM there)."""
+    if not post8.is_cuda:
+        return fp8_down_matmul_reference(post8, w8t, act_scale, weight_scale, out_dtype)
+    # cuBLAS reads each scale from a 16-byte aligned address (pytorch#159957), which the state's
+    # one-element slices are not: the product is a fresh tensor, and the epilogue forms the same
+    # fp32(acc * fp32(a * c)) from it and 1.
+    scale = act_scale.reshape(()) * weight_scale.reshape(())
+    return torch._scaled_mm(post8, w8t.mT, scale_a=scale, scale_b=torch.ones_like(scale),
+                            out_dtype=out_dtype, use_fast_accum=True)
+
+
+class _Relu2MLPFP8DownFunction(torch.autograd.Function):
+    """Autograd of the record-89 training MLP by the kernels: FP8 up projection, post-only relu^2
+    kernel emitting post8 and its maxima, FP8 down product; the bf16 post-only backward."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, c_fc: Tensor, c_proj: Tensor, act_scale: Tensor,
+                weight_scale: Tensor, w8t: Tensor) -> tuple[Tensor, Tensor]:
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()  # (M, D)
+        post, post8, amax = torch.ops.nanogpt_kernels.relu2_mlp_fp8_emit_fwd(
+            *_fp8_up_operands(x2, c_fc), act_scale, x.dtype)
+        out = fp8_down_matmul(post8, w8t, act_scale, weight_scale, x.dtype)  # (M, D)
+        ctx.save_for_backward(x2, c_fc, c_proj, post)
+        ctx.x_shape = x.shape
+        ctx.mark_non_differentiable(amax)
+        return out.view(*x.shape[:-1], c_proj.shape[1]), amax
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor, grad_amax: Tensor | None):
+        return *_relu2_mlp_post_backward(ctx, grad_out), None, None, None
+
+
+def relu2_mlp_fp8_down_triton(x: Tensor, c_fc: Tensor, c_proj: Tensor, act_scale: Tensor,
+                              weight_scale: Tensor, w8t: Tensor) -> tuple[Tensor, Tensor]:
+    """The training MLP of record 89 by the kernels: x (..., D), c_fc and c_proj (H, D) bf16,
+    act_scale and weight_scale 1-element fp32 (this slice's a and this layer's c), w8t (D, H) e4m3
+    (this layer's slot of Fp8DownState.weights8) -> (out (..., D), amax (P,) fp32 per-program
+    maxima of post, for Fp8DownState.update_act_scales). Differentiable in x, c_fc, c_proj."""
+    return _Relu2MLPFP8DownFunction.apply(x, c_fc, c_proj, act_scale, weight_scale, w8t)
+
+
+class _Relu2MLPFP8DownReference(torch.autograd.Function):
+    """relu2_mlp_fp8_down_triton's contract in plain PyTorch (the amax has one entry)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, c_fc: Tensor, c_proj: Tensor, act_scale: Tensor,
+                weight_scale: Tensor, w8t: Tensor) -> tuple[Tensor, Tensor]:
+        post = relu2_up_post_reference(x, c_fc, fp8=True)
+        post8 = quantize_post_reference(post, act_scale)
+        out = fp8_down_matmul_reference(post8, w8t, act_scale, weight_scale, x.dtype)
+        ctx.save_for_backward(x, c_fc, c_proj, post)
+        amax = post.float().amax().reshape(1)
+        ctx.mark_non_differentiable(amax)
+        return out, amax
+
+    @staticmethod
+    def backward(ctx, g: Tensor, grad_amax: Tensor | None):
+        x, c_fc, c_proj, post = ctx.saved_tensors
+        dpre = relu2_sqrt_post_dpre_reference(g @ c_proj.mT, post)
+        return dpre @ c_fc, dpre.mT @ x, post.mT @ g, None, None, None
+
+
+def relu2_mlp_fp8_down_reference(x: Tensor, c_fc: Tensor, c_proj: Tensor, act_scale: Tensor,
+                                 weight_scale: Tensor, w8t: Tensor) -> tuple[Tensor, Tensor]:
+    """relu2_mlp_fp8_down_triton's contract in plain PyTorch; x (M, D)."""
+    return _Relu2MLPFP8DownReference.apply(x, c_fc, c_proj, act_scale, weight_scale, w8t)
+
+
+def owned_slices(rank: int, world_size: int, n_slices: int) -> list[int]:
+    """The batch slices rank `rank` runs, in micro-step order: b = m * world_size + rank."""
+    return list(range(rank, n_slices, world_size))
+
+
+class Fp8DownState(torch.nn.Module):
+    """The FP8 down projection's delayed-scaling state (persistent fp32 buffers, 1.0 at init):
+    act_scales (n_slices, n_layers), one chain per batch slice, advanced only by that slice's
+    training forwards; weight_scales (n_slots,), the c the forwards use; next_weight_scales
+    (n_slots,), the c set aside for the next refresh. weights8 (n_slots, D, H) e4m3 is derived
+    (not saved): refresh_weights builds it, rebuild_weights8 rebuilds it after a load.
+    At W > 1 each rank advances only its owned_slices' rows, so each rank's state file holds its own
+    rows current (a resume runs at the writers' process count; the trainer refuses others)."""
+
+    def __init__(self, n_slices: int, n_layers: int, n_slots: int,
+                 device: torch.device | str | None = None):
+        super().__init__()
+        ones = dict(dtype=torch.float32, device=device)
+        self.register_buffer("act_scales", torch.ones(n_slices, n_layers, **ones))
+        self.register_buffer("weight_scales", torch.ones(n_slots, **ones))
+        self.register_buffer("next_weight_scales", torch.ones(n_slots, **ones))
+        self.register_buffer("weights8", None, persistent=False)
+
+    @torch.no_grad()
+    def reset(self) -> None:
+        """The warmup reset: every scale back to 1.0 (follow it by a bootstrap refresh)."""
+        for t in (self.act_scales, self.weight_scales, self.next_weight_scales):
+            t.fill_(1.0)
+
+    @torch.no_grad()
+    def refresh_weights(self, w2: Tensor, bootstrap: bool, fused: bool = False) -> None:
+        """After every optimizer step (bootstrap = fp8_down_bootstraps(step)), at init and after
+        the reset (bootstrap): fp8_down_weight_refresh of w2 (n_slots, H, D)."""
+        _check(w2.ndim == 3 and w2.shape[0] == self.weight_scales.shape[0],
+               f"w2 must be ({self.weight_scales.shape[0]}, H, D), got {tuple(w2.shape)}")
+        w8t, used, nxt = fp8_down_weight_refresh(w2, self.next_weight_scales, bootstrap, fused)
+        self.weight_scales.copy_(used)
+        self.next_weight_scales.copy_(nxt)
+        self._store_weights8(w8t)
+
+    @torch.no_grad()
+    def rebuild_weights8(self, w2: Tensor, fused: bool = False) -> None:
+        """weights8 from w2 and the current weight_scales, no scale changed (after a load)."""
+        quantize = quantize_down_weight_t_triton if fused else quantize_down_weight_t_reference
+        self._store_weights8(quantize(w2, self.weight_scales)[0])
+
+    def _store_weights8(self, w8t: Tensor) -> None:
+        # in place once allocated: a compiled forward keeps reading the same tensor
+        w = self.weights8
+        if w is not None and w.shape == w8t.shape and w.dtype == w8t.dtype and w.device == w8t.device:
+            w.copy_(w8t)
+        else:
+            self.weights8 = w8t
+
+    def down_operands(self, slice_index: int, layer: int) -> tuple[Tensor, Tensor, Tensor]:
+        """(act_scale (1,), weight_scale (1,), w8t (D, H)) of one layer's forward on one slice."""
+        _check(self.weights8 is not None, "Fp8DownState has no FP8 weights yet: call "
+                                          "refresh_weights (or rebuild_weights8 after a load)")
+        return (self.act_scales[slice_index, layer:layer + 1],
+                self.weight_scales[layer:layer + 1], self.weights8[layer])
+
+    @torch.no_grad()
+    def update_act_scales(self, slice_index: int, partial_amax: Tensor,
+                          fused: bool = False) -> None:
+        """After the last layer's MLP of a training forward on slice slice_index: partial_amax
+        (n_layers, P) fp32, each layer's maxima of post -> that slice's row of act_scales."""
+        _check(partial_amax.ndim == 2 and partial_amax.shape[0] == self.act_scales.shape[1],
+               f"partial_amax must be ({self.act_scales.shape[1]}, P), got "
+               f"{tuple(partial_amax.shape)}")
+        reduce = (fp8_scales_from_partial_amax_triton if fused
+                  else fp8_scales_from_partial_amax_reference)
+        self.act_scales[slice_index].copy_(reduce(partial_amax, FP8_DOWN_ACT_FACTOR))
 
 
 # ==================================================================================================
@@ -2407,3 +2974,403 @@ def qk_norm_rotary_reference(qkv: Tensor, cos: Tensor, sin: Tensor, pos_mult: in
     k = norm_rotate(k)
     return norm_rotate(q), shift_keys_by_one(k) if key_offset else k, v
 
+
+
+# ==================================================================================================
+# 10. DC-MHA correction  (lightweight dynamically composed attention on one layer; @Lisennlp, record 85)
+# ==================================================================================================
+# The contract: q, k, v, y (T, H, D) hold documents packed back to back (cu_seqlens); y is the layer's
+# attention output. Query t sees K(t) = {s : t - window < s <= t, s in t's document}: `window` keys
+# at most, itself included (section 8's window counts one more). Per head a softmax of
+# scale * <q_t, k_s> over K(t), fp32: P_h(t, s), its own normaliser (not the attention's). Mixed over
+# the heads with w1 (T, H), already normed by dc_head_weights: A(t, s) = sum_h w1[t, h] P_h(t, s),
+# fp32, one A for all heads. Per head C_h(t, s) = w2[t, h] * A(t, s) rounded to v's dtype (the
+# product is rounded, not A), then out = y + sum_s C_h(t, s) v_s, fp32 sum, rounded once.
+# Backward: the exact gradient of the unrounded forward, except that dv uses the rounded C;
+# dy = grad. With dM_h(t, s) = <grad_t, v_s>: dw2 = sum_s A dM_h, dA = sum_h w2 dM_h,
+# dw1 = sum_s dA P_h, rho = w1 dw1, dS_h = P_h (w1 dA - rho), dq = scale sum_s dS_h k_s,
+# dk = scale sum_t dS_h q_t, dv = sum_t C_h grad_t.
+#
+# Work. One query block of BLOCK_M rows needs keys m0 - window + 1 .. m0 + BLOCK_M - 1: one key tile
+# of BLOCK_N = next power of two >= BLOCK_M + window - 1 (128 for 16 rows and window 112), so every
+# program is one masked tile per head, no loop. Forward (per query block, all heads, since A mixes
+# them): P_h from the scores in base 2 (scale folded with log2 e), A, then C_h @ v_h; it saves the
+# base-2 log-sum-exp per (head, row). Backward, first kernel (per query block, all heads): A again
+# from the saved lse, then dM_h, dw2, dA, then P_h once more (recomputed, not kept: six tiles would
+# crowd the registers), dw1, rho, dS_h and dq (one writer each). dk and dv sum over the ~8 query
+# blocks whose tile holds a key. deterministic=True: the first kernel stores A and dA (T x window,
+# fp32) and rho, and a second kernel per (key block, head) sums dk, dv over the queries that see its
+# keys in a fixed order. deterministic=False (the record's way): the first kernel adds its tile's dk,
+# dv to zeroed tensors with atomics in dk's dtype (bf16 adds, order unfixed: not reproducible bit for
+# bit), and there is no second kernel.
+# The interpreter runs the kernels in float32 with small tiles (then C and dS stay fp32).
+
+DC_WINDOW = 112     # keys per query of the DC correction, itself included (record 85)
+DC_W1_EPS = 1e-6    # eps of the RMS norm of w1 over the heads (not RMS_EPS)
+# Fixed tiles, not yet timed (bench/dc.py): "fwd", "dq" (the first backward kernel): (BLOCK_M, warps,
+# stages); "dkdv": (BLOCK_M, BLOCK_N, warps, stages) of the key-block kernel.
+_DC_TILES = {"fwd": (16, 4, 2), "dq": (16, 8, 1), "dkdv": (32, 64, 4, 2)}
+_DC_INTERPRETER_TILES = {"fwd": (16, 1, 1), "dq": (16, 1, 1), "dkdv": (16, 16, 1, 1)}
+_DC_MAX_WINDOW = 128  # one key tile per query block holds the whole window: larger ones would spill
+
+
+def dc_logit_scale(scale: float) -> float:
+    """The kernels' exp2 scale of the DC logits: fp32(fp32(scale) * fp32(log2 e)), the product the
+    record's kernel forms in fp32 (a product in double, then rounded, can differ by one ulp)."""
+    return _f32(_f32(scale) * _f32(_LOG2E))
+
+
+@triton.jit
+def _dc_query_tile(start_ptr, m0, T, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The rows of the query block at m0, the key tile's columns (m0 - window + 1 ...), which of
+    them lie in [0, T), and which (row, key) pairs are in K(row)."""
+    rows = m0 + tl.arange(0, BLOCK_M)
+    cols = m0 - window + 1 + tl.arange(0, BLOCK_N)
+    row_ok = rows < T
+    col_ok = (cols >= 0) & (cols < T)
+    row_start = tl.load(start_ptr + rows, mask=row_ok, other=T)
+    valid = (row_ok[:, None] & (cols[None, :] >= row_start[:, None])
+             & (cols[None, :] <= rows[:, None]) & (cols[None, :] > rows[:, None] - window))
+    return rows, tl.where(col_ok, cols, 0), row_ok, col_ok, valid
+
+
+@triton.jit
+def _dc_rows(ptr, rows, row_ok, h, stride_t, stride_h, HEAD_DIM: tl.constexpr):
+    """Head h of the given rows of a (T, H, D) tensor with unit stride along D, (rows, D), as
+    stored; masked rows read 0."""
+    d = tl.arange(0, HEAD_DIM)
+    return tl.load(ptr + rows.to(tl.int64)[:, None] * stride_t + h * stride_h + d[None, :],
+                   mask=row_ok[:, None], other=0.0)
+
+
+@triton.jit
+def _dc_probs(q_ptr, k_ptr, lse_ptr, h, rows, cols, row_ok, col_ok, valid, T, qk_scale,
+              stride_qt, stride_qh, stride_kt, stride_kh, HEAD_DIM: tl.constexpr):
+    """P_h of the tile recomputed from the saved base-2 log-sum-exp (0 outside K), and k."""
+    q = _dc_rows(q_ptr, rows, row_ok, h, stride_qt, stride_qh, HEAD_DIM)
+    k = _dc_rows(k_ptr, cols, col_ok, h, stride_kt, stride_kh, HEAD_DIM)
+    lse = tl.load(lse_ptr + h * T + rows, mask=row_ok, other=0.0)
+    s = tl.dot(q, tl.trans(k)) * qk_scale
+    return tl.where(valid, tl.exp2(s - lse[:, None]), 0.0), k
+
+
+@triton.jit
+def _dc_fwd_kernel(q_ptr, k_ptr, v_ptr, y_ptr, w1_ptr, w2_ptr, start_ptr, out_ptr, lse_ptr, T,
+                   window, qk_scale, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
+                   stride_vh, stride_yt, stride_yh, stride_ot, stride_oh, H: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One query block, all heads: out = y + C @ v and the base-2 log-sum-exp per (head, row)."""
+    # inductor may pass the float arguments as fp64 scalars; keep every product fp32
+    qk_scale = tl.cast(qk_scale, tl.float32)
+    m0 = tl.program_id(0) * BLOCK_M
+    rows, cols, row_ok, col_ok, valid = _dc_query_tile(start_ptr, m0, T, window, BLOCK_M, BLOCK_N)
+    d = tl.arange(0, HEAD_DIM)
+    a = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for h in tl.static_range(H):
+        q = _dc_rows(q_ptr, rows, row_ok, h, stride_qt, stride_qh, HEAD_DIM)
+        k = _dc_rows(k_ptr, cols, col_ok, h, stride_kt, stride_kh, HEAD_DIM)
+        s = tl.where(valid, tl.dot(q, tl.trans(k)) * qk_scale, float("-inf"))
+        m = tl.where(row_ok, tl.max(s, 1), 0.0)        # rows past T have no key
+        p = tl.exp2(s - m[:, None])
+        l_sum = tl.where(row_ok, tl.sum(p, 1), 1.0)    # >= 1 on real rows: they see themselves
+        tl.store(lse_ptr + h * T + rows, m + tl.log2(l_sum), mask=row_ok)
+        w1 = _load_as_fp32(w1_ptr + rows * H + h, row_ok)
+        a += w1[:, None] * (p / l_sum[:, None])
+    for h in tl.static_range(H):
+        v = _dc_rows(v_ptr, cols, col_ok, h, stride_vt, stride_vh, HEAD_DIM)
+        w2 = _load_as_fp32(w2_ptr + rows * H + h, row_ok)
+        c = (w2[:, None] * a).to(v.dtype)                 # the rounding point of C
+        y = _load_as_fp32(y_ptr + rows.to(tl.int64)[:, None] * stride_yt + h * stride_yh
+                          + d[None, :], row_ok[:, None])
+        _store_from_fp32(out_ptr + rows.to(tl.int64)[:, None] * stride_ot + h * stride_oh
+                         + d[None, :], y + tl.dot(c, v), row_ok[:, None])
+
+
+@triton.jit
+def _dc_bwd_query_kernel(q_ptr, k_ptr, v_ptr, g_ptr, w1_ptr, w2_ptr, lse_ptr, start_ptr, dq_ptr,
+                         dw1_ptr, dw2_ptr, a_ptr, da_ptr, rho_ptr, dk_ptr, dv_ptr, T, window,
+                         qk_scale, scale, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
+                         stride_vh, stride_gt, stride_gh, H: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ATOMIC: tl.constexpr):
+    """One query block, all heads: dw1, dw2 and dq; dk, dv by atomics (ATOMIC) or A, dA, rho for
+    the key-block kernel. Gradients have the (T, H, D) contiguous layout, dw1 and dw2 (T, H)."""
+    # inductor may pass the float arguments as fp64 scalars; keep every product fp32
+    qk_scale, scale = tl.cast(qk_scale, tl.float32), tl.cast(scale, tl.float32)
+    m0 = tl.program_id(0) * BLOCK_M
+    rows, cols, row_ok, col_ok, valid = _dc_query_tile(start_ptr, m0, T, window, BLOCK_M, BLOCK_N)
+    d = tl.arange(0, HEAD_DIM)
+    col_offs = cols.to(tl.int64)[:, None] * (H * HEAD_DIM) + d[None, :]   # into dk, dv
+    a = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for h in tl.static_range(H):
+        p, _ = _dc_probs(q_ptr, k_ptr, lse_ptr, h, rows, cols, row_ok, col_ok, valid, T, qk_scale,
+                         stride_qt, stride_qh, stride_kt, stride_kh, HEAD_DIM)
+        a += _load_as_fp32(w1_ptr + rows * H + h, row_ok)[:, None] * p
+    da = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for h in tl.static_range(H):
+        g = _dc_rows(g_ptr, rows, row_ok, h, stride_gt, stride_gh, HEAD_DIM)
+        v = _dc_rows(v_ptr, cols, col_ok, h, stride_vt, stride_vh, HEAD_DIM)
+        dm = tl.dot(g, tl.trans(v))                                       # (BM, BN)
+        w2 = _load_as_fp32(w2_ptr + rows * H + h, row_ok)
+        _store_from_fp32(dw2_ptr + rows * H + h, tl.sum(a * dm, 1), row_ok)
+        da += w2[:, None] * dm
+        if ATOMIC:
+            c = (w2[:, None] * a).to(g.dtype)
+            tl.atomic_add(dv_ptr + col_offs + h * HEAD_DIM, tl.dot(tl.trans(c), g),
+                          mask=col_ok[:, None], sem="relaxed")
+    for h in tl.static_range(H):
+        p, k = _dc_probs(q_ptr, k_ptr, lse_ptr, h, rows, cols, row_ok, col_ok, valid, T, qk_scale,
+                         stride_qt, stride_qh, stride_kt, stride_kh, HEAD_DIM)
+        w1 = _load_as_fp32(w1_ptr + rows * H + h, row_ok)
+        dw1 = tl.sum(da * p, 1)
+        _store_from_fp32(dw1_ptr + rows * H + h, dw1, row_ok)
+        rho = w1 * dw1
+        ds = (p * (w1[:, None] * da - rho[:, None])).to(k.dtype)
+        _store_from_fp32(dq_ptr + rows.to(tl.int64)[:, None] * (H * HEAD_DIM) + h * HEAD_DIM
+                         + d[None, :], tl.dot(ds, k) * scale, row_ok[:, None])
+        if ATOMIC:
+            q = _dc_rows(q_ptr, rows, row_ok, h, stride_qt, stride_qh, HEAD_DIM)
+            tl.atomic_add(dk_ptr + col_offs + h * HEAD_DIM, tl.dot(tl.trans(ds), q) * scale,
+                          mask=col_ok[:, None], sem="relaxed")
+        else:
+            tl.store(rho_ptr + h * T + rows, rho, mask=row_ok)
+    if not ATOMIC:
+        band = rows.to(tl.int64)[:, None] * window + (rows[:, None] - cols[None, :])  # (t, t - s)
+        tl.store(a_ptr + band, a, mask=valid)
+        tl.store(da_ptr + band, da, mask=valid)
+
+
+@triton.jit
+def _dc_bwd_key_kernel(q_ptr, k_ptr, g_ptr, w1_ptr, w2_ptr, lse_ptr, rho_ptr, a_ptr, da_ptr,
+                       end_ptr, dk_ptr, dv_ptr, T, window, qk_scale, scale, stride_qt, stride_qh,
+                       stride_kt, stride_kh, stride_gt, stride_gh, H: tl.constexpr,
+                       HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One (key block, head): dk and dv over every query that sees one of its keys, in a fixed
+    order, from the first kernel's A, dA and rho."""
+    # inductor may pass the float arguments as fp64 scalars; keep every product fp32
+    qk_scale, scale = tl.cast(qk_scale, tl.float32), tl.cast(scale, tl.float32)
+    n0 = tl.program_id(0) * BLOCK_N
+    h = tl.program_id(1)
+    cols = n0 + tl.arange(0, BLOCK_N)
+    d = tl.arange(0, HEAD_DIM)
+    col_ok = cols < T
+    col_end = tl.load(end_ptr + cols, mask=col_ok, other=0)   # 0: no query sees a key past T
+    last = tl.minimum(n0 + BLOCK_N, T) - 1
+    b0 = (n0 // BLOCK_M) * BLOCK_M
+    b1 = tl.minimum(tl.load(end_ptr + last), last + window)   # past the block's last query
+    k = _dc_rows(k_ptr, cols, col_ok, h, stride_kt, stride_kh, HEAD_DIM)
+    dk = tl.zeros((BLOCK_N, HEAD_DIM), dtype=tl.float32)
+    dv = tl.zeros((BLOCK_N, HEAD_DIM), dtype=tl.float32)
+    for m0 in range(b0, b1, BLOCK_M):
+        rows = m0 + tl.arange(0, BLOCK_M)
+        row_ok = rows < T
+        q = _dc_rows(q_ptr, rows, row_ok, h, stride_qt, stride_qh, HEAD_DIM)
+        g = _dc_rows(g_ptr, rows, row_ok, h, stride_gt, stride_gh, HEAD_DIM)
+        lse = tl.load(lse_ptr + h * T + rows, mask=row_ok, other=0.0)
+        rho = tl.load(rho_ptr + h * T + rows, mask=row_ok, other=0.0)
+        w1 = _load_as_fp32(w1_ptr + rows * H + h, row_ok)
+        w2 = _load_as_fp32(w2_ptr + rows * H + h, row_ok)
+        keep = ((rows[None, :] >= cols[:, None]) & (rows[None, :] < cols[:, None] + window)
+                & (rows[None, :] < col_end[:, None]))                     # (BN, BM): s in K(t)
+        band = rows.to(tl.int64)[None, :] * window + (rows[None, :] - cols[:, None])
+        a_t = tl.load(a_ptr + band, mask=keep, other=0.0)
+        da_t = tl.load(da_ptr + band, mask=keep, other=0.0)
+        p_t = tl.where(keep, tl.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse[None, :]), 0.0)
+        c_t = (w2[None, :] * a_t).to(g.dtype)
+        ds_t = (p_t * (w1[None, :] * da_t - rho[None, :])).to(q.dtype)
+        dv += tl.dot(c_t, g)
+        dk += tl.dot(ds_t, q)
+    offs = cols.to(tl.int64)[:, None] * (H * HEAD_DIM) + h * HEAD_DIM + d[None, :]
+    _store_from_fp32(dk_ptr + offs, dk * scale, col_ok[:, None])
+    _store_from_fp32(dv_ptr + offs, dv, col_ok[:, None])
+
+
+def _check_dc_inputs(y: Tensor, q: Tensor, k: Tensor, v: Tensor, w1: Tensor, w2: Tensor,
+                     cu_seqlens: Tensor, window: int) -> None:
+    _check(q.ndim == 3 and q.shape == k.shape == v.shape == y.shape,
+           f"expected y, q, k, v of one shape (T, H, D), got {tuple(y.shape)}, {tuple(q.shape)}, "
+           f"{tuple(k.shape)}, {tuple(v.shape)}")
+    T, H, D = q.shape
+    named = (("y", y), ("q", q), ("k", k), ("v", v), ("w1", w1), ("w2", w2))
+    for name, t in named:
+        _check_dtype(name, t)
+    for name, t in named:
+        _check(t.dtype == q.dtype and t.device == q.device,
+               f"{name} is {t.dtype} on {t.device}, q is {q.dtype} on {q.device}")
+        _check(t.stride(-1) == 1, f"{name} needs unit stride along its last dim; call .contiguous()")
+    for name, t in (("w1", w1), ("w2", w2)):
+        _check(t.shape == (T, H) and t.is_contiguous(),
+               f"{name} must be a contiguous ({T}, {H}) tensor (per token and head), got "
+               f"{tuple(t.shape)}")
+    _check(D >= 16 and D & (D - 1) == 0, f"head dim {D} must be a power of two >= 16")
+    _check(cu_seqlens.dtype == torch.int32 and cu_seqlens.ndim == 1
+           and cu_seqlens.device == q.device,
+           f"cu_seqlens must be a 1-D int32 tensor on {q.device}")
+    _check(1 <= window <= _DC_MAX_WINDOW,
+           f"window must be 1 .. {_DC_MAX_WINDOW} keys (one key tile per query block), got {window}")
+    # block offsets (block start x row stride) are int32 in the kernels
+    _check(max(t.shape[0] * t.stride(0) for t in (y, q, k, v)) < 2**31,
+           "y, q, k, v span 2^31 elements or more; split the batch")
+
+
+def _dc_tiles(t: Tensor, kernel: str, tiles: dict | None) -> tuple:
+    """A kernel's tiles: tiles[kernel] if given, else the fixed GPU ones or the interpreter's."""
+    if tiles and kernel in tiles:
+        return tiles[kernel]
+    return (_DC_TILES if t.is_cuda else _DC_INTERPRETER_TILES)[kernel]
+
+
+def _dc_key_tile(block_m: int, window: int) -> int:
+    """BLOCK_N of a query block's one key tile: the window before its first row and its rows."""
+    return max(16, triton.next_power_of_2(block_m + window - 1))
+
+
+def dc_correction_fwd_triton(y: Tensor, q: Tensor, k: Tensor, v: Tensor, w1: Tensor, w2: Tensor,
+                             cu_seqlens: Tensor, scale: float, window: int = DC_WINDOW,
+                             tiles: dict | None = None) -> tuple[Tensor, Tensor]:
+    """-> out (T, H, D) contiguous in y's dtype, lse (H, T) fp32 (base 2, of the logits times
+    scale * log2 e). tiles overrides _DC_TILES' entries (tests, benchmarks)."""
+    _check_dc_inputs(y, q, k, v, w1, w2, cu_seqlens, window)
+    T, H, D = q.shape
+    out = torch.empty((T, H, D), dtype=y.dtype, device=y.device)
+    lse = torch.empty((H, T), dtype=torch.float32, device=q.device)
+    if T == 0:
+        return out, lse
+    start, _ = document_bounds(cu_seqlens, T)
+    bm, warps, stages = _dc_tiles(q, "fwd", tiles)
+    wrap_triton(_dc_fwd_kernel)[(triton.cdiv(T, bm),)](
+        q, k, v, y, w1, w2, start, out, lse, T, window, dc_logit_scale(scale), q.stride(0),
+        q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), y.stride(0), y.stride(1),
+        out.stride(0), out.stride(1), H=H, HEAD_DIM=D, BLOCK_M=bm,
+        BLOCK_N=_dc_key_tile(bm, window), num_warps=warps, num_stages=stages)
+    return out, lse
+
+
+def dc_correction_bwd_triton(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, w1: Tensor,
+                             w2: Tensor, lse: Tensor, cu_seqlens: Tensor, scale: float,
+                             window: int = DC_WINDOW, deterministic: bool = True,
+                             tiles: dict | None = None
+                             ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Gradients (dq, dk, dv) (T, H, D) contiguous and (dw1, dw2) (T, H), in q's dtype, from the
+    forward's lse; y's gradient is grad itself. deterministic=False: dk, dv by atomic adds in q's
+    dtype (the record's way; not reproducible bit for bit)."""
+    _check_dc_inputs(grad, q, k, v, w1, w2, cu_seqlens, window)
+    T, H, D = q.shape
+    _check(lse.shape == (H, T) and lse.dtype == torch.float32 and lse.is_contiguous(),
+           f"lse must be the forward's contiguous ({H}, {T}) float32 tensor, got "
+           f"{tuple(lse.shape)} {lse.dtype}")
+    grads_like = dict(dtype=q.dtype, device=q.device)
+    dq = torch.empty((T, H, D), **grads_like)
+    dk, dv = ((torch.empty if deterministic else torch.zeros)((T, H, D), **grads_like)
+              for _ in range(2))
+    dw1, dw2 = (torch.empty((T, H), **grads_like) for _ in range(2))
+    if T == 0:
+        return dq, dk, dv, dw1, dw2
+    start, end = document_bounds(cu_seqlens, T)
+    fp32 = dict(dtype=torch.float32, device=q.device)
+    if deterministic:   # written by the first kernel where (t, s) is in K, read only there
+        a, da, rho = torch.empty((T, window), **fp32), torch.empty((T, window), **fp32), \
+            torch.empty((H, T), **fp32)
+    else:               # unused: the kernel's ATOMIC branch never touches them
+        a = da = rho = lse
+    bm, warps, stages = _dc_tiles(q, "dq", tiles)
+    strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1))
+    wrap_triton(_dc_bwd_query_kernel)[(triton.cdiv(T, bm),)](
+        q, k, v, grad, w1, w2, lse, start, dq, dw1, dw2, a, da, rho, dk, dv, T, window,
+        dc_logit_scale(scale), scale, *strides, v.stride(0), v.stride(1), grad.stride(0),
+        grad.stride(1), H=H, HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=_dc_key_tile(bm, window),
+        ATOMIC=not deterministic, num_warps=warps, num_stages=stages)
+    if deterministic:
+        bm, bn, warps, stages = _dc_tiles(q, "dkdv", tiles)
+        wrap_triton(_dc_bwd_key_kernel)[(triton.cdiv(T, bn), H)](
+            q, k, grad, w1, w2, lse, rho, a, da, end, dk, dv, T, window,
+            dc_logit_scale(scale), scale, *strides, grad.stride(0), grad.stride(1), H=H,
+            HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
+    return dq, dk, dv, dw1, dw2
+
+
+@triton_op(f"{_LIB}::dc_correction_fwd", mutates_args=())
+def _dc_correction_fwd_op(y: Tensor, q: Tensor, k: Tensor, v: Tensor, w1: Tensor, w2: Tensor,
+                          cu_seqlens: Tensor, scale: float, window: int) -> tuple[Tensor, Tensor]:
+    return dc_correction_fwd_triton(y, q, k, v, w1, w2, cu_seqlens, scale, window)
+
+
+@triton_op(f"{_LIB}::dc_correction_bwd", mutates_args=())
+def _dc_correction_bwd_op(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, w1: Tensor, w2: Tensor,
+                          lse: Tensor, cu_seqlens: Tensor, scale: float, window: int,
+                          deterministic: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return dc_correction_bwd_triton(grad, q, k, v, w1, w2, lse, cu_seqlens, scale, window,
+                                    deterministic)
+
+
+class _DCCorrectionFunction(torch.autograd.Function):
+    """Autograd of the DC correction kernels: saves q, k, v, w1, w2 and the log-sum-exp."""
+
+    @staticmethod
+    def forward(ctx, y: Tensor, q: Tensor, k: Tensor, v: Tensor, w1: Tensor, w2: Tensor,
+                cu_seqlens: Tensor, scale: float, window: int, deterministic: bool) -> Tensor:
+        out, lse = torch.ops.nanogpt_kernels.dc_correction_fwd(y, q, k, v, w1, w2, cu_seqlens,
+                                                               scale, window)
+        ctx.save_for_backward(q, k, v, w1, w2, lse, cu_seqlens)
+        ctx.scale, ctx.window, ctx.deterministic = scale, window, deterministic
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        q, k, v, w1, w2, lse, cu_seqlens = ctx.saved_tensors
+        grad = grad.contiguous()
+        dq, dk, dv, dw1, dw2 = torch.ops.nanogpt_kernels.dc_correction_bwd(
+            grad, q, k, v, w1, w2, lse, cu_seqlens, ctx.scale, ctx.window, ctx.deterministic)
+        return grad, dq, dk, dv, dw1, dw2, None, None, None, None
+
+
+def dc_correction_triton(y: Tensor, q: Tensor, k: Tensor, v: Tensor, w1: Tensor, w2: Tensor,
+                         cu_seqlens: Tensor, scale: float, window: int = DC_WINDOW,
+                         deterministic: bool = True) -> Tensor:
+    """Differentiable DC correction by the Triton kernels (CUDA; a CPU only under the interpreter,
+    in float32): y, q, k, v (T, H, D) with unit stride along D, w1 (dc_head_weights) and w2
+    (T, H) -> y + correction, (T, H, D) contiguous in y's dtype."""
+    return _DCCorrectionFunction.apply(y, q, k, v, w1.contiguous(), w2.contiguous(), cu_seqlens,
+                                       scale, window, deterministic)
+
+
+def dc_head_weights(r1: Tensor) -> Tensor:
+    """w1 of the DC correction from its raw gate values r1 (T, H): r1 over its RMS across the heads
+    (eps DC_W1_EPS, no gain) in acc_dtype, rounded to r1's dtype. Shared by both paths."""
+    return F.rms_norm(r1.to(acc_dtype(r1.dtype)), (r1.shape[-1],), eps=DC_W1_EPS).to(r1.dtype)
+
+
+def dc_window_mask(cu_seqlens: Tensor, num_tokens: int, window: int) -> Tensor:
+    """(T, window) bool: whether slot i of query t, the key s = t - window + 1 + i, is in K(t)
+    (s <= t and s > t - window by construction; s in t's document implies s >= 0)."""
+    start, _ = document_bounds(cu_seqlens, num_tokens)
+    t = torch.arange(num_tokens, device=cu_seqlens.device)[:, None]
+    return t - window + 1 + torch.arange(window, device=cu_seqlens.device) >= start[:, None]
+
+
+def _dc_windows(x: Tensor, window: int) -> Tensor:
+    """x (T, H, D) -> (T, H, D, window), a view: [t, ..., i] = x[t - window + 1 + i], zeros before
+    position 0."""
+    return F.pad(x, (0, 0, 0, 0, window - 1, 0)).unfold(0, window, 1)
+
+
+def dc_mixed_probs(q: Tensor, k: Tensor, w1: Tensor, cu_seqlens: Tensor, scale: float,
+                   window: int = DC_WINDOW) -> Tensor:
+    """A (T, window) in acc_dtype, slot i of row t for the key t - window + 1 + i: the heads'
+    softmaxes over K(t) of scale * <q_t, k_s>, mixed with w1 (T, H); 0 outside K(t)."""
+    acc = acc_dtype(q.dtype)
+    allowed = dc_window_mask(cu_seqlens, q.shape[0], window)[:, None, :]          # (T, 1, window)
+    logits = scale * torch.einsum("thd,thdi->thi", q.to(acc), _dc_windows(k.to(acc), window))
+    probs = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1)   # (T, H, window)
+    return torch.einsum("th,thi->ti", w1.to(acc), probs)
+
+
+def dc_correction_reference(y: Tensor, q: Tensor, k: Tensor, v: Tensor, w1: Tensor, w2: Tensor,
+                            cu_seqlens: Tensor, scale: float, window: int = DC_WINDOW) -> Tensor:
+    """The contract in plain PyTorch (autograd gives the backward), O(T * window * H * D) memory
+    in the backward: the mixed probabilities A, C = w2 * A rounded to v's dtype, then
+    y + sum_s C v_s in acc_dtype, rounded once to y's dtype."""
+    acc = acc_dtype(q.dtype)
+    a = dc_mixed_probs(q, k, w1, cu_seqlens, scale, window)                      # (T, window)
+    c = (w2.to(acc)[:, :, None] * a[:, None, :]).to(v.dtype).to(acc)            # (T, H, window)
+    correction = torch.einsum("thi,thdi->thd", c, _dc_windows(v.to(acc), window))
+    return (y.to(acc) + correction).to(y.dtype)

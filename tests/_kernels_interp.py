@@ -10,6 +10,7 @@ order |x||y|) fails while any legal summation order passes.
 """
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -176,6 +177,173 @@ def test_relu2_mlp_launcher_rejects_bad_input():
         tk.relu2_mlp_fwd_triton(torch.randn(8, 32), torch.randn(16, 32, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="16 bytes apart"):  # rows 33 floats apart: no TMA descriptor
         tk.relu2_mlp_fwd_triton(torch.randn(8, 33)[:, :32], torch.randn(16, 32), tiles=(16, 16, 16, 1, 4, 2))
+
+
+# Post-only form, FP8 emission, FP8 down projection's kernels
+
+@pytest.mark.parametrize("M, D, H, tiles", MLP_CASES)
+def test_relu2_mlp_post_only_forward_and_sqrt_backward(M, D, H, tiles):
+    """The post-only forward writes record 84's post exactly; the backward is 2 * (g @ c_proj.T) * sqrt(post) within
+    the dot bound (the interpreter's square root is correctly rounded) and vanishes where post is 0."""
+    g = torch.Generator().manual_seed(M * 1000 + H + 2)
+    x, c_fc, c_proj = (torch.randn(M, D, generator=g), torch.randn(H, D, generator=g) / D ** 0.5,
+                       torch.randn(H, D, generator=g) / D ** 0.5)
+    _, post_old = tk.relu2_mlp_fwd_triton(x, c_fc, tiles=tiles)
+    post = tk.relu2_mlp_post_fwd_triton(x, c_fc, tiles=tiles)
+    assert torch.equal(post, post_old)
+    grad = torch.randn(M, D, generator=g)
+    dpre = tk.relu2_mlp_sqrt_bwd_triton(grad, c_proj, post, tiles=tiles)
+    g64, p64 = grad.double(), c_proj.double()
+    root = post.double().sqrt()
+    exact = 2 * (g64 @ p64.T) * root
+    bound = 2 * root * dot_error_bound(g64.abs() @ p64.abs().T, D) + 4 * U32 * exact.abs() + 1e-30
+    assert_within(dpre, exact, bound, "sqrt dpre")
+    assert (dpre[post == 0] == 0).all() and (post == 0).any()
+    # it reads post, not pre: the record-84 backward given post where it expects pre is another function
+    assert not torch.equal(dpre, tk.relu2_mlp_bwd_triton(grad, c_proj, post, tiles=tiles))
+
+
+def grouped_program_tiles(M, N, tiles, n_programs):
+    """(row block, column block) of every tile each persistent program walks, as _grouped_tile orders them."""
+    bm, bn, _, group_m = tiles[:4]
+    num_m, num_n = -(-M // bm), -(-N // bn)
+    per_group = group_m * num_n
+    out = [[] for _ in range(n_programs)]
+    for tile in range(num_m * num_n):
+        first = (tile // per_group) * group_m
+        rows = min(num_m - first, group_m)
+        out[tile % n_programs].append((first + (tile % per_group) % rows, (tile % per_group) // rows))
+    return out
+
+
+@pytest.mark.parametrize("M, D, H, tiles", MLP_CASES)
+def test_relu2_mlp_fp8_forward_emits_post8_and_per_program_maxima(M, D, H, tiles):
+    """With an activation scale a the FP8 forward writes the same post, post8 = e4m3(min(post * fp32(1 / a), 448))
+    (some saturated, some e4m3-subnormal, zeros) and one maximum of post per program over exactly its tiles."""
+    g = torch.Generator().manual_seed(M * 1000 + H + 3)
+    x = torch.randn(M, D, generator=g)
+    c_fc = torch.randn(H, D, generator=g) / D ** 0.5
+    x8, w8, q = tk._fp8_up_operands(x, c_fc)
+    _, post_old = tk.relu2_mlp_fp8_fwd_triton(x8, w8, q, torch.float32, tiles=tiles)
+    post_only, none8, none_max = tk.relu2_mlp_fp8_post_fwd_triton(x8, w8, q, None, torch.float32, tiles)
+    assert torch.equal(post_only, post_old) and none8 is None and none_max is None
+    a = (post_old.max() * (1.8 / 448) / 3).reshape(1)           # a forward three times louder than the last
+    post, post8, amax = tk.relu2_mlp_fp8_post_fwd_triton(x8, w8, q, a, torch.float32, tiles)
+    assert torch.equal(post, post_old) and post8.dtype == torch.float32
+    want = tk.quantize_post_reference(post, a).float()
+    assert torch.equal(post8, want)
+    assert (post8 == 448).any() and ((post8 > 0) & (post8 < 2 ** -6)).any() and (post8 == 0).any()
+    n_programs = tk._num_programs_persistent(x.device)
+    walks = grouped_program_tiles(M, H, tiles, n_programs)
+    bm, bn = tiles[:2]
+    expected = [max(post[i * bm:(i + 1) * bm, j * bn:(j + 1) * bn].max().item() for i, j in walk) for walk in walks]
+    assert amax.shape == (n_programs,) and amax.tolist() == expected and len(set(expected)) > 1
+
+
+@triton.jit
+def _e4m3_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n)
+    tl.store(out_ptr + offs, tk._e4m3_rne(x), mask=offs < n)
+
+
+def test_e4m3_rounding_from_fp32_is_nearest_even_and_saturating():
+    """_e4m3_rne against torch's e4m3 cast (nearest even, subnormals of 2^-9) where the cast is defined (|x| <= 448)
+    and saturation at +-448 beyond it (inf included); NaN stays NaN."""
+    g = torch.Generator().manual_seed(1)
+    ties = torch.tensor([1.0625, 1.1875, 2 ** -9 * 0.5, 2 ** -9 * 1.5, 2 ** -9 * 2.5, 416.0 + 16, 2 ** -6 * 0.99])
+    rand = torch.exp2(torch.rand(50_000, generator=g, dtype=torch.float64) * 24 - 15).float()
+    x = torch.cat([ties, rand, torch.tensor([0.0, 448.0, 464.0, 465.0, 1e30, float("inf")])])
+    x = torch.cat([x, -x, torch.tensor([float("nan")])])
+    out = torch.empty_like(x)
+    _e4m3_kernel[(triton.cdiv(x.numel(), 1024),)](x, out, x.numel(), BLOCK=1024)
+    want = x.clamp(-448, 448).to(torch.float8_e4m3fn).float()
+    same = (out == want) | (out.isnan() & x.isnan())
+    assert same.all(), (x[~same][:6].tolist(), out[~same][:6].tolist(), want[~same][:6].tolist())
+    assert out[:5].tolist() == [1.0, 1.25, 0.0, 2 ** -8, 2 ** -8] and out[5].item() == 448.0
+
+
+def test_scale_reduction_is_the_floored_max_times_the_factor():
+    g = torch.Generator().manual_seed(2)
+    partial = torch.rand(11, 700, generator=g) * 10.0 ** torch.randint(-3, 3, (11, 1), generator=g)
+    partial[4] = 0                                                # a layer that saw only zeros: the floor
+    partial = partial[:, 3:603]                                   # rows apart by more than their length
+    for factor in (tk.FP8_DOWN_ACT_FACTOR, tk.FP8_DOWN_WEIGHT_FACTOR):
+        got = tk.fp8_scales_from_partial_amax_triton(partial, factor)
+        want = [float(np.float32(max(row.max().item(), np.float32(1e-12))) * np.float32(factor))
+                for row in partial.double()]
+        assert got.dtype == torch.float32 and got.tolist() == want
+        assert torch.equal(got, tk.fp8_scales_from_partial_amax_reference(partial, factor))
+
+
+def test_down_weight_quantise_transpose_writes_every_entry_and_tile_maxima():
+    """w8t[s, d, h] = e4m3(clamp(w2[s, h, d] / c[s], +-448)) for every entry (shapes that are not multiples of the
+    64 x 64 tile), each tile's max |w2| in tile order, and the reference's scales from either's maxima."""
+    g = torch.Generator().manual_seed(3)
+    S, H, D = 3, 150, 70
+    w2 = torch.randn(S, H, D, generator=g) * 0.02
+    scales = tk.fp8_bootstrap_weight_scales(w2) * torch.tensor([1.0, 0.8, 1.2])   # slot 1 clips
+    w8t, tile_amax = tk.quantize_down_weight_t_triton(w2, scales, torch.float32)
+    ref8t, ref_amax = tk.quantize_down_weight_t_reference(w2, scales)
+    assert w8t.shape == (S, D, H) and torch.equal(w8t, ref8t.float())
+    assert (w8t[1].abs() == 448).sum() > 1 and (w8t[0].abs() == 448).sum() >= 1
+    t = tk._FP8_QUANT_TILE
+    n_d = -(-D // t)
+    want = [[w2[s, (i // n_d) * t:(i // n_d + 1) * t, (i % n_d) * t:(i % n_d + 1) * t].abs().max().item()
+             for i in range(-(-H // t) * n_d)] for s in range(S)]
+    assert tile_amax.tolist() == want
+    f = tk.FP8_DOWN_WEIGHT_FACTOR
+    assert torch.equal(tk.fp8_scales_from_partial_amax_triton(tile_amax, f),
+                       tk.fp8_scales_from_partial_amax_reference(ref_amax, f))
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_post_only_autograd_matches_its_reference(fp8):
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(2, 19, 32, generator=g, requires_grad=True)
+    c_fc = (torch.randn(96, 32, generator=g) / 6).requires_grad_()
+    c_proj = (torch.randn(96, 32, generator=g) / 6).requires_grad_()
+    out = tk.relu2_mlp_post_triton(x, c_fc, c_proj, fp8=fp8)
+    ref = tk.relu2_mlp_post_reference(x.reshape(-1, 32), c_fc, c_proj, fp8=fp8).view(out.shape)
+    grad_out = torch.randn(ref.shape, generator=g)
+    # fp32 on both sides in different summation orders (as test_relu2_mlp_autograd_matches_reference)
+    for name, a, b in [("out", out, ref), *zip(("dx", "dc_fc", "dc_proj"),
+                                                torch.autograd.grad(out, (x, c_fc, c_proj), grad_out),
+                                                torch.autograd.grad(ref, (x, c_fc, c_proj), grad_out))]:
+        assert a.shape == b.shape and ((a - b).abs().max() / b.abs().max()).item() < 1e-5, name
+
+
+def test_fp8_down_autograd_matches_its_reference():
+    """The training MLP of record 89 by the kernels (interpreter; the product on the reference off CUDA) against
+    its reference: the output, the gradients, and the slice's next activation scale from the programs' maxima."""
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(40, 32, generator=g, requires_grad=True)
+    c_fc = (torch.randn(96, 32, generator=g) / 6).requires_grad_()
+    c_proj = (torch.randn(96, 32, generator=g) / 6).requires_grad_()
+    w8t, c, _ = tk.fp8_down_weight_refresh(c_proj.detach()[None], torch.ones(1), bootstrap=True, fused=False)
+    w8t = w8t.float()
+    a = torch.tensor([0.004])
+    out, amax = tk.relu2_mlp_fp8_down_triton(x, c_fc, c_proj, a, c, w8t[0])
+    ref, ref_amax = tk.relu2_mlp_fp8_down_reference(x, c_fc, c_proj, a, c, w8t[0])
+    f = tk.FP8_DOWN_ACT_FACTOR
+    assert torch.equal(tk.fp8_scales_from_partial_amax_triton(amax[None], f),
+                       tk.fp8_scales_from_partial_amax_reference(ref_amax[None], f))
+    grad_out = torch.randn(ref.shape, generator=g)
+    for name, u, v in [("out", out, ref), *zip(("dx", "dc_fc", "dc_proj"),
+                                                torch.autograd.grad(out, (x, c_fc, c_proj), grad_out),
+                                                torch.autograd.grad(ref, (x, c_fc, c_proj), grad_out))]:
+        assert u.shape == v.shape and ((u - v).abs().max() / v.abs().max()).item() < 1e-5, name
+
+
+def test_fp8_down_launchers_reject_bad_input():
+    x8 = torch.zeros(8, 32).to(torch.float8_e4m3fn)
+    w8 = torch.zeros(16, 32).to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="act_scale must be a 1-element float32"):
+        tk.relu2_mlp_fp8_post_fwd_triton(x8, w8, torch.ones(1), torch.ones(2), torch.float32)
+    with pytest.raises(ValueError, match=r"scales must be \(2,\) float32"):
+        tk.quantize_down_weight_t_triton(torch.zeros(2, 64, 64), torch.ones(3))
+    with pytest.raises(ValueError, match="unit column stride"):
+        tk.fp8_scales_from_partial_amax_triton(torch.ones(4, 3).mT, 1.0)
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -110,3 +110,22 @@ def run_gloo(args, world_size, cwd, timeout=900, rank_args=None, scripts=None, p
         out, err = p.communicate(timeout=timeout)
         results.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
     return results
+
+
+
+def float64_comparable(name, one, many, rank, world_size):
+    """(one, many, bound): the parts of model-state tensor `name` that a one-process float64 run and rank `rank` of a
+    world_size-process run both hold current, and the relative difference float64 rounding allows. The FP8 down
+    projection's scales (`fp8_down.*`) are fp32 whatever --dtype says, so the weights' 1e-13 differences can flip a
+    last bit, and a rank advances only its own batch slices' activation scales (the rows of owned_slices)."""
+    import torch
+    import triton_kernels as tk
+    assert one.dtype == many.dtype, name
+    if not name.startswith("fp8_down."):
+        assert one.dtype == torch.float64 or not one.dtype.is_floating_point, (name, one.dtype)
+        return one, many, 1e-8
+    assert one.dtype == torch.float32, name
+    if name == "fp8_down.act_scales":
+        rows = tk.owned_slices(rank, world_size, one.shape[0])
+        one, many = one[rows], many[rows]
+    return one, many, 1e-6

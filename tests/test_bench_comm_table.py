@@ -130,11 +130,12 @@ def test_due_labels_are_what_the_optimizer_reduces(monkeypatch):
 def test_the_schedule_steps_adam_on_odd_steps_and_unties_after_the_split_step():
     hp = tg.Hyperparameters()
     counts = ct.schedule_counts(hp)
-    assert sum(counts.values()) == hp.num_iterations == 1390
-    assert hp.untie_step == 921
-    # Odd steps after 921 (923 ... 1389): the Adam steps that reduce embed.
-    assert sum(n for (_, do_adam, tied), n in counts.items() if do_adam and not tied) == (1389 - 923) // 2 + 1
-    assert counts[(131_072, True, True)] == counts[(131_072, False, True)] == 230      # steps 0-459
+    assert sum(counts.values()) == hp.num_iterations == 1285
+    assert hp.untie_step == 847
+    # Odd steps after 847 (849 ... 1283): the Adam steps that reduce embed.
+    assert sum(n for (_, do_adam, tied), n in counts.items() if do_adam and not tied) == (1283 - 849) // 2 + 1
+    # steps 0-422: 211 odd (Adam) and 212 even
+    assert (counts[(131_072, True, True)], counts[(131_072, False, True)]) == (211, 212)
 
 
 def test_the_banks_pad_to_shard_past_8_gpus():

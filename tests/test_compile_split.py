@@ -22,8 +22,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_variant_starts_and_warmup_steps_of_the_record_schedule():
     hp = tg.Hyperparameters()
     # three stages, then the extension's longer window
-    assert tg.variant_starts(hp) == [0, 460, 920, 1380]
-    assert tg.warmup_steps(hp) == [0, 1, 2, 459, 460, 461, 919, 920, 921, 1379, 1380, 1381]
+    assert tg.variant_starts(hp) == [0, 423, 847, 1270]
+    assert tg.warmup_steps(hp) == [0, 1, 2, 422, 423, 424, 846, 847, 848, 1269, 1270, 1271]
     shapes = {s: (sc.ws_short, sc.ws_long, sc.global_batch, sc.max_doc_len, len(sc.mtp_weights))
               for s, sc in ((s, tg.schedule_at(s, hp)) for s in range(hp.num_iterations))}
     starts = tg.variant_starts(hp)
@@ -115,13 +115,15 @@ class Recorder:
     def __init__(self, model):
         self.model, self.calls = model, []
 
-    def __call__(self, inputs, targets, cu_seqlens, ws_short, ws_long, mtp, max_seqlen, *grad_scale):
+    def __call__(self, inputs, targets, cu_seqlens, ws_short, ws_long, mtp, max_seqlen, *train_args):
         m = self.model
         self.calls.append((_meta(inputs), _meta(targets), _meta(cu_seqlens), ws_short, ws_long,
-                           _meta(mtp), tuple(mtp.tolist()), max_seqlen, grad_scale, m.training,
+                           _meta(mtp), tuple(mtp.tolist()), max_seqlen,
+                           tuple((_meta(a), tuple(a.tolist())) if isinstance(a, torch.Tensor) else a
+                                 for a in train_args), m.training,
                            torch.is_grad_enabled(), m.attn_scale, tuple(m.rotary_omega.tolist()),
                            m.rotary_cos.double().sum().item()))
-        return m(inputs, targets, cu_seqlens, ws_short, ws_long, mtp, max_seqlen, *grad_scale)
+        return m(inputs, targets, cu_seqlens, ws_short, ws_long, mtp, max_seqlen, *train_args)
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,8 @@ def test_parse_types_and_preset_order():
     (["num_layers=3"], "expected --name=value"),
     (["--lr=0.1"], "did you mean --adam_lr, --muon_lr, --lr_min?"),
     (["--stages=4096:1:3"],
-     "--stages='4096:1:3' is not batch:lr_peak:ws_long:mtp_start:mtp_end:max_doc_len per stage"),
+     "--stages='4096:1:3' is not batch:lr_peak:ws_long:mtp_start:mtp_end:max_doc_len[:prefix_start][:prefix_end] "
+     "per stage"),
     (["--train_bs_schedule=1,2,3"], "unknown option --train_bs_schedule"),    # no shims for old options
     (["--muon_lrr=0.1"], "did you mean --muon_lr"),
     (["--num_layers", "3"], "--num_layers needs a value: write --num_layers=VALUE"),
@@ -43,10 +44,12 @@ def test_parse_errors(argv, needle):
 @pytest.mark.parametrize("world_size,argv,needle", [
     (3, [], "world size 3 neither divides --batch_slices=8 nor is a multiple of it"),
     (1, ["--stages=131072:1:3:1:1:896,1000:1:3:1:1:2048"], "global batch 1000"),
-    (1, ["--stages=1024:1:3:0/1:0/1:896"], "stage 1 of --stages (1024:1.0:3:0.0/1.0:0.0/1.0:896) needs"),
+    (1, ["--stages=1024:1:3:0/1:0/1:896"], "stage 1 of --stages (1024:1.0:3:0.0/1.0:0.0/1.0:896:0.0:0.0) needs"),
     (1, ["--stages=1024:1:3:1/1:1:896"], "needs as many start as end MTP weights"),
-    (1, ["--stages=1024:1:3:1:1:0"], "stage 1 of --stages (1024:1.0:3:1.0:1.0:0) needs a positive batch, "
+    (1, ["--stages=1024:1:3:1:1:0"], "stage 1 of --stages (1024:1.0:3:1.0:1.0:0:0.0:0.0) needs a positive batch, "
                                      "window and max_doc_len"),
+    (1, ["--stages=1024:1:3:1:1:896:-0.25"], "stage 1 of --stages (1024:1.0:3:1.0:1.0:896:-0.25:0.0) needs prefix "
+                                             "weights (p_start:p_end) >= 0"),
     (1, ["--val_tokens=1000"], "--val_tokens=1000"),
     (1, ["--attn_layout=PN"], "--attn_layout"),
     (1, ["--attn_backend=magic"], "--attn_backend=magic"),
@@ -143,7 +146,7 @@ def test_configs_build_and_take_a_step_on_cpu(argv):
     for name, p in model.named_parameters():
         assert torch.isfinite(p).all(), name
     unchanged = {name for name, p in model.named_parameters() if torch.equal(p, before[name])}
-    # At init smear_lambda = 0 silences the smear gate, the bigram table is zero, so its lambdas have no gradient
-    # yet (the table itself does), and MUDD's second layers are zero, so its first layers have none either;
-    # everything else moved (W_o is random since record 64).
-    assert unchanged == {"smear_gate", "bigram_lambdas", "mudd_w1"}
+    # At init smear_lambda = 0 silences the smear gate, and the second layers of MUDD and of the gates are zero, so
+    # their first layers have no gradient; everything else moved (W_o is random since record 64; the gates' biases
+    # and scale through the columns whose consumers have a gradient at init).
+    assert unchanged == {"smear_gate", "mudd_w1", "mudd_gate_w1"}

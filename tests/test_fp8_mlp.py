@@ -158,7 +158,8 @@ def test_fp8_reference_forward_and_straight_through_backward():
 
 
 def test_the_model_runs_the_fp8_up_projection_in_training_only(monkeypatch):
-    """Every layer's MLP gets fp8=True in training, False in eval, and none when --fp8_mlp=false."""
+    """Every layer's MLP is the FP8 one (FP8 up projection, FP8 down product) in training, the bf16 post-only MLP in
+    eval, and the bf16 one always when --fp8_mlp=false."""
     from test_model import GPT, batch, masked_sdpa, randomize, tiny_cfg
     monkeypatch.setattr(tg, "varlen_attention", masked_sdpa)
     for fp8_mlp in (True, False):
@@ -166,13 +167,14 @@ def test_the_model_runs_the_fp8_up_projection_in_training_only(monkeypatch):
         model = GPT(tiny_cfg(fp8_mlp=fp8_mlp), torch.device("cpu"), tg.kernel_ops("fused", "cpu"))
         randomize(model)
         seen = []
-        real = model.ops.relu2_mlp
-        model.ops = tg.dataclasses.replace(model.ops, relu2_mlp=lambda x, a, b, fp8: seen.append(fp8) or
-                                           real(x, a, b, fp8))
+        real, real_down = model.ops.relu2_mlp, model.ops.relu2_mlp_fp8_down
+        model.ops = tg.dataclasses.replace(
+            model.ops, relu2_mlp=lambda x, a, b, fp8: seen.append(fp8) or real(x, a, b, fp8),
+            relu2_mlp_fp8_down=lambda *args: seen.append("down") or real_down(*args))
         inputs, targets, cu = batch(T=32, docs=(0, 9))
         model(inputs, targets, cu, 1, 3, torch.tensor([1.0, 0.5]), 64)
         model.eval()
         with torch.no_grad():
             model(inputs, targets, cu, 1, 3, torch.tensor([1.0]), 64)
         L = model.hp.num_layers
-        assert seen == [fp8_mlp] * L + [False] * L
+        assert seen == ["down" if fp8_mlp else False] * L + [False] * L

@@ -247,8 +247,9 @@ def _sm90_cases():
                "stride_ak": "i32", "stride_ob": "i32", "stride_om": "i32", "stride_on": "i32", "b_coef": "fp32",
                "c_coef": "fp32"}
     mlp_sig = {"a_ptr": "*bf16", "b_ptr": "*bf16", "pre_ptr": "*bf16", "out_ptr": "*bf16", "scale_ptr": "*bf16",
-               "M": "i32", "N": "i32", "K": "i32", "stride_am": "i32", "stride_bn": "i32", "stride_pm": "i32",
-               "stride_om": "i32"}
+               "post8_ptr": "*bf16", "act_scale_ptr": "*bf16", "amax_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32",
+               "stride_am": "i32", "stride_bn": "i32", "stride_pm": "i32", "stride_om": "i32"}
+    plain = {"STORE_PRE": True, "SQRT_POST": False, "EMIT_FP8": False}
     softcap = {"A": tk.SOFTCAP_A, "B": tk.SOFTCAP_B, "C": tk.SOFTCAP_C}
     cases = []
     for bm, bn, bk, warps, stages in (tk._SYM_SMALL_TILES, tk._SYM_LARGE_TILES):
@@ -257,18 +258,38 @@ def _sm90_cases():
                       {"num_warps": warps, "num_stages": stages}, ("stride_ak", "stride_on"),
                       ("a_ptr", "out_ptr", "M", "K", "stride_ab", "stride_am", "stride_ob", "stride_om")))
     bm, bn, bk, group_m, warps, stages = tk._MLP_TILES
-    for backward in (False, True):
+    # record 84's forward and backward, then the post-only forward and the sqrt(post) backward (record 87)
+    for backward, store_pre, sqrt_post in ((False, True, False), (True, True, False), (False, False, False),
+                                           (True, True, True)):
         tiles = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m, "WARP_SPECIALIZE": True}
-        cases.append(("mlp", tk._relu2_linear_kernel, mlp_sig, {"BACKWARD": backward, "SCALED": False, **tiles},
+        modes = {**plain, "STORE_PRE": store_pre, "SQRT_POST": sqrt_post}
+        cases.append(("mlp", tk._relu2_linear_kernel, mlp_sig, {"BACKWARD": backward, "SCALED": False, **modes,
+                                                                **tiles},
                       {"num_warps": warps, "num_stages": stages}, (), tuple(mlp_sig)))
     # the FP8 forward: e4m3 operands, the scale read from an fp32 pointer, its own tiles (8 warps: no warp
     # specialisation)
     bm, bn, bk, group_m, warps, stages = tk._MLP_FP8_TILES
     fp8_sig = {**mlp_sig, "a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}
     cases.append(("mlp_fp8", tk._relu2_linear_kernel, fp8_sig,
-                  {"BACKWARD": False, "SCALED": True, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m,
-                   "WARP_SPECIALIZE": True}, {"num_warps": warps, "num_stages": stages}, (),
+                  {"BACKWARD": False, "SCALED": True, **plain, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk,
+                   "GROUP_M": group_m, "WARP_SPECIALIZE": True}, {"num_warps": warps, "num_stages": stages}, (),
                   tuple(k for k in fp8_sig if k != "scale_ptr")))
+    # record 89's training forward: post only, post8 in e4m3, the delayed scale and the maxima in fp32
+    bm, bn, bk, group_m, warps, stages = tk._MLP_FP8_EMIT_TILES
+    emit_sig = {**fp8_sig, "post8_ptr": "*fp8e4nv", "act_scale_ptr": "*fp32", "amax_ptr": "*fp32"}
+    cases.append(("mlp_fp8_emit", tk._relu2_linear_kernel, emit_sig,
+                  {"BACKWARD": False, "SCALED": True, "STORE_PRE": False, "SQRT_POST": False, "EMIT_FP8": True,
+                   "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m, "WARP_SPECIALIZE": True},
+                  {"num_warps": warps, "num_stages": stages}, (),
+                  tuple(k for k in emit_sig if k not in ("scale_ptr", "act_scale_ptr", "amax_ptr"))))
+    cases.append(("fp8_reduce", tk._fp8_scale_reduce_kernel,
+                  {"partial_ptr": "*fp32", "out_ptr": "*fp32", "n_cols": "i32", "stride_row": "i32", "factor": "fp32"},
+                  {"BLOCK": tk._FP8_REDUCE_BLOCK}, {"num_warps": 4}, (), ("partial_ptr", "stride_row")))
+    cases.append(("fp8_quant", tk._down_weight_quant_kernel,
+                  {"w_ptr": "*bf16", "scale_ptr": "*fp32", "out_ptr": "*fp8e4nv", "amax_ptr": "*fp32", "H": "i32",
+                   "D": "i32", "stride_ws": "i32", "stride_wh": "i32", "stride_os": "i32", "stride_od": "i32"},
+                  {"BLOCK": tk._FP8_QUANT_TILE}, {"num_warps": tk._FP8_QUANT_WARPS}, (),
+                  ("w_ptr", "out_ptr", "H", "D", "stride_ws", "stride_wh", "stride_os", "stride_od")))
     ce_fwd_sig = {"logits_ptr": "*bf16", "targets_ptr": "*i64", "weights_ptr": "*fp32", "losses_ptr": "*fp32",
                   "lse_ptr": "*fp32", "prefix_ptr": "*i64", "prefix_w_ptr": "*fp32", "n_rows": "i32", "n_cols": "i32",
                   "stride_row": "i32", "n_weights": "i32"}
@@ -356,6 +377,26 @@ def test_ce_kernels_special_functions():
             assert "tanh.approx.f32" in ptx and "cvt.rn.bf16.f32" in ptx and "min.NaN.f32" not in ptx, name
         else:
             assert "tanh.approx" not in ptx and "min.NaN.f32" in ptx, name
+
+
+def test_fp8_down_kernels_round_in_the_hardware_conversion():
+    """The post-only backward takes Triton's approximate square root (sqrt.approx, what the record runs); the FP8
+    emission and the weight quantiser store e4m3 by sm_90's saturating RNE conversion from fp32 (no bf16 step), and
+    the quantiser divides by the scale with div.full.f32, the record's fp32 division."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("the interpreter replaces triton.jit; run without TRITON_INTERPRET")
+    ptx = {}
+    for name, kernel, sig, consts, opts, contiguous, aligned in _sm90_cases():
+        key = "sqrt" if consts.get("SQRT_POST") else name
+        if key in ("sqrt", "mlp_fp8_emit", "fp8_quant"):
+            try:
+                ptx[key] = compile_for_h100(kernel, sig, consts, opts, contiguous, aligned).asm["ptx"]
+            except (ImportError, FileNotFoundError) as e:
+                pytest.skip(f"cannot compile for sm_90 here: {e}")
+    assert "sqrt.approx" in ptx["sqrt"] and "sqrt.rn" not in ptx["sqrt"]
+    for key in ("mlp_fp8_emit", "fp8_quant"):
+        assert "cvt.rn.satfinite.e4m3x2.f32" in ptx[key] and "bf16" not in ptx[key].split("cvt.rn.satfinite")[1], key
+    assert "div.full.f32" in ptx["fp8_quant"] and "div.rn.f32" not in ptx["fp8_quant"]
 
 
 def test_attention_kernels_compile_with_fp64_scales():

@@ -360,6 +360,93 @@ def test_compiled_fp8_quantiser_multiplies_by_the_reciprocal():
     assert torch.equal(fp8_bits(tg.fp8_quantize(x, S_G, torch.float8_e5m2)), recip)  # the eager formula too
 
 
+# Post-only form (record 87) and the FP8 down projection (record 89)
+
+@pytest.mark.parametrize("M", [3 * 1024 + 37, 16384])
+def test_post_only_kernels_are_record_84s_forward_and_the_sqrt_backward(M):
+    """The post-only forward writes record 84's post bit for bit (bf16 and FP8 up projections, with and without
+    emission); the sqrt backward equals the reference's rule, bf16(2 bf16(g @ c_proj.T) sqrt(post)), but for rare
+    one-ulp flips (cuBLAS's bf16(g @ c_proj.T) and the approximate root)."""
+    x, c_fc, c_proj = (t.detach() for t in mlp_inputs(M, 21))
+    _, post_old = tk.relu2_mlp_fwd_triton(x, c_fc)
+    post = tk.relu2_mlp_post_fwd_triton(x, c_fc)
+    assert torch.equal(post, post_old)
+    x8, w8, q = tk._fp8_up_operands(x, c_fc)
+    _, post8_old = tk.relu2_mlp_fp8_fwd_triton(x8, w8, q)
+    assert torch.equal(tk.relu2_mlp_fp8_post_fwd_triton(x8, w8, q)[0], post8_old)
+    assert torch.equal(tk.relu2_mlp_fp8_post_fwd_triton(x8, w8, q, torch.ones(1, device="cuda"))[0], post8_old)
+    g = torch.randn(M, 768, device="cuda", generator=gen(22)).bfloat16()
+    dpre = tk.relu2_mlp_sqrt_bwd_triton(g, c_proj, post)
+    want = tk.relu2_sqrt_post_dpre_reference(g @ c_proj.T, post)
+    assert (dpre != want).float().mean().item() < 1e-2 and rel_err(dpre, want) < BF16_TOL
+    assert (dpre[post == 0] == 0).all()
+
+
+@pytest.mark.parametrize("M", FP8_MICRO_BATCHES)
+def test_fp8_emission_matches_the_reference_and_the_maxima_reduce_to_the_max(M):
+    """post8 = e4m3(min(post * (1 / a), 448)) by the hardware conversion (Triton's division may flip a rare
+    rounding), and the per-SM maxima reduce to exactly max(post): every entry of the buffer is written."""
+    x, c_fc, _ = (t.detach() for t in mlp_inputs(M, 23))
+    x8, w8, q = tk._fp8_up_operands(x, c_fc)
+    a = torch.tensor([0.02], device="cuda")
+    post, post8, amax = tk.relu2_mlp_fp8_post_fwd_triton(x8, w8, q, a)
+    assert post8.dtype == torch.float8_e4m3fn and amax.shape == (tk._num_programs_persistent(x.device),)
+    want = tk.quantize_post_reference(post, a)
+    assert (fp8_bits(post8) != fp8_bits(want)).float().mean().item() < 1e-4
+    assert amax.max().item() == post.float().max().item() and (amax > 0).all()
+    for f in (tk.fp8_scales_from_partial_amax_triton, tk.fp8_scales_from_partial_amax_reference):
+        assert f(amax[None], tk.FP8_DOWN_ACT_FACTOR).item() == tk.fp8_scales_from_partial_amax_reference(
+            post.float().amax().reshape(1, 1), tk.FP8_DOWN_ACT_FACTOR).item()
+
+
+def test_down_weight_quantiser_matches_its_reference_at_the_records_shapes():
+    """12 slots of 3072 x 768 in 576 tiles each: W2_8 equals the reference's but for rare flips from the
+    approximate division, and the next scales from the tile maxima equal the reference's exactly (a max)."""
+    g = gen(24)
+    w2 = (torch.randn(12, 3072, 768, device="cuda", generator=g) * 0.02).bfloat16()
+    w2[11] = 0                                                     # the padding slot
+    c = tk.fp8_bootstrap_weight_scales(w2)
+    w8t, tile_amax = tk.quantize_down_weight_t_triton(w2, c)
+    ref8t, ref_amax = tk.quantize_down_weight_t_reference(w2, c)
+    assert w8t.shape == (12, 768, 3072) and tile_amax.shape == (12, 576)
+    assert (fp8_bits(w8t) != fp8_bits(ref8t)).float().mean().item() < 1e-5
+    f = tk.FP8_DOWN_WEIGHT_FACTOR
+    assert torch.equal(tk.fp8_scales_from_partial_amax_triton(tile_amax, f),
+                       tk.fp8_scales_from_partial_amax_reference(ref_amax, f))
+    fused = tk.Fp8DownState(8, 11, 12, "cuda")
+    plain = tk.Fp8DownState(8, 11, 12, "cuda")
+    for s in (None, 0, 15, 16, 17):
+        fused.refresh_weights(w2, tk.fp8_down_bootstraps(s), fused=True)
+        plain.refresh_weights(w2, tk.fp8_down_bootstraps(s), fused=False)
+        assert all(torch.equal(u, v) for u, v in zip(fused.state_dict().values(), plain.state_dict().values())), s
+
+
+@pytest.mark.parametrize("M", FP8_MICRO_BATCHES)
+def test_fp8_down_mlp_matches_its_reference_and_backward_is_the_post_only_one(M):
+    """torch._scaled_mm with fast accumulation against the fp32-summed reference (bf16 tolerance), the amax, and
+    gradients equal to the post-only MLP's (straight through the FP8 copies)."""
+    x, c_fc, c_proj = mlp_inputs(M, 25)
+    state = tk.Fp8DownState(8, 11, 12, "cuda")
+    state.refresh_weights(torch.stack([c_proj.detach()] * 12), bootstrap=True, fused=True)
+    state.act_scales[3, 5] = 0.01
+    ops = state.down_operands(3, 5)
+    out, amax = tk.relu2_mlp_fp8_down_triton(x, c_fc, c_proj, *ops)
+    ref, ref_amax = tk.relu2_mlp_fp8_down_reference(x, c_fc, c_proj, *ops)
+    assert out.dtype == torch.bfloat16 and rel_err(out, ref) < BF16_TOL
+    post = tk.relu2_mlp_fp8_post_fwd_triton(*tk._fp8_up_operands(x.detach(), c_fc.detach()))[0]
+    assert amax.max().item() == post.float().max().item()
+    assert abs(ref_amax.item() / amax.max().item() - 1) < 2 ** -7           # the reference sums in another order
+    grad = torch.randn_like(out)
+    post_only = tk.relu2_mlp_post_triton(x, c_fc, c_proj, fp8=True)
+    for name, u, v in zip(("dx", "dc_fc", "dc_proj"), torch.autograd.grad(out, (x, c_fc, c_proj), grad),
+                          torch.autograd.grad(post_only, (x, c_fc, c_proj), grad)):
+        assert torch.equal(u, v), name
+    state.update_act_scales(3, torch.stack([amax] * 11), fused=True)
+    assert state.act_scales[3, 0].item() == tk.fp8_scales_from_partial_amax_reference(
+        post.float().amax().reshape(1, 1), tk.FP8_DOWN_ACT_FACTOR).item()
+    assert (state.act_scales[[0, 1, 2, 4, 5, 6, 7]] == 1).all(), "other slices' chains do not move"
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # torch.compile: one graph, no break, no recompile
 # ------------------------------------------------------------------------------------------------------------------
@@ -413,6 +500,32 @@ def test_compile_relu2_mlp_forward_backward():
         compiled(x, c_fc, c_proj, grad).backward()
         eager = [t.detach().clone().requires_grad_() for t in (x, c_fc, c_proj)]
         step(*eager, grad).backward()
+        for got, want in zip((x, c_fc, c_proj), eager):
+            assert rel_err(got.grad, want.grad) < BF16_TOL
+    assert_one_graph()
+
+
+def test_compile_fp8_down_mlp_one_graph():
+    """The record-89 MLP with its scale update traces into one graph and matches eager."""
+    state = tk.Fp8DownState(8, 11, 12, "cuda")
+
+    def step(x, c_fc, c_proj, grad):
+        out, amax = tk.relu2_mlp_fp8_down_triton(x, c_fc, c_proj, *state.down_operands(2, 0))
+        state.update_act_scales(2, amax.expand(11, -1), fused=True)
+        return (out * grad).sum()
+
+    compiled = fresh_compile(step)
+    for seed in (26, 27):
+        x, c_fc, c_proj = mlp_inputs(2048, seed)
+        state.refresh_weights(torch.stack([c_proj.detach()] * 12), bootstrap=True, fused=True)
+        grad = torch.randn(2048, 768, device="cuda", generator=gen(seed)).bfloat16()
+        before = state.act_scales.clone()
+        compiled(x, c_fc, c_proj, grad).backward()
+        after = state.act_scales.clone()
+        state.act_scales.copy_(before)
+        eager = [t.detach().clone().requires_grad_() for t in (x, c_fc, c_proj)]
+        step(*eager, grad).backward()
+        assert torch.equal(after, state.act_scales)
         for got, want in zip((x, c_fc, c_proj), eager):
             assert rel_err(got.grad, want.grad) < BF16_TOL
     assert_one_graph()

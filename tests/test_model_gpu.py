@@ -125,7 +125,7 @@ def test_real_model_compiled_train_step(compiled_model):
         g = torch.Generator(device="cuda").manual_seed(2)
         for bank in (model.qk, model.vo, model.mlp):
             bank.copy_(torch.randn(bank.shape, device="cuda", generator=g) * bank.shape[-1] ** -0.5)
-        for name in ("value_embeds", "bigram_embed", "attn_gate_bank", "ve_gate_bank", "smear_gate", "skip_gate"):
+        for name in ("value_embeds", "bigram_embed", "ve_gate_bank", "smear_gate", "mudd_gate_w2"):
             p = getattr(model, name)
             p.copy_(0.3 * torch.randn(p.shape, device="cuda", generator=g))
     model.zero_grad(set_to_none=True)
@@ -225,7 +225,12 @@ def test_kernels_torch_runs_an_edited_activation_and_loss_on_the_gpu(monkeypatch
         traced.append(x.shape)                 # runs while the compiler traces the model: once per layer
         return torch.relu(x @ c_fc.mT) @ c_proj
 
-    monkeypatch.setattr(tk, "relu2_mlp_reference", relu_mlp)
+    def relu_mlp_fp8_down(x, c_fc, c_proj, act_scale, weight_scale, w8t):  # the same edit of the
+        out = relu_mlp(x, c_fc, c_proj)                                    # FP8-down training MLP
+        return out, out.detach().float().abs().amax().reshape(1)
+
+    monkeypatch.setattr(tk, "relu2_mlp_post_reference", relu_mlp)
+    monkeypatch.setattr(tk, "relu2_mlp_fp8_down_reference", relu_mlp_fp8_down)
     torch._dynamo.reset()
     relu, relu_grads = _loss_and_grads("torch")
     moved = rel_err(relu_grads["mlp"], plain_grads["mlp"])
@@ -342,6 +347,6 @@ def test_a_training_step_makes_no_copy_that_waits_for_the_gpu(tmp_path):
         trainer.train_step(tg.schedule_at(1, hp), None)
         torch.cuda.synchronize()
     copies = [e.name for e in prof.events() if e.name.startswith("Memcpy HtoD")]
-    # per micro-batch inputs, targets and cu_seqlens, and once the MTP weights
-    assert len(copies) == 3 * trainer.grad_accum + 1, copies
+    # per micro-batch inputs, targets and cu_seqlens, and once each the MTP weights and the prefix weight
+    assert len(copies) == 3 * trainer.grad_accum + 2, copies
     assert all("Pinned" in name for name in copies), copies

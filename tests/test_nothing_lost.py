@@ -114,7 +114,10 @@ def test_a_state_file_that_is_not_a_whole_state_is_refused_by_name(tmp_path, con
     ("--stages=" + ",".join(["512:1.0:3:1:1:64"] * 19 + ["512:1.0:x:1:1:64"]), "stage 20 ('512:1.0:x:1:1:64'): its "
                                                                               "ws_long 'x' is not an int"),
     ("--stages=512:1.0:3:1:1:1.5", "stage 1 ('512:1.0:3:1:1:1.5'): its max_doc_len '1.5' is not an int"),
-    ("--stages=512:1.0:3", "stage 1 ('512:1.0:3'): it has 3 ':' fields, not 6"),
+    ("--stages=512:1.0:3", "stage 1 ('512:1.0:3'): it has 3 ':' fields, not 6 to 8"),
+    ("--stages=512:1.0:3:1:1:64:0.25:0:1", "it has 9 ':' fields, not 6 to 8"),
+    ("--stages=512:1.0:3:1:1:64:x", "its prefix_start 'x' is not a finite float"),
+    ("--stages=512:1.0:3", "max_doc_len[:prefix_start][:prefix_end] per stage"),
 ])
 def test_meaningless_values_are_refused_naming_the_field(arg, words):
     with pytest.raises(harness.ConfigError, match=None) as info:

@@ -65,8 +65,8 @@ def tiny_model(kernels: str = "fused", seed: int = 0, use_fp8: bool = False) -> 
     model = tg.build_model(hp, torch.device("cpu"), "sdpa")
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():                   # non-zero everywhere: the zero-initialised banks would hide paths
-        for name, p in model.named_parameters():   # (MUDD's biases keep the last layer's weights near 1)
-            if name not in ("scalars", "x0_lambdas", "mudd_b2"):
+        for name, p in model.named_parameters():   # (MUDD's biases keep the last layer's weights near 1, the
+            if name not in ("scalars", "mudd_b2", "mudd_gate_b2", "mudd_gate_scale"):   # gates' theirs at init)
                 p.copy_(0.05 * torch.randn(p.shape, generator=g))
     return model
 
@@ -82,8 +82,8 @@ def loss_of(model: tg.GPT) -> torch.Tensor:
 
 def test_a_cpu_run_with_default_flags_uses_edited_activation_and_loss(monkeypatch):
     plain = loss_of(tiny_model()).item()
-    reference = tk.relu2_mlp_reference
-    monkeypatch.setattr(tk, "relu2_mlp_reference", lambda x, a, b, fp8: reference(x, a, b, fp8) * 2)   # an edited activation
+    reference = tk.relu2_mlp_post_reference
+    monkeypatch.setattr(tk, "relu2_mlp_post_reference", lambda x, a, b, fp8: reference(x, a, b, fp8) * 2)   # an edited activation
     edited_mlp = loss_of(tiny_model()).item()
     assert abs(edited_mlp - plain) > 1e-5 * abs(plain)                       # measured 7e-4; unedited: 0
     loss_reference = tk.softcapped_mtp_ce_train_reference                                     # an edited loss
@@ -143,7 +143,7 @@ def test_a_cpu_run_runs_an_edited_fp8_head_and_every_edit_whatever_kernels_asks(
     assert abs(edited - plain) > 1e-3 * abs(plain)
     assert fp8_loss("fp8:fused,ce:fused") == edited
     monkeypatch.undo()
-    monkeypatch.setattr(tk, "relu2_mlp_reference", lambda x, a, b, fp8: 0 * x)    # an MLP that adds nothing
+    monkeypatch.setattr(tk, "relu2_mlp_post_reference", lambda x, a, b, fp8: 0 * x)    # an MLP that adds nothing
     assert fp8_loss("mlp:fused") != plain
 
 
@@ -152,7 +152,9 @@ def test_a_cpu_run_runs_an_edited_fp8_head_and_every_edit_whatever_kernels_asks(
 # Each op's fields of the table, and what they may hold as (kernel, *references); fp8's field is checked apart.
 OP_FIELDS = {
     "qk": {"qk_norm_rotary": (tk.qk_norm_rotary_triton, tk.qk_norm_rotary_reference)},
-    "mlp": {"relu2_mlp": (tk.relu2_mlp_triton, tk.relu2_mlp_reference)},
+    "mlp": {"relu2_mlp": (tk.relu2_mlp_post_triton, tk.relu2_mlp_post_reference),
+            "relu2_mlp_fp8_down": (tk.relu2_mlp_fp8_down_triton, tk.relu2_mlp_fp8_down_reference),
+            "fp8_act_scales": (tk.fp8_scales_from_partial_amax_triton, tk.fp8_scales_from_partial_amax_reference)},
     "ce": {"mtp_ce": (tk.softcapped_mtp_ce_triton, tk.softcapped_mtp_ce_reference, tk.softcapped_mtp_ce_chunked),
            "mtp_ce_train": (tk.softcapped_mtp_ce_train_triton, tk.softcapped_mtp_ce_train_reference)},
     "adam": {"adam_update": (tk.adam_update, tk.adam_update_reference)},
@@ -160,6 +162,7 @@ OP_FIELDS = {
                 "cautious_update": (tk.cautious_update_with_mantissa, tk.cautious_update_with_mantissa_reference)},
     "polar": {"xxt": (tk.xxt, tk.xxt_reference), "ba_plus_cAA": (tk.ba_plus_cAA, tk.ba_plus_cAA_reference),
               "polar_split_product": (tk.polar_split_product_, tk.polar_split_product_reference)},
+    "dc": {"dc_correction": (tk.dc_correction_triton, tk.dc_correction_reference)},
 }
 
 

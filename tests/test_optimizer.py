@@ -518,7 +518,7 @@ def test_state_dict_round_trip_is_exact():
 
 
 @pytest.mark.parametrize("case, match", [
-    ("missing", "'bigram_lambdas' has no row"),
+    ("missing", "'mudd_gate_scale' has no row"),
     ("unknown", "'ghost' names no model parameter"),
     ("bank", "mlp bank has 4 matrices, not divisible by world_size 3"),
     ("adam_rows", "bigram_embed has 96 rows.*world_size 5"),
@@ -531,7 +531,7 @@ def test_bad_tables_raise_naming_the_problem(case, match):
     kw = {}
     world_size = 1
     if case == "missing":
-        del table["bigram_lambdas"]
+        del table["mudd_gate_scale"]
     elif case == "unknown":
         table["ghost"] = dict(table["bigram_embed"])
     elif case == "bank":
@@ -550,26 +550,58 @@ def test_bad_tables_raise_naming_the_problem(case, match):
 
 
 def test_comm_orders_derived_from_the_table_are_the_records():
-    # Record 80's two orders of its 16 parameters, written out: gradient reductions launched big banks first; updates
-    # of the small replicated Adam rows first, then the sharded Adam rows, then the NorMuon banks. Within the sharded
-    # Adam rows the record updates value_embeds, bigram_embed, lm_head, embed; ours keeps the table's order there (not
-    # math). A row the record does not have (a new idea's) may sit anywhere: the record's rows keep these orders.
-    record_scatter = ("qk", "vo", "mlp", "scalars", "smear_gate", "skip_gate", "attn_gate_bank", "ve_gate_bank",
-                      "lm_head", "bigram_embed", "post_lambdas", "x0_lambdas", "bigram_lambdas", "resid_lambdas",
-                      "value_embeds", "embed")
-    record_work = ("scalars", "smear_gate", "skip_gate", "attn_gate_bank", "ve_gate_bank", "post_lambdas",
-                   "x0_lambdas", "bigram_lambdas", "resid_lambdas", "value_embeds", "bigram_embed", "lm_head", "embed",
-                   "qk", "vo", "mlp")
+    # Record 89's two orders of its 19 parameters, written out (upstream's names: qk_bank, vo_bank, mlp_bank,
+    # _mudd_gate_scale): gradient reductions launched big banks first, in the table's order; updates of the small
+    # replicated Adam rows first, then the sharded Adam rows, then the NorMuon banks. Within the Adam groups the record
+    # interleaves them (mudd_w1 and mudd_gate_w1 between the sharded tables); ours keeps the table's order inside each
+    # group (not math). Still required: lm_head before embed. A row the record does not have (a new idea's) may sit
+    # anywhere: the record's rows keep these orders.
+    record_scatter = ("qk", "vo", "mlp", "scalars", "smear_gate", "ve_gate_bank", "lm_head", "bigram_embed",
+                      "post_lambdas", "resid_lambdas", "value_embeds", "embed", "mudd_w1", "mudd_w2", "mudd_b2",
+                      "mudd_gate_w1", "mudd_gate_w2", "mudd_gate_b2", "mudd_gate_scale")
+    record_work = ("scalars", "smear_gate", "ve_gate_bank", "mudd_b2", "mudd_gate_b2", "mudd_gate_scale",
+                   "post_lambdas", "resid_lambdas", "mudd_w2", "mudd_gate_w2", "value_embeds", "bigram_embed",
+                   "mudd_w1", "mudd_gate_w1", "lm_head", "embed", "qk", "vo", "mlp")
+    sharded_adam = ("value_embeds", "bigram_embed", "lm_head", "embed")
     opt = make_opt(make_params(0))
     assert sorted(opt.scatter_order) == sorted(opt.work_order) == sorted(TINY_TABLE)
     assert tuple(label for label in opt.scatter_order if label in record_scatter) == record_scatter
     work = tuple(label for label in opt.work_order if label in record_work)
-    assert work[:9] == record_work[:9] and work[13:] == record_work[13:]
-    assert set(work[9:13]) == set(record_work[9:13])
+    n_rep = len(record_work) - len(sharded_adam) - 3
+    assert set(work[:n_rep]) == set(record_work) - set(sharded_adam) - {"qk", "vo", "mlp"}
+    assert set(work[n_rep:n_rep + 4]) == set(sharded_adam) and work[-3:] == record_work[-3:]
+    assert work.index("lm_head") < work.index("embed")
     # a new replicated Adam row joins the first group, whatever its place in the table
     table = dict(TINY_TABLE, **{"new": dict(TINY_TABLE["scalars"])})
     unsharded_adam = [k for k, row in TINY_TABLE.items() if row["optim"] == "adam" and row["comms"] != "sharded"]
     assert tg.update_order(table).index("new") == len(unsharded_adam)
+
+
+def test_adam_updates_the_0d_gate_scale_with_0d_state():
+    """The MUDD gates' learnable scale (record 85) is a 0-d fp32 parameter: its Adam moments are 0-d, an odd step
+    updates it as Adam's float64 transcription says, and a state round trip keeps it (no chunking or flattening)."""
+    params = make_params(2)
+    opt = make_opt(params)
+    p = params["mudd_gate_scale"]
+    assert p.dim() == 0 and p.dtype == torch.float32
+    assert all(t.dim() == 0 and t.dtype == torch.float32 for t in opt.buffers["mudd_gate_scale"].values())
+    init = p.detach().clone()
+    grads = make_grads(params, 5)
+    grads["mudd_gate_scale"] = torch.tensor(0.75, dtype=torch.float32)
+    accumulate(params, grads)
+    opt.step(do_adam=True, lr_factor=1.0, momentum=0.85)
+    row = TINY_TABLE["mudd_gate_scale"]
+    zero = torch.zeros((), dtype=F64)
+    want, m, v = adam_reference(init, torch.tensor(0.75), zero, zero, t=1, lr=0.008 * row["lr_mul"],
+                                beta1=row["betas"][0], beta2=row["betas"][1], eps=1e-10, wd=0.005 * row["wd_mul"])
+    assert p.dim() == 0 and p.item() == pytest.approx(want.item(), rel=1e-6) and p.item() != init.item()
+    assert opt.buffers["mudd_gate_scale"]["exp_avg"].item() == pytest.approx(m.item(), rel=1e-6)
+    assert opt.buffers["mudd_gate_scale"]["exp_avg_sq"].item() == pytest.approx(v.item(), rel=1e-6)
+    sd = opt.state_dict()
+    again = make_opt(params)
+    again.load_state_dict(sd)
+    assert all(torch.equal(again.buffers["mudd_gate_scale"][k], t) and t.dim() == 0
+               for k, t in opt.buffers["mudd_gate_scale"].items())
 
 
 def test_momentum_lerp_weights_are_formed_from_fp32_mu():

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import train_gpt as tg
+import triton_kernels as tk
 import harness  # noqa: E402
 from _shards import make_dataset, run_gloo, run_trainer
 
@@ -327,3 +328,35 @@ def test_resume_alone_continues_refuses_other_math_with_the_command_and_takes_ne
     a, b = state(logs, "a", 4), state(logs, "a-from2", 4)                            # --save_checkpoint: the state's
     for key in COMPARED:
         assert harness.states_equal(a[key], b[key]), key
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_resume_after_the_first_delayed_fp8_down_refresh_is_bitwise_the_straight_run(tmp_path):
+    """The FP8 down projection bootstraps its weight scales after the first tk.FP8_DOWN_BOOTSTRAP_STEPS optimizer
+    steps, then quantises with the scale the previous refresh set aside. The first state whose FP8 weights used a
+    set-aside scale is resumed: the run must restore the scales in use, the set-aside ones and the activation scales
+    of every batch slice, not bootstrap again."""
+    start = tk.FP8_DOWN_BOOTSTRAP_STEPS + 1
+    train, val = make_dataset(tmp_path / "d", train_tokens=400_000, val_tokens=20_000)
+    logs = tmp_path / "logs"
+    common = ["--preset=tiny", "--fp8_mlp=true", f"--num_scheduled_iterations={start}",
+              "--num_extension_iterations=2", f"--val_loss_every={start}", "--seed=0", "--warmup=false",
+              f"--checkpoint_every={start}", "--save_checkpoint=true", "--batch_slices=2",
+              f"--train_files={train}", f"--val_files={val}", f"--log_dir={logs}"]
+    p = run_trainer([*common, "--run_id=straight"], tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    end = start + 2
+    saved = state(logs, "straight", start)["model"]
+    # the scale set aside differs from the one in use, and each slice's activation scales have moved from 1
+    assert not torch.equal(saved["fp8_down.next_weight_scales"], saved["fp8_down.weight_scales"])
+    assert (saved["fp8_down.act_scales"] != 1).all()
+    assert not torch.equal(saved["fp8_down.act_scales"][0], saved["fp8_down.act_scales"][1])
+    p = run_trainer([*common, f"--resume={logs / 'straight' / f'state_step{start:06d}.pt'}",
+                     "--run_id=resumed"], tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    a, b = state(logs, "straight", end), state(logs, "resumed", end)
+    for key in COMPARED:
+        assert harness.states_equal(a[key], b[key]), key
+    assert val_lines(logs / "resumed.txt") == [v for v in val_lines(logs / "straight.txt")
+                                                 if int(v[0][5:].split("/")[0]) >= start]

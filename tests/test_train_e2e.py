@@ -12,7 +12,7 @@ import torch
 import checks
 import train_gpt as tg
 import harness  # noqa: E402
-from _shards import ROOT, make_dataset, run_gloo, run_trainer
+from _shards import ROOT, float64_comparable, make_dataset, run_gloo, run_trainer
 
 FEW = ["--num_scheduled_iterations=9", "--num_extension_iterations=2", "--val_loss_every=0", "--seed=0"]
 
@@ -74,8 +74,9 @@ def test_tiny_preset_learns_text_tokenized_by_data_tokenize_docs(tmp_path):
 @pytest.mark.timeout(900)
 def test_warmup_then_reset_is_bit_identical_to_a_fresh_start(tmp_path):
     train, val = make_dataset(tmp_path / "d", train_tokens=400_000, val_tokens=20_000)
+    # --fp8_mlp=true: the warmup also advances the FP8 down projection's scales, which the reset must put back
     common = ["--preset=tiny", *FEW, f"--train_files={train}", f"--val_files={val}", f"--log_dir={tmp_path}/logs",
-              "--save_checkpoint=true"]
+              "--save_checkpoint=true", "--fp8_mlp=true"]
     for flag, rid in (("true", "warm"), ("false", "cold")):
         p = run_trainer([*common, f"--warmup={flag}", f"--run_id={rid}"], tmp_path)
         assert p.returncode == 0, p.stderr[-3000:]
@@ -121,11 +122,10 @@ def test_world_size_matches_one_process_with_accumulation_in_float64(tmp_path, w
         sw = load_ckpt(tmp_path / "logs", "many", steps, rank=rank)
         assert sw["model"].keys() == s1["model"].keys()
         for name, w1 in s1["model"].items():
-            ww = sw["model"][name]
-            assert w1.dtype == ww.dtype == torch.float64, (name, w1.dtype)
+            w1, ww, bound = float64_comparable(name, w1, sw["model"][name], rank, world_size)
             rel = ((w1 - ww).norm() / w1.norm().clamp_min(1e-300)).item()
-            assert rel <= 1e-8, (name, rank, rel)
-            worst = max(worst, rel)
+            assert rel <= bound, (name, rank, rel)
+            worst = max(worst, rel) if bound == 1e-8 else worst
     print(f"W={world_size}: largest relative weight difference {worst:.2e}")
     loss = lambda run: [l for l in (tmp_path / f"logs/{run}.txt").read_text().splitlines() if "val_loss" in l][-1]
     l1, lw = (float(loss(r).split("val_loss:")[1].split()[0]) for r in ("one", "many"))
