@@ -35,7 +35,7 @@ commands:
                      every GPU's clock and power logged throughout (bench/gpu_clocks.py). For the time per step
                      only: the smaller batch is not the record's math
   full BASE [OPTION ...]
-                     the whole default schedule (1440 + 40 steps), seed 0: each run in RUNS (default "base new", and
+                     the whole default schedule (1270 + 15 steps), seed 0: each run in RUNS (default "base new", and
                      "extra" when EXTRA is set; "base" is the code in the folder BASE, "new" this code, "extra" this
                      code with EXTRA's options), then bench/phase_times.py's table of the runs made. On 4 GPUs a run
                      takes about 5 minutes: split the runs over consecutive calls (RUNS=base, then RUNS=new) and

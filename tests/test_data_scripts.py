@@ -389,7 +389,7 @@ def test_synthetic_presets(tmp_path):
     assert syn.resolve_sizes("bench", {}) == bench
     assert syn.resolve_sizes("bench", {"train_shards": 3, "val_tokens": None}) == {**bench, "train_shards": 3}
     assert syn.resolve_sizes("tiny", {}) == dict(train_shards=1, shard_tokens=2_000_000, val_tokens=20_000)
-    assert syn.resolve_sizes("full", {}) == {**bench, "train_shards": 7}
+    assert syn.resolve_sizes("full", {}) == {**bench, "train_shards": 6}
     assert syn.resolve_sizes(None, {"val_tokens": 5}) == dict(train_shards=9, shard_tokens=100_000_000, val_tokens=5)
     # the val shard covers the validation of the trainer's defaults and of its tiny preset (+ 2: see synthetic.py)
     assert tg.parse_args([]).val_tokens + 2 <= bench["val_tokens"]
