@@ -200,7 +200,7 @@ def test_same_sized_train_and_val_shards_with_other_tokens_pass(tmp_path):
     ("--adam_lr=-0.1", ["--adam_lr=-0.1 must be >= 0"]),
     ("--muon_lr=nan", ["--muon_lr='nan' is not a finite float"]),
     ("--num_extension_iterations=-1", ["--num_extension_iterations=-1 must be >= 0"]),
-    ("--stages=0:1:3:1:1:128,768:1:3:1:1:256", ["stage 1 of --stages (0:1.0:3:1.0:1.0:128) needs a positive batch"]),
+    ("--stages=0:1:3:1:1:128,768:1:3:1:1:256", ["stage 1 of --stages (0:1.0:3:1.0:1.0:128:0.0:0.0) needs a positive batch"]),
     ("--cooldown_frac=0", ["--cooldown_frac=0.0 must be in (0, 1]"]),
     ("--muon_beta2=1", ["--muon_beta2=1.0 must be in [0, 1)"]),
     ("--momentum_min=0.99", ["--momentum_min (0.99) <= --momentum_max (0.95)"]),
