@@ -192,7 +192,10 @@ def test_the_trainer_runs_every_reference_on_cpu():
     for kernels in ("fused", "torch", "mlp:fused,polar:fused"):
         ops = tg.kernel_ops(kernels, "cpu")
         assert (ops.xxt, ops.ba_plus_cAA, ops.relu2_mlp) == (tk.xxt_reference, tk.ba_plus_cAA_reference,
-                                                             tk.relu2_mlp_reference), kernels
+                                                             tk.relu2_mlp_post_reference), kernels
+        assert (ops.relu2_mlp_fp8_down, ops.fp8_act_scales, ops.dc_correction, ops.fp8_down_fused) == (
+            tk.relu2_mlp_fp8_down_reference, tk.fp8_scales_from_partial_amax_reference, tk.dc_correction_reference,
+            False), kernels
         assert ops.mtp_ce is tk.softcapped_mtp_ce_chunked, kernels
         assert ops.mtp_ce_train.func is tk.softcapped_mtp_ce_train_reference, kernels
         assert ops.fp8_head_mtp_ce.keywords == dict(fused_head=False, fused_ce=False, rows=0), kernels
