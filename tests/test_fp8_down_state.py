@@ -104,9 +104,10 @@ def test_a_tiny_cpu_run_with_the_fp8_mlp_trains(tmp_path):
 def test_the_activation_scales_do_not_depend_on_the_world_size(tmp_path):
     """Two slices: one process runs both through their own chains, two processes one each; slice b's row is the same
     (to the float32 rounding of the weights it sees: the reductions add in another order), and a rank leaves the rows
-    it does not own at 1. float32, not float64: a float64 run of the FP8 references needs 5 GB here."""
+    it does not own at 1. In float64, so that the weights agree to 1e-13 whatever the thread count; the scales are
+    fp32 (the recipe's), so they agree to their last bit."""
     train, val = make_dataset(tmp_path / "d", train_tokens=400_000, val_tokens=20_000)
-    common = ["--preset=tiny", "--dtype=float32", "--fp8_mlp=true", "--num_scheduled_iterations=3",
+    common = ["--preset=tiny", "--dtype=float64", "--fp8_mlp=true", "--num_scheduled_iterations=3",
               "--num_extension_iterations=1", "--val_loss_every=0", "--seed=0", "--warmup=false",
               "--save_checkpoint=true", "--batch_slices=2", f"--train_files={train}", f"--val_files={val}",
               f"--log_dir={tmp_path}/logs"]
@@ -119,6 +120,6 @@ def test_the_activation_scales_do_not_depend_on_the_world_size(tmp_path):
     assert a1.shape == (2, tg.parse_args(common).num_layers) and (a1 != 1.0).all() and not torch.equal(a1[0], a1[1])
     for rank in range(2):
         a2 = load_ckpt(tmp_path / "logs", "two", steps, rank=rank)["model"]["fp8_down.act_scales"]
-        # measured 3.9e-3 at most, 0 on layer 0 (float32 weights, optimizer-amplified); the slices differ by 5-15 %
-        assert ((a2[rank] - a1[rank]).abs() <= 1e-2 * a1[rank]).all(), (rank, a1, a2)
+        # the slices' own rows differ by 5-15 %
+        assert ((a2[rank] - a1[rank]).abs() <= 1e-6 * a1[rank]).all(), (rank, a1, a2)
         assert torch.equal(a2[1 - rank], torch.ones_like(a2[1 - rank]))
