@@ -59,7 +59,7 @@ def make_dataset(directory, train_tokens=400_000, val_tokens=20_000, seed=0, n_t
 
 # What train_gpt.py runs with: its companions, and data/shards.py, where the shard format it reads is defined
 TRAINER_FILES = ("train_gpt.py", "checks.py", "harness.py", "triton_kernels.py", "compile_split.py",
-                 "data/__init__.py", "data/shards.py")
+                 "data/__init__.py", "data/shards.py", "data/prefix_table.bin")
 
 
 def copy_trainer(folder):
