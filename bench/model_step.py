@@ -1,6 +1,6 @@
 """Time one training micro-batch of the compiled model: forward, backward, and nothing else.
 
-    python3 bench/model_step.py [--tokens=16384] [--iters=30] [--root=DIR] [option=value ...]
+    python3 bench/model_step.py [--tokens=16384] [--iters=30] [--root=DIR] [--optimizer] [option=value ...]
 
 A quick check of a model change on one GPU: it compiles one graph (about a minute, not the trainer's whole warmup)
 and prints the median ms of forward + backward over --iters micro-batches of random tokens in documents of about
@@ -12,6 +12,10 @@ launch waits for the GPU): when it is near the GPU time, the host bounds the ste
 N functions with the most own time over those launches. --json=PATH (with --host) adds this size's two medians to
 the times file PATH, {"<tokens>": {"gpu_ms": x, "host_ms": y}, "device": ...} (made if missing, other sizes kept), which
 bench/comm_table.py reads: run once per size.
+--optimizer times the optimizer step after each backward too, as the trainer runs it on one GPU (NorMuon every step,
+Adam every other: the schedule at --step and --step + 1, then the FP8 weight refresh): an 8-GPU run's step in the
+first batch phase is one such micro-batch per GPU, plus the gradients' communication, which one GPU has none of.
+Before step tk.FP8_DOWN_BOOTSTRAP_STEPS the refresh bootstraps (dearer): give a later --step for the delayed one.
 """
 from __future__ import annotations
 
@@ -33,10 +37,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--host", action="store_true", help="also time the host's launches of a micro-batch")
     ap.add_argument("--host_profile", type=int, default=0, help="with --host: print cProfile's top N functions")
     ap.add_argument("--json", default="", help="with --host: add the medians to this times file (comm_table.py)")
+    ap.add_argument("--optimizer", action="store_true", help="also run the optimizer step after each backward")
     ap.add_argument("--root", default=str(Path(__file__).resolve().parent.parent), help="folder of train_gpt.py")
     args, trainer_args = ap.parse_known_args(argv)
     if args.host_profile < 0:
         print(f"error: --host_profile takes a count of functions, 0 or more, got {args.host_profile}", file=sys.stderr)
+        return 2
+    if args.json and args.optimizer:
+        print("error: --json keeps one micro-batch's times for bench/comm_table.py, which adds the optimizer itself: "
+              "drop --optimizer", file=sys.stderr)
         return 2
     if args.json and not args.host:
         print("error: --json writes the GPU and the host times: add --host", file=sys.stderr)
@@ -67,10 +76,18 @@ def main(argv: list[str] | None = None) -> int:
     inputs, targets = inputs.to(device), torch.roll(inputs, -1).long().to(device)
     cu = cu.to(device)
     mtp = torch.tensor(sched.mtp_weights, dtype=torch.float32, device=device)
+    opt = tg.build_optimizer(hp, model, 0, 1) if args.optimizer else None
+    turns = [tg.schedule_at(args.step + i, hp) for i in range(2)]   # Adam on the odd one
+    done = [0]
 
     def step() -> None:
         loss = compiled(inputs, targets, cu, sched.ws_short, sched.ws_long, mtp, sched.max_doc_len)
         loss.backward()
+        if opt is not None:
+            s = turns[done[0] % 2]
+            opt.step(do_adam=s.do_adam, lr_factor=s.lr_factor, momentum=s.momentum)
+            model.refresh_fp8_down(s.step)
+            done[0] += 1
 
     for _ in range(3):                     # compile and settle
         step()
@@ -84,12 +101,13 @@ def main(argv: list[str] | None = None) -> int:
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
+    what = "forward + backward + optimizer" if opt is not None else "forward + backward"
     print(f"root {args.root}: {T} tokens, windows {sched.ws_short}/{sched.ws_long} blocks, "
-          f"attention {model.attn_backend}, forward + backward median {statistics.median(times):.3f} ms "
+          f"attention {model.attn_backend}, {what} median {statistics.median(times):.3f} ms "
           f"(min {min(times):.3f}, max {max(times):.3f}) over {args.iters}; "
           f"peak {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB; {torch.cuda.get_device_name()}")
     if args.host:
-        host_ms = host_launch_times(step, statistics.median(times), args.iters, args.host_profile)
+        host_ms = host_launch_times(step, statistics.median(times), args.iters, args.host_profile, what)
         if args.json:
             write_times(args.json, T, statistics.median(times), host_ms, torch.cuda.get_device_name())
             print(f"{T} tokens: gpu_ms and host_ms written to {args.json}")
@@ -116,7 +134,7 @@ def write_times(path: str, tokens: int, gpu_ms: float, host_ms: float, device: s
     p.write_text(json.dumps(data, indent=2) + "\n")
 
 
-def host_launch_times(step, gpu_ms: float, iters: int, top: int) -> float:
+def host_launch_times(step, gpu_ms: float, iters: int, top: int, what: str = "forward + backward") -> float:
     """The host's wall time to launch step() while a sleep kernel, longer than the GPU's own time for the
     micro-batch, holds the GPU: the launches never wait for the GPU unless its queue fills. Returns the median ms."""
     import cProfile
@@ -140,7 +158,7 @@ def host_launch_times(step, gpu_ms: float, iters: int, top: int) -> float:
         times.append(1e3 * (time.perf_counter() - t0))
     torch.cuda.synchronize()
     plain = times[:max(1, iters // 2)] if top else times
-    print(f"host: launching one micro-batch (forward + backward) takes median {statistics.median(plain):.3f} ms "
+    print(f"host: launching one micro-batch ({what}) takes median {statistics.median(plain):.3f} ms "
           f"(min {min(plain):.3f}, max {max(plain):.3f}) against {gpu_ms:.3f} ms of GPU time; the GPU slept "
           f"~{4 * gpu_ms:.0f} ms first")
     if profile is not None:
