@@ -187,28 +187,49 @@ export PYTORCH_ALLOC_CONF=${PYTORCH_ALLOC_CONF:-expandable_segments:True}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}   # what torchrun gives its processes anyway, without its banner
 
 # torchrun ends every failure with exit 1 and its own traceback (ChildFailedError and its report, or SignalException
-# when it was signalled), after the ranks' one `error:` line. launch runs it with that face removed: the console keeps
-# the ranks' output, torchrun's log lines and closing traceback go to a file (shown only if no rank said why it
-# failed), and run.sh exits with the ranks' code (docs/failures.md): each failing rank leaves it in RUN_SH_EXIT_DIR.
+# when it was signalled), after the ranks' one `error:` line; on a node whose rendezvous store (on the first node)
+# went away first, it adds the store's C++ warnings and a RendezvousConnectionError. launch runs it with that face
+# removed: the console keeps the ranks' output (a rank's own traceback included), torchrun's log lines, warnings and
+# tracebacks (any torch.distributed exception raised through torch/distributed/run.py, with the causes chained before
+# it) go to a file (shown only if no rank said why it failed), and run.sh exits with the ranks' code
+# (docs/failures.md): each failing rank leaves it in RUN_SH_EXIT_DIR.
 # torchrun runs in its own process group, so a Ctrl-C or SIGTERM reaches it once, from here; it passes the signal on
 # to its processes, which stop after the step every rank agrees on, save (--save_checkpoint) and exit 130 or 143.
 # A torchrun killed outright (SIGKILL, the OOM killer) leaves no one to pass a signal on: its workers then get SIGTERM
 # from Linux (their parent-death signal) and stop the same way, and run.sh exits with their code.
+# (mawk has no {n} intervals: hence the repeated [0-9].)
 TORCHRUN_FACE='
   function aside(text) { print text > keep; fflush(keep) }
+  function settle() {        # a held traceback, with the tracebacks chained before it, has ended
+    if (last ~ /^torch\.distributed\.elastic\..*(ChildFailedError|SignalException)/ ||
+        (last ~ /^torch\.distributed\./ && held ~ /torch\/distributed\/run\.py"/)) aside(held)
+    else { print held; fflush() }
+    state = last ~ /^torch\.distributed\.elastic\..*ChildFailedError/ ? 2 : 0
+  }
+  state == 3 {               # after an exception line: another traceback chained to it, or the end
+    if ($0 == "" || $0 ~ /^(The above exception was the direct cause|During handling of the above exception)/) {
+      held = held "\n" $0; next
+    }
+    if ($0 == "Traceback (most recent call last):") { held = held "\n" $0; state = 1; next }
+    settle()
+  }
+  state == 4 {               # a c10d store warning: its C++ stack, up to a blank line
+    if ($0 ~ /^(Exception raised from |frame #[0-9]+: |<omitting python frames>)/) { aside($0); next }
+    state = 0; if ($0 == "") { aside($0); next }
+  }
+  state == 0 && /^\[[DIWEC][0-9][0-9][0-9][0-9] [0-9:.]+ [A-Za-z]+\.(cpp|hpp):[0-9]+\] \[c10d\]/ {
+    aside($0); state = 4; next
+  }
   state == 0 && /^[DIWEC][0-9][0-9][0-9][0-9] [0-9:.]+ +[0-9]+ .*torch\/distributed\// { aside($0); next }
   state == 0 && $0 == "Traceback (most recent call last):" { state = 1; held = $0; next }
-  state == 1 {
+  state == 1 {               # to the exception line: one not from torch.distributed shows at once
     held = held "\n" $0
-    if ($0 !~ /^[ \t]/) {                          # the exception line ends the traceback
-      if ($0 ~ /^torch\.distributed\.elastic\..*(ChildFailedError|SignalException)/) {
-        aside(held); state = $0 ~ /ChildFailedError/ ? 2 : 0
-      } else { print held; fflush(); state = 0 }
-    }
+    if ($0 !~ /^[ \t]/) { last = $0; if (last ~ /^torch\.distributed\./) state = 3; else { print held; fflush(); state = 0 } }
     next
   }
   state == 2 { aside($0); if ($0 ~ /^Root Cause/) root = 1; if (root && $0 ~ /^==+$/) state = root = 0; next }
-  { print; fflush() }'
+  { print; fflush() }
+  END { if (state == 3) settle(); else if (state == 1) print held }'
 # The folder of the ranks' exit codes is a global: the EXIT trap may run after launch's locals are gone.
 RUN_SH_STATUS=""
 trap 'if [ -n "${RUN_SH_STATUS:-}" ]; then rm -rf "$RUN_SH_STATUS"; fi' EXIT

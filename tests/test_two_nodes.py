@@ -92,6 +92,50 @@ def test_a_refused_option_is_one_line_from_the_whole_job(cluster, tmp_path):
     assert "Traceback" not in "".join(consoles) and "ChildFailedError" not in "".join(consoles), consoles
 
 
+STUB_WORKER = """import os, signal, sys, time
+# a rank that has said why it stops (run.sh's exit-code folder) and exits: at once on the first node, late on the other
+open(os.path.join(os.environ["RUN_SH_EXIT_DIR"], "rank" + os.environ["RANK"]), "w").write("4\\n")
+signal.signal(signal.SIGTERM, lambda *_: (print("worker: SIGTERM from its agent", flush=True), sys.exit(4)))
+time.sleep(float(os.environ["STUB_EXIT_AFTER_S"]))
+sys.exit(4)
+"""
+
+
+@pytest.mark.timeout(HANG_GUARD_S)
+def test_a_node_whose_rendezvous_store_went_first_shows_none_of_torchruns_traceback(cluster, tmp_path):
+    """The first node's agent hosts the c10d store; its worker stops at once, so that agent exits while the second
+    node's worker is still running. The second agent then loses the store mid-poll: C++ warnings with their stacks
+    and a chained RendezvousConnectionError, which go aside like torchrun's other tracebacks; the second node stops
+    its worker and exits with the rank's code."""
+    env, _ = cluster
+    (tmp_path / "stub.py").write_text(STUB_WORKER)
+    port, mark = free_port(), uuid.uuid4().hex
+    procs = []
+    for i, exit_after in enumerate(["0.5", str(HANG_GUARD_S)]):
+        node_env = dict(env, NNODES="2", NPROC="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RDZV_ID=mark,
+                        TRAIN=str(tmp_path / "stub.py"), STUB_EXIT_AFTER_S=exit_after)
+        with open(tmp_path / f"node{i}.txt", "w") as console:
+            procs.append(subprocess.Popen(["bash", str(ROOT / "run.sh"), "--train_files=unused"], cwd=tmp_path,
+                                          env=node_env, stdout=console, stderr=subprocess.STDOUT,
+                                          start_new_session=True))
+        if i == 0:                                    # the first node binds the store before the second looks for it
+            deadline = time.monotonic() + HANG_GUARD_S
+            while not _listening(port):
+                assert time.monotonic() < deadline and procs[0].poll() is None, (tmp_path / "node0.txt").read_text()
+                time.sleep(0.1)
+    codes, consoles = finish(procs, tmp_path)
+    assert codes == [4, 4], consoles
+    assert "worker: SIGTERM from its agent" in consoles[1], consoles   # the second agent failed, not its worker
+    for face in ("Traceback", "Error", "frame #", "[c10d]", "torch/distributed"):
+        assert face not in consoles[1], consoles[1]
+
+
+def _listening(port):
+    import socket
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
 @pytest.mark.timeout(3 * HANG_GUARD_S)
 def test_a_killed_worker_is_named_by_every_survivor_and_the_saved_states_resume_on_two_nodes_only(cluster, tmp_path):
     logs = tmp_path / "logs"
